@@ -1,0 +1,178 @@
+"""Snoo: a sparse Nesterov outer optimizer wrapped around any optax transformation.
+
+Every `k` steps (at t = 0, k, 2k, ...) the inner optimizer's displacement since the last
+sync, `slow - fast`, is taken as a pseudo-gradient for Nesterov SGD on a slow copy of the
+params kept in the optimizer state; the params jump to the new slow weights. In between,
+the inner optimizer runs alone. See SPEC §1.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
+
+__all__ = ["SnooState", "snoo", "snoo_is_sync_step"]
+
+
+class SnooState(NamedTuple):
+    """State of `snoo`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      slow: the slow weights, a copy of the params at the last sync (`slow_dtype`).
+      momentum: the outer Nesterov buffer (`slow_dtype`).
+      inner_state: the wrapped transformation's state.
+    """
+
+    count: jax.Array
+    slow: Any
+    momentum: Any
+    inner_state: Any
+
+
+def snoo_is_sync_step(step: int, k: int) -> bool:
+    """Whether update number `step` (counting from 0) is a Snoo sync step."""
+    return step % k == 0
+
+
+def _is_concrete_number(x: Any) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def _validate(inner: Any, learning_rate: Any, momentum: Any, k: Any) -> None:
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise ValueError(
+            f"snoo: inner must be an optax.GradientTransformation (with init and update), "
+            f"got {type(inner).__name__}: {inner!r}")
+    if isinstance(k, bool) or (_is_concrete_number(k) and (k < 1 or int(k) != k)):
+        raise ValueError(f"snoo: k must be an integer >= 1, got {k!r}")
+    if _is_concrete_number(learning_rate) and learning_rate < 0:
+        raise ValueError(f"snoo: learning_rate must be >= 0, got {learning_rate!r}")
+    if _is_concrete_number(momentum) and not 0 <= momentum < 1:
+        raise ValueError(f"snoo: momentum must be in [0, 1), got {momentum!r}")
+
+
+def _when(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
+    """`fn(operand)` if `pred` else `operand`, without touching `operand` when not taken.
+
+    A `lax.while_loop` of zero or one trip. Unlike `lax.cond`, whose pass-through branch
+    XLA:CPU executes as a full copy of its (here: params-sized) operands, a while loop
+    updates its carry in place, so a skipped sync costs nothing.
+    """
+    def body(carry):
+        value, trips = carry
+        return fn(value), trips + 1
+
+    value, _ = jax.lax.while_loop(
+        lambda carry: carry[1] < pred.astype(jnp.int32), body, (operand, jnp.int32(0)))
+    return value
+
+
+def snoo(
+    inner: optax.GradientTransformation,
+    learning_rate: ScalarOrSchedule = 0.68,
+    momentum: ScalarOrSchedule = 0.37,
+    k: int = 28,
+    *,
+    slow_dtype: Any = "float32",
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap `inner` in Snoo, the sparse Nesterov outer optimizer (SPEC §1).
+
+    Each update first runs `inner` (`u`; fast weights `f = p + u`). On sync steps
+    (`count % k == 0`, so the very first update syncs) the pseudo-gradient `d = slow - f`
+    drives PyTorch-style Nesterov SGD on the slow weights:
+    `b = μ b + d; slow = slow - η (d + μ b)`, and the returned update moves the params to
+    `slow`. Otherwise the update is `u`. The inner state is never reset. The params stay an
+    ordinary pytree (the slow copy lives in the state, unlike `optax.lookahead`).
+
+    Extra keyword arguments of `update` are forwarded to `inner`, except `snoo_sync`: a
+    static Python bool telling `update` whether this call is a sync step. With it, only
+    that branch is traced, so a trainer can compile a sync and a no-sync step and choose
+    between them on the host (`snoo_is_sync_step(step, k)`); without it (`None`), the
+    choice is made inside the computation. A wrong hint gives a wrong trajectory.
+
+    Args:
+      inner: the inner optimizer, e.g. `optax.partition({...muon..., ...adamw...})`.
+      learning_rate: outer step size η, a float or a schedule of the outer-step count
+        (the number of syncs before this one).
+      momentum: outer Nesterov momentum μ in [0, 1), a float or a schedule of the
+        outer-step count.
+      k: sync period (integer >= 1).
+      slow_dtype: dtype of the slow weights and outer momentum (float32 even for bf16
+        params). Any dtype-like; the default is the string `"float32"` rather than
+        `jnp.float32` because `optax.inject_hyperparams` takes callables for schedules.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` with state `SnooState`. `update` needs
+      `params`.
+
+    Example:
+      >>> tx = snoo(optax.adamw(3e-4), learning_rate=0.68, momentum=0.37, k=28)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)
+
+    References:
+      Kallusky et al, `Snoo: sparse Nesterov outer optimizer, modded-nanogpt GPT-2 Medium
+      record <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
+    """
+    _validate(inner, learning_rate, momentum, k)
+    slow_dtype = jnp.dtype(slow_dtype)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        # A real copy: on float32 params `astype` would alias the params, and a train step
+        # donating params and state would then donate one buffer twice.
+        slow = jax.tree.map(lambda p: jnp.array(p, dtype=slow_dtype, copy=True), params)
+        return SnooState(
+            count=jnp.zeros([], jnp.int32),
+            slow=slow,
+            momentum=jax.tree.map(lambda p: jnp.zeros_like(p, dtype=slow_dtype), params),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(updates, state, params=None, *, snoo_sync: bool | None = None, **extra_args):
+        if params is None:
+            raise ValueError("snoo: update needs params (the fast weights) to form slow - fast")
+        if snoo_sync is not None and not isinstance(snoo_sync, bool):
+            raise ValueError(
+                f"snoo: snoo_sync must be a static Python bool or None, got {snoo_sync!r}")
+        inner_updates, inner_state = inner.update(
+            updates, state.inner_state, params, **extra_args)
+        outer_count = state.count // k
+        eta = learning_rate(outer_count) if callable(learning_rate) else learning_rate
+        mu = momentum(outer_count) if callable(momentum) else momentum
+
+        def sync(carry):
+            slow, buf, upd = carry
+
+            def leaf(s, b, p, u):
+                fast = p.astype(slow_dtype) + u.astype(slow_dtype)
+                d = s - fast
+                b = (mu * b + d).astype(slow_dtype)
+                s = (s - eta * (d + mu * b)).astype(slow_dtype)
+                return s, b, (s - p.astype(slow_dtype)).astype(u.dtype)
+
+            out = jax.tree.map(leaf, slow, buf, params, upd)
+            is_triple = lambda x: type(x) is tuple
+            return tuple(
+                jax.tree.map(lambda o, i=i: o[i], out, is_leaf=is_triple) for i in range(3))
+
+        carry = (state.slow, state.momentum, inner_updates)
+        if snoo_sync is None:
+            carry = _when(state.count % k == 0, sync, carry)
+        elif snoo_sync:
+            carry = sync(carry)
+        slow, buf, new_updates = carry
+        return new_updates, SnooState(
+            count=optax.safe_increment(state.count), slow=slow, momentum=buf,
+            inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
