@@ -55,9 +55,10 @@ def _matrix_or_vector(leaf: Any) -> str:
 
 
 # Hidden matrices (and MoE expert stacks) go to Muon; embeddings, the head, norms,
-# biases and scalars go to Adam (SPEC §2.3). Names cover nanoGPT/Flax/Llama-style models.
+# biases and scalars go to Adam (SPEC §2.3), and so does the small MoE router, as in the
+# SkewAdam paper's Muon baseline. Names cover nanoGPT/Flax/Llama-style models.
 MUON_ADAM_RULES: tuple[Rule, ...] = (
-    (r"(^|/)(wte|wpe|embed\w*|tok_embeddings|lm_head|head|unembed\w*)(/|$)", "adam"),
+    (r"(^|/)(wte|wpe|embed\w*|tok_embeddings|lm_head|head|unembed\w*|router)(/|$)", "adam"),
     (r"(^|/)(ln\w*|\w*norm\w*)(/|$)", "adam"),
     (r"(^|/)(bias|scale)$", "adam"),
     (r".*", _matrix_or_vector),
