@@ -59,22 +59,6 @@ def _validate(inner: Any, learning_rate: Any, momentum: Any, k: Any) -> None:
         raise ValueError(f"snoo: momentum must be in [0, 1), got {momentum!r}")
 
 
-def _when(pred: jax.Array, fn: Callable[[Any], Any], operand: Any) -> Any:
-    """`fn(operand)` if `pred` else `operand`, without touching `operand` when not taken.
-
-    A `lax.while_loop` of zero or one trip. Unlike `lax.cond`, whose pass-through branch
-    XLA:CPU executes as a full copy of its (here: params-sized) operands, a while loop
-    updates its carry in place, so a skipped sync costs nothing.
-    """
-    def body(carry):
-        value, trips = carry
-        return fn(value), trips + 1
-
-    value, _ = jax.lax.while_loop(
-        lambda carry: carry[1] < pred.astype(jnp.int32), body, (operand, jnp.int32(0)))
-    return value
-
-
 def snoo(
     inner: optax.GradientTransformation,
     learning_rate: ScalarOrSchedule = 0.68,
@@ -167,7 +151,7 @@ def snoo(
 
         carry = (state.slow, state.momentum, inner_updates)
         if snoo_sync is None:
-            carry = _when(state.count % k == 0, sync, carry)
+            carry = jax.lax.cond(state.count % k == 0, sync, lambda carry: carry, carry)
         elif snoo_sync:
             carry = sync(carry)
         slow, buf, new_updates = carry
