@@ -9,7 +9,7 @@ machine load hits both alike. Ratios are ours / optax (below 1 = ours faster): t
 of the per-round wall-time ratios (each round times both back to back), and the ratio of
 median process CPU times (total work over all threads, less sensitive to other load).
 
-Usage: ``python benchmarks/muon_vs_optax.py [--d 256] [--layers 4] [--rounds 7]``.
+Usage: ``python -m benchmarks.muon_vs_optax [--d 256] [--layers 4] [--rounds 7]``.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ def time_calls(fn, args, calls: int) -> tuple[float, float]:
     return (time.perf_counter() - wall) / calls, (time.process_time() - cpu) / calls
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=2, help="calls per timed round")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     print(f"jax {jax.__version__}, optax {optax.__version__}, backend "
           f"{jax.default_backend()}, {jax.device_count()} device(s)")

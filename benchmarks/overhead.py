@@ -6,6 +6,9 @@ Each step is a jitted `update` + `apply_updates` with donated params and state.
 
     python -m benchmarks.overhead                 # GPT-2 small shape (124M params)
     python -m benchmarks.overhead --n_layer=2     # smaller, quicker
+
+It ends with `benchmarks.muon_vs_optax` (our Muon vs optax.contrib.muon, same work) unless
+`--skip_muon`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import optax
 
 import optax_snoo
+from benchmarks import muon_vs_optax
 
 
 def gpt2_shaped_params(n_layer: int = 12, d: int = 768, vocab: int = 50304, block: int = 1024):
@@ -94,6 +98,7 @@ def main(argv=None):
     parser.add_argument("--n_layer", type=int, default=12)
     parser.add_argument("--k", type=int, default=28)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip_muon", action="store_true")
     args = parser.parse_args(argv)
     params = gpt2_shaped_params(args.n_layer)
     n = sum(x.size for x in jax.tree.leaves(params))
@@ -104,6 +109,9 @@ def main(argv=None):
     labels = {"snoo_plain": "snoo(adamw), plain", "snoo_fast": "snoo(adamw), fast path"}
     for name, label in labels.items():
         print(f"{label:26s} {1e3 * t[name]:8.1f} ms/step  ratio {t[name] / t['adamw']:.3f}")
+    if not args.skip_muon:
+        print("\nMuon (ours / optax.contrib.muon, same coefficients, steps and dtype):")
+        muon_vs_optax.main([])
 
 
 if __name__ == "__main__":
