@@ -1,0 +1,44 @@
+"""Flax NNX GPT (dense and mixture-of-experts) with sharding annotations and K-FAC capture.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import models
+  >>> model = models.GPT(models.GPTConfig(n_layer=2), rngs=nnx.Rngs(0))
+  >>> logits, aux_loss, _ = models.forward(model, jnp.zeros((2, 16), jnp.int32))
+"""
+
+from models.attention import CausalSelfAttention, KVCache
+from models.config import GPTConfig
+from models.generate import generate, sample_token
+from models.gpt import GPT, Block, forward
+from models.kfac_capture import kfac_perturbations, value_grad_and_stats
+from models.layers import MLP, Dense, KFACInput, KFACOutput, LayerNorm
+from models.moe import Experts, MoE, Routing, load_balance_loss, route, router_z_loss
+from models.sharding import LOGICAL_AXES, logical_rules
+
+__all__ = [
+    "GPT",
+    "LOGICAL_AXES",
+    "MLP",
+    "Block",
+    "CausalSelfAttention",
+    "Dense",
+    "Experts",
+    "GPTConfig",
+    "KFACInput",
+    "KFACOutput",
+    "KVCache",
+    "LayerNorm",
+    "MoE",
+    "Routing",
+    "forward",
+    "generate",
+    "kfac_perturbations",
+    "load_balance_loss",
+    "logical_rules",
+    "route",
+    "router_z_loss",
+    "sample_token",
+    "value_grad_and_stats",
+]

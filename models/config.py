@@ -1,0 +1,169 @@
+"""The GPT configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+_MLP_KINDS = ("gelu", "swiglu")
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _swiglu_hidden(n_embd: int) -> int:
+    """LLaMA's rule: 8/3 of the width (a 4x GELU MLP's parameter count), up to a multiple of 64."""
+    return 64 * math.ceil(8 * n_embd / 3 / 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape and numerics of a GPT (dense or mixture-of-experts).
+
+    The defaults are nanoGPT's CPU recipe for character-level Shakespeare (4 layers,
+    4 heads, width 128, block 64, vocabulary 65).
+
+    Attributes:
+        vocab_size: number of token ids.
+        block_size: longest sequence (number of learned positions).
+        n_layer: number of transformer blocks.
+        n_head: number of query heads.
+        n_kv_head: number of key/value heads (grouped-query attention); ``None`` means
+            ``n_head`` (plain multi-head attention). Must divide ``n_head``.
+        n_embd: model width; must be a multiple of ``n_head``.
+        mlp: ``"gelu"`` (``c_proj(gelu(c_fc x))``) or ``"swiglu"``
+            (``c_proj(silu(c_gate x) * c_fc x)``).
+        mlp_hidden: hidden width of the dense MLP. ``None`` means ``4 * n_embd`` for
+            ``"gelu"`` and ``8/3 * n_embd`` rounded up to a multiple of 64 for ``"swiglu"``
+            (LLaMA's choice: about the parameter count of a 4x GELU MLP; 384 for width 128).
+        bias: whether dense layers and LayerNorms have biases.
+        dropout: dropout rate on the embeddings and on each residual branch (used only
+            when the model is called with a ``dropout_key``).
+        tie_embeddings: whether the output head reuses ``wte`` (no ``lm_head`` parameter).
+        dtype: compute dtype name for matmuls and activations. Logits, losses, LayerNorm
+            statistics, the softmax of attention and the router are always float32, and so
+            is the residual stream.
+        param_dtype: dtype name of the parameters (the router kernel is float32 always).
+        moe_every: 0 for a dense model; ``N`` makes block ``i`` a mixture-of-experts block
+            when ``(i + 1) % N == 0`` (so ``N = 1``: every block, ``N = 2``: blocks 1, 3, ...).
+        n_experts: experts per MoE block.
+        top_k: experts each token is routed to.
+        expert_hidden: hidden width of each expert; ``None`` means the dense MLP's width.
+        capacity_factor: per-expert capacity is
+            ``ceil(capacity_factor * tokens * top_k / n_experts)`` token slots; tokens beyond
+            it are dropped for that expert (see :mod:`models.moe`).
+        aux_loss_coef: coefficient of the Switch load-balancing loss (equals the
+            coefficient under uniform routing).
+        z_loss_coef: coefficient of the router z-loss ``mean(logsumexp(logits)^2)``.
+    """
+
+    vocab_size: int = 65
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None
+    n_embd: int = 128
+    mlp: str = "gelu"
+    mlp_hidden: int | None = None
+    bias: bool = False
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    moe_every: int = 0
+    n_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int | None = None
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        def positive(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
+
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            positive(name)
+        for name in ("n_experts", "top_k"):
+            positive(name)
+        for name in ("n_kv_head", "mlp_hidden", "expert_hidden"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} must be a multiple of n_head={self.n_head}."
+            )
+        if self.n_head % self.kv_heads:
+            raise ValueError(
+                f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}."
+            )
+        if self.mlp not in _MLP_KINDS:
+            raise ValueError(f"GPTConfig.mlp must be one of {_MLP_KINDS}, got {self.mlp!r}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if value not in _FLOAT_DTYPES:
+                raise ValueError(f"GPTConfig.{name} must be one of {_FLOAT_DTYPES}, got {value!r}.")
+        if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int):
+            raise ValueError(f"GPTConfig.moe_every must be an int >= 0, got {self.moe_every!r}.")
+        if not 0 <= self.moe_every <= self.n_layer:
+            raise ValueError(
+                f"GPTConfig.moe_every must be in [0, n_layer={self.n_layer}] (0 = dense), "
+                f"got {self.moe_every!r}."
+            )
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"GPTConfig.top_k={self.top_k} must be <= n_experts={self.n_experts}."
+            )
+        if not self.capacity_factor > 0:
+            raise ValueError(
+                f"GPTConfig.capacity_factor must be > 0, got {self.capacity_factor!r}."
+            )
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"GPTConfig.{name} must be >= 0, got {value!r}.")
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (``n_kv_head``, or ``n_head`` when unset)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.n_embd // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        """Resolved hidden width of the dense MLP."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return 4 * self.n_embd if self.mlp == "gelu" else _swiglu_hidden(self.n_embd)
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """Resolved hidden width of one expert."""
+        return self.hidden if self.expert_hidden is None else self.expert_hidden
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """``dtype`` as a numpy dtype."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self) -> jnp.dtype:
+        """``param_dtype`` as a numpy dtype."""
+        return jnp.dtype(self.param_dtype)
+
+    def is_moe_block(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) is a mixture-of-experts block."""
+        return self.moe_every > 0 and (layer + 1) % self.moe_every == 0
+
+    def expert_capacity(self, num_tokens: int) -> int:
+        """Token slots per expert for a batch of ``num_tokens`` tokens (at most ``num_tokens``)."""
+        slots = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.n_experts)
+        return max(1, min(num_tokens, slots))

@@ -1,0 +1,268 @@
+"""The GPT: pre-LayerNorm transformer blocks (dense or MoE), learned positions, tied head.
+
+Shapes: ``B`` batch, ``T`` time, ``D`` width, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import CausalSelfAttention, KVCache
+from models.config import GPTConfig
+from models.layers import MLP, Dense, Embed, KFACInput, LayerNorm, dropout, matmul
+from models.moe import MoE
+
+
+class Block(nnx.Module):
+    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` (``moe`` in an MoE block).
+
+    Args:
+      config: the model configuration.
+      layer: index of the block (decides dense vs MoE).
+      rngs: random streams.
+    """
+
+    def __init__(self, config: GPTConfig, layer: int, *, rngs: nnx.Rngs):
+        kw = dict(bias=config.bias, param_dtype=config.params_dtype)
+        self.ln_1 = LayerNorm(config.n_embd, **kw)
+        self.attn = CausalSelfAttention(config, rngs=rngs)
+        self.ln_2 = LayerNorm(config.n_embd, **kw)
+        moe = config.is_moe_block(layer)
+        self.mlp = None if moe else MLP(config, rngs=rngs)
+        self.moe = MoE(config, rngs=rngs) if moe else None
+        self.dropout_rate = config.dropout
+
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        *,
+        dropout_key: jax.Array | None = None,
+        cache: KVCache | None = None,
+        pos: jax.Array | int = 0,
+        dropless: bool = False,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Apply the block to the float32 residual stream; returns it and the cache."""
+        keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+        y_BTD, cache = self.attn(self.ln_1(x_BTD), cache, pos)
+        x_BTD = x_BTD + dropout(y_BTD, self.dropout_rate, keys[0])
+        h_BTD = self.ln_2(x_BTD)
+        y_BTD = self.mlp(h_BTD) if self.moe is None else self.moe(h_BTD, dropless=dropless)
+        return x_BTD + dropout(y_BTD, self.dropout_rate, keys[1]), cache
+
+
+class GPT(nnx.Module):
+    """A GPT language model in Flax NNX (nanoGPT's architecture, plus GQA, SwiGLU, MoE).
+
+    Parameters (paths as in ``nnx.state(model, nnx.Param)``; every one carries logical
+    axis names, see :mod:`models.sharding`):
+
+    - ``wte/embedding`` ``(V, D)`` and ``wpe/embedding`` ``(block_size, D)``;
+    - ``blocks/<i>/ln_1/scale`` (``/bias`` if ``config.bias``), ``blocks/<i>/ln_2/...``;
+    - ``blocks/<i>/attn/{c_q,c_k,c_v,c_proj}/kernel`` (and ``bias``);
+    - dense blocks: ``blocks/<i>/mlp/{c_fc,c_proj}/kernel`` (+ ``c_gate`` for SwiGLU);
+    - MoE blocks: ``blocks/<i>/moe/router/kernel`` ``(D, E)`` float32 and
+      ``blocks/<i>/moe/experts/{w_fc,w_proj}`` ``(E, D, F)``/``(E, F, D)``
+      (+ ``w_gate`` for SwiGLU);
+    - ``ln_f/scale`` (``/bias``) and, untied only, ``lm_head/kernel`` ``(D, V)``.
+
+    Init as nanoGPT: ``N(0, 0.02)`` for matrices and embeddings, ``0.02 / sqrt(2 n_layer)``
+    for residual output projections (``c_proj``, ``w_proj``), zeros for biases, ones for
+    LayerNorm scales. The residual stream, LayerNorms and logits are float32; matmuls run
+    in ``config.dtype``.
+
+    Sharding: the parameters are created sharded when a mesh is set
+    (``jax.set_mesh(mesh)``) and the logical names are mapped
+    (``nnx.logical_axis_rules(models.logical_rules())``), as in the example of
+    :func:`models.logical_rules`; ``nnx.get_abstract_model`` works the same way. With no
+    mesh set, the model is created unsharded on the default device (flax's eager
+    sharding, which would raise without a mesh, is skipped) and the logical names are
+    kept as ``out_sharding`` metadata, for ``nnx.get_partition_spec`` later.
+
+    Calling ``model(tokens)`` is safe anywhere; to get the MoE auxiliary losses (and
+    K-FAC statistics) call it through :func:`forward`.
+
+    Args:
+      config: the model configuration.
+      rngs: random streams (``params`` is used).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import models
+      >>> model = models.GPT(models.GPTConfig(n_layer=2), rngs=nnx.Rngs(0))
+      >>> model(jnp.zeros((3, 16), jnp.int32)).shape
+      (3, 16, 65)
+
+    References:
+      Radford et al., "Language Models are Unsupervised Multitask Learners", 2019,
+      https://cdn.openai.com/better-language-models/language_models_are_unsupervised_multitask_learners.pdf
+      Karpathy, "nanoGPT", https://github.com/karpathy/nanoGPT, 2022.
+    """
+
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        D, dt = config.n_embd, config.params_dtype
+        self.wte = Embed(config.vocab_size, D, names=("vocab", "embed"), param_dtype=dt, rngs=rngs)
+        self.wpe = Embed(config.block_size, D, names=(None, "embed"), param_dtype=dt, rngs=rngs)
+        self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.n_layer)])
+        self.ln_f = LayerNorm(D, bias=config.bias, param_dtype=dt)
+        self.lm_head = None if config.tie_embeddings else Dense(
+            D, config.vocab_size, names=("embed", "vocab"), dtype=config.compute_dtype,
+            param_dtype=dt, bias=False, rngs=rngs,
+        )
+        self.config = config
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        *,
+        dropout_key: jax.Array | None = None,
+        dropless: bool = False,
+    ) -> jax.Array:
+        """Next-token logits.
+
+        Args:
+          tokens_BT: int token ids, ``T <= block_size``.
+          dropout_key: PRNG key enabling dropout (``config.dropout``) on the embeddings
+            and residual branches; ``None`` (default) is deterministic.
+          dropless: MoE blocks give every expert room for all tokens (no drops).
+
+        Returns:
+          ``logits_BTV`` in float32.
+        """
+        seq_len, block_size = tokens_BT.shape[1], self.config.block_size
+        if seq_len > block_size:
+            raise ValueError(f"Sequence length {seq_len} exceeds config.block_size={block_size}.")
+        logits_BTV, _ = self._run(tokens_BT, None, 0, dropout_key, dropless)
+        return logits_BTV
+
+    def decode(
+        self, tokens_BT: jax.Array, cache: tuple[KVCache, ...], pos: jax.Array | int
+    ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        """Logits of ``tokens_BT`` at positions ``[pos, pos + T)`` using a key/value cache.
+
+        MoE blocks run dropless, so the result equals ``model(tokens, dropless=True)`` at
+        those positions.
+
+        Args:
+          tokens_BT: the new tokens.
+          cache: one :class:`KVCache` per block (see :meth:`init_cache`) holding positions
+            ``[0, pos)``.
+          pos: position of ``tokens_BT[:, 0]``; ``pos + T`` must not exceed the cache length.
+
+        Returns:
+          ``(logits_BTV, cache)`` with the new tokens' keys and values written.
+        """
+        return self._run(tokens_BT, cache, pos, None, True)
+
+    def init_cache(self, batch_size: int, max_len: int | None = None) -> tuple[KVCache, ...]:
+        """An empty key/value cache (one :class:`KVCache` per block) of ``max_len`` positions.
+
+        Args:
+          batch_size: number of sequences.
+          max_len: cache length; defaults to ``config.block_size`` (its maximum).
+
+        Returns:
+          A tuple of zero-filled caches in the compute dtype.
+        """
+        max_len = self.config.block_size if max_len is None else max_len
+        if not 0 < max_len <= self.config.block_size:
+            raise ValueError(
+                f"max_len must be in [1, block_size={self.config.block_size}], got {max_len}."
+            )
+        return tuple(
+            KVCache.zeros(self.config, batch_size, max_len) for _ in range(self.config.n_layer)
+        )
+
+    def _run(self, tokens_BT, cache, pos, dropout_key, dropless):
+        cfg = self.config
+        T = tokens_BT.shape[1]
+        pos_T = pos + jnp.arange(T)
+        x_BTD = self.wte(tokens_BT).astype(jnp.float32) + self.wpe(pos_T).astype(jnp.float32)
+        if dropout_key is not None:
+            x_BTD = dropout(x_BTD, cfg.dropout, jax.random.fold_in(dropout_key, cfg.n_layer))
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+            x_BTD, layer_cache = block(
+                x_BTD,
+                dropout_key=key,
+                cache=None if cache is None else cache[i],
+                pos=pos,
+                dropless=dropless,
+            )
+            new_cache.append(layer_cache)
+        x_BTD = self.ln_f(x_BTD).astype(cfg.compute_dtype)
+        if self.lm_head is None:
+            wte_VD = self.wte.embedding[...].astype(cfg.compute_dtype)
+            logits_BTV = matmul(x_BTD, wte_VD.T, preferred_element_type=jnp.float32)
+        else:
+            logits_BTV = self.lm_head(x_BTD)
+        return logits_BTV.astype(jnp.float32), None if cache is None else tuple(new_cache)
+
+
+def _call(model: GPT, tokens_BT: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
+    return model(tokens_BT, dropout_key=dropout_key)
+
+
+def _path(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def forward(
+    model: GPT,
+    tokens_BT: jax.Array,
+    *,
+    dropout_key: jax.Array | None = None,
+    capture_kfac: bool = False,
+    kfac_perturbations: nnx.State | None = None,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array] | None]:
+    """Run the model through ``nnx.capture``: logits, MoE auxiliary loss, K-FAC inputs.
+
+    The model is called only inside ``nnx.capture``, so its MoE blocks can sow their
+    auxiliary losses without changing the model's state tree.
+
+    Args:
+      model: the GPT.
+      tokens_BT: int token ids.
+      dropout_key: PRNG key enabling dropout, or ``None``.
+      capture_kfac: also record the input of every matrix (dense kernels, the untied
+        head, routers and expert stacks).
+      kfac_perturbations: zero :class:`models.layers.KFACOutput` perturbations (from
+        :func:`models.kfac_capture.kfac_perturbations`) added to those matrices' outputs,
+        so that gradients with respect to them are the output gradients. ``None``: none.
+
+    Returns:
+      ``(logits_BTV, aux_loss, kfac_inputs)``: float32 logits; the sum of every sown
+      auxiliary loss, already scaled by its coefficient (a float32 scalar, 0.0 for a
+      dense model); and, with ``capture_kfac``, a dict from parameter path
+      (``"blocks/0/attn/c_q/kernel"``, ``"blocks/1/moe/experts/w_fc"``) to that matrix's
+      input (``(B, T, d_in)``, or the dispatched ``(E, C, d_in)`` buffer for experts,
+      compute dtype), else ``None``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import models
+      >>> cfg = models.GPTConfig(n_layer=2, moe_every=2)
+      >>> model = models.GPT(cfg, rngs=nnx.Rngs(0))
+      >>> logits, aux, _ = models.forward(model, jnp.zeros((2, 8), jnp.int32))
+      >>> logits.shape, aux.shape
+      ((2, 8, 65), ())
+    """
+    # KFACInput subclasses nnx.Intermediate: it must come first to get its own State.
+    types = (KFACInput, nnx.Intermediate) if capture_kfac else (nnx.Intermediate,)
+    logits_BTV, *captured = nnx.capture(_call, *types, init=kfac_perturbations)(
+        model, tokens_BT, dropout_key
+    )
+    aux_loss = jnp.zeros((), jnp.float32)
+    for path, value in nnx.to_flat_state(captured[-1]):
+        if path[-1] == "aux_loss":
+            aux_loss = aux_loss + sum(jnp.asarray(v, jnp.float32) for v in value.get_value())
+    if not capture_kfac:
+        return logits_BTV, aux_loss, None
+    kfac_inputs = {
+        _path(path): value.get_value()[0] for path, value in nnx.to_flat_state(captured[0])
+    }
+    return logits_BTV, aux_loss, kfac_inputs
