@@ -1,0 +1,421 @@
+"""The trainer: config/CLI, data, schedules, the jitted step, sharding, checkpoints, resume.
+
+Tiny models on a small synthetic corpus (so the tests need no download); the 8 CPU
+devices come from conftest.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import urllib.error
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import train
+from optax_snoo.labels import path_to_str
+from train import config as tc
+from train import data as td
+from train.__main__ import main
+from train.checkpoint import Checkpointer, check_compatible
+from train.metrics import flops_per_token
+from train.optimizers import OPTIMIZERS, build_optimizer, learning_rate_schedule
+from train.sample import main as sample_main
+from train.sharding import batch_sharding, make_mesh, mesh_shape, put_batch, tree_shardings
+from train.step import create_train_state, make_train_step
+
+SENTENCES = ("the king and the queen walk to the castle . a fool sings of love and war . "
+             "my lord , the night is long and the wind is cold .")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """Runs of the same config compile the same programs: cache them for this module."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {name: getattr(jax.config, name) for name in names}
+    jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update(names[1], 0.0)
+    jax.config.update(names[2], 0)
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    text = " ".join(rng.choice(SENTENCES.split(), size=6000)) + "\n"
+    path = tmp_path_factory.mktemp("corpus") / "input.txt"
+    path.write_text(text)
+    return path
+
+
+def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
+    base = dict(
+        n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
+        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
+        max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
+        checkpoint_every=4, mesh_data=1, num_samples=0, progress=False,
+        data=str(corpus), out_dir=str(tmp_path / "run"))
+    return dataclasses.replace(tc.TrainConfig(), **{**base, **overrides})
+
+
+def train_losses(result) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in result.history if "loss" in h}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """An uninterrupted 8-step run on one device (Snoo k=3 around AdamW)."""
+    config = tiny(corpus, tmp_path_factory.mktemp("ref"), num_samples=1, sample_tokens=6)
+    return config, train.run(config)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_tiny_run_loss_falls_and_writes_outputs(reference):
+    config, result = reference
+    evals = [h for h in result.history if "val_loss" in h]
+    assert [h["step"] for h in evals] == [0, 4, 8]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
+    assert result.final["val_loss"] == evals[-1]["val_loss"]
+    losses = train_losses(result)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < losses[1]
+    out = result.out_dir
+    assert json.loads((out / "config.json").read_text()) == tc.config_to_dict(config)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines == result.history
+    assert {"loss", "grad_norm", "lr", "aux_loss", "tokens_per_sec", "mfu"} <= set(lines[1])
+    assert (out / "loss.png").stat().st_size > 0
+    assert len((out / "samples.txt").read_text()) == 1 + 6 + 1  # prompt, samples, newline
+
+
+def test_sample_cli_restores_the_final_model(reference, capsys):
+    config, result = reference
+    assert sample_main(["--out", str(result.out_dir), "--seed", str(config.seed)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.split("\n---------------\n")[0] == (
+        result.out_dir / "samples.txt").read_text()[:-1]
+
+
+def test_resume_continues_exactly(reference, corpus, tmp_path):
+    config, result = reference
+    first = dataclasses.replace(config, out_dir=str(tmp_path / "run"), max_iters=4)
+    half = train.run(first)  # checkpoint at 4, mid Snoo period (k=3)
+    assert train_losses(half) == {s: v for s, v in train_losses(result).items() if s <= 4}
+    resumed = train.run(dataclasses.replace(first, max_iters=8, resume=True))
+    expected = {s: v for s, v in train_losses(result).items() if s > 4}
+    assert train_losses(resumed) == expected  # exact: the same batches, state and program
+    assert resumed.final["val_loss"] == result.final["val_loss"]
+
+    # A config that changes the model or optimizer cannot resume; the error names it.
+    with pytest.raises(ValueError, match=r"n_embd: checkpoint has 32, this run has 64"):
+        train.run(dataclasses.replace(first, max_iters=8, resume=True, n_embd=64))
+    # A fresh run never writes over existing checkpoints.
+    with pytest.raises(FileExistsError, match="--resume"):
+        train.run(dataclasses.replace(first, max_iters=8))
+
+
+def _step_setup(config):
+    """The jitted step the loop would build for `config` (same program: cached compiles)."""
+    vocab_size = td.CharDataset.load(config.data).vocab_size
+    tx, snoo_k = build_optimizer(config)
+    mesh = make_mesh(config)
+    model, state = create_train_state(tc.model_config(config, vocab_size), tx, seed=0,
+                                      mesh=mesh)
+    step = make_train_step(model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
+                           lr_schedule=learning_rate_schedule(config), snoo=snoo_k is not None)
+    return mesh, state, step, snoo_k, vocab_size
+
+
+def _batches(config, steps, vocab_size):
+    rng = np.random.default_rng(0)
+    shape = (config.grad_accum, config.batch_size, config.block_size)
+    return [rng.integers(0, vocab_size, (2, *shape)).astype(np.int32) for _ in range(steps)]
+
+
+def test_snoo_static_hint_matches_in_jit_decision(corpus, tmp_path):
+    """The host's static sync hint (two compiled variants) equals Snoo's in-jit `lax.cond`."""
+    config = tiny(corpus, tmp_path)  # the reference run's config: Snoo k=3 around AdamW
+    runs = {}
+    for hint in (True, False):
+        mesh, state, step, snoo_k, vocab_size = _step_setup(config)
+        losses = []
+        for t, xy in enumerate(_batches(config, 7, vocab_size)):
+            sync = (t % snoo_k == 0) if hint else None
+            state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
+                                  put_batch(xy[1], batch_sharding(mesh)), sync)
+            losses.append(float(metrics["loss"]))
+        runs[hint] = (losses, state)
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    # Two differently fused f32 programs: rounding-level differences only (params ~0.02-0.1).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 runs[True][1], runs[False][1])
+
+
+def test_gradient_accumulation_equals_big_batch(corpus, tmp_path):
+    big = tiny(corpus, tmp_path, batch_size=8, grad_accum=1)
+    small = dataclasses.replace(big, batch_size=4, grad_accum=2)
+    results = {}
+    for config in (big, small):
+        mesh, state, step, _, vocab_size = _step_setup(config)
+        losses = []
+        for xy in _batches(big, 4, vocab_size):
+            xy = xy.reshape(2, config.grad_accum, config.batch_size, config.block_size)
+            state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
+                                  put_batch(xy[1], batch_sharding(mesh)), None)
+            losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
+        results[config.grad_accum] = (losses, state["params"])
+    np.testing.assert_allclose(results[2][0], results[1][0], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 results[2][1], results[1][1])
+
+
+def test_eight_devices_match_one_and_stay_sharded(corpus, tmp_path):
+    """data=2, fsdp=2, tensor=2 follows the 1-device trajectory; state keeps its shardings."""
+    assert len(jax.devices()) == 8
+    one = tiny(corpus, tmp_path)
+    runs = {}
+    for config in (one, dataclasses.replace(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)):
+        mesh, state, step, _, vocab_size = _step_setup(config)
+        losses = []
+        for xy in _batches(config, 4, vocab_size):
+            state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
+                                  put_batch(xy[1], batch_sharding(mesh)), None)
+            losses.append(float(metrics["loss"]))
+        runs[mesh.size] = (losses, state)
+    np.testing.assert_allclose(runs[8][0], runs[1][0], rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 runs[8][1], runs[1][1])
+
+    state = runs[8][1]
+    name = "blocks/0/mlp/c_fc/kernel"
+    mirrors = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+               if path_to_str(path).endswith(name)]
+    assert len(mirrors) >= 4  # the param, Snoo's slow copy and momentum, Adam's mu and nu
+    assert all(leaf.sharding.spec == P("fsdp", "tensor") for leaf in mirrors)
+    assert state["step"].sharding.spec == P()
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(4, state, {"step": 4}, val_loss=1.0)
+    ckpt.wait()
+    for like in (state, runs[1][1]):  # restore sharded, and resharded onto one device
+        restored, _ = ckpt.restore(4, like=like)
+        jax.tree.map(np.testing.assert_array_equal, restored, state)
+        same = jax.tree.map(lambda r, x: r.sharding.is_equivalent_to(x.sharding, r.ndim),
+                            restored, like)
+        assert all(jax.tree.leaves(same))
+    ckpt.close()
+
+
+def test_every_registered_optimizer_updates(corpus, tmp_path):
+    params = {"wte": {"embedding": jnp.ones((8, 4))}, "blocks": {0: {"mlp": {
+        "c_fc": {"kernel": jnp.full((4, 6), 0.1)}}}}, "ln_f": {"scale": jnp.ones(4)}}
+    grads = jax.tree.map(lambda p: 0.01 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape),
+                         params)
+    for name in OPTIMIZERS:
+        tx, snoo_k = build_optimizer(tiny(corpus, tmp_path, optimizer=name, snoo_k=2))
+        assert (snoo_k == 2) == name.startswith("snoo"), name
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params)
+        assert jax.tree.structure(updates) == jax.tree.structure(params), name
+        assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates)), name
+        assert all(float(jnp.abs(u).max()) > 0 for u in jax.tree.leaves(updates)), name
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def nanogpt_lr(it, lr, min_lr, warmup, decay):
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it > decay:
+        return min_lr
+    coeff = 0.5 * (1.0 + math.cos(math.pi * (it - warmup) / (decay - warmup)))
+    return min_lr + coeff * (lr - min_lr)
+
+
+def test_cosine_schedule_is_nanogpts_get_lr():
+    config = dataclasses.replace(tc.TrainConfig(), learning_rate=1e-3, min_lr=1e-4,
+                                 warmup_iters=100, max_iters=2000)
+    schedule = learning_rate_schedule(config)
+    for it in [0, 1, 50, 99, 100, 101, 700, 1999, 2000, 2500]:
+        assert float(schedule(it)) == pytest.approx(nanogpt_lr(it, 1e-3, 1e-4, 100, 2000),
+                                                    rel=1e-5), it
+    muon = learning_rate_schedule(config, peak=0.02)
+    assert float(muon(2000)) == pytest.approx(0.002, rel=1e-5)
+    short = learning_rate_schedule(dataclasses.replace(config, max_iters=50))
+    assert float(short(10)) == pytest.approx(1e-3 * 11 / 101, rel=1e-5)
+    assert float(short(200)) == pytest.approx(1e-4, rel=1e-5)
+
+
+def test_stable_cooldown_schedule_is_the_records():
+    config = dataclasses.replace(tc.TrainConfig(), schedule="stable_cooldown", max_iters=100,
+                                 cooldown_frac=0.7, final_lr_scale=0.01, learning_rate=2e-3)
+    schedule = learning_rate_schedule(config)
+    for t in [0, 10, 29, 30, 65, 99, 100]:
+        x = t / 100
+        mult = 1.0 if x < 0.3 else (1 - x) / 0.7 * (1 - 0.01) + 0.01
+        assert float(schedule(t)) == pytest.approx(2e-3 * mult, rel=1e-5), t
+
+
+# ----------------------------------------------------------------------------- config / CLI
+
+
+def test_presets_and_overrides():
+    default = tc.parse_args([])
+    assert default == tc.get_preset("shakespeare_char_cpu")
+    assert (default.n_layer, default.n_head, default.n_embd, default.block_size,
+            default.batch_size, default.max_iters, default.learning_rate, default.min_lr,
+            default.warmup_iters, default.beta2, default.dropout) == (
+                4, 4, 128, 64, 12, 2000, 1e-3, 1e-4, 100, 0.99, 0.0)
+    gpu = tc.get_preset("shakespeare_char")
+    assert (gpu.n_layer, gpu.n_embd, gpu.block_size, gpu.batch_size, gpu.dropout,
+            gpu.max_iters) == (6, 384, 256, 64, 0.2, 5000)
+    assert tc.get_preset("moe_tiny").moe_every == 2
+    assert tc.get_preset("gpt2_small").n_embd == 768
+    config = tc.parse_args(["--optimizer", "adamw", "--max_iters=7", "--preset=moe_tiny",
+                            "--resume", "--lr_decay_iters=None", "--sample_start=a\\nb",
+                            "--learning-rate=3e-4", "--bias=true"])
+    assert (config.optimizer, config.max_iters, config.moe_every, config.resume,
+            config.lr_decay_iters, config.sample_start, config.learning_rate, config.bias) == (
+                "adamw", 7, 2, True, None, "a\nb", 3e-4, True)
+    assert tc.config_from_dict(tc.config_to_dict(config)) == config
+    gpt = tc.model_config(config, 65)
+    assert gpt.vocab_size == 72 and gpt.moe_every == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n_layers=3"], r"unknown config key 'n_layers'; did you mean n_layer"),
+    (["--n_layer=three"], r"--n_layer='three': expected int"),
+    (["--dropout=high"], r"--dropout='high': expected float"),
+    (["--resume=maybe"], r"--resume='maybe': expected bool"),
+    (["--optimizer=adamx"], r"optimizer='adamx': unknown; registered optimizers are \["),
+    (["--preset=tiny_gpu"], r"unknown preset 'tiny_gpu'.*Presets: \["),
+    (["--schedule=linear"], r"schedule='linear': expected one of \['cosine'"),
+    (["--mesh_data=0"], r"mesh_data=0"),
+    (["max_iters=3"], r"expected --key=value"),
+])
+def test_cli_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        tc.parse_args(argv)
+
+
+def test_main_help_and_error_exit(capsys):
+    assert main(["--help", "--preset=gpt2_small"]) == 0
+    text = capsys.readouterr().out
+    for field in dataclasses.fields(tc.TrainConfig):
+        assert f"--{field.name} " in text
+    assert "default 768" in text and "adamw" in text and "snoo_muon" in text
+    assert main(["--n_embed=64"]) == 2
+    assert "did you mean n_embd" in capsys.readouterr().err
+
+
+def test_async_checkpoint_is_safe_from_donation(tmp_path):
+    """The train step donates the state right after an asynchronous save starts."""
+    state = {"w": jnp.arange(1 << 16, dtype=jnp.float32), "step": jnp.int32(3)}
+    expected = jax.tree.map(lambda x: np.array(x, copy=True), state)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(3, state, {"step": 3}, val_loss=1.0)
+    bump = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+    state = bump(state)
+    with pytest.raises(FileExistsError):
+        ckpt.save(3, state, {"step": 3})
+    ckpt.wait()
+    restored, meta = ckpt.restore(3, like=state)
+    jax.tree.map(np.testing.assert_array_equal, restored, expected)
+    assert meta == {"step": 3}
+    ckpt.close()
+
+
+def test_config_mismatch_message():
+    saved = tc.config_to_dict(tc.TrainConfig())
+    check_compatible(saved, {**saved, "max_iters": 5, "out_dir": "x"})  # run fields may change
+    with pytest.raises(ValueError, match=r"(?s)2 field\(s\).*n_layer: checkpoint has 4, this run "
+                                         r"has 6.*optimizer: checkpoint has 'snoo_muon'"):
+        check_compatible(saved, {**saved, "n_layer": 6, "optimizer": "adamw"})
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_data_is_deterministic_in_seed_and_step(corpus):
+    data = td.CharDataset.load(corpus)
+    text = corpus.read_text()
+    assert data.chars == "".join(sorted(set(text)))
+    assert len(data.train_ids) == int(len(text) * 0.9)
+    assert data.decode(np.concatenate([data.train_ids, data.val_ids])) == text
+    kw = dict(batch_size=4, block_size=16, seed=3)
+    x1, y1 = data.batch("train", 7, **kw)
+    x2, _ = data.batch("train", 7, **kw)
+    np.testing.assert_array_equal(x1, x2)
+    np.testing.assert_array_equal(x1[..., 1:], y1[..., :-1])
+    assert not np.array_equal(x1, data.batch("train", 8, **kw)[0])
+    assert not np.array_equal(x1, data.batch("train", 7, **{**kw, "seed": 4})[0])
+    xa, _ = data.batch("train", 7, grad_accum=2, **{**kw, "batch_size": 2})
+    np.testing.assert_array_equal(xa.reshape(1, 4, 16), x1)
+    ev1, ev2 = (data.eval_batches("val", num_batches=3, **kw)[0] for _ in range(2))
+    assert ev1.shape == (3, 4, 16)
+    np.testing.assert_array_equal(ev1, ev2)
+    with pytest.raises(ValueError, match="split='test'"):
+        data.batch("test", 0, **kw)
+
+
+def test_corpus_not_found_says_where_to_put_it(tmp_path):
+    def offline(url, timeout):
+        raise urllib.error.URLError("no network")
+
+    missing = [tmp_path / "a" / "input.txt"]
+    with pytest.raises(FileNotFoundError) as err:
+        td.find_corpus(None, search=missing, cache_dir=tmp_path / "cache", opener=offline)
+    message = str(err.value)
+    assert str(missing[0]) in message and str(tmp_path / "cache" / "input.txt") in message
+    assert "--data=PATH" in message and td.TINYSHAKESPEARE_SHA256 in message
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        td.find_corpus(tmp_path / "nope.txt")
+
+    payload = b"to be or not to be\n"
+    served = lambda url, timeout: io.BytesIO(payload)
+    with pytest.raises(FileNotFoundError, match="sha256"):
+        td.find_corpus(None, search=missing, cache_dir=tmp_path / "cache", opener=served)
+    assert not (tmp_path / "cache" / "input.txt").exists()
+    import hashlib
+
+    good = td.find_corpus(None, search=missing, cache_dir=tmp_path / "cache", opener=served,
+                          sha256=hashlib.sha256(payload).hexdigest())
+    assert good.read_bytes() == payload
+
+
+# ----------------------------------------------------------------------------- mesh, MFU
+
+
+def test_mesh_shape_fill_and_errors():
+    cfg = tc.TrainConfig
+    assert mesh_shape(cfg(mesh_data=-1, mesh_fsdp=2, mesh_tensor=1), 8) == (4, 2, 1)
+    assert mesh_shape(cfg(mesh_data=1, mesh_fsdp=1, mesh_tensor=1), 8) == (1, 1, 1)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        mesh_shape(cfg(mesh_data=4, mesh_fsdp=4), 8)
+    with pytest.raises(ValueError, match="not divisible"):
+        mesh_shape(cfg(mesh_data=-1, mesh_fsdp=3), 8)
+    with pytest.raises(ValueError, match="at most one"):
+        cfg(mesh_data=-1, mesh_fsdp=-1)
+
+
+def test_flops_per_token_is_nanogpts_formula():
+    import models
+
+    gpt = models.GPTConfig(vocab_size=72, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    params = {"wte": {"embedding": np.zeros((72, 32))}, "wpe": {"embedding": np.zeros((16, 32))},
+              "blocks": {0: {"moe": {"experts": {"w_fc": np.zeros((8, 32, 64))}}},
+                         1: {"mlp": {"c_fc": {"kernel": np.zeros((32, 128))}}}}}
+    n = 72 * 32 + (2 / 8) * 8 * 32 * 64 + 32 * 128  # no position table; experts at top_k/E
+    assert flops_per_token(params, gpt) == pytest.approx(6 * n + 12 * 2 * 2 * 16 * 16)

@@ -1,0 +1,102 @@
+"""Sample text from a trained GPT: `python -m train.sample --out=DIR [options]`.
+
+Options (defaults from the run's config): `--num_samples`, `--max_new_tokens`,
+`--temperature`, `--top_k`, `--start` (a prompt, or `FILE:path`), `--seed`, `--step`
+(default: the latest checkpoint).
+
+Example:
+  $ python -m train.sample --out=out/adamw --num_samples=2 --start="ROMEO:"
+
+References:
+  Karpathy, "nanoGPT" (sample.py), https://github.com/karpathy/nanoGPT, 2023.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import models
+from train.checkpoint import Checkpointer
+from train.config import config_from_dict, model_config
+from train.data import CharDataset
+from train.optimizers import build_optimizer
+from train.sharding import make_mesh
+from train.step import ModelDef, create_train_state
+
+__all__ = ["generate_text", "load_model", "main"]
+
+
+def generate_text(model: models.GPT, vocab: CharDataset, *, start: str, num_samples: int,
+                  max_new_tokens: int, temperature: float, top_k: int | None,
+                  seed: int = 0) -> list[str]:
+    """`num_samples` continuations of `start` (decoded, prompt included)."""
+    prompt = vocab.encode(start) if start else np.zeros(1, np.int32)
+    tokens_BT = jnp.asarray(np.tile(prompt[None], (num_samples, 1)))
+    top_k = None if top_k is None else min(top_k, model.config.vocab_size)
+    out_BT = models.generate(model, tokens_BT, max_new_tokens, temperature=temperature,
+                             top_k=top_k, rng=jax.random.key(seed))
+    return [vocab.decode(row) for row in np.asarray(out_BT)]
+
+
+def load_model(out_dir: str | Path, step: int | None = None
+               ) -> tuple[models.GPT, CharDataset, dict]:
+    """The model saved in `out_dir/checkpoints` (latest step by default) and its vocabulary.
+
+    Returns:
+      `(model, vocab, meta)`; `vocab` holds the characters only (no corpus).
+    """
+    ckpt = Checkpointer(Path(out_dir) / "checkpoints", async_save=False)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
+    meta = ckpt.restore_meta(step)
+    config = config_from_dict(meta["config"])
+    vocab = CharDataset(meta["vocab"], np.zeros(0, np.uint16), np.zeros(0, np.uint16))
+    tx, _ = build_optimizer(config)
+    mesh = make_mesh(dataclasses.replace(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
+    model_def, like = create_train_state(model_config(config, vocab.vocab_size), tx,
+                                         seed=config.seed, mesh=mesh)
+    state, _ = ckpt.restore(step, like=like)
+    ckpt.close()
+    return ModelDef.merge(model_def, state["params"]), vocab, meta
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m train.sample`; prints the samples."""
+    parser = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="run directory (holds checkpoints/)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (latest)")
+    parser.add_argument("--num_samples", type=int, default=None)
+    parser.add_argument("--max_new_tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top_k", type=int, default=None)
+    parser.add_argument("--start", default=None, help="prompt, or FILE:path")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model, vocab, meta = load_model(args.out, args.step)
+    cfg = meta["config"]
+    start = cfg["sample_start"] if args.start is None else args.start
+    if start.startswith("FILE:"):
+        start = Path(start[5:]).read_text(encoding="utf-8")
+    pick = lambda value, key: cfg[key] if value is None else value
+    texts = generate_text(model, vocab, start=start,
+                          num_samples=pick(args.num_samples, "num_samples"),
+                          max_new_tokens=pick(args.max_new_tokens, "sample_tokens"),
+                          temperature=pick(args.temperature, "temperature"),
+                          top_k=pick(args.top_k, "sample_top_k"), seed=args.seed)
+    for text in texts:
+        print(text, "\n---------------", sep="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

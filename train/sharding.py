@@ -1,0 +1,107 @@
+"""The device mesh `("data", "fsdp", "tensor")` and the shardings of state and batches.
+
+Parameters are sharded by their logical axis names (`models.logical_rules`: `embed` over
+`fsdp`; `mlp`, `heads`, `kv`, `vocab` over `tensor`); optimizer-state leaves created from
+sharded parameters inherit those shardings; every other leaf (counts, scalars, RNG) is
+replicated. Batches `(A, B, T)` split their batch axis over `("data", "fsdp")`.
+
+Example:
+  >>> from train.config import TrainConfig
+  >>> mesh = make_mesh(TrainConfig(mesh_data=1))
+  >>> mesh.axis_names
+  ('data', 'fsdp', 'tensor')
+
+References:
+  Xu et al., "GSPMD: General and Scalable Parallelization for ML Computation Graphs",
+  https://arxiv.org/abs/2105.04663, 2021.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from train.config import TrainConfig
+
+__all__ = [
+    "MESH_AXES",
+    "batch_sharding",
+    "make_mesh",
+    "mesh_shape",
+    "put_batch",
+    "replicated",
+    "tree_shardings",
+]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def mesh_shape(config: TrainConfig, num_devices: int) -> tuple[int, int, int]:
+    """Axis sizes from `mesh_data/fsdp/tensor`; a -1 takes the devices the others leave.
+
+    Raises:
+      ValueError: if the sizes need more devices than `num_devices`, or -1 cannot fill
+        evenly.
+    """
+    sizes = [config.mesh_data, config.mesh_fsdp, config.mesh_tensor]
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % fixed:
+            raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes, strict=True))}: {num_devices} "
+                             f"devices are not divisible by the fixed axes' product {fixed}")
+        sizes[sizes.index(-1)] = num_devices // fixed
+    if math.prod(sizes) > num_devices:
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs "
+                         f"{math.prod(sizes)} devices; {num_devices} are available")
+    return tuple(sizes)
+
+
+def make_mesh(config: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The `("data", "fsdp", "tensor")` mesh (Auto axes) over the first devices needed."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(config, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices[:math.prod(shape)])
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A sharding that keeps a full copy on every device of `mesh`."""
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of `(A, B, T)` token arrays: B over `("data", "fsdp")`."""
+    return NamedSharding(mesh, P(None, BATCH_AXES, None))
+
+
+def tree_shardings(tree: Any, mesh: Mesh) -> Any:
+    """Each leaf's own `NamedSharding` on `mesh`, or replicated when it has none there."""
+
+    def sharding(x):
+        s = getattr(x, "sharding", None)
+        return s if isinstance(s, NamedSharding) and s.mesh == mesh else replicated(mesh)
+
+    return jax.tree.map(sharding, tree)
+
+
+def put_batch(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Place a host batch (the same global array on every process) on the mesh.
+
+    Each process materialises only its addressable shards, so this also works when
+    several processes share the mesh.
+
+    Raises:
+      ValueError: if the batch axis does not divide over `("data", "fsdp")`.
+    """
+    mesh = sharding.mesh
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if x.shape[1] % ways:
+        raise ValueError(f"batch_size={x.shape[1]} must be divisible by mesh data*fsdp={ways}")
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

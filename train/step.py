@@ -1,0 +1,161 @@
+"""The train state and the jitted train and eval steps.
+
+The state is a pure pytree, `{"params", "opt_state", "step", "rng"}`: the GPT's
+parameters (a nested dict from `nnx.split`), the optax state, the number of updates done
+and the base PRNG key data. The step merges the parameters into the model inside
+`jax.jit` (explicit in/out shardings, donated state), accumulates gradients over the
+micro-batches with `lax.scan`, and applies the optimizer (whose chain starts with
+global-norm clipping). With Snoo, `snoo_sync` is a static argument: the trainer compiles
+a sync and a no-sync variant and picks one on the host.
+
+Example:
+  >>> model, state = create_train_state(gpt_config, tx, seed=0, mesh=mesh)  # doctest: +SKIP
+  >>> train_step = make_train_step(model, tx, mesh=mesh, state_shardings=...)  # doctest: +SKIP
+  >>> state, metrics = train_step(state, x_ABT, y_ABT)  # doctest: +SKIP
+
+References:
+  Karpathy, "nanoGPT" (train.py), https://github.com/karpathy/nanoGPT, 2023.
+  Flax, "examples/gemma" (NNX split/merge under jax.jit), https://github.com/google/flax, 2025.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+import models
+from train.sharding import batch_sharding, replicated, tree_shardings
+
+__all__ = [
+    "ModelDef",
+    "create_train_state",
+    "make_eval_step",
+    "make_train_step",
+]
+
+TrainState = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """What rebuilds the model from its params: the NNX graph and the non-Param state."""
+
+    graphdef: Any
+    rest: Any
+    config: models.GPTConfig
+
+    def merge(self, params: Any) -> models.GPT:
+        """The model with `params` (a pure dict) in place."""
+        return nnx.merge(self.graphdef, params, self.rest)
+
+
+def create_train_state(gpt_config: models.GPTConfig, tx: optax.GradientTransformation, *,
+                       seed: int, mesh: Mesh) -> tuple[ModelDef, TrainState]:
+    """Initialise the model (sharded by its logical names) and the optimizer state.
+
+    The optimizer state is created eagerly from the sharded params, so leaves that mirror
+    a parameter inherit its sharding; everything else is replicated on `mesh`.
+    """
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(models.logical_rules()):
+        model = models.GPT(gpt_config, rngs=nnx.Rngs(seed))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
+                 "rng": jax.random.key_data(jax.random.key(seed))}
+    state = jax.device_put(state, tree_shardings(state, mesh))
+    return ModelDef(graphdef, rest, gpt_config), state
+
+
+def _cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
+
+
+def make_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, *, mesh: Mesh,
+                    state_shardings: Any, lr_schedule: Callable[[jax.Array], jax.Array],
+                    snoo: bool = False) -> Callable[..., tuple[TrainState, dict]]:
+    """Build `train_step(state, inputs_ABT, targets_ABT, snoo_sync=None)` (jitted).
+
+    Args:
+      model: from `create_train_state`.
+      tx: the optimizer (its chain clips first).
+      mesh: the device mesh.
+      state_shardings: shardings of the train state (in and out; the state is donated).
+      lr_schedule: logged as `lr` (the schedule's value at this update).
+      snoo: the optimizer is Snoo-wrapped; `snoo_sync` (static, positional) is then passed
+        on to it (`True`/`False` on the host's fast path, `None` to decide in the step).
+
+    Returns:
+      The jitted step, returning `(state, metrics)` with float32 scalars `loss` (mean
+      cross-entropy over all micro-batches), `aux_loss` (MoE, already scaled; it is added
+      to the differentiated loss), `grad_norm` (before clipping) and `lr`.
+    """
+
+    def loss_fn(params, inputs_BT, targets_BT, key):
+        logits_BTV, aux_loss, _ = models.forward(model.merge(params), inputs_BT,
+                                                 dropout_key=key)
+        ce = _cross_entropy(logits_BTV, targets_BT)
+        return ce + aux_loss, (ce, aux_loss)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    use_dropout = model.config.dropout > 0
+
+    def train_step(state, inputs_ABT, targets_ABT, snoo_sync=None):
+        params, A = state["params"], inputs_ABT.shape[0]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        keys_A = jax.random.split(key, A)
+
+        def micro_step(grads_sum, batch):
+            inputs_BT, targets_BT, key = batch
+            (_, (ce, aux_loss)), grads = grad_fn(params, inputs_BT, targets_BT,
+                                                 key if use_dropout else None)
+            if grads_sum is None:
+                return grads, (ce, aux_loss)
+            return jax.tree.map(jnp.add, grads_sum, grads), (ce, aux_loss)
+
+        if A == 1:
+            grads, (ce, aux_loss) = micro_step(None, (inputs_ABT[0], targets_ABT[0], keys_A[0]))
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            grads, (ce_A, aux_A) = jax.lax.scan(micro_step, zeros,
+                                                (inputs_ABT, targets_ABT, keys_A))
+            grads = jax.tree.map(lambda g, p: (g / A).astype(p.dtype), grads, params)
+            ce, aux_loss = ce_A.mean(), aux_A.mean()
+        extra = {"snoo_sync": snoo_sync} if snoo else {}
+        updates, opt_state = tx.update(grads, state["opt_state"], params, **extra)
+        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+                     "step": state["step"] + 1, "rng": state["rng"]}
+        metrics = {"loss": ce, "aux_loss": aux_loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": jnp.asarray(lr_schedule(state["step"]), jnp.float32)}
+        return new_state, metrics
+
+    data = batch_sharding(mesh)
+    return jax.jit(train_step, in_shardings=(state_shardings, data, data),
+                   out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0,
+                   static_argnums=3)
+
+
+def make_eval_step(model: ModelDef, *, mesh: Mesh,
+                   params_shardings: Any) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+    """Build `eval_step(params, inputs_NBT, targets_NBT) -> mean cross-entropy` (no dropout).
+
+    The `N` batches run in one `lax.scan`, so an evaluation is one call and one transfer.
+    """
+
+    def eval_step(params, inputs_NBT, targets_NBT):
+        def one(total, batch):  # merge inside the scan: NNX modules are trace-level bound
+            logits_BTV, _, _ = models.forward(model.merge(params), batch[0])
+            return total + _cross_entropy(logits_BTV, batch[1]), None
+
+        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (inputs_NBT, targets_NBT))
+        return total / inputs_NBT.shape[0]
+
+    data = batch_sharding(mesh)
+    return jax.jit(eval_step, in_shardings=(params_shardings, data, data),
+                   out_shardings=replicated(mesh))
