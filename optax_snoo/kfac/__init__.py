@@ -1,0 +1,76 @@
+"""K-FAC as optax transformations, with learning-rate-aware refresh schedules (SPEC §4).
+
+- `layer_factors`: batch Kronecker factors ``(A, G)`` of a dense layer or expert stack;
+- `refresh_inverse` / `apply_inverse` / `precondition`: one layer's damped inverse;
+- `every`, `by_lr_phase`, `lr_ratio`, `refresh_steps`: when to refresh;
+- `scale_by_kfac`, `kfac`: the transformation and the optimizer alias;
+- `refresh_events`, `warm_start`, `estimate_factors`: host helpers for trainers.
+"""
+
+from optax_snoo.kfac.factors import LayerCurvature, layer_factors
+from optax_snoo.kfac.grafting import GraftState, graft
+from optax_snoo.kfac.precondition import (
+    EigenInverse,
+    PiInverse,
+    SpectrumStats,
+    apply_inverse,
+    clipped_eigh,
+    identity_inverse,
+    pi_adjustment,
+    precondition,
+    refresh_inverse,
+)
+from optax_snoo.kfac.refresh import (
+    PHASES,
+    ByLrPhase,
+    Every,
+    LrRatio,
+    RefreshPolicy,
+    by_lr_phase,
+    every,
+    lr_ratio,
+    policy_step,
+    refresh_steps,
+)
+from optax_snoo.kfac.transform import (
+    KfacRefreshEvent,
+    ScaleByKfacState,
+    estimate_factors,
+    kfac,
+    refresh_events,
+    scale_by_kfac,
+    warm_start,
+)
+
+__all__ = [
+    "PHASES",
+    "ByLrPhase",
+    "EigenInverse",
+    "Every",
+    "GraftState",
+    "KfacRefreshEvent",
+    "LayerCurvature",
+    "LrRatio",
+    "PiInverse",
+    "RefreshPolicy",
+    "ScaleByKfacState",
+    "SpectrumStats",
+    "apply_inverse",
+    "by_lr_phase",
+    "clipped_eigh",
+    "estimate_factors",
+    "every",
+    "graft",
+    "identity_inverse",
+    "kfac",
+    "layer_factors",
+    "lr_ratio",
+    "pi_adjustment",
+    "policy_step",
+    "precondition",
+    "refresh_events",
+    "refresh_inverse",
+    "refresh_steps",
+    "scale_by_kfac",
+    "warm_start",
+]

@@ -1,0 +1,144 @@
+"""Kronecker factors of a dense layer (or a stack of expert layers) from one batch.
+
+SPEC §4.1. For ``y = x W (+ b)`` with a Flax kernel ``W`` of shape ``(d_in, d_out)``, over
+the M tokens of a batch (every leading axis flattened; tokens are independent examples),
+L the mean loss and ``g_i = M · ∂L/∂y_i``:
+
+- ``A = (1/M) Σ x̃_i x̃_iᵀ`` with ``x̃ = [x; 1]`` when the layer has a bias, else ``x``;
+- ``G = (1/M) Σ g_i g_iᵀ``.
+
+The caller passes ``out_grads = ∂L/∂y`` (the per-token output gradients *of the mean loss*,
+as ``jax.grad`` returns them for a zero perturbation added to the layer output) and
+`layer_factors` multiplies them by M. The factors are computed in float32 whatever the
+input dtype. The curvature of the layer is ``F ≈ A ⊗ G``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class LayerCurvature(NamedTuple):
+    """The two Kronecker factors of one layer, or of a stack of layers (experts).
+
+    This is both what `layer_factors` returns (batch statistics) and what
+    `optax_snoo.kfac.scale_by_kfac` keeps in its state (their moving averages).
+
+    Attributes:
+      a: input factor, ``(*stack, d_in [+1], d_in [+1])``; the last row/column is the
+        homogeneous (bias) coordinate when the layer has a bias.
+      g: output-gradient factor, ``(*stack, d_out, d_out)``.
+    """
+
+    a: jax.Array
+    g: jax.Array
+
+
+def _with_bias_coordinate(x: jax.Array) -> jax.Array:
+    return jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
+
+
+def layer_factors(
+    inputs: jax.Array,
+    out_grads: jax.Array,
+    has_bias: bool = False,
+    *,
+    mask: jax.Array | None = None,
+    num_tokens: jax.Array | float | None = None,
+    stacked: bool = False,
+) -> LayerCurvature:
+    r"""Batch Kronecker factors ``(A, G)`` of a dense layer or of a stack of experts.
+
+    **Dense** (``stacked=False``): ``inputs`` is ``(..., d_in)`` and ``out_grads``
+    ``(..., d_out)`` with the same leading axes (e.g. ``(B, T, ·)``); every leading
+    position is a token. With ``m_i`` the mask (1 by default), ``n = Σ m_i`` and
+    ``g_i = num_tokens · out_grads_i``::
+
+        A = Σ m_i x̃_i x̃_iᵀ / n        G = Σ m_i g_i g_iᵀ / n
+
+    ``num_tokens`` defaults to ``n``: the number of tokens the mean loss averages over,
+    which makes ``g_i`` the gradient of token i's own loss.
+
+    **Expert stack** (``stacked=True``): ``inputs`` is ``(E, C, d_in)`` and ``out_grads``
+    ``(E, C, d_out)`` (``C`` the capacity slots, or any number of leading token axes after
+    ``E``); ``mask`` ``(E, C)`` marks the slots that hold a routed token. Each expert gets
+    its own factors from its own tokens (``n_e = Σ_c m_ec``; an expert that received no
+    token gets zero factors). ``num_tokens`` is then required: it is the M of the mean
+    loss (the tokens of the whole batch), which the routed slots do not determine. Pass
+    the mask for zero-padded dispatch buffers: without it an empty slot counts as a token
+    (diluting both factors, and adding to the bias coordinate of ``A``).
+
+    Args:
+      inputs: the layer inputs ``x`` (any float dtype).
+      out_grads: ``∂L/∂y`` for the mean loss L, same leading shape as ``inputs``.
+      has_bias: append the homogeneous coordinate, so ``A`` is ``(d_in+1, d_in+1)`` and
+        preconditions ``[W; b]``.
+      mask: optional 0/1 (or boolean) weights over the leading (token) axes, e.g. padding;
+        masked tokens contribute nothing to either factor.
+      num_tokens: the M of SPEC §4.1 (scale applied to ``out_grads``); a Python number or
+        a scalar array.
+      stacked: the first axis indexes independent layers (experts).
+
+    Returns:
+      `LayerCurvature` ``(a, g)`` in float32: ``a`` ``(d_in', d_in')`` and ``g``
+      ``(d_out, d_out)``, with a leading ``E`` axis when ``stacked``.
+
+    Raises:
+      ValueError: mismatched leading shapes, a mask of the wrong shape, or a stacked call
+        without ``num_tokens``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.kfac import layer_factors
+      >>> x = jnp.ones((2, 3, 4))                 # (B, T, d_in)
+      >>> dy = jnp.full((2, 3, 5), 1.0 / 6)       # ∂(mean loss)/∂y, (B, T, d_out)
+      >>> a, g = layer_factors(x, dy, has_bias=True)
+      >>> a.shape, g.shape, float(g[0, 0])
+      ((5, 5), (5, 5), 1.0)
+
+    References:
+      Martens and Grosse, `Optimizing Neural Networks with Kronecker-factored Approximate
+      Curvature <https://arxiv.org/abs/1503.05671>`_, 2015
+
+      Grosse and Martens, `A Kronecker-factored approximate Fisher matrix for convolution
+      layers <https://arxiv.org/abs/1602.01407>`_, 2016
+    """
+    if inputs.shape[:-1] != out_grads.shape[:-1]:
+        raise ValueError(
+            f"inputs {inputs.shape} and out_grads {out_grads.shape} must share their leading "
+            "(token) axes: expected (..., d_in) and (..., d_out).")
+    lead = inputs.shape[:-1]
+    if stacked:
+        if len(lead) < 2:
+            raise ValueError(
+                f"stacked=True expects inputs (E, C, d_in), got shape {inputs.shape}.")
+        if num_tokens is None:
+            raise ValueError(
+                "stacked=True needs num_tokens: the number of tokens the mean loss averages "
+                "over (the M of g = M·∂L/∂y), which the expert slots do not determine.")
+    if mask is not None and tuple(mask.shape) != lead:
+        raise ValueError(f"mask has shape {mask.shape}, expected the leading shape {lead}.")
+
+    num_experts = lead[0] if stacked else 1
+    x = inputs.astype(jnp.float32).reshape(num_experts, -1, inputs.shape[-1])
+    dy = out_grads.astype(jnp.float32).reshape(num_experts, -1, out_grads.shape[-1])
+    if mask is None:
+        weights = jnp.ones(x.shape[:2], jnp.float32)
+    else:
+        weights = mask.astype(jnp.float32).reshape(num_experts, -1)
+    count = jnp.sum(weights, axis=1)                                   # (E,)
+    scale = count if num_tokens is None else jnp.asarray(num_tokens, jnp.float32)
+    if has_bias:
+        x = _with_bias_coordinate(x)
+    g = dy * jnp.reshape(scale, (-1, 1, 1))
+    inv_count = (1.0 / jnp.maximum(count, 1.0))[:, None, None]
+    a = jnp.einsum("ecm,ecn->emn", x * weights[..., None], x, precision=_HIGHEST) * inv_count
+    gg = jnp.einsum("ecm,ecn->emn", g * weights[..., None], g, precision=_HIGHEST) * inv_count
+    if not stacked:
+        a, gg = a[0], gg[0]
+    return LayerCurvature(a=a, g=gg)

@@ -1,0 +1,739 @@
+"""`scale_by_kfac`: K-FAC as an optax transformation with learning-rate-aware refresh.
+
+SPEC §4. The transformation receives each step's batch factors as an extra argument,
+keeps their debiased moving averages (every step, cheap), recomputes the inverses only on
+refresh steps (inside ``lax.cond``: no ``eigh`` on other steps) and applies the cached
+inverses on every step. Before the first refresh the cache is the identity.
+
+**Which parameters.** A preconditioned layer is a kernel leaf of the params tree, named by
+its key path (``("l1", "kernel")``; nnx ``Variable.value`` suffixes are ignored). The
+layer's bias, when its factors include the homogeneous coordinate, is the sibling leaf
+named ``bias_name`` (``("l1", "bias")``): kernel and bias gradients are preconditioned
+together as ``[∇W; ∇b]`` (``(d_in + 1, d_out)``). Everything else passes through
+unchanged, so K-FAC composes with ``optax.partition`` (a K-FAC group and an AdamW group).
+
+By default (``layers=None``) every 2-D leaf whose key is ``"kernel"`` is preconditioned
+(a Flax ``Dense``/``nnx.Linear``), with its ``"bias"`` sibling when one of shape
+``(d_out,)`` exists. Otherwise ``layers`` is a template: a pytree with a `LayerCurvature`
+at the path of each kernel to precondition, whose ``a``/``g`` carry the factor shapes
+(arrays or ``jax.ShapeDtypeStruct``; e.g. ``jax.eval_shape`` of the function that
+computes the curvature). The factor shapes define the layer:
+
+- ``a`` ``(*stack, d_in', d_in')`` and ``g`` ``(*stack, d_out, d_out)``; leading axes are
+  a stack of independent layers (MoE experts ``(E, d_in, d_out)``);
+- the kernel's axes after the stack axes must split, in order, into axes of total size
+  ``d_in`` then ``d_out`` (``(d_model, heads, head_dim)`` works with
+  ``d_out = heads·head_dim``); the kernel gradient is reshaped to ``(d_in, d_out)``;
+- ``d_in' = d_in + 1`` means "with bias" (the ``bias_name`` sibling is required).
+
+**Curvature extra argument.** ``update(grads, state, params, curvature=C)`` where ``C`` is
+a pytree with a `LayerCurvature` (batch factors from `layer_factors`, float32) at the key
+path of every preconditioned kernel (``None`` or absent elsewhere): e.g.
+``{"l1": {"kernel": layer_factors(x1, dy1, True)}, "l2": {"kernel": ...}}``, or a tree
+shaped like the params with ``None`` at the other leaves. Keys are split on "/", so a
+flat dict keyed by path strings works too: a trainer that captured
+``{"blocks/0/mlp/fc/kernel": (inputs, out_grads), ...}`` builds
+``{path: layer_factors(x, dy, has_bias) for path, (x, dy) in stats.items()}`` (expert
+stacks: ``stacked=True``, the mask of filled slots and ``num_tokens``), and can pass
+``layers=jax.eval_shape(<that function>, ...)`` to name exactly those kernels.
+Entries for parameters of other ``optax.partition`` groups (masked here) are ignored;
+entries for parameters that do not exist or are not preconditioned, missing layers and
+wrong shapes raise ``ValueError`` at trace time. Without ``curvature`` (None) the factors
+are left unchanged that step (e.g. evaluation, or a step without statistics).
+With gradient accumulation, average the batch factors over the micro-batches and pass
+them with the accumulated gradient.
+
+**Learning rate.** Refresh policies read the learning rate of the current update: from
+the ``learning_rate`` extra argument when given (the trainer's current LR), else from the
+``learning_rate`` schedule given at construction, evaluated at the update count.
+
+**Sharding.** Factors and cached inverses are small and replicated: `init` places them
+replicated on the mesh of sharded (concrete) params, and inside ``jax.set_mesh(mesh)``
+every update constrains them to stay replicated (without a mesh context XLA chooses).
+Each device then runs the refresh ``eigh`` redundantly; gradients keep their sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_snoo.kfac.factors import LayerCurvature
+from optax_snoo.kfac.grafting import graft as graft_transform
+from optax_snoo.kfac.precondition import (
+    MODES,
+    EigenInverse,
+    PiInverse,
+    apply_inverse,
+    identity_inverse,
+    refresh_inverse,
+)
+from optax_snoo.kfac.refresh import (
+    RefreshPolicy,
+    every,
+    learning_rate_at,
+    needs_learning_rate,
+    policy_step,
+)
+
+Names = tuple[str, ...]
+GRAFTS = (None, "adam", "sgd")
+
+
+class KfacRefreshEvent(NamedTuple):
+    """The latest refresh, kept in the state (scalars; read on host with `refresh_events`).
+
+    Attributes:
+      count: number of refreshes so far (int32); a trainer logs a row when it grows.
+      step: update count of the latest refresh (int32), -1 before the first.
+      learning_rate: learning rate at the latest refresh (float32).
+      a_max, a_min: largest/smallest raw eigenvalue of the A factors over all layers.
+      g_max, g_min: same for the G factors.
+      num_clipped: eigenvalues raised to the floor in that refresh, all layers (int32).
+    """
+
+    count: jax.Array
+    step: jax.Array
+    learning_rate: jax.Array
+    a_max: jax.Array
+    a_min: jax.Array
+    g_max: jax.Array
+    g_min: jax.Array
+    num_clipped: jax.Array
+
+
+class ScaleByKfacState(NamedTuple):
+    """State of `scale_by_kfac`.
+
+    Attributes:
+      count: number of updates so far (int32); policies and schedules read it.
+      factor_weight: weight of the factor EMA (float32): ``w ← ρ w + 1`` per step with
+        statistics; 0 means no statistics yet (no refresh can happen).
+      factors: nested dict keyed by the kernel key path (strings) of `LayerCurvature`
+        moving averages (float32).
+      inverses: same keys, the cached `PiInverse` or `EigenInverse` (float32).
+      event: the latest `KfacRefreshEvent`.
+    """
+
+    count: jax.Array
+    factor_weight: jax.Array
+    factors: dict
+    inverses: dict
+    event: KfacRefreshEvent
+
+
+def _initial_event() -> KfacRefreshEvent:
+    zero = jnp.zeros((), jnp.float32)
+    return KfacRefreshEvent(
+        count=jnp.zeros((), jnp.int32), step=jnp.full((), -1, jnp.int32),
+        learning_rate=zero, a_max=zero, a_min=zero, g_max=zero, g_min=zero,
+        num_clipped=jnp.zeros((), jnp.int32))
+
+
+# --------------------------------------------------------------------------- key paths
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _names(path: Sequence[Any]) -> Names:
+    """A key path as a tuple of strings: a trailing nnx ``.value`` attribute is dropped and
+    keys are split on "/", so ``{"l1": {"kernel": c}}`` and ``{"l1/kernel": c}`` match."""
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
+    return tuple(part for k in path for part in _key_name(k).split("/"))
+
+
+def _label(names: Names) -> str:
+    return "/".join(names) or "<root>"
+
+
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _flatten_params(tree: Any) -> tuple[list[tuple[Names, Any]], Any]:
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_masked)
+    return [(_names(path), leaf) for path, leaf in pairs], treedef
+
+
+def _flatten_curvature(tree: Any, what: str) -> dict[Names, LayerCurvature]:
+    """Path -> LayerCurvature for a curvature tree (``None`` entries are skipped)."""
+    pairs = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is None or isinstance(x, LayerCurvature))[0]
+    out = {}
+    for path, leaf in pairs:
+        if leaf is None:
+            continue
+        if not isinstance(leaf, LayerCurvature):
+            raise ValueError(
+                f"{what}: expected a LayerCurvature(a, g) (or None) at the path of each "
+                f"preconditioned kernel, found {type(leaf).__name__} at {_label(_names(path))}.")
+        out[_names(path)] = leaf
+    return out
+
+
+def _nested(items: dict[Names, Any]) -> dict:
+    root: dict = {}
+    for names, value in items.items():
+        node = root
+        for name in names[:-1]:
+            node = node.setdefault(name, {})
+        node[names[-1]] = value
+    return root
+
+
+def _flatten_nested(tree: dict, cls: type | tuple[type, ...]) -> dict[Names, Any]:
+    pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, cls))[0]
+    return {_names(path): leaf for path, leaf in pairs}
+
+
+# ------------------------------------------------------------------------------ blocks
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """Where a preconditioned layer sits in the flat leaves (static, Python)."""
+
+    names: Names
+    kernel: int
+    bias: int | None
+    stack: tuple[int, ...]
+    d_in: int
+    d_out: int
+    a_shape: tuple[int, ...]
+    g_shape: tuple[int, ...]
+
+
+def _resolve_blocks(specs: dict[Names, tuple[tuple[int, ...], tuple[int, ...]]],
+                    entries: list[tuple[Names, Any]], bias_name: str) -> list[_Block]:
+    """Match factor shapes to kernel (and bias) leaves; ValueError on any inconsistency."""
+    index = {names: i for i, (names, leaf) in enumerate(entries) if not _is_masked(leaf)}
+    blocks, claimed = [], {}
+    for names, (a_shape, g_shape) in sorted(specs.items()):
+        where = _label(names)
+        if names not in index:
+            raise ValueError(f"K-FAC layer {where}: no such parameter in the params tree.")
+        k_shape = tuple(np.shape(entries[index[names]][1]))
+        a_shape, g_shape = tuple(a_shape), tuple(g_shape)
+        stack = a_shape[:-2]
+        if (len(a_shape) < 2 or len(g_shape) < 2 or a_shape[-1] != a_shape[-2]
+                or g_shape[-1] != g_shape[-2] or g_shape[:-2] != stack
+                or k_shape[:len(stack)] != stack):
+            raise ValueError(
+                f"K-FAC layer {where}: factors a {a_shape} and g {g_shape} must be "
+                f"(*stack, d, d) with the same stack axes leading the kernel {k_shape}.")
+        rest = k_shape[len(stack):]
+        size, a_dim, d_out = math.prod(rest), a_shape[-1], g_shape[-1]
+        if size == a_dim * d_out:
+            d_in, bias = a_dim, None
+        elif size == (a_dim - 1) * d_out:
+            d_in = a_dim - 1
+            bias_names = (*names[:-1], bias_name)
+            if bias_names not in index:
+                raise ValueError(
+                    f"K-FAC layer {where}: factor a {a_shape} includes a bias coordinate but "
+                    f"there is no sibling leaf {_label(bias_names)} (in this group).")
+            b_shape = tuple(np.shape(entries[index[bias_names]][1]))
+            if b_shape[:len(stack)] != stack or math.prod(b_shape[len(stack):]) != d_out:
+                raise ValueError(
+                    f"K-FAC layer {where}: bias {_label(bias_names)} has shape {b_shape}, "
+                    f"expected {stack} followed by axes of total size {d_out}.")
+            if bias_names in claimed:
+                raise ValueError(f"K-FAC: bias {_label(bias_names)} is claimed by two "
+                                 f"kernels, {claimed[bias_names]} and {where}.")
+            claimed[bias_names] = where
+            bias = index[bias_names]
+        else:
+            raise ValueError(
+                f"K-FAC layer {where}: kernel {k_shape} does not fit factors a {a_shape}, "
+                f"g {g_shape}: expected {d_out}·{a_dim} (no bias) or {d_out}·{a_dim - 1} "
+                "(bias) elements per stacked layer.")
+        prefix_sizes = {math.prod(rest[:j]) for j in range(len(rest) + 1)}
+        if d_in not in prefix_sizes:
+            raise ValueError(
+                f"K-FAC layer {where}: the kernel axes {rest} cannot be split into leading "
+                f"axes of size {d_in} (inputs) and trailing axes of size {d_out} (outputs).")
+        blocks.append(_Block(names, index[names], bias, stack, d_in, d_out, a_shape, g_shape))
+    return blocks
+
+
+def _default_specs(entries: list[tuple[Names, Any]], bias_name: str):
+    shapes = {names: np.shape(leaf) for names, leaf in entries if not _is_masked(leaf)}
+    specs = {}
+    for names, shape in shapes.items():
+        if names and names[-1] == "kernel" and len(shape) == 2:
+            d_in, d_out = shape
+            has_bias = shapes.get((*names[:-1], bias_name)) == (d_out,)
+            a_dim = d_in + 1 if has_bias else d_in
+            specs[names] = ((a_dim, a_dim), (d_out, d_out))
+    return specs
+
+
+def _template_specs(layers: Any, entries: list[tuple[Names, Any]]):
+    masked = {names for names, leaf in entries if _is_masked(leaf)}
+    return {names: (tuple(np.shape(c.a)), tuple(np.shape(c.g)))
+            for names, c in _flatten_curvature(layers, "layers").items()
+            if names not in masked}
+
+
+def _match_curvature(curvature: Any, blocks: list[_Block],
+                     entries: list[tuple[Names, Any]]) -> list[LayerCurvature]:
+    given = _flatten_curvature(curvature, "curvature")
+    by_name = {b.names: b for b in blocks}
+    masked = {names for names, leaf in entries if _is_masked(leaf)}
+    params = {names for names, leaf in entries if not _is_masked(leaf)}
+    for names in given:
+        if names in by_name or names in masked:
+            continue
+        if names in params:
+            raise ValueError(
+                f"curvature given for {_label(names)}, which this K-FAC transform does not "
+                "precondition (pass layers=... to choose the layers).")
+        raise ValueError(f"curvature given for {_label(names)}: no such parameter.")
+    out = []
+    for b in blocks:
+        if b.names not in given:
+            raise ValueError(f"curvature has no LayerCurvature for the K-FAC layer "
+                             f"{_label(b.names)}.")
+        c = given[b.names]
+        if tuple(np.shape(c.a)) != b.a_shape or tuple(np.shape(c.g)) != b.g_shape:
+            raise ValueError(
+                f"curvature for {_label(b.names)}: a {np.shape(c.a)} and g {np.shape(c.g)}, "
+                f"expected {b.a_shape} and {b.g_shape}.")
+        out.append(LayerCurvature(jnp.asarray(c.a, jnp.float32), jnp.asarray(c.g, jnp.float32)))
+    return out
+
+
+def _replicated_like(x: jax.Array, leaf: Any) -> jax.Array:
+    """Place a factor-sized array replicated on the mesh of a sharded (concrete) param."""
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+        sharding = leaf.sharding
+        if isinstance(sharding, NamedSharding):
+            return jax.device_put(x, NamedSharding(sharding.mesh, P()))
+    return x
+
+
+def _replicate_under_mesh(tree: Any) -> Any:
+    """Inside ``jax.set_mesh(...)``, constrain factor-sized arrays to be replicated (else XLA
+    may shard them after the first update); without a mesh context, leave placement to XLA."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+# ------------------------------------------------------------------------ the transform
+def scale_by_kfac(
+    damping: optax.ScalarOrSchedule = 1e-3,
+    ema_decay: float = 0.95,
+    refresh: RefreshPolicy | int = 10,
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    mode: str = "pi",
+    eig_floor_abs: float = 1e-8,
+    eig_floor_rel: float = 1e-6,
+    layers: Any = None,
+    bias_name: str = "bias",
+) -> optax.GradientTransformationExtraArgs:
+    r"""K-FAC preconditioning direction (no learning rate, no sign), SPEC §4.
+
+    Every update: (1) when ``curvature`` is given, the factor EMAs advance, kfac-jax
+    style: ``w ← ρ w + 1``, ``F ← (1 - 1/w) F + (1/w) F_batch`` (so the first batch is
+    taken as is, and the weights always sum to one); (2) the refresh policy decides, from
+    the update count and learning rate, whether to recompute the inverses — inside
+    ``lax.cond``, so ``eigh`` runs on refresh steps only, and only once statistics exist;
+    (3) the cached inverses precondition each layer (identity before the first refresh).
+    Leaves that are not preconditioned pass through unchanged.
+
+    Extra arguments of ``update``: ``curvature`` (the batch factors, see the module
+    docstring for the format) and ``learning_rate`` (the current LR, overriding the
+    construction-time schedule for the refresh policy).
+
+    Args:
+      damping: λ >= 0, or a schedule of the update count (read at refresh time).
+      ema_decay: ρ in [0, 1) of the factor EMA (kfac-jax/KAISA default 0.95; the SPEC's
+        source article uses 0.9).
+      refresh: a refresh policy (`every`, `by_lr_phase`, `lr_ratio`, or any callable
+        ``(step, lr, last_step, last_lr) -> bool``); an int ``n`` means ``every(n)``.
+      learning_rate: the LR schedule (or constant) that LR-aware policies read; the
+        transform does not scale by it. Not needed when the ``learning_rate`` extra
+        argument is passed on every update, or for `every`.
+      mode: ``"pi"`` (factored damping, cached ``Â⁻¹`` and ``Ĝ⁻¹``) or ``"eigen"``
+        (exact damping ``(A⊗G + λI)⁻¹``, cached eigenbases and ``1/(s_A s_Gᵀ + λ)``).
+      eig_floor_abs: absolute floor of the factor eigenvalues at refresh.
+      eig_floor_rel: floor relative to each factor's largest eigenvalue.
+      layers: None (every 2-D ``"kernel"`` leaf, with its ``bias`` sibling) or a template
+        tree of `LayerCurvature` shapes at the kernels to precondition.
+      bias_name: key of a kernel's bias sibling.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state `ScaleByKfacState`.
+
+    Raises:
+      ValueError: bad hyperparameters here; bad ``layers``/``curvature`` trees at
+        init/trace time.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from optax_snoo.kfac import every, layer_factors, scale_by_kfac
+      >>> params = {"dense": {"kernel": jnp.ones((4, 3)), "bias": jnp.zeros(3)}}
+      >>> tx = optax.chain(scale_by_kfac(damping=1e-2, refresh=every(1, first=0)),
+      ...                  optax.scale_by_learning_rate(0.1))
+      >>> state = tx.init(params)
+      >>> x = jax.random.normal(jax.random.key(0), (8, 4))
+      >>> dy = jax.random.normal(jax.random.key(1), (8, 3)) / 8
+      >>> curvature = {"dense": {"kernel": layer_factors(x, dy, has_bias=True)}}
+      >>> grads = jax.tree.map(jnp.ones_like, params)
+      >>> updates, state = tx.update(grads, state, params, curvature=curvature)
+      >>> int(state[0].event.count)
+      1
+
+    References:
+      Martens and Grosse, `Optimizing Neural Networks with Kronecker-factored Approximate
+      Curvature <https://arxiv.org/abs/1503.05671>`_, 2015
+
+      Botev and Martens, `KFAC-JAX <https://github.com/google-deepmind/kfac-jax>`_, 2022
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    if _is_number(ema_decay) and not 0.0 <= ema_decay < 1.0:
+        raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}.")
+    if _is_number(damping) and damping < 0:
+        raise ValueError(f"damping must be >= 0 (a float or a schedule), got {damping!r}.")
+    for name, value in (("eig_floor_abs", eig_floor_abs), ("eig_floor_rel", eig_floor_rel)):
+        if _is_number(value) and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}.")
+    if isinstance(refresh, numbers.Integral) and not isinstance(refresh, bool):
+        refresh = every(int(refresh))
+    if not callable(refresh):
+        raise ValueError(f"refresh must be a refresh policy or an int interval, got "
+                         f"{refresh!r}.")
+    if not isinstance(bias_name, str):
+        raise ValueError(f"bias_name must be a string, got {bias_name!r}.")
+    lr_schedule = learning_rate
+
+    def init_fn(params):
+        entries, _ = _flatten_params(params)
+        if layers is None:
+            specs = _default_specs(entries, bias_name)
+        else:
+            specs = _template_specs(layers, entries)
+        blocks = _resolve_blocks(specs, entries, bias_name)
+        factors, inverses = {}, {}
+        for b in blocks:
+            kernel = entries[b.kernel][1]
+            factors[b.names] = LayerCurvature(
+                a=_replicated_like(jnp.zeros(b.a_shape, jnp.float32), kernel),
+                g=_replicated_like(jnp.zeros(b.g_shape, jnp.float32), kernel))
+            inverses[b.names] = jax.tree.map(
+                lambda x, k=kernel: _replicated_like(x, k),
+                identity_inverse(b.a_shape, b.g_shape, mode))
+        return ScaleByKfacState(
+            count=jnp.zeros((), jnp.int32), factor_weight=jnp.zeros((), jnp.float32),
+            factors=_nested(factors), inverses=_nested(inverses), event=_initial_event())
+
+    def update_fn(updates, state, params=None, *, curvature=None, learning_rate=None,
+                  **extra_args):
+        del params, extra_args
+        entries, treedef = _flatten_params(updates)
+        old_factors = _flatten_nested(state.factors, LayerCurvature)
+        old_inverses = _flatten_nested(state.inverses, (PiInverse, EigenInverse))
+        specs = {n: (tuple(f.a.shape), tuple(f.g.shape)) for n, f in old_factors.items()}
+        blocks = _resolve_blocks(specs, entries, bias_name)
+
+        # (1) factor moving averages.
+        factors = [old_factors[b.names] for b in blocks]
+        weight = state.factor_weight
+        if curvature is not None:
+            batch = _match_curvature(curvature, blocks, entries)
+            weight = ema_decay * weight + 1.0
+            new_frac = 1.0 / weight
+            factors = [jax.tree.map(lambda old, new: (1.0 - new_frac) * old + new_frac * new,
+                                    f, c) for f, c in zip(factors, batch, strict=True)]
+
+        # (2) refresh decision and, under lax.cond, the inverses.
+        count = state.count
+        if learning_rate is not None:
+            lr = jnp.asarray(learning_rate, jnp.float32)
+        elif lr_schedule is not None or not needs_learning_rate(refresh):
+            lr = learning_rate_at(lr_schedule, count)
+        else:
+            raise ValueError(
+                f"refresh policy {refresh!r} reads the learning rate: pass learning_rate= "
+                "to scale_by_kfac (the schedule) or to update (the current value).")
+        do_refresh, _, _ = policy_step(refresh, count, lr, state.event.step,
+                                       state.event.learning_rate, allowed=weight > 0)
+        lam = damping(count) if callable(damping) else damping
+
+        def recompute(operands):
+            factors, _, event = operands
+            results = [refresh_inverse(f.a, f.g, lam, mode, eig_floor_abs, eig_floor_rel)
+                       for f in factors]
+            stats = [s for _, s in results]
+            extreme = lambda fn, name: (fn(jnp.stack([getattr(s, name) for s in stats]))
+                                        if stats else jnp.zeros((), jnp.float32))
+            new_event = KfacRefreshEvent(
+                count=event.count + 1, step=count, learning_rate=lr,
+                a_max=extreme(jnp.max, "a_max"), a_min=extreme(jnp.min, "a_min"),
+                g_max=extreme(jnp.max, "g_max"), g_min=extreme(jnp.min, "g_min"),
+                num_clipped=sum((s.num_clipped for s in stats), jnp.zeros((), jnp.int32)))
+            return [inv for inv, _ in results], new_event
+
+        def keep(operands):
+            _, inverses, event = operands
+            return inverses, event
+
+        factors = _replicate_under_mesh(factors)
+        inverses, event = jax.lax.cond(
+            do_refresh, recompute, keep,
+            (factors, [old_inverses[b.names] for b in blocks], state.event))
+        inverses = _replicate_under_mesh(inverses)
+
+        # (3) precondition with the cached inverses.
+        leaves = [leaf for _, leaf in entries]
+        for b, inverse in zip(blocks, inverses, strict=True):
+            kernel = leaves[b.kernel]
+            grad = jnp.reshape(kernel, (*b.stack, b.d_in, b.d_out)).astype(jnp.float32)
+            if b.bias is not None:
+                bias_row = jnp.reshape(leaves[b.bias], (*b.stack, 1, b.d_out))
+                grad = jnp.concatenate([grad, bias_row.astype(jnp.float32)], axis=-2)
+            out = apply_inverse(inverse, grad)
+            leaves[b.kernel] = jnp.reshape(out[..., :b.d_in, :], kernel.shape).astype(
+                kernel.dtype)
+            if b.bias is not None:
+                bias = leaves[b.bias]
+                leaves[b.bias] = jnp.reshape(out[..., b.d_in, :], bias.shape).astype(bias.dtype)
+
+        names = [b.names for b in blocks]
+        new_state = ScaleByKfacState(
+            count=optax.safe_increment(count), factor_weight=weight,
+            factors=_nested(dict(zip(names, factors, strict=True))),
+            inverses=_nested(dict(zip(names, inverses, strict=True))), event=event)
+        return jax.tree_util.tree_unflatten(treedef, leaves), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def kfac(
+    learning_rate: optax.ScalarOrSchedule,
+    damping: optax.ScalarOrSchedule = 1e-3,
+    momentum: float | None = 0.9,
+    nesterov: bool = False,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    weight_decay_mask: Any = None,
+    *,
+    ema_decay: float = 0.95,
+    refresh: RefreshPolicy | int = 10,
+    mode: str = "pi",
+    graft: str | None = None,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eig_floor_abs: float = 1e-8,
+    eig_floor_rel: float = 1e-6,
+    layers: Any = None,
+    bias_name: str = "bias",
+) -> optax.GradientTransformationExtraArgs:
+    r"""K-FAC optimizer: `scale_by_kfac`, optional grafting, momentum, weight decay, LR.
+
+    ``chain(graft(magnitude, scale_by_kfac) or scale_by_kfac, trace(momentum),
+    add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))``.
+    Grafting (per leaf) rescales the K-FAC direction to the norm of another direction
+    computed from the same gradient: ``"sgd"`` the gradient itself, ``"adam"`` Adam's
+    second-moment-normalised gradient (``scale_by_adam(b1=0, b2, eps)``: momentum is
+    applied after grafting, as in Distributed Shampoo). The ``learning_rate`` schedule is
+    also what LR-aware refresh policies read. Pass the batch factors as
+    ``update(..., curvature=...)`` (see `scale_by_kfac`).
+
+    Args:
+      learning_rate: learning rate or schedule.
+      damping: λ or a schedule.
+      momentum: heavy-ball momentum (``optax.trace``) or None/0 for none.
+      nesterov: Nesterov momentum.
+      weight_decay: decoupled weight decay (AdamW style, multiplied by the LR).
+      weight_decay_mask: optional mask tree/callable for the weight decay.
+      ema_decay: factor EMA decay ρ.
+      refresh: refresh policy or an interval.
+      mode: ``"pi"`` or ``"eigen"``.
+      graft: None, ``"adam"`` or ``"sgd"``.
+      b2: Adam's second-moment decay for ``graft="adam"``.
+      eps: Adam's epsilon for ``graft="adam"``.
+      eig_floor_abs: absolute eigenvalue floor.
+      eig_floor_rel: relative eigenvalue floor.
+      layers: which kernels to precondition (see `scale_by_kfac`).
+      bias_name: key of a kernel's bias sibling.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    Raises:
+      ValueError: unknown ``graft`` or bad hyperparameters.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from optax_snoo.kfac import every, kfac
+      >>> tx = kfac(optax.cosine_decay_schedule(0.1, 1000), damping=1e-2,
+      ...           refresh=every(100, first=0), graft="adam")
+      >>> state = tx.init({"dense": {"kernel": jnp.ones((4, 3))}})
+
+    References:
+      Martens and Grosse, `Optimizing Neural Networks with Kronecker-factored Approximate
+      Curvature <https://arxiv.org/abs/1503.05671>`_, 2015
+
+      Agarwal et al., `Disentangling Adaptive Gradient Methods from Learning Rates
+      <https://arxiv.org/abs/2002.11803>`_, 2020 (grafting)
+    """
+    if graft not in GRAFTS:
+        raise ValueError(f"graft must be one of {GRAFTS}, got {graft!r}.")
+    if _is_number(momentum) and not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1) or None, got {momentum!r}.")
+    direction = scale_by_kfac(
+        damping=damping, ema_decay=ema_decay, refresh=refresh, learning_rate=learning_rate,
+        mode=mode, eig_floor_abs=eig_floor_abs, eig_floor_rel=eig_floor_rel, layers=layers,
+        bias_name=bias_name)
+    if graft == "adam":
+        direction = graft_transform(optax.scale_by_adam(b1=0.0, b2=b2, eps=eps), direction)
+    elif graft == "sgd":
+        direction = graft_transform(optax.identity(), direction)
+    return optax.chain(
+        direction,
+        (optax.identity() if momentum is None or (_is_number(momentum) and momentum == 0)
+         else optax.trace(decay=momentum, nesterov=nesterov)),
+        optax.add_decayed_weights(weight_decay, weight_decay_mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+# --------------------------------------------------------------------------- host helpers
+def _kfac_states(opt_state: Any) -> list[ScaleByKfacState]:
+    is_state = lambda x: isinstance(x, ScaleByKfacState)
+    return [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+
+
+def _host_scalar(x: Any) -> Any:
+    """A scalar leaf on host; nnx.Optimizer wraps state leaves in Variables (get_value)."""
+    getter = getattr(x, "get_value", None)
+    return np.asarray(getter() if callable(getter) else x).item()
+
+
+def refresh_events(opt_state: Any) -> list[dict[str, Any]]:
+    """The latest refresh of every K-FAC transform in an optimizer state, as host dicts.
+
+    Args:
+      opt_state: any optimizer state (chain, partition, snoo, nnx.Optimizer's state...).
+
+    Returns:
+      One dict per `ScaleByKfacState` found (tree order): ``refresh`` (number of
+      refreshes so far), ``step``, ``lr``, ``a_eig_max``, ``a_eig_min``, ``g_eig_max``,
+      ``g_eig_min``, ``num_clipped``. A trainer writes a row when ``refresh`` grows.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.kfac import refresh_events, scale_by_kfac
+      >>> state = scale_by_kfac().init({"l": {"kernel": jnp.ones((2, 2))}})
+      >>> refresh_events(state)[0]["refresh"]
+      0
+    """
+    rows = []
+    for s in _kfac_states(opt_state):
+        e = s.event
+        rows.append({
+            "refresh": int(_host_scalar(e.count)), "step": int(_host_scalar(e.step)),
+            "lr": float(_host_scalar(e.learning_rate)),
+            "a_eig_max": float(_host_scalar(e.a_max)),
+            "a_eig_min": float(_host_scalar(e.a_min)),
+            "g_eig_max": float(_host_scalar(e.g_max)),
+            "g_eig_min": float(_host_scalar(e.g_min)),
+            "num_clipped": int(_host_scalar(e.num_clipped))})
+    return rows
+
+
+def estimate_factors(curvature_batches: Sequence[Any]) -> Any:
+    """Average several batches' curvature trees (same structure): the warm-start estimate.
+
+    Args:
+      curvature_batches: a non-empty sequence of curvature trees (see `scale_by_kfac`).
+
+    Returns:
+      A curvature tree of the same structure with the mean factors (float32).
+
+    Raises:
+      ValueError: an empty sequence or trees of different structure.
+    """
+    batches = list(curvature_batches)
+    if not batches:
+        raise ValueError("estimate_factors needs at least one curvature batch.")
+    structures = {jax.tree.structure(b) for b in batches}
+    if len(structures) != 1:
+        raise ValueError("estimate_factors: the curvature batches have different structures.")
+    return jax.tree.map(lambda *xs: sum(jnp.asarray(x, jnp.float32) for x in xs) / len(xs),
+                        *batches)
+
+
+def warm_start(opt_state: Any, curvature_batches: Sequence[Any]) -> Any:
+    """Seed the K-FAC factors from a few batches before training (SPEC §4.3, strategy 4).
+
+    Every `ScaleByKfacState` in ``opt_state`` gets, for each of its layers, the mean of
+    the batches' factors (`estimate_factors`) and an EMA weight equal to the number of
+    batches (the estimate counts as that many equally weighted batches; later batches
+    enter with weight ``1/w`` as usual). The update count, cached inverses and refresh
+    event are unchanged: with a policy that refreshes at step 0 (``every(n, first=0)``)
+    the first inverse then comes from these batches plus the first training batch rather
+    than from one warm-up batch. Entries of the batches for layers of no K-FAC state are
+    ignored (they may belong to another optimizer group).
+
+    Args:
+      opt_state: an optimizer state containing one or more `ScaleByKfacState`.
+      curvature_batches: curvature trees from `layer_factors` on a few batches (e.g.
+        forward/backward passes without updates).
+
+    Returns:
+      ``opt_state`` with the factors replaced.
+
+    Raises:
+      ValueError: no K-FAC state found, or a K-FAC layer missing from the batches.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.kfac import LayerCurvature, scale_by_kfac, warm_start
+      >>> state = scale_by_kfac().init({"l": {"kernel": jnp.ones((2, 2))}})
+      >>> c = {"l": {"kernel": LayerCurvature(jnp.eye(2), jnp.eye(2))}}
+      >>> float(warm_start(state, [c, c]).factor_weight)
+      2.0
+    """
+    batches = list(curvature_batches)
+    estimate = _flatten_curvature(estimate_factors(batches), "curvature_batches")
+    if not _kfac_states(opt_state):
+        raise ValueError("warm_start: no ScaleByKfacState in opt_state.")
+
+    def seed(s):
+        if not isinstance(s, ScaleByKfacState):
+            return s
+        old = _flatten_nested(s.factors, LayerCurvature)
+        new = {}
+        for names, f in old.items():
+            if names not in estimate:
+                raise ValueError(f"warm_start: the curvature batches have no entry for the "
+                                 f"K-FAC layer {_label(names)}.")
+            c = estimate[names]
+            if c.a.shape != f.a.shape or c.g.shape != f.g.shape:
+                raise ValueError(
+                    f"warm_start: {_label(names)} has a {c.a.shape}, g {c.g.shape}; "
+                    f"expected {f.a.shape} and {f.g.shape}.")
+            new[names] = LayerCurvature(c.a.astype(f.a.dtype), c.g.astype(f.g.dtype))
+        return s._replace(factors=_nested(new),
+                          factor_weight=jnp.asarray(len(batches), s.factor_weight.dtype))
+
+    return jax.tree.map(seed, opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))
