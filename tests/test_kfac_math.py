@@ -49,7 +49,7 @@ def _np_factors(x, dy, has_bias, mask=None, num_tokens=None):
     return x.T @ x / m, g.T @ g / m
 
 
-def _close(actual, expected, rtol=1e-5, atol_rel=1e-6):
+def assert_close(actual, expected, rtol=1e-5, atol_rel=1e-6):
     expected = np.asarray(expected, np.float64)
     atol = atol_rel * max(1.0, float(np.max(np.abs(expected))))
     np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol, atol=atol)
@@ -64,8 +64,8 @@ def test_dense_factors_match_numpy(has_bias):
     a_ref, g_ref = _np_factors(x, dy, has_bias)
     assert a.dtype == g.dtype == jnp.float32
     assert a.shape == ((5, 5) if has_bias else (4, 4)) and g.shape == (3, 3)
-    _close(a, a_ref)
-    _close(g, g_ref)
+    assert_close(a, a_ref)
+    assert_close(g, g_ref)
     if has_bias:
         np.testing.assert_allclose(float(a[-1, -1]), 1.0, rtol=1e-6)
 
@@ -76,12 +76,12 @@ def test_dense_factors_mask_and_num_tokens():
     mask = RNG.random((3, 4)) > 0.4
     a, g = layer_factors(jnp.asarray(x), jnp.asarray(dy), True, mask=jnp.asarray(mask))
     a_ref, g_ref = _np_factors(x, dy, True, mask)
-    _close(a, a_ref)
-    _close(g, g_ref)
+    assert_close(a, a_ref)
+    assert_close(g, g_ref)
     a2, g2 = layer_factors(jnp.asarray(x), jnp.asarray(dy), False, num_tokens=7.0)
     a2_ref, g2_ref = _np_factors(x, dy, False, num_tokens=7.0)
-    _close(a2, a2_ref)
-    _close(g2, g2_ref)
+    assert_close(a2, a2_ref)
+    assert_close(g2, g2_ref)
 
 
 def test_dense_factors_bf16_inputs_computed_in_f32():
@@ -90,8 +90,8 @@ def test_dense_factors_bf16_inputs_computed_in_f32():
     a, g = layer_factors(x, dy, True)
     assert a.dtype == g.dtype == jnp.float32
     a_ref, g_ref = _np_factors(np.asarray(x, np.float32), np.asarray(dy, np.float32), True)
-    _close(a, a_ref)
-    _close(g, g_ref)
+    assert_close(a, a_ref)
+    assert_close(g, g_ref)
 
 
 def test_expert_stack_factors_with_mask():
@@ -105,8 +105,8 @@ def test_expert_stack_factors_with_mask():
     assert a.shape == (E, d_in + 1, d_in + 1) and g.shape == (E, d_out, d_out)
     for e in range(E):
         a_ref, g_ref = _np_factors(x[e], dy[e], True, mask[e], num_tokens=N)
-        _close(a[e], a_ref)
-        _close(g[e], g_ref)
+        assert_close(a[e], a_ref)
+        assert_close(g[e], g_ref)
     assert not np.any(np.asarray(a[2])) and not np.any(np.asarray(g[2]))
 
 
@@ -159,8 +159,8 @@ def test_mlp_capture_reproduces_the_gradient():
         x2 = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
         x2 = np.concatenate([x2, np.ones((len(x2), 1))], axis=1)
         full = x2.T @ np.asarray(dy, np.float64).reshape(-1, dy.shape[-1])
-        _close(full[:-1], grads[name]["kernel"], rtol=1e-5)
-        _close(full[-1], grads[name]["bias"], rtol=1e-5)
+        assert_close(full[:-1], grads[name]["kernel"], rtol=1e-5)
+        assert_close(full[-1], grads[name]["bias"], rtol=1e-5)
 
 
 # --------------------------------------------------------------------- preconditioning
@@ -199,7 +199,7 @@ def test_eigen_mode_is_the_exact_kronecker_solve(lam):
     g, g64 = _f32(_spd(3, RNG, scale=2.0))
     grad, grad64 = _f32(RNG.normal(size=(5, 3)))
     out = precondition(grad, a, g, lam, mode="eigen")
-    _close(out, _kron_solve(grad64, a64, g64, lam), rtol=2e-5)
+    assert_close(out, _kron_solve(grad64, a64, g64, lam), rtol=2e-5)
 
 
 @pytest.mark.parametrize("lam", [1e-3, 0.1])
@@ -208,7 +208,7 @@ def test_pi_mode_is_the_explicit_pi_damped_formula(lam):
     g, g64 = _f32(_spd(3, RNG, scale=0.5))
     grad, grad64 = _f32(RNG.normal(size=(5, 3)))
     out = precondition(grad, a, g, lam, mode="pi")
-    _close(out, _pi_explicit(grad64, a64, g64, lam), rtol=2e-5)
+    assert_close(out, _pi_explicit(grad64, a64, g64, lam), rtol=2e-5)
     # π from the traces (SPEC §4.2).
     pi = np.sqrt((np.trace(a64) / 5) / (np.trace(g64) / 3))
     np.testing.assert_allclose(float(pi_adjustment(a, g)), pi, rtol=1e-6)
@@ -219,8 +219,8 @@ def test_pi_and_eigen_agree_without_damping():
     g, g64 = _f32(_spd(3, RNG))
     grad, grad64 = _f32(RNG.normal(size=(4, 3)))
     exact = np.linalg.solve(a64, grad64) @ np.linalg.inv(g64)
-    _close(precondition(grad, a, g, 0.0, mode="pi"), exact, rtol=1e-4)
-    _close(precondition(grad, a, g, 0.0, mode="eigen"), exact, rtol=1e-4)
+    assert_close(precondition(grad, a, g, 0.0, mode="pi"), exact, rtol=1e-4)
+    assert_close(precondition(grad, a, g, 0.0, mode="eigen"), exact, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["eigen", "pi"])
@@ -235,7 +235,7 @@ def test_on_mlp_statistics(mode):
         grad64 = np.asarray(grad, np.float64)
         want = (_kron_solve(grad64, a64, g64, lam) if mode == "eigen"
                 else _pi_explicit(grad64, a64, g64, lam))
-        _close(precondition(grad, a, g, lam, mode=mode), want, rtol=1e-4, atol_rel=1e-5)
+        assert_close(precondition(grad, a, g, lam, mode=mode), want, rtol=1e-4, atol_rel=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["eigen", "pi"])
@@ -248,7 +248,7 @@ def test_stacked_factors_equal_per_expert(mode):
     for e in range(E):
         single = precondition(*(jnp.asarray(v[e], jnp.float32) for v in (grad, a, g)), 0.05,
                               mode=mode)
-        _close(out[e], single, rtol=1e-5)
+        assert_close(out[e], single, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["eigen", "pi"])
@@ -268,7 +268,7 @@ def test_zero_and_rank_deficient_factors_are_finite(mode, lam):
         assert int(stats.num_clipped) > 0
     if lam > 0:
         # zero factors: both modes reduce to ∇/λ (pi: π = 1 when a trace is zero).
-        _close(precondition(grad, jnp.zeros((4, 4)), jnp.zeros((3, 3)), lam, mode=mode),
+        assert_close(precondition(grad, jnp.zeros((4, 4)), jnp.zeros((3, 3)), lam, mode=mode),
                np.asarray(grad, np.float64) / lam, rtol=1e-5)
 
 
@@ -278,7 +278,7 @@ def test_clipped_eigh_floors_and_counts():
     np.testing.assert_allclose(np.sort(np.asarray(s_raw)), [-1e-7, 1e-9, 0.5, 1.0], rtol=1e-6)
     np.testing.assert_allclose(np.sort(np.asarray(s)), [1e-6, 1e-6, 0.5, 1.0], rtol=1e-6)
     assert int(n) == 2
-    _close(q @ jnp.diag(s_raw) @ q.T, m, rtol=1e-6)
+    assert_close(q @ jnp.diag(s_raw) @ q.T, m, rtol=1e-6)
     _, s_abs, _, n_abs = clipped_eigh(jnp.zeros((3, 3)), eig_floor_abs=1e-8, eig_floor_rel=1e-6)
     np.testing.assert_allclose(np.asarray(s_abs), 1e-8)
     assert int(n_abs) == 3
