@@ -81,6 +81,10 @@ def snoo(
     that branch is traced, so a trainer can compile a sync and a no-sync step and choose
     between them on the host (`snoo_is_sync_step(step, k)`); without it (`None`), the
     choice is made inside the computation. A wrong hint gives a wrong trajectory.
+    Without the hint, the sync branch (a `lax.cond` that writes only the slow weights and
+    momentum) computes `inner`'s update a second time, from the same inputs, so the
+    update of every other step stays one elementwise pass; `inner` thus runs twice on sync
+    steps (host callbacks inside it fire twice there).
 
     Args:
       inner: the inner optimizer, e.g. `optax.partition({...muon..., ...adamw...})`.
@@ -122,39 +126,72 @@ def snoo(
             inner_state=inner.init(params),
         )
 
+    def outer_step(slow, buf, params, inner_updates, eta, mu):
+        """Nesterov SGD on the slow weights with pseudo-gradient slow - (params + u)."""
+
+        def leaf(s, b, p, u):
+            d = s - (p.astype(slow_dtype) + u.astype(slow_dtype))
+            b = (mu * b + d).astype(slow_dtype)
+            return (s - eta * (d + mu * b)).astype(slow_dtype), b
+
+        out = jax.tree.map(leaf, slow, buf, params, inner_updates)
+        is_pair = lambda x: type(x) is tuple
+        return tuple(jax.tree.map(lambda o, i=i: o[i], out, is_leaf=is_pair) for i in range(2))
+
+    def jump(slow, params, inner_updates):
+        """The update that moves the params to the slow weights."""
+        return jax.tree.map(lambda s, p, u: (s - p.astype(slow_dtype)).astype(u.dtype),
+                            slow, params, inner_updates)
+
     def update_fn(updates, state, params=None, *, snoo_sync: bool | None = None, **extra_args):
         if params is None:
             raise ValueError("snoo: update needs params (the fast weights) to form slow - fast")
         if snoo_sync is not None and not isinstance(snoo_sync, bool):
             raise ValueError(
                 f"snoo: snoo_sync must be a static Python bool or None, got {snoo_sync!r}")
-        inner_updates, inner_state = inner.update(
-            updates, state.inner_state, params, **extra_args)
         outer_count = state.count // k
         eta = learning_rate(outer_count) if callable(learning_rate) else learning_rate
         mu = momentum(outer_count) if callable(momentum) else momentum
+        slow, buf = state.slow, state.momentum
 
-        def sync(carry):
-            slow, buf, upd = carry
+        if snoo_sync is not None:
+            inner_updates, inner_state = inner.update(
+                updates, state.inner_state, params, **extra_args)
+            if snoo_sync:
+                slow, buf = outer_step(slow, buf, params, inner_updates, eta, mu)
+                inner_updates = jump(slow, params, inner_updates)
+            return inner_updates, SnooState(
+                count=optax.safe_increment(state.count), slow=slow, momentum=buf,
+                inner_state=inner_state)
 
-            def leaf(s, b, p, u):
-                fast = p.astype(slow_dtype) + u.astype(slow_dtype)
-                d = s - fast
-                b = (mu * b + d).astype(slow_dtype)
-                s = (s - eta * (d + mu * b)).astype(slow_dtype)
-                return s, b, (s - p.astype(slow_dtype)).astype(u.dtype)
+        # Plain path. The conditional writes only slow and momentum, in place; its sync
+        # branch recomputes the inner update from the old inner state (once per k steps)
+        # rather than taking it as an operand, which would make XLA materialise it on every
+        # step. The scalar `order` (1.0 from either branch) scales the gradients given to
+        # the inner update below: x * 1.0 == x exactly, and the data dependency makes the
+        # inner update run after the conditional, so it may overwrite the inner state
+        # buffers in place instead of XLA copying them for the conditional to read.
+        is_sync = state.count % k == 0
 
-            out = jax.tree.map(leaf, slow, buf, params, upd)
-            is_triple = lambda x: type(x) is tuple
-            return tuple(
-                jax.tree.map(lambda o, i=i: o[i], out, is_leaf=is_triple) for i in range(3))
+        def sync_branch(operand):
+            u, _ = inner.update(updates, state.inner_state, params, **extra_args)
+            return (*outer_step(*operand, params, u, eta, mu), jnp.ones([], jnp.float32))
 
-        carry = (state.slow, state.momentum, inner_updates)
-        if snoo_sync is None:
-            carry = jax.lax.cond(state.count % k == 0, sync, lambda carry: carry, carry)
-        elif snoo_sync:
-            carry = sync(carry)
-        slow, buf, new_updates = carry
+        def no_sync_branch(operand):
+            return (*operand, jnp.ones([], jnp.float32))
+
+        slow, buf, order = jax.lax.cond(is_sync, sync_branch, no_sync_branch, (slow, buf))
+        ordered = jax.tree.map(
+            lambda g: g * order.astype(g.dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g,
+            updates)
+        inner_updates, inner_state = inner.update(
+            ordered, state.inner_state, params, **extra_args)
+        # A select between two values that are there anyway (the inner update, fused into
+        # its elementwise producer, and slow - params, one extra read of slow): no branch
+        # is computed for nothing.
+        new_updates = jax.tree.map(
+            lambda j, u: jnp.where(is_sync, j, u), jump(slow, params, inner_updates),
+            inner_updates)
         return new_updates, SnooState(
             count=optax.safe_increment(state.count), slow=slow, momentum=buf,
             inner_state=inner_state)
