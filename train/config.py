@@ -87,6 +87,8 @@ class TrainConfig:
     muon_beta_warmup: int = _field(300, "optimizer", "steps warming Muon's momentum up from "
                                    "0.85 (0 = constant)")
     muon_weight_decay: float = _field(0.0, "optimizer", "Muon decoupled weight decay")
+    muon_smoothing: float | None = _field(None, "optimizer", "Muon update smoothing sigma "
+                                          "(SPEC §2.4, PR #137 EMA form; None = off)")
     snoo_lr: float = _field(0.68, "optimizer", "Snoo outer learning rate")
     snoo_momentum: float = _field(0.37, "optimizer", "Snoo outer Nesterov momentum")
     snoo_k: int = _field(28, "optimizer", "Snoo sync period in steps")

@@ -103,7 +103,7 @@ def _muon(config: TrainConfig) -> optax.GradientTransformation:
         min(0.85, config.muon_beta), config.muon_beta, config.muon_beta_warmup)
     return muon_tx(
         learning_rate_schedule(config, config.muon_lr), beta=beta,
-        weight_decay=config.muon_weight_decay,
+        weight_decay=config.muon_weight_decay, smoothing=config.muon_smoothing,
         adam_learning_rate=learning_rate_schedule(config), adam_b1=config.beta1,
         adam_b2=config.beta2, adam_eps=config.eps, adam_weight_decay=0.0)
 

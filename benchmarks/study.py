@@ -1,0 +1,297 @@
+"""The optimizer study: a grid of optimizer stacks x seeds through the trainer, with statistics.
+
+Each stack is a registered optimizer (`train.optimizers.OPTIMIZERS`), optionally with
+config overrides after `@` (`snoo_muon@snoo_k=7@snoo_lr=0.5`), or an alias from `ALIASES`.
+Every run is `train.run` on the preset with `max_iters=--steps`; the report gives, per
+stack, the final val loss (mean ± sample std over seeds), the steps to reach the target
+(the baseline's mean final val loss, as the modded-nanogpt records did: the first
+evaluation at or below the target, interpolated linearly between evaluations), wall time,
+tokens/s, optimizer-state bytes (`optax_snoo.memory` on `jax.eval_shape` of the state) and
+a one-sided Welch t-test of "this stack's final val loss is lower than the baseline's".
+
+    python -m benchmarks.study --suite=dense              # the default dense grid
+    python -m benchmarks.study --suite=moe                # SkewAdam and friends on moe_tiny
+    python -m benchmarks.study --suite=snoo_sensitivity   # k and outer lr/momentum
+    python -m benchmarks.study --preset=shakespeare_char_cpu --optimizers=adamw,snoo_adamw \
+        --seeds=3 --steps=500 --name=quick
+
+Writes `benchmarks/results/<name>.md`, `.json` and `.png` (val loss against step).
+
+References:
+  Welch, "The generalization of Student's problem when several different population
+  variances are involved", Biometrika 34, 1947.
+  Jordan et al., "modded-nanogpt" (records report p-values of one-sided t-tests over
+  seeds), https://github.com/KellerJordan/modded-nanogpt, 2025.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Stacks that need more than a registry name.
+ALIASES: dict[str, str] = {
+    "snoo_muon_smooth": "snoo_muon@muon_smoothing=0.2",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """A predefined grid: preset, stacks (the first is the baseline), seeds and steps."""
+
+    preset: str
+    stacks: tuple[str, ...]
+    seeds: int
+    steps: int
+    eval_interval: int
+
+
+SUITES: dict[str, Suite] = {
+    # tiny shakespeare, nanoGPT's CPU recipe shape.
+    "dense": Suite("shakespeare_char_cpu", (
+        "adamw", "muon", "snoo_adamw", "snoo_muon", "snoo_muon_smooth", "kfac", "snoo_kfac"),
+        seeds=5, steps=1000, eval_interval=100),
+    "moe": Suite("moe_tiny", ("adamw", "skewadam", "snoo_skewadam", "adafactor"),
+                 seeds=5, steps=1000, eval_interval=100),
+    # Snoo around Muon at our scale: k, then the outer lr and momentum around (0.68, 0.37).
+    "snoo_sensitivity": Suite("shakespeare_char_cpu", (
+        "muon", "snoo_muon@snoo_k=7", "snoo_muon@snoo_k=14", "snoo_muon", "snoo_muon@snoo_k=56",
+        "snoo_muon@snoo_lr=0.5", "snoo_muon@snoo_lr=0.9", "snoo_muon@snoo_momentum=0.0",
+        "snoo_muon@snoo_momentum=0.6"), seeds=3, steps=1000, eval_interval=100),
+}
+
+
+def stack_config(preset: str, stack: str, *, seed: int, steps: int, eval_interval: int,
+                 out_dir: str):
+    """The `TrainConfig` of one run: `preset`, the stack's optimizer and overrides."""
+    from train.config import parse_args
+
+    name, *overrides = ALIASES.get(stack, stack).split("@")
+    args = [f"--preset={preset}", f"--optimizer={name}"] + [f"--{o}" for o in overrides]
+    config = parse_args(args)
+    return dataclasses.replace(
+        config, seed=seed, max_iters=steps, eval_interval=eval_interval,
+        checkpoint_every=max(steps, 1), out_dir=out_dir, progress=False, num_samples=0)
+
+
+def optimizer_state_bytes(config) -> int:
+    """Bytes of the optimizer state of `config` on its model, from shapes only."""
+    from flax import nnx
+
+    import models
+    from optax_snoo.memory import state_bytes
+    from train.config import model_config
+    from train.data import CharDataset
+    from train.optimizers import build_optimizer
+
+    vocab = CharDataset.load(config.data).vocab_size
+    gpt = nnx.eval_shape(lambda: models.GPT(model_config(config, vocab), rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(nnx.split(gpt, nnx.Param, ...)[1])
+    tx, _ = build_optimizer(config)
+    return state_bytes(jax.eval_shape(tx.init, params))
+
+
+def steps_to_target(curve: Sequence[tuple[int, float]], target: float) -> float | None:
+    """First step at which the val curve reaches `target`, interpolated between evals."""
+    if curve and curve[0][1] <= target:
+        return float(curve[0][0])
+    for (s0, l0), (s1, l1) in itertools.pairwise(curve):
+        if l1 <= target:  # l0 > target here, so the division is safe
+            return s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def welch_one_sided(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """`(t, p)` of Welch's t-test of mean(a) < mean(b) (one-sided).
+
+    `p = P(T_ν <= t)` with the Welch-Satterthwaite degrees of freedom ν, through the
+    regularized incomplete beta function: `P(T_ν <= t) = I_{ν/(ν+t²)}(ν/2, 1/2) / 2` for
+    `t <= 0`. Needs at least two values on each side.
+    """
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"a t-test needs >= 2 seeds per side, got {len(a)} and {len(b)}")
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    diff = statistics.mean(a) - statistics.mean(b)
+    if se == 0.0:
+        return (-math.inf if diff < 0 else math.inf if diff > 0 else 0.0,
+                0.0 if diff < 0 else 1.0 if diff > 0 else 0.5)
+    t = diff / se
+    nu = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    tail = 0.5 * float(jax.scipy.special.betainc(
+        jnp.float32(nu / 2), jnp.float32(0.5), jnp.float32(nu / (nu + t * t))))
+    return t, (tail if t <= 0 else 1.0 - tail)
+
+
+def run_grid(preset: str, stacks: Sequence[str], *, seeds: int, steps: int,
+             eval_interval: int, log=print) -> dict[str, Any]:
+    """Train every (stack, seed) and collect curves, final losses and speed."""
+    import train
+
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in stacks}
+    scratch = Path(tempfile.mkdtemp(prefix="optax_snoo_study_"))
+    try:
+        for seed in range(seeds):  # seed-major: an interrupted grid still covers every stack
+            for stack in stacks:
+                config = stack_config(preset, stack, seed=seed, steps=steps,
+                                      eval_interval=eval_interval,
+                                      out_dir=str(scratch / f"{len(runs[stack])}_{seed}"))
+                result = train.run(config)
+                shutil.rmtree(config.out_dir, ignore_errors=True)
+                curve = [(h["step"], h["val_loss"]) for h in result.history if "val_loss" in h]
+                aux = [h["aux_loss"] for h in result.history if "aux_loss" in h]
+                runs[stack].append({
+                    "seed": seed, "val_loss": result.final["val_loss"], "curve": curve,
+                    "wall_s": result.final["wall_s"],
+                    "tokens_per_sec": result.final["tokens_per_sec"],
+                    "aux_loss": statistics.mean(aux[-10:]) if aux else None})
+                log(f"[study] {stack} seed {seed}: val {result.final['val_loss']:.4f}, "
+                    f"{result.final['wall_s']:.0f} s")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    state = {s: optimizer_state_bytes(stack_config(preset, s, seed=0, steps=steps,
+                                                   eval_interval=eval_interval, out_dir="-"))
+             for s in stacks}
+    return {"preset": preset, "steps": steps, "seeds": seeds, "eval_interval": eval_interval,
+            "baseline": stacks[0], "runs": runs, "state_bytes": state}
+
+
+def summarize(grid: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per stack: statistics against the baseline (the grid's first stack)."""
+    base = [r["val_loss"] for r in grid["runs"][grid["baseline"]]]
+    target = statistics.mean(base)
+    rows = []
+    for stack, runs in grid["runs"].items():
+        finals = [r["val_loss"] for r in runs]
+        reached = [s for s in (steps_to_target(r["curve"], target) for r in runs)
+                   if s is not None]
+        t, p = (welch_one_sided(finals, base) if stack != grid["baseline"] and len(finals) > 1
+                and len(base) > 1 else (None, None))
+        aux = [r["aux_loss"] for r in runs if r["aux_loss"] is not None]
+        rows.append({
+            "stack": stack, "n": len(finals), "val_mean": statistics.mean(finals),
+            "val_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "steps_to_target": statistics.mean(reached) if reached else None,
+            "reached": len(reached), "wall_s": statistics.mean(r["wall_s"] for r in runs),
+            "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in runs),
+            "state_bytes": grid["state_bytes"][stack], "t": t, "p": p,
+            "aux_loss": statistics.mean(aux) if aux else None})
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
+                 command: str, directory: Path = RESULTS) -> Path:
+    """Write `<name>.md`, `<name>.json` and `<name>.png` into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = rows[0]["val_mean"]
+    moe = any(r["aux_loss"] for r in rows)
+    head = ("| stack | val loss (mean ± std) | steps to target | wall s | tokens/s | "
+            "opt state | p (< baseline) |" + (" aux loss |" if moe else ""))
+    lines = [
+        f"# Study `{name}`", "",
+        f"`{command}`", "",
+        f"{datetime.date.today().isoformat()}; {platform.node() or 'host'}, "
+        f"{os.cpu_count()} CPUs, jax {jax.__version__} on {jax.devices()[0].platform}; "
+        f"load average {os.getloadavg()[0]:.1f} at the end. Preset `{grid['preset']}`, "
+        f"{grid['steps']} steps, {grid['seeds']} seeds (0..{grid['seeds'] - 1}), evaluation "
+        f"every {grid['eval_interval']} steps. Baseline `{grid['baseline']}`; target = its "
+        f"mean final val loss {target:.4f}.", "",
+        head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        steps = "-" if r["steps_to_target"] is None else (
+            f"{r['steps_to_target']:.0f} ({r['reached']}/{r['n']})")
+        line = (f"| {r['stack']} | {r['val_mean']:.4f} ± {r['val_std']:.4f} | {steps} | "
+                f"{r['wall_s']:.0f} | {r['tokens_per_sec']:,.0f} | "
+                f"{r['state_bytes'] / 2**20:.2f} MiB | {_fmt(r['p'], '.4f')} |")
+        lines.append(line + (f" {_fmt(r['aux_loss'], '.4f')} |" if moe else ""))
+    lines += ["", "p: one-sided Welch t-test of the stack's final val loss against the "
+              "baseline's. Steps to target: mean over the seeds that reached it.", ""]
+    (directory / f"{name}.md").write_text("\n".join(lines))
+    (directory / f"{name}.json").write_text(json.dumps(
+        {"command": command, "grid": grid, "rows": rows}, indent=1) + "\n")
+    _plot(grid, directory / f"{name}.png")
+    return directory / f"{name}.md"
+
+
+def _plot(grid: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for stack, runs in grid["runs"].items():
+        steps = [s for s, _ in runs[0]["curve"]]
+        losses = np.array([[v for _, v in r["curve"]] for r in runs])
+        mean, std = losses.mean(0), losses.std(0)
+        ax.plot(steps, mean, label=stack)
+        ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("val loss")
+    low = min(min(v for _, v in r["curve"]) for runs in grid["runs"].values() for r in runs)
+    ax.set_ylim(low - 0.05, low + 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{grid['preset']}: val loss, mean ± std over {grid['seeds']} seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--suite", choices=sorted(SUITES), help="a predefined grid")
+    parser.add_argument("--preset", help="trainer preset (overrides the suite's)")
+    parser.add_argument("--optimizers", help="comma-separated stacks; the first is the baseline")
+    parser.add_argument("--seeds", type=int, help="seeds per stack (>= 2 for the t-test)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run")
+    parser.add_argument("--eval_interval", type=int, help="steps between evaluations")
+    parser.add_argument("--name", help="report name under benchmarks/results/")
+    args = parser.parse_args(argv)
+    suite = SUITES[args.suite] if args.suite else None
+    if suite is None and not (args.preset and args.optimizers):
+        parser.error("give --suite, or --preset and --optimizers")
+    preset = args.preset or suite.preset
+    stacks = tuple(args.optimizers.split(",")) if args.optimizers else suite.stacks
+    seeds = args.seeds or (suite.seeds if suite else 3)
+    steps = args.steps or (suite.steps if suite else 1000)
+    eval_interval = args.eval_interval or (suite.eval_interval if suite else 100)
+    if seeds < 1 or steps < 1 or eval_interval < 1:
+        parser.error(f"--seeds, --steps, --eval_interval must be >= 1 (got {seeds}, {steps}, "
+                     f"{eval_interval})")
+    for stack in stacks:  # fail before hours of training, not after
+        stack_config(preset, stack, seed=0, steps=steps, eval_interval=eval_interval,
+                     out_dir="-")
+    name = args.name or args.suite or "study"
+    grid = run_grid(preset, stacks, seeds=seeds, steps=steps, eval_interval=eval_interval)
+    command = "python -m benchmarks.study " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = write_report(name, grid, summarize(grid), command)
+    print(report.read_text())
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The study's statistics (`benchmarks.study`): Welch's one-sided t-test against Student-t
+table values, steps-to-target interpolation, and stack parsing."""
+
+import math
+import statistics
+
+import pytest
+
+from benchmarks.study import ALIASES, stack_config, steps_to_target, welch_one_sided
+
+
+def _pair_with_t(t: float, n: int = 5):
+    """Two samples of size n with equal variances whose Welch statistic is `t`."""
+    base = [-2.0, -1.0, 0.0, 1.0, 2.0][:n]
+    se = math.sqrt(2 * statistics.variance(base) / n)
+    return [x + t * se for x in base], base
+
+
+@pytest.mark.parametrize("t, p", [(-1.860, 0.05), (-2.896, 0.01), (-1.397, 0.10),
+                                  (0.0, 0.5), (1.860, 0.95)])
+def test_welch_matches_student_t_table(t, p):
+    # Equal sizes (5) and variances: Welch's degrees of freedom are 2(n - 1) = 8.
+    a, b = _pair_with_t(t)
+    t_hat, p_hat = welch_one_sided(a, b)
+    assert t_hat == pytest.approx(t, abs=1e-9)
+    assert p_hat == pytest.approx(p, abs=2e-4)
+
+
+def test_welch_unequal_variances_is_symmetric_and_monotone():
+    a, b = [1.0, 1.2, 0.9, 1.1], [1.5, 1.4, 1.9, 1.3, 1.6, 1.45]
+    _, p_less = welch_one_sided(a, b)
+    _, p_more = welch_one_sided(b, a)
+    assert p_less + p_more == pytest.approx(1.0, abs=1e-6)
+    assert p_less < 0.01 < 0.99 < p_more
+    _, p_closer = welch_one_sided([x + 0.3 for x in a], b)
+    assert p_less < p_closer
+
+
+def test_welch_needs_two_seeds():
+    with pytest.raises(ValueError, match=">= 2 seeds"):
+        welch_one_sided([1.0], [1.0, 2.0])
+
+
+def test_steps_to_target_interpolates_between_evaluations():
+    curve = [(0, 4.0), (100, 2.0), (200, 1.5), (300, 1.4)]
+    assert steps_to_target(curve, 1.75) == pytest.approx(150.0)
+    assert steps_to_target(curve, 2.0) == pytest.approx(100.0)
+    assert steps_to_target(curve, 1.4) == pytest.approx(300.0)
+    assert steps_to_target(curve, 1.0) is None
+
+
+def test_stack_config_applies_overrides_and_aliases(tmp_path):
+    config = stack_config("shakespeare_char_cpu", "snoo_muon@snoo_k=7@snoo_lr=0.5", seed=3,
+                          steps=40, eval_interval=10, out_dir=str(tmp_path))
+    assert (config.optimizer, config.snoo_k, config.snoo_lr) == ("snoo_muon", 7, 0.5)
+    assert (config.seed, config.max_iters, config.eval_interval) == (3, 40, 10)
+    smooth = stack_config("shakespeare_char_cpu", "snoo_muon_smooth", seed=0, steps=1,
+                          eval_interval=1, out_dir=str(tmp_path))
+    assert ALIASES["snoo_muon_smooth"].startswith("snoo_muon@")
+    assert (smooth.optimizer, smooth.muon_smoothing) == ("snoo_muon", 0.2)
+    with pytest.raises(ValueError, match="snoo_kk"):
+        stack_config("shakespeare_char_cpu", "snoo_muon@snoo_kk=7", seed=0, steps=1,
+                     eval_interval=1, out_dir=str(tmp_path))
