@@ -77,6 +77,18 @@ def test_counts_dtypes_keys_and_empty_nodes():
     assert state_bytes(jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 4))) == 32
 
 
+
+def test_low_precision_statistics_count():
+    """bf16 and float8 leaves are statistics too (numpy's issubdtype says they are not
+    floating): optax.adamw on bf16 params keeps bf16 moments, 2 + 2 bytes per parameter."""
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+    n = sum(x.size for x in jax.tree.leaves(PARAMS))
+    for state in (optax.adamw(1e-3).init(bf16), jax.eval_shape(optax.adamw(1e-3).init, bf16)):
+        assert state_bytes(state, statistics_only=True) == 4 * n
+    fp8 = {"m": jax.ShapeDtypeStruct((3, 5), jnp.float8_e4m3fn),
+           "c": jax.ShapeDtypeStruct((2,), jnp.complex64)}
+    assert state_bytes(fp8, statistics_only=True) == 15 + 16
+
 def test_groups_through_wrappers():
     tx = optax.MultiSteps(optax.inject_hyperparams(skew_adam)(learning_rate=1e-3), 2)
     state = tx.init(PARAMS)

@@ -88,13 +88,15 @@ class MetricsLog:
 
 
 def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
-    """Save train/val loss against step (the logged train loss and both eval losses)."""
-    import matplotlib
+    """Save train/val loss against step (the logged train loss and both eval losses).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Draws on a bare `matplotlib.figure.Figure`, so pyplot's global backend (a notebook's
+    inline backend, say) is left alone.
+    """
+    from matplotlib.figure import Figure
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     series = (("loss", "train (batch)", 0.4), ("train_loss", "train (eval)", 1.0),
               ("val_loss", "val (eval)", 1.0))
     for key, label, alpha in series:
@@ -108,4 +110,3 @@ def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike) -
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
