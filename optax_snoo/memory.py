@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -36,8 +37,8 @@ def _leaf_bytes(leaf: Any, statistics_only: bool) -> int:
     shape = getattr(leaf, "shape", None)
     if dtype is None or shape is None:
         return 0
-    if statistics_only and not (np.issubdtype(dtype, np.floating)
-                                or np.issubdtype(dtype, np.complexfloating)):
+    if statistics_only and not (jnp.issubdtype(dtype, jnp.floating)  # bfloat16 too
+                                or jnp.issubdtype(dtype, jnp.complexfloating)):
         return 0
     return math.prod(shape) * dtype.itemsize
 

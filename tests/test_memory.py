@@ -128,3 +128,11 @@ def test_reproduces_the_papers_memory_table():
     # The real optimizer state of that model, traced but never allocated, has that size.
     state = jax.eval_shape(skew_adam().init, params)
     assert state_bytes_by_group(state, statistics_only=True) == by_role
+
+
+def test_low_precision_statistics_count():
+    """bfloat16 (an ml_dtypes type, not a NumPy floating subtype) counts as statistics."""
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), PARAMS)
+    n = sum(x.size for x in jax.tree.leaves(PARAMS))
+    assert state_bytes(jax.eval_shape(optax.adam(1e-3).init, bf16), statistics_only=True) == (
+        2 * 2 * n)
