@@ -63,9 +63,14 @@ def hlo_summary(tx: optax.GradientTransformation, params, grads) -> dict[str, in
 
 
 def update_time_ratio(params, rounds: int = 7, steps: int = 10,
-                      txs: dict[str, optax.GradientTransformation] | None = None
-                      ) -> dict[str, float]:
-    """Median seconds per step of each optimizer, and `ratio` = skewadam / adamw."""
+                      txs: dict[str, optax.GradientTransformation] | None = None,
+                      baseline: str = "adamw") -> dict[str, dict]:
+    """Median seconds per step of each optimizer and its ratio to `baseline`'s.
+
+    Returns:
+      `{name: {"seconds": median, "ratio": median / baseline's median, "ratio_per_round":
+      [...]}}`; rounds alternate the order of the optimizers.
+    """
     txs = txs or optimizers()
     key = jax.random.key(0)
     grads = jax.tree.map(lambda p: 1e-3 * jax.random.normal(key, p.shape, p.dtype), params)
@@ -87,14 +92,12 @@ def update_time_ratio(params, rounds: int = 7, steps: int = 10,
         run(name)
     times = {name: [] for name in runs}
     for r in range(rounds):
-        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
-        for name in order:
+        for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
             times[name].append(run(name))
-    out = {name: float(np.median(t)) for name, t in times.items()}
-    out["ratio"] = out["skewadam"] / out["adamw"]
-    out["ratio_per_round"] = [s / a for s, a in zip(times["skewadam"], times["adamw"],
-                                                    strict=True)]
-    return out
+    base = float(np.median(times[baseline]))
+    return {name: {"seconds": float(np.median(t)), "ratio": float(np.median(t)) / base,
+                   "ratio_per_round": [a / b for a, b in zip(t, times[baseline], strict=True)]}
+            for name, t in times.items()}
 
 
 TREES = {"moe_tiny": moe_tiny_params,
@@ -114,9 +117,10 @@ def main(argv=None):
         params = TREES[name]()
         n = sum(x.size for x in jax.tree.leaves(params))
         t = update_time_ratio(params, args.rounds, args.steps)
-        per_round = ", ".join(f"{r:.2f}" for r in t["ratio_per_round"])
-        print(f"{name:14s} {n / 1e6:6.2f}M params: adamw {1e3 * t['adamw']:7.2f} ms, skewadam "
-              f"{1e3 * t['skewadam']:7.2f} ms, ratio {t['ratio']:.3f} (rounds: {per_round})")
+        per_round = ", ".join(f"{r:.2f}" for r in t["skewadam"]["ratio_per_round"])
+        print(f"{name:14s} {n / 1e6:6.2f}M params: adamw {1e3 * t['adamw']['seconds']:7.2f} "
+              f"ms, skewadam {1e3 * t['skewadam']['seconds']:7.2f} ms, ratio "
+              f"{t['skewadam']['ratio']:.3f} (rounds: {per_round})")
         if args.hlo:
             grads = jax.tree.map(jnp.zeros_like, params)
             for opt, tx in optimizers().items():

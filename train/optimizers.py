@@ -163,6 +163,18 @@ def snoo_skewadam(config: TrainConfig):
     return optax.chain(_clip(config), _snoo(config, _skew_adam(config))), config.snoo_k
 
 
+@register("adafactor")
+def adafactor(config: TrainConfig):
+    """optax's Adafactor as SkewAdam's baseline: factored second moment (dims >= 128), no
+    momentum, its own beta2 schedule (decay 0.8), update clipping 1.0, absolute steps
+    (no parameter scaling) at `skew_lr` and decoupled decay `skew_weight_decay` (optax adds
+    its `weight_decay_rate` after the lr, so it gets `skew_weight_decay · lr(t)`)."""
+    lr = learning_rate_schedule(config, config.skew_lr)
+    return optax.chain(_clip(config), optax.adafactor(
+        lr, multiply_by_parameter_scale=False,
+        weight_decay_rate=lambda t: config.skew_weight_decay * lr(t))), None
+
+
 def _rounding(config: TrainConfig) -> optax.GradientTransformation | None:
     """`--rounding`: the transform that puts low-precision params on rounded values."""
     makers = {"stochastic": optax_snoo.stochastic_rounding,
