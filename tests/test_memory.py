@@ -89,6 +89,7 @@ def test_low_precision_statistics_count():
            "c": jax.ShapeDtypeStruct((2,), jnp.complex64)}
     assert state_bytes(fp8, statistics_only=True) == 15 + 16
 
+
 def test_groups_through_wrappers():
     tx = optax.MultiSteps(optax.inject_hyperparams(skew_adam)(learning_rate=1e-3), 2)
     state = tx.init(PARAMS)

@@ -92,6 +92,14 @@ class TrainConfig:
     snoo_lr: float = _field(0.68, "optimizer", "Snoo outer learning rate")
     snoo_momentum: float = _field(0.37, "optimizer", "Snoo outer Nesterov momentum")
     snoo_k: int = _field(28, "optimizer", "Snoo sync period in steps")
+    skew_lr: float = _field(1e-3, "optimizer", "peak lr of SkewAdam (SPEC's 3e-4 is for its "
+                            "6.8B model; 1e-3 is AdamW's lr for the CPU presets)")
+    skew_weight_decay: float = _field(0.05, "optimizer", "SkewAdam decoupled weight decay "
+                                      "(backbone and experts; never the router)")
+    skew_clip: float = _field(1.0, "optimizer", "SkewAdam per-tensor RMS clip (0 = off)")
+    skew_policies: str = _field("skew_adam", "optimizer", "SkewAdam per-role state table")
+    rounding: str = _field("none", "optimizer", "rounding of bf16 params after each update "
+                           "(any optimizer; float32 params pass through)")
 
     # schedule
     schedule: str = _field("cosine", "schedule", "learning-rate schedule")
@@ -166,6 +174,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("bfloat16", "float32"),
     "param_dtype": ("bfloat16", "float32"),
     "schedule": ("cosine", "stable_cooldown"),
+    "skew_policies": ("skew_adam", "expert_momentum", "factored_router", "uniform"),
+    "rounding": ("none", "stochastic", "dithered"),
 }
 
 PRESETS: dict[str, dict[str, Any]] = {

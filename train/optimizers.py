@@ -140,9 +140,55 @@ def snoo_muon(config: TrainConfig):
     return optax.chain(_clip(config), _snoo(config, _muon(config))), config.snoo_k
 
 
+def _skew_adam(config: TrainConfig) -> optax.GradientTransformation:
+    return optax_snoo.skew_adam(
+        learning_rate_schedule(config, config.skew_lr), b1=config.beta1, b2=config.beta2,
+        eps=config.eps, weight_decay=config.skew_weight_decay, policies=config.skew_policies,
+        clip_threshold=config.skew_clip if config.skew_clip > 0 else None)
+
+
+@register("skewadam")
+def skewadam(config: TrainConfig):
+    """SkewAdam (SPEC §3): roles from param paths (`experts`, `router`, else backbone),
+    momentum for the backbone only, factored second moments, no decay on the router;
+    `skew_lr` on the trainer's schedule, `beta1`/`beta2`/`eps` shared with AdamW (eps is
+    SkewAdam's clamp on the squared statistics), `skew_policies` picks the paper's
+    ablations."""
+    return optax.chain(_clip(config), _skew_adam(config)), None
+
+
+@register("snoo_skewadam")
+def snoo_skewadam(config: TrainConfig):
+    """`skewadam` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
+    return optax.chain(_clip(config), _snoo(config, _skew_adam(config))), config.snoo_k
+
+
+@register("adafactor")
+def adafactor(config: TrainConfig):
+    """optax's Adafactor as SkewAdam's baseline: factored second moment (dims >= 128), no
+    momentum, its own beta2 schedule (decay 0.8), update clipping 1.0, absolute steps
+    (no parameter scaling) at `skew_lr` and decoupled decay `skew_weight_decay` (optax adds
+    its `weight_decay_rate` after the lr, so it gets `skew_weight_decay · lr(t)`)."""
+    lr = learning_rate_schedule(config, config.skew_lr)
+    return optax.chain(_clip(config), optax.adafactor(
+        lr, multiply_by_parameter_scale=False,
+        weight_decay_rate=lambda t: config.skew_weight_decay * lr(t))), None
+
+
+def _rounding(config: TrainConfig) -> optax.GradientTransformation | None:
+    """`--rounding`: the transform that puts low-precision params on rounded values."""
+    makers = {"stochastic": optax_snoo.stochastic_rounding,
+              "dithered": optax_snoo.dithered_rounding}
+    return makers[config.rounding](key=config.seed) if config.rounding in makers else None
+
+
 def build_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformationExtraArgs,
                                                   int | None]:
     """Build `config.optimizer` from `OPTIMIZERS`.
+
+    With `rounding` other than "none", the stack is followed by that rounding transform
+    (seeded with `seed`), so bf16 params land on stochastically (or dithered-) rounded
+    values; float32 params pass through it unchanged.
 
     Returns:
       `(tx, snoo_k)`; `snoo_k` is the Snoo sync period or `None` for stacks without Snoo.
@@ -156,4 +202,7 @@ def build_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformationEx
         raise ValueError(f"unknown optimizer {config.optimizer!r}{hint} Registered: "
                          f"{sorted(OPTIMIZERS)}")
     tx, snoo_k = OPTIMIZERS[config.optimizer](config)
+    rounding = _rounding(config)
+    if rounding is not None:
+        tx = optax.chain(tx, rounding)
     return optax.with_extra_args_support(tx), snoo_k

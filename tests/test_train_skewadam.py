@@ -1,0 +1,160 @@
+"""The trainer with SkewAdam (SPEC §3): `skewadam` and `snoo_skewadam` on a tiny MoE GPT,
+bf16 params with the rounding transforms, and the per-role state the run actually holds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import train
+from optax_snoo.labels import path_to_str
+from optax_snoo.memory import skew_adam_state_bytes_by_role, state_bytes_by_group
+from optax_snoo.skew_adam import POLICY_PRESETS, ScaleBySecondMomentState, ScaleBySkewAdamState
+from train import config as tc
+from train import data as td
+from train.optimizers import build_optimizer, learning_rate_schedule
+from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
+from train.step import create_train_state, make_train_step
+
+WORDS = ("the", "king", "and", "the", "queen", "walk", "to", "the", "castle", ".", "a", "fool",
+         "sings", "of", "love", "and", "war", ".")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("corpus") / "input.txt"
+    path.write_text(" ".join(rng.choice(WORDS, size=4000)) + "\n")
+    return path
+
+
+def tiny_moe(corpus, tmp_path, **overrides) -> tc.TrainConfig:
+    """Two blocks, the second a 4-expert MoE; bf16 params with stochastic rounding."""
+    base = dict(
+        n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8, moe_every=2,
+        n_experts=4, top_k=2, expert_hidden=32, dtype="float32", param_dtype="bfloat16",
+        optimizer="skewadam", rounding="stochastic", skew_lr=1e-2, learning_rate=1e-2,
+        min_lr=1e-3, warmup_iters=2, max_iters=10, lr_decay_iters=10, eval_interval=5,
+        eval_iters=2, log_interval=1, checkpoint_every=10, mesh_data=1, num_samples=0,
+        progress=False, snoo_k=3, data=str(corpus), out_dir=str(tmp_path / "run"))
+    return dataclasses.replace(tc.TrainConfig(), **{**base, **overrides})
+
+
+def setup(config):
+    """The state and jitted step that `train.run` builds for `config`, and the data."""
+    data = td.CharDataset.load(config.data)
+    tx, snoo_k = build_optimizer(config)
+    mesh = make_mesh(config)
+    model, state = create_train_state(tc.model_config(config, data.vocab_size), tx,
+                                      seed=config.seed, mesh=mesh)
+    step = make_train_step(model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
+                           lr_schedule=learning_rate_schedule(config), snoo=snoo_k is not None)
+    put = lambda x: put_batch(x, batch_sharding(mesh))
+
+    def batch(t):
+        x, y = data.batch("train", t, batch_size=config.batch_size,
+                          block_size=config.block_size, grad_accum=1, seed=config.seed)
+        return put(x), put(y)
+
+    return state, step, snoo_k, batch
+
+
+def test_skewadam_bf16_moe_run_loss_falls(corpus, tmp_path):
+    config = tiny_moe(corpus, tmp_path)
+    result = train.run(config)
+    evals = [h for h in result.history if "val_loss" in h]
+    assert [h["step"] for h in evals] == [0, 5, 10]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
+    assert all(np.isfinite(h["aux_loss"]) for h in result.history if "aux_loss" in h)
+
+
+def test_bf16_params_stay_bf16_and_state_has_the_roles(corpus, tmp_path):
+    config = tiny_moe(corpus, tmp_path)
+    state, step, _, batch = setup(config)
+    params0 = jax.tree.map(np.asarray, state["params"])  # the step donates the state
+    dtypes = {path_to_str(p): x.dtype for p, x in jax.tree_util.tree_leaves_with_path(params0)}
+    # The model keeps its router kernel in float32 (a float32 master weight the rounding
+    # passes through); every other parameter, LayerNorm scales included, is bf16.
+    assert {k for k, d in dtypes.items() if d == jnp.float32} == {"blocks/1/moe/router/kernel"}
+    assert {d for k, d in dtypes.items() if "router" not in k} == {jnp.dtype(jnp.bfloat16)}
+
+    opt_state = state["opt_state"]
+    # Measured statistics equal SPEC §3's formula per role (float32 whatever the params).
+    assert state_bytes_by_group(opt_state, statistics_only=True) == (
+        skew_adam_state_bytes_by_role(params0))
+    parts = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.PartitionState)) if isinstance(x, optax.PartitionState)]
+    assert len(parts) == 1
+    inner = {role: s.inner_state[0] for role, s in parts[0].inner_states.items()}
+    assert isinstance(inner["backbone"], ScaleBySkewAdamState)      # momentum
+    assert isinstance(inner["experts"], ScaleBySecondMomentState)   # none
+    assert isinstance(inner["router"], ScaleBySecondMomentState)
+    experts = inner["experts"].v_row["blocks"][1]["moe"]["experts"]
+    assert experts["w_fc"].shape == (4, 32) and experts["w_fc"].dtype == jnp.float32
+    router = inner["router"].v["blocks"][1]["moe"]["router"]["kernel"]
+    assert router.shape == (32, 4)                                    # full, not factored
+
+    for t in range(3):
+        state, _ = step(state, *batch(t), None)
+    params = state["params"]
+    same = jax.tree.map(lambda a, b: a.dtype == b.dtype, params, params0)
+    assert all(jax.tree.leaves(same))
+    changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), params, params0)
+    assert all(jax.tree.leaves(changed))
+
+
+def test_stochastic_rounding_keeps_steps_below_half_a_bf16_unit(corpus, tmp_path):
+    """With an lr far below bf16's resolution, round-to-nearest loses most of the step;
+    stochastic rounding keeps it in expectation: the total displacement of a bf16 matrix
+    matches the float32 run's."""
+    moved = {}
+    for dtype, rounding in (("float32", "none"), ("bfloat16", "none"),
+                            ("bfloat16", "stochastic")):
+        config = tiny_moe(corpus, tmp_path, param_dtype=dtype, rounding=rounding,
+                          skew_lr=1e-5, warmup_iters=0, skew_weight_decay=0.0)
+        state, step, _, batch = setup(config)
+        kernel = lambda s: np.asarray(s["params"]["blocks"][0]["mlp"]["c_fc"]["kernel"],
+                                      np.float64)
+        w0 = kernel(state)
+        state, _ = step(state, *batch(0), None)
+        moved[dtype, rounding] = float(np.sum(np.abs(kernel(state) - w0)))
+    exact = moved["float32", "none"]
+    assert moved["bfloat16", "none"] < 0.5 * exact, moved
+    assert 0.8 * exact < moved["bfloat16", "stochastic"] < 1.25 * exact, moved
+
+
+def test_snoo_skewadam_fast_path_matches_in_jit_decision(corpus, tmp_path):
+    config = tiny_moe(corpus, tmp_path, optimizer="snoo_skewadam", param_dtype="float32",
+                      rounding="none")
+    runs = {}
+    for hint in (True, False):
+        state, step, snoo_k, batch = setup(config)
+        assert snoo_k == 3
+        losses = []
+        for t in range(7):
+            sync = (t % snoo_k == 0) if hint else None
+            state, metrics = step(state, *batch(t), sync)
+            losses.append(float(metrics["loss"]))
+        runs[hint] = (losses, state)
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 runs[True][1], runs[False][1])
+    assert runs[True][0][-1] < runs[True][0][0]
+
+
+def test_config_choices_and_errors():
+    assert set(tc.CHOICES["skew_policies"]) == set(POLICY_PRESETS)
+    config = tc.parse_args(["--optimizer=skewadam", "--skew_policies=expert_momentum",
+                            "--param_dtype=bfloat16", "--rounding=dithered"])
+    assert (config.skew_policies, config.rounding) == ("expert_momentum", "dithered")
+    with pytest.raises(ValueError, match="rounding='nearest'"):
+        tc.parse_args(["--rounding=nearest"])
+    with pytest.raises(ValueError, match="skew_policies='tiered'"):
+        tc.parse_args(["--skew_policies=tiered"])
+    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+        build_optimizer(tc.TrainConfig(optimizer="skewadam", skew_weight_decay=-1.0))
