@@ -32,6 +32,7 @@ from train.checkpoint import Checkpointer, check_compatible
 from train.config import TrainConfig, config_to_dict, model_config
 from train.data import CharDataset
 from train.metrics import MetricsLog, flops_per_token, peak_flops_per_device, plot_losses
+from train.nonfinite import check_bad_steps
 from train.optimizers import build_optimizer, learning_rate_schedule
 from train.sample import generate_text
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
@@ -84,7 +85,7 @@ def run(config: TrainConfig) -> RunResult:
     (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     train_step = make_train_step(model, tx, mesh=mesh, state_shardings=shardings,
                                  lr_schedule=learning_rate_schedule(config),
-                                 snoo=snoo_k is not None)
+                                 snoo=snoo_k is not None, max_bad_steps=config.max_bad_steps)
     eval_step = make_eval_step(model, mesh=mesh, params_shardings=shardings["params"])
     put = lambda x: put_batch(x, batch_sharding(mesh))
     evals = {split: [put(a) for a in data.eval_batches(
@@ -98,6 +99,7 @@ def run(config: TrainConfig) -> RunResult:
     bar = tqdm(total=config.max_iters, initial=start, disable=not config.progress,
                dynamic_ncols=True)
     rates, mfu, best_val, t_last, steps_since = [], None, float("inf"), time.perf_counter(), 0
+    skipped = float(state["skipped_steps"])
     for step in range(start, config.max_iters + 1):
         last = step == config.max_iters
         # evaluate and checkpoint (not again at the step a resumed run starts from)
@@ -111,7 +113,8 @@ def run(config: TrainConfig) -> RunResult:
                 f", {rates[-1]:,.0f} tokens/s, MFU " + (f"{mfu:.1%}" if mfu else "n/a"))
             bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss "
                       f"{losses['val']:.4f}{speed}")
-            if save:
+            if save:  # never after max_bad_steps bad steps in a row
+                _check_bad_steps(int(state["bad_steps"]), config, step, ckpt)
                 ckpt.save(step, state, {**meta, "step": step, "val_loss": losses["val"]},
                           val_loss=losses["val"])
             t_last, steps_since = time.perf_counter(), 0
@@ -133,6 +136,11 @@ def run(config: TrainConfig) -> RunResult:
             rates.append(rate)
             mfu = rate * flops / tokens_per_step / (peak * mesh.size) if peak else None
             log.write(step=step + 1, **metrics, tokens_per_sec=rate, mfu=mfu)
+            if metrics["skipped_steps"] > skipped:
+                skipped = metrics["skipped_steps"]
+                bar.write(f"step {step + 1}: skipped {skipped:.0f} step(s) with a non-finite "
+                          f"loss or gradient so far ({metrics['bad_steps']:.0f} in a row)")
+            _check_bad_steps(int(metrics["bad_steps"]), config, step + 1, ckpt)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{rate:,.0f}")
             t_last, steps_since = now, 0
     bar.close()
@@ -140,6 +148,14 @@ def run(config: TrainConfig) -> RunResult:
     result = _finish(config, model, state, data, log, rates, best_val, out)
     result.final["wall_s"] = time.perf_counter() - t_start
     return result
+
+
+def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Checkpointer):
+    """Stop (pending checkpoint writes finished first) after too many bad steps in a row."""
+    if bad_steps >= config.max_bad_steps:
+        ckpt.close()
+        check_bad_steps(bad_steps, max_bad_steps=config.max_bad_steps, step=step,
+                        checkpoints=ckpt.steps())
 
 
 def _finish(config, model, state, data, log, rates, best_val, out) -> RunResult:
