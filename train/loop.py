@@ -51,7 +51,11 @@ class RunResult:
 
 
 def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDataset):
-    """Restore the latest checkpoint for `--resume` (checking it fits), else step 0."""
+    """Restore the newest readable checkpoint for `--resume` (checking it fits), else step 0.
+
+    A damaged newer checkpoint is set aside with a warning (`Checkpointer.restore_latest`);
+    the metrics log is cut back to the restored step, so it reads as one run.
+    """
     latest = ckpt.latest_step()
     if not config.resume:
         if latest is not None:
@@ -61,19 +65,38 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDatase
         return state, 0
     if latest is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
-    meta = ckpt.restore_meta(latest)
-    check_compatible(meta["config"], config_to_dict(config), where=str(ckpt.directory))
-    if meta["vocab"] != data.chars:
-        raise ValueError(f"cannot resume from {ckpt.directory}: the corpus vocabulary differs "
-                         f"({len(meta['vocab'])} vs {len(data.chars)} characters)")
-    state, _ = ckpt.restore(latest, like=state)
-    return state, latest
+
+    def check(meta):
+        check_compatible(meta["config"], config_to_dict(config), where=str(ckpt.directory))
+        if meta["vocab"] != data.chars:
+            raise ValueError(f"cannot resume from {ckpt.directory}: the corpus vocabulary "
+                             f"differs ({len(meta['vocab'])} vs {len(data.chars)} characters)")
+
+    state, _, step = ckpt.restore_latest(like=state, check=check)
+    log = Path(config.out_dir) / "metrics.jsonl"
+    if log.exists() and jax.process_index() == 0:  # drop what a killed run logged after it
+        lines = log.read_text().splitlines()
+        log.write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= step))
+    return state, step
+
+
+def _check_writable(out: Path) -> None:
+    """Fail before any work if `out` (and its checkpoints folder) cannot be written."""
+    try:
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        probe = out / "checkpoints" / f".write-test-{jax.process_index()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise type(err)(err.errno, f"--out_dir={str(out)!r} is not writable ({err.strerror}: "
+                        f"{err.filename}); nothing was trained. Choose another --out_dir "
+                        "or fix its permissions.") from None
 
 
 def run(config: TrainConfig) -> RunResult:
     """Train `config` and return the final metrics and the logged history."""
     t_start, out = time.perf_counter(), Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_writable(out)
     data = CharDataset.load(config.data)
     gpt_config = model_config(config, data.vocab_size)
     tx, snoo_k = build_optimizer(config)
@@ -141,6 +164,7 @@ def run(config: TrainConfig) -> RunResult:
                 bar.write(f"step {step + 1}: skipped {skipped:.0f} step(s) with a non-finite "
                           f"loss or gradient so far ({metrics['bad_steps']:.0f} in a row)")
             _check_bad_steps(int(metrics["bad_steps"]), config, step + 1, ckpt)
+            ckpt.check_for_errors()  # a failed asynchronous write stops the run now
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{rate:,.0f}")
             t_last, steps_since = now, 0
     bar.close()
