@@ -4,6 +4,10 @@ Per step: (the learning-rate schedule lives in the optimizer) -> evaluate and ch
 -> forward/backward over the micro-batches -> clip -> update -> log. Outputs go to
 `out_dir`: `config.json`, `metrics.jsonl`, `checkpoints/`, `loss.png`, `samples.txt`.
 
+With several processes (`jax.distributed`, see `train.__main__`) every process runs this
+same loop on the global mesh and feeds only its own rows of each batch; checkpoints are
+written collectively; process 0 alone writes the other outputs and shows progress.
+
 Example:
   >>> from train.config import get_preset
   >>> import dataclasses
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from optax_snoo import snoo_is_sync_step
@@ -35,7 +41,7 @@ from train.metrics import MetricsLog, flops_per_token, peak_flops_per_device, pl
 from train.nonfinite import check_bad_steps
 from train.optimizers import build_optimizer, learning_rate_schedule
 from train.sample import generate_text
-from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
+from train.sharding import batch_sharding, make_mesh, process_rows, put_batch, tree_shardings
 from train.step import create_train_state, make_eval_step, make_train_step
 
 __all__ = ["RunResult", "run"]
@@ -105,21 +111,25 @@ def run(config: TrainConfig) -> RunResult:
     shardings = tree_shardings(state, mesh)
     ckpt = Checkpointer(out / "checkpoints")
     state, start = _start(config, ckpt, state, data)
-    (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+    lead = jax.process_index() == 0
+    if lead:
+        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     train_step = make_train_step(model, tx, mesh=mesh, state_shardings=shardings,
                                  lr_schedule=learning_rate_schedule(config),
                                  snoo=snoo_k is not None, max_bad_steps=config.max_bad_steps)
     eval_step = make_eval_step(model, mesh=mesh, params_shardings=shardings["params"])
-    put = lambda x: put_batch(x, batch_sharding(mesh))
+    rows = process_rows(batch_sharding(mesh), config.batch_size)  # this process's slice
+    put = lambda x: put_batch(x, batch_sharding(mesh), config.batch_size)
     evals = {split: [put(a) for a in data.eval_batches(
         split, num_batches=config.eval_iters, batch_size=config.batch_size,
-        block_size=config.block_size, seed=config.seed)] for split in ("train", "val")}
-    log = MetricsLog(out / "metrics.jsonl", append=config.resume)
+        block_size=config.block_size, seed=config.seed, rows=rows)]
+        for split in ("train", "val")}
+    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=config.resume)
     tokens_per_step = config.batch_size * config.grad_accum * config.block_size
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
     flops = flops_per_token(state["params"], gpt_config) * tokens_per_step
     meta = {"config": config_to_dict(config), "vocab": data.chars, "seed": config.seed}
-    bar = tqdm(total=config.max_iters, initial=start, disable=not config.progress,
+    bar = tqdm(total=config.max_iters, initial=start, disable=not (config.progress and lead),
                dynamic_ncols=True)
     rates, mfu, best_val, t_last, steps_since = [], None, float("inf"), time.perf_counter(), 0
     skipped = float(state["skipped_steps"])
@@ -146,7 +156,8 @@ def run(config: TrainConfig) -> RunResult:
         # forward/backward over grad_accum micro-batches -> clip -> update (one jitted call)
         inputs_ABT, targets_ABT = data.batch("train", step, batch_size=config.batch_size,
                                              block_size=config.block_size,
-                                             grad_accum=config.grad_accum, seed=config.seed)
+                                             grad_accum=config.grad_accum, seed=config.seed,
+                                             rows=rows)
         sync = None if snoo_k is None else snoo_is_sync_step(step, snoo_k)
         state, metrics = train_step(state, put(inputs_ABT), put(targets_ABT), sync)
         steps_since += 1
@@ -183,10 +194,15 @@ def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Check
 
 
 def _finish(config, model, state, data, log, rates, best_val, out) -> RunResult:
-    """Write loss.png and samples.txt; summarise the run."""
-    plot_losses(log.history, out / "loss.png")
-    if config.num_samples > 0:
-        texts = generate_text(model.merge(state["params"]), data, start=config.sample_start,
+    """Write loss.png and samples.txt (process 0); summarise the run."""
+    lead = jax.process_index() == 0
+    if lead:
+        plot_losses(log.history, out / "loss.png")
+    params = state["params"]
+    if config.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
+        params = multihost_utils.process_allgather(params, tiled=True)
+    if config.num_samples > 0 and lead:
+        texts = generate_text(model.merge(params), data, start=config.sample_start,
                               num_samples=config.num_samples,
                               max_new_tokens=config.sample_tokens,
                               temperature=config.temperature, top_k=config.sample_top_k,
