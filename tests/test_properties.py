@@ -27,6 +27,7 @@ from optax_snoo import kfac as okfac
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, print_blob=True,
                     phases=(Phase.explicit, Phase.generate),
                     suppress_health_check=[HealthCheck.too_slow])
+KFAC_SETTINGS = settings(SETTINGS, max_examples=6)  # two optimizers, eigh: the slowest
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 SHAPES = st.one_of(st.just(()), st.tuples(st.integers(0, 5)),
                    st.tuples(st.integers(0, 6), st.integers(1, 6)),
@@ -196,7 +197,7 @@ def curvature_for(params, rng, poison=None):
     return out
 
 
-@SETTINGS
+@KFAC_SETTINGS
 @given(kfac_problems(), schedules(0.0, 1e-2), st.integers(1, 3), st.sampled_from(["pi", "eigen"]),
        st.floats(0.0, 0.99), st.sampled_from([None, "adam"]))
 def test_kfac_on_random_trees(problem, damping, refresh, mode, ema_decay, graft):
@@ -210,7 +211,7 @@ def test_kfac_on_random_trees(problem, damping, refresh, mode, ema_decay, graft)
                           ema_decay=ema_decay, graft=graft), params, grads, curvature=curvature)
 
 
-@SETTINGS
+@KFAC_SETTINGS
 @given(kfac_problems(), st.sampled_from([np.nan, np.inf, -np.inf]),
        st.sampled_from(["pi", "eigen"]), st.integers(0, 2))
 def test_kfac_nonfinite_statistics_never_reach_the_params(problem, bad, mode, bad_step):
