@@ -220,7 +220,8 @@ def _role_labeller(roles: RolesArg, table: Mapping[str, RolePolicy]) -> Callable
 # ----------------------------------------------------------------------------- numerics
 
 def _is_factored(shape: Sequence[int], factored: bool) -> bool:
-    return factored and len(shape) >= 2
+    # An empty matrix (a zero-size axis) keeps a full, empty moment: no row/col to slice.
+    return factored and len(shape) >= 2 and shape[-1] > 0 and shape[-2] > 0
 
 
 def _init_moment(p: jax.Array, factored: bool, dtype: Any) -> tuple[Any, Any, Any]:

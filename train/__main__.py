@@ -3,18 +3,82 @@
 `--help` lists every key with its type and default (of the chosen preset). The resolved
 config is written to `out_dir/config.json`; see `train.loop` for the other outputs.
 
+Several processes (one per host) form one run through `jax.distributed.initialize`: pass
+`--coordinator=HOST:PORT --num_processes=N --process_id=I` (or set
+`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`); under Slurm or Open
+MPI, JAX finds them itself. On CPUs the collectives go through gloo.
+
 Example:
   $ python -m train --optimizer=adamw --out_dir=out/adamw
   $ python -m train --preset=moe_tiny --max_iters=500 --optimizer snoo_muon
+  $ python -m train --coordinator=10.0.0.1:1234 --num_processes=2 --process_id=0  # host 0
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
+import jax
+
 from train.config import TrainConfig, config_help, parse_args
 from train.loop import run
+
+DISTRIBUTED = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+               "process_id": "JAX_PROCESS_ID"}
+_CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def split_distributed(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Take `--coordinator/--num_processes/--process_id` out of `argv` (env vars fill in).
+
+    Returns:
+      `(settings, rest)`: the given settings by flag name, and the other arguments.
+    """
+    settings = {name: os.environ[env] for name, env in DISTRIBUTED.items() if env in os.environ}
+    rest, args = [], list(argv)
+    while args:
+        arg = args.pop(0)
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if arg.startswith("--") and key in DISTRIBUTED:
+            if not eq:
+                if not args or args[0].startswith("--"):
+                    raise ValueError(f"--{key} needs a value (--{key}=VALUE)")
+                value = args.pop(0)
+            settings[key] = value
+        else:
+            rest.append(arg)
+    return settings, rest
+
+
+def init_distributed(settings: dict[str, str]) -> None:
+    """`jax.distributed.initialize` from `settings` (or a Slurm/MPI launch); else nothing.
+
+    Raises:
+      ValueError: for a partial or ill-typed set of settings.
+    """
+    cluster = any(int(os.environ.get(name, "1")) > 1 for name in _CLUSTER_ENV)
+    if not settings and not cluster:
+        return
+    if settings:
+        missing = [f"--{name}" for name in DISTRIBUTED if name not in settings]
+        if missing:
+            raise ValueError(f"multi-process run: {', '.join(missing)} missing (given: "
+                             f"{settings}); pass all three or none")
+        try:
+            num, pid = int(settings["num_processes"]), int(settings["process_id"])
+        except ValueError:
+            raise ValueError(f"--num_processes={settings['num_processes']!r} and --process_id="
+                             f"{settings['process_id']!r}: expected integers") from None
+        if not 0 <= pid < num:
+            raise ValueError(f"--process_id={pid}: expected 0 <= id < --num_processes={num}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU backends only
+    if settings:
+        jax.distributed.initialize(settings["coordinator"], num, pid)
+    else:
+        jax.distributed.initialize()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -22,18 +86,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         try:
-            shown = parse_args([a for a in argv if a not in ("-h", "--help")])
+            shown = parse_args(split_distributed([a for a in argv if a not in ("-h", "--help")])[1])
         except ValueError:
             shown = TrainConfig()
         print(config_help(shown))
         return 0
     try:
+        settings, argv = split_distributed(argv)
         config = parse_args(argv)
+        init_distributed(settings)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = run(config)
     final = result.final
+    if jax.process_index() != 0:
+        return 0
     fmt = lambda value, spec: "n/a" if not isinstance(value, float) else format(value, spec)
     print(f"done: step {final['step']}, val loss {fmt(final['val_loss'], '.4f')} (best "
           f"{fmt(final['best_val_loss'], '.4f')}), {fmt(final['tokens_per_sec'], ',.0f')} "

@@ -6,8 +6,14 @@ A checkpoint is a `Composite` of two items:
 - `meta`: `JsonSave` of the resolved config, the vocabulary and the data position (the
   step: batches are a function of `(seed, step)`).
 
-Saving is asynchronous; a step already on disk is never overwritten. Before restoring,
-the saved config's model and optimizer fields are compared with the current ones.
+Saving is asynchronous; a step already on disk is never overwritten, and Orbax writes
+each step into a temporary folder renamed only when complete, so a killed process leaves
+the earlier steps whole (its temporary folder is removed at the next start). The two
+latest steps are kept besides the best, so a damaged latest step has a fallback:
+`restore_latest` warns, moves the damaged folder to `<directory>_damaged/`, and restores
+the newest step that reads back. A failed write (e.g. a full disk) raises
+`CheckpointSaveError` naming the steps still on disk. Before restoring, the saved
+config's model and optimizer fields are compared with the current ones.
 
 Example:
   >>> ckpt = Checkpointer("/tmp/run/checkpoints")          # doctest: +SKIP
@@ -21,17 +27,30 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from train.config import group_fields
 
-__all__ = ["Checkpointer", "check_compatible"]
+__all__ = ["CheckpointSaveError", "CheckpointWarning", "Checkpointer", "check_compatible"]
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint on disk could not be read back and was set aside."""
+
+
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (e.g. a full disk); the earlier ones are intact."""
 
 
 def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], *,
@@ -69,14 +88,16 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, async_save: bool = True):
         self.directory = Path(directory).absolute()
         policy = ocp.checkpoint_managers.AnyPreservationPolicy([
-            ocp.checkpoint_managers.LatestN(1),
+            ocp.checkpoint_managers.LatestN(2),  # a fallback if the newest is damaged
             # BestN keeps the LARGEST metric unless reverse=True.
             ocp.checkpoint_managers.BestN(get_metric_fn=lambda m: m["val_loss"],
                                           reverse=True, n=1),
         ])
         options = ocp.CheckpointManagerOptions(preservation_policy=policy,
-                                               enable_async_checkpointing=async_save)
+                                               enable_async_checkpointing=async_save,
+                                               cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._pending: list[int] = []  # saves started and not yet confirmed on disk
 
     def steps(self) -> list[int]:
         """Steps with a checkpoint on disk, ascending."""
@@ -96,9 +117,82 @@ class Checkpointer:
         if step in self.manager.all_steps():
             raise FileExistsError(f"checkpoint step {step} already exists in {self.directory}")
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
-            metrics=metrics)
+        self._pending.append(step)
+        with self._save_errors():  # also raises a failure of the previous async write
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
+                metrics=metrics)
+
+    @contextlib.contextmanager
+    def _save_errors(self):
+        """Turn a failure while writing into `CheckpointSaveError` naming what is safe."""
+        try:
+            yield
+        except Exception as err:
+            with contextlib.suppress(Exception):  # let other pending writes land first
+                self.manager.wait_until_finished()
+            self.manager.reload()
+            safe = self.steps()
+            failed, self._pending = [s for s in self._pending if s not in safe], []
+            raise CheckpointSaveError(
+                f"writing checkpoint step(s) {failed} to "
+                f"{self.directory} failed: {err}. The checkpoints already there are intact "
+                f"(steps {safe}); free space or fix the directory, then continue with "
+                "--resume.") from err
+
+    def check_for_errors(self) -> None:
+        """Raise `CheckpointSaveError` now if a finished asynchronous write failed."""
+        with self._save_errors():
+            self.manager.check_for_errors()
+
+    def restore_latest(self, like: Any, check: Callable[[dict[str, Any]], None] = lambda m: None,
+                       ) -> tuple[Any, dict[str, Any], int]:
+        """Restore the newest step that reads back, setting damaged newer steps aside.
+
+        Args:
+          like: as in `restore`.
+          check: called with each step's meta before its state is read; what it raises
+            (e.g. a config mismatch) propagates: it is not damage.
+
+        Returns:
+          `(state, meta, step)`.
+
+        Raises:
+          FileNotFoundError: no step could be read; lists every step's error.
+        """
+        failures = []
+        for step in reversed(self.steps()):
+            try:
+                meta = self.restore_meta(step)
+            except Exception as err:  # any read failure is damage
+                failures.append(self._set_aside(step, err))
+                continue
+            check(meta)
+            try:
+                state, meta = self.restore(step, like)
+            except Exception as err:
+                failures.append(self._set_aside(step, err))
+                continue
+            return state, meta, step
+        raise FileNotFoundError(f"no checkpoint in {self.directory} could be restored:\n  "
+                                + "\n  ".join(failures or ["(there are none)"]))
+
+    def _set_aside(self, step: int, err: Exception) -> str:
+        """Warn about a damaged step and move its folder out of the manager's way."""
+        source = self.directory / str(step)
+        target = self.directory.with_name(self.directory.name + "_damaged") / (
+            f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if jax.process_index() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(source, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint set aside {step}")
+        self.manager.reload()
+        reason = (str(err).splitlines() or [""])[0][:200]
+        message = f"step {step} ({source}): {type(err).__name__}: {reason}"
+        warnings.warn(f"checkpoint {message}; it cannot be restored and was moved to "
+                      f"{target}; trying an earlier step", CheckpointWarning, stacklevel=3)
+        return message
 
     def restore_meta(self, step: int) -> dict[str, Any]:
         """The JSON item of `step` (config, vocabulary, data position)."""
@@ -125,9 +219,13 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are on disk."""
-        self.manager.wait_until_finished()
+        with self._save_errors():
+            self.manager.wait_until_finished()
+        self._pending = []
 
     def close(self) -> None:
         """Finish pending saves and release the manager."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()

@@ -124,6 +124,8 @@ class TrainConfig:
     out_dir: str = _field("out/shakespeare_char_cpu", "run", "where the run's outputs go")
     resume: bool = _field(False, "run", "continue from the latest checkpoint in out_dir")
     progress: bool = _field(True, "run", "show a progress bar")
+    max_bad_steps: int = _field(10, "run", "stop after this many consecutive steps with a "
+                                "non-finite loss or gradient (each is skipped)")
 
     # mesh (-1 = fill with the remaining devices)
     mesh_data: int = _field(-1, "mesh", "data-parallel axis size")
@@ -150,7 +152,7 @@ class TrainConfig:
                              f"are {sorted(OPTIMIZERS)}")
         positive = ("block_size", "n_layer", "n_head", "n_embd", "batch_size", "grad_accum",
                     "eval_interval", "eval_iters", "log_interval", "checkpoint_every",
-                    "snoo_k", "vocab_multiple", "n_experts", "top_k")
+                    "snoo_k", "vocab_multiple", "n_experts", "top_k", "max_bad_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a positive integer")

@@ -149,43 +149,49 @@ class CharDataset:
         """Text of `ids`; ids beyond the vocabulary (padding) are dropped."""
         return "".join(self.chars[i] for i in np.asarray(ids).tolist() if 0 <= i < len(self.chars))
 
-    def _windows(self, split: str, rng: np.random.Generator, n: int, block_size: int):
+    def _windows(self, split: str, rng: np.random.Generator, n: int, batch_size: int,
+                 block_size: int, rows: slice | None):
+        """`(n, batch_size)` window starts drawn; only the windows of `rows` are gathered."""
         ids = {"train": self.train_ids, "val": self.val_ids}[split]
         if len(ids) <= block_size:
             raise ValueError(f"{split} split has {len(ids)} tokens; block_size={block_size} "
                              "needs more")
-        start = rng.integers(0, len(ids) - block_size, size=n)
-        window = ids[start[:, None] + np.arange(block_size + 1)].astype(np.int32)
-        return window[:, :-1], window[:, 1:]
+        start = rng.integers(0, len(ids) - block_size, size=n * batch_size)
+        start = start.reshape(n, batch_size)[:, slice(None) if rows is None else rows]
+        window = ids[start[..., None] + np.arange(block_size + 1)].astype(np.int32)
+        return window[..., :-1], window[..., 1:]
 
     def batch(self, split: str, step: int, *, batch_size: int, block_size: int,
-              grad_accum: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+              grad_accum: int = 1, seed: int = 0,
+              rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Random windows for optimizer step `step`, a function of `(seed, split, step)` only.
 
+        Args:
+          rows: only these rows of the batch axis (a process's slice of the global batch,
+            `train.sharding.process_rows`); the same values as slicing the whole batch.
+
         Returns:
-          `(inputs, targets)`, int32 arrays of shape `(grad_accum, batch_size, block_size)`;
-          targets are the inputs shifted by one. Micro-batch `a` holds windows
-          `a*batch_size ... (a+1)*batch_size - 1` of the `grad_accum*batch_size` drawn, so
-          `grad_accum=2, batch_size=b` reshapes `grad_accum=1, batch_size=2b`.
+          `(inputs, targets)`, int32 arrays of shape `(grad_accum, batch_size, block_size)`
+          (`batch_size` cut to `rows`); targets are the inputs shifted by one. Micro-batch
+          `a` holds windows `a*batch_size ... (a+1)*batch_size - 1` of the
+          `grad_accum*batch_size` drawn, so `grad_accum=2, batch_size=b` reshapes
+          `grad_accum=1, batch_size=2b`.
         """
         self._check_split(split)
         rng = np.random.default_rng([seed, _SPLITS[split], step])
-        x, y = self._windows(split, rng, grad_accum * batch_size, block_size)
-        shape = (grad_accum, batch_size, block_size)
-        return x.reshape(shape), y.reshape(shape)
+        return self._windows(split, rng, grad_accum, batch_size, block_size, rows)
 
     def eval_batches(self, split: str, *, num_batches: int, batch_size: int, block_size: int,
-                     seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                     seed: int = 0, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The evaluation windows of `split`: the same at every evaluation of a run.
 
         Returns:
-          `(inputs, targets)` of shape `(num_batches, batch_size, block_size)`.
+          `(inputs, targets)` of shape `(num_batches, batch_size, block_size)` (`batch_size`
+          cut to `rows`, as in `batch`).
         """
         self._check_split(split)
         rng = np.random.default_rng([seed, 2 + _SPLITS[split]])
-        x, y = self._windows(split, rng, num_batches * batch_size, block_size)
-        shape = (num_batches, batch_size, block_size)
-        return x.reshape(shape), y.reshape(shape)
+        return self._windows(split, rng, num_batches, batch_size, block_size, rows)
 
     @staticmethod
     def _check_split(split: str) -> None:

@@ -4,6 +4,10 @@ Per step: (the learning-rate schedule lives in the optimizer) -> evaluate and ch
 -> forward/backward over the micro-batches -> clip -> update -> log. Outputs go to
 `out_dir`: `config.json`, `metrics.jsonl`, `checkpoints/`, `loss.png`, `samples.txt`.
 
+With several processes (`jax.distributed`, see `train.__main__`) every process runs this
+same loop on the global mesh and feeds only its own rows of each batch; checkpoints are
+written collectively; process 0 alone writes the other outputs and shows progress.
+
 Example:
   >>> from train.config import get_preset
   >>> import dataclasses
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from optax_snoo import snoo_is_sync_step
@@ -32,9 +38,10 @@ from train.checkpoint import Checkpointer, check_compatible
 from train.config import TrainConfig, config_to_dict, model_config
 from train.data import CharDataset
 from train.metrics import MetricsLog, flops_per_token, peak_flops_per_device, plot_losses
+from train.nonfinite import check_bad_steps
 from train.optimizers import build_optimizer, learning_rate_schedule
 from train.sample import generate_text
-from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
+from train.sharding import batch_sharding, make_mesh, process_rows, put_batch, tree_shardings
 from train.step import create_train_state, make_eval_step, make_train_step
 
 __all__ = ["RunResult", "run"]
@@ -50,7 +57,11 @@ class RunResult:
 
 
 def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDataset):
-    """Restore the latest checkpoint for `--resume` (checking it fits), else step 0."""
+    """Restore the newest readable checkpoint for `--resume` (checking it fits), else step 0.
+
+    A damaged newer checkpoint is set aside with a warning (`Checkpointer.restore_latest`);
+    the metrics log is cut back to the restored step, so it reads as one run.
+    """
     latest = ckpt.latest_step()
     if not config.resume:
         if latest is not None:
@@ -60,19 +71,38 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDatase
         return state, 0
     if latest is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
-    meta = ckpt.restore_meta(latest)
-    check_compatible(meta["config"], config_to_dict(config), where=str(ckpt.directory))
-    if meta["vocab"] != data.chars:
-        raise ValueError(f"cannot resume from {ckpt.directory}: the corpus vocabulary differs "
-                         f"({len(meta['vocab'])} vs {len(data.chars)} characters)")
-    state, _ = ckpt.restore(latest, like=state)
-    return state, latest
+
+    def check(meta):
+        check_compatible(meta["config"], config_to_dict(config), where=str(ckpt.directory))
+        if meta["vocab"] != data.chars:
+            raise ValueError(f"cannot resume from {ckpt.directory}: the corpus vocabulary "
+                             f"differs ({len(meta['vocab'])} vs {len(data.chars)} characters)")
+
+    state, _, step = ckpt.restore_latest(like=state, check=check)
+    log = Path(config.out_dir) / "metrics.jsonl"
+    if log.exists() and jax.process_index() == 0:  # drop what a killed run logged after it
+        lines = log.read_text().splitlines()
+        log.write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= step))
+    return state, step
+
+
+def _check_writable(out: Path) -> None:
+    """Fail before any work if `out` (and its checkpoints folder) cannot be written."""
+    try:
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        probe = out / "checkpoints" / f".write-test-{jax.process_index()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise type(err)(err.errno, f"--out_dir={str(out)!r} is not writable ({err.strerror}: "
+                        f"{err.filename}); nothing was trained. Choose another --out_dir "
+                        "or fix its permissions.") from None
 
 
 def run(config: TrainConfig) -> RunResult:
     """Train `config` and return the final metrics and the logged history."""
     t_start, out = time.perf_counter(), Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_writable(out)
     data = CharDataset.load(config.data)
     gpt_config = model_config(config, data.vocab_size)
     tx, snoo_k = build_optimizer(config)
@@ -81,23 +111,28 @@ def run(config: TrainConfig) -> RunResult:
     shardings = tree_shardings(state, mesh)
     ckpt = Checkpointer(out / "checkpoints")
     state, start = _start(config, ckpt, state, data)
-    (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+    lead = jax.process_index() == 0
+    if lead:
+        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     train_step = make_train_step(model, tx, mesh=mesh, state_shardings=shardings,
                                  lr_schedule=learning_rate_schedule(config),
-                                 snoo=snoo_k is not None)
+                                 snoo=snoo_k is not None, max_bad_steps=config.max_bad_steps)
     eval_step = make_eval_step(model, mesh=mesh, params_shardings=shardings["params"])
-    put = lambda x: put_batch(x, batch_sharding(mesh))
+    rows = process_rows(batch_sharding(mesh), config.batch_size)  # this process's slice
+    put = lambda x: put_batch(x, batch_sharding(mesh), config.batch_size)
     evals = {split: [put(a) for a in data.eval_batches(
         split, num_batches=config.eval_iters, batch_size=config.batch_size,
-        block_size=config.block_size, seed=config.seed)] for split in ("train", "val")}
-    log = MetricsLog(out / "metrics.jsonl", append=config.resume)
+        block_size=config.block_size, seed=config.seed, rows=rows)]
+        for split in ("train", "val")}
+    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=config.resume)
     tokens_per_step = config.batch_size * config.grad_accum * config.block_size
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
     flops = flops_per_token(state["params"], gpt_config) * tokens_per_step
     meta = {"config": config_to_dict(config), "vocab": data.chars, "seed": config.seed}
-    bar = tqdm(total=config.max_iters, initial=start, disable=not config.progress,
+    bar = tqdm(total=config.max_iters, initial=start, disable=not (config.progress and lead),
                dynamic_ncols=True)
     rates, mfu, best_val, t_last, steps_since = [], None, float("inf"), time.perf_counter(), 0
+    skipped = float(state["skipped_steps"])
     for step in range(start, config.max_iters + 1):
         last = step == config.max_iters
         # evaluate and checkpoint (not again at the step a resumed run starts from)
@@ -111,7 +146,8 @@ def run(config: TrainConfig) -> RunResult:
                 f", {rates[-1]:,.0f} tokens/s, MFU " + (f"{mfu:.1%}" if mfu else "n/a"))
             bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss "
                       f"{losses['val']:.4f}{speed}")
-            if save:
+            if save:  # never after max_bad_steps bad steps in a row
+                _check_bad_steps(int(state["bad_steps"]), config, step, ckpt)
                 ckpt.save(step, state, {**meta, "step": step, "val_loss": losses["val"]},
                           val_loss=losses["val"])
             t_last, steps_since = time.perf_counter(), 0
@@ -120,8 +156,10 @@ def run(config: TrainConfig) -> RunResult:
         # forward/backward over grad_accum micro-batches -> clip -> update (one jitted call)
         inputs_ABT, targets_ABT = data.batch("train", step, batch_size=config.batch_size,
                                              block_size=config.block_size,
-                                             grad_accum=config.grad_accum, seed=config.seed)
-        sync = None if snoo_k is None else snoo_is_sync_step(step, snoo_k)
+                                             grad_accum=config.grad_accum, seed=config.seed,
+                                             rows=rows)
+        # Snoo counts applied updates; skipped steps (known as of the last log line) apply none.
+        sync = None if snoo_k is None else snoo_is_sync_step(step - int(skipped), snoo_k)
         state, metrics = train_step(state, put(inputs_ABT), put(targets_ABT), sync)
         steps_since += 1
         bar.update()
@@ -133,6 +171,12 @@ def run(config: TrainConfig) -> RunResult:
             rates.append(rate)
             mfu = rate * flops / tokens_per_step / (peak * mesh.size) if peak else None
             log.write(step=step + 1, **metrics, tokens_per_sec=rate, mfu=mfu)
+            if metrics["skipped_steps"] > skipped:
+                skipped = metrics["skipped_steps"]
+                bar.write(f"step {step + 1}: skipped {skipped:.0f} step(s) with a non-finite "
+                          f"loss or gradient so far ({metrics['bad_steps']:.0f} in a row)")
+            _check_bad_steps(int(metrics["bad_steps"]), config, step + 1, ckpt)
+            ckpt.check_for_errors()  # a failed asynchronous write stops the run now
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{rate:,.0f}")
             t_last, steps_since = now, 0
     bar.close()
@@ -142,11 +186,24 @@ def run(config: TrainConfig) -> RunResult:
     return result
 
 
+def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Checkpointer):
+    """Stop (pending checkpoint writes finished first) after too many bad steps in a row."""
+    if bad_steps >= config.max_bad_steps:
+        ckpt.close()
+        check_bad_steps(bad_steps, max_bad_steps=config.max_bad_steps, step=step,
+                        checkpoints=ckpt.steps())
+
+
 def _finish(config, model, state, data, log, rates, best_val, out) -> RunResult:
-    """Write loss.png and samples.txt; summarise the run."""
-    plot_losses(log.history, out / "loss.png")
-    if config.num_samples > 0:
-        texts = generate_text(model.merge(state["params"]), data, start=config.sample_start,
+    """Write loss.png and samples.txt (process 0); summarise the run."""
+    lead = jax.process_index() == 0
+    if lead:
+        plot_losses(log.history, out / "loss.png")
+    params = state["params"]
+    if config.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
+        params = multihost_utils.process_allgather(params, tiled=True)
+    if config.num_samples > 0 and lead:
+        texts = generate_text(model.merge(params), data, start=config.sample_start,
                               num_samples=config.num_samples,
                               max_new_tokens=config.sample_tokens,
                               temperature=config.temperature, top_k=config.sample_top_k,

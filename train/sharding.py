@@ -18,6 +18,7 @@ References:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "batch_sharding",
     "make_mesh",
     "mesh_shape",
+    "process_rows",
     "put_batch",
     "replicated",
     "tree_shardings",
@@ -91,17 +93,45 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(sharding, tree)
 
 
-def put_batch(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """Place a host batch (the same global array on every process) on the mesh.
+def _check_divisible(batch_size: int, mesh: Mesh) -> None:
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if batch_size % ways:
+        raise ValueError(f"batch_size={batch_size} must be divisible by mesh data*fsdp={ways}")
 
-    Each process materialises only its addressable shards, so this also works when
-    several processes share the mesh.
+
+def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
+    """The rows of a `(A, batch_size, T)` batch that this process's devices hold.
+
+    Raises:
+      ValueError: if the batch does not divide over the mesh, or this process's rows are
+        not one contiguous range (a mesh whose batch axes interleave processes).
+    """
+    _check_divisible(batch_size, sharding.mesh)
+    indices = sharding.addressable_devices_indices_map((1, batch_size, 1)).values()
+    rows = sorted({(i[1].start or 0, batch_size if i[1].stop is None else i[1].stop)
+                   for i in indices})
+    if any(a[1] != b[0] for a, b in itertools.pairwise(rows)):
+        raise ValueError(f"process {jax.process_index()} holds batch rows {rows}: expected one "
+                         "contiguous range; order the mesh devices by process")
+    return slice(rows[0][0], rows[-1][1])
+
+
+def put_batch(x: np.ndarray, sharding: NamedSharding, batch_size: int | None = None
+              ) -> jax.Array:
+    """Place a host batch `(A, B, T)` on the mesh.
+
+    Args:
+      x: the whole global batch (the same on every process), or, with `batch_size`, only
+        this process's rows `process_rows(sharding, batch_size)` of it.
+      sharding: `batch_sharding(mesh)`.
+      batch_size: the global batch size when `x` holds one process's rows.
 
     Raises:
       ValueError: if the batch axis does not divide over `("data", "fsdp")`.
     """
-    mesh = sharding.mesh
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
-    if x.shape[1] % ways:
-        raise ValueError(f"batch_size={x.shape[1]} must be divisible by mesh data*fsdp={ways}")
+    if batch_size is not None:
+        _check_divisible(batch_size, sharding.mesh)
+        shape = (x.shape[0], batch_size, *x.shape[2:])
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+    _check_divisible(x.shape[1], sharding.mesh)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

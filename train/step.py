@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import models
+from train.nonfinite import counters, skip_nonfinite
 from train.sharding import batch_sharding, replicated, tree_shardings
 
 __all__ = [
@@ -68,7 +69,7 @@ def create_train_state(gpt_config: models.GPTConfig, tx: optax.GradientTransform
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
         state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
-                 "rng": jax.random.key_data(jax.random.key(seed))}
+                 "rng": jax.random.key_data(jax.random.key(seed)), **counters()}
     state = jax.device_put(state, tree_shardings(state, mesh))
     return ModelDef(graphdef, rest, gpt_config), state
 
@@ -79,7 +80,8 @@ def _cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 def make_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, *, mesh: Mesh,
                     state_shardings: Any, lr_schedule: Callable[[jax.Array], jax.Array],
-                    snoo: bool = False) -> Callable[..., tuple[TrainState, dict]]:
+                    snoo: bool = False, max_bad_steps: int | None = 10,
+                    ) -> Callable[..., tuple[TrainState, dict]]:
     """Build `train_step(state, inputs_ABT, targets_ABT, snoo_sync=None)` (jitted).
 
     Args:
@@ -90,11 +92,15 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, 
       lr_schedule: logged as `lr` (the schedule's value at this update).
       snoo: the optimizer is Snoo-wrapped; `snoo_sync` (static, positional) is then passed
         on to it (`True`/`False` on the host's fast path, `None` to decide in the step).
+      max_bad_steps: a step with a non-finite loss or gradient leaves the state unchanged
+        but for its counters (`train.nonfinite`); after this many in a row, all are
+        skipped. `None` applies every update unchecked.
 
     Returns:
       The jitted step, returning `(state, metrics)` with float32 scalars `loss` (mean
       cross-entropy over all micro-batches), `aux_loss` (MoE, already scaled; it is added
-      to the differentiated loss), `grad_norm` (before clipping) and `lr`.
+      to the differentiated loss), `grad_norm` (before clipping) and `lr`, plus
+      `skipped`, `bad_steps` and `skipped_steps` unless `max_bad_steps` is `None`.
     """
 
     def loss_fn(params, inputs_BT, targets_BT, key):
@@ -129,10 +135,14 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, 
             ce, aux_loss = ce_A.mean(), aux_A.mean()
         extra = {"snoo_sync": snoo_sync} if snoo else {}
         updates, opt_state = tx.update(grads, state["opt_state"], params, **extra)
-        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-                     "step": state["step"] + 1, "rng": state["rng"]}
+        new_state = {**state, "params": optax.apply_updates(params, updates),
+                     "opt_state": opt_state, "step": state["step"] + 1}
         metrics = {"loss": ce, "aux_loss": aux_loss, "grad_norm": optax.tree.norm(grads),
                    "lr": jnp.asarray(lr_schedule(state["step"]), jnp.float32)}
+        if max_bad_steps is not None:
+            new_state, flags = skip_nonfinite(state, new_state, ce + aux_loss,
+                                              metrics["grad_norm"], max_bad_steps=max_bad_steps)
+            metrics.update(flags)
         return new_state, metrics
 
     data = batch_sharding(mesh)

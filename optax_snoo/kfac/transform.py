@@ -459,10 +459,15 @@ def scale_by_kfac(
         weight = state.factor_weight
         if curvature is not None:
             batch = _match_curvature(curvature, blocks, entries)
-            weight = ema_decay * weight + 1.0
-            new_frac = 1.0 / weight
-            factors = [jax.tree.map(lambda old, new: (1.0 - new_frac) * old + new_frac * new,
-                                    f, c) for f, c in zip(factors, batch, strict=True)]
+            # A batch with any NaN/Inf factor is dropped whole (factors and weight kept),
+            # so non-finite statistics never reach the inverses or the params.
+            finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for c in batch for x in c]))
+            new_weight = ema_decay * weight + 1.0
+            new_frac = 1.0 / new_weight
+            factors = [jax.tree.map(lambda old, new: jnp.where(
+                finite, (1.0 - new_frac) * old + new_frac * new, old), f, c)
+                for f, c in zip(factors, batch, strict=True)]
+            weight = jnp.where(finite, new_weight, weight)
 
         # (2) refresh decision and, under lax.cond, the inverses.
         count = state.count

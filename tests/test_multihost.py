@@ -1,0 +1,81 @@
+"""Multi-process training on one machine: 2 processes x 4 CPU devices (gloo collectives).
+
+The two processes form one 8-device mesh through `jax.distributed` (`python -m train
+--coordinator=... --num_processes=2 --process_id=I`), each feeding its own half of every
+batch; their losses must follow the single-process 8-device run, and their collectively
+written checkpoint must restore into a 1-device run that continues the same trajectory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import train
+from train import config as tc
+from train.checkpoint import Checkpointer
+
+SENTENCES = ("the king and the queen walk to the castle . a fool sings of love and war . "
+             "my lord , the night is long and the wind is cold .")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    text = " ".join(rng.choice(SENTENCES.split(), size=6000)) + "\n"
+    path = tmp_path_factory.mktemp("corpus") / "input.txt"
+    path.write_text(text)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _losses(history) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path):
+    config = dataclasses.replace(
+        tc.TrainConfig(), n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
+        dtype="float32", optimizer="adamw", learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
+        max_iters=4, lr_decay_iters=8, eval_interval=4, eval_iters=1, log_interval=1,
+        checkpoint_every=4, mesh_data=-1, num_samples=0, progress=False, data=str(corpus),
+        out_dir=str(tmp_path / "multi"))
+    argv = [f"--{k}={v}" for k, v in tc.config_to_dict(config).items()
+            if v is not None and k != "sample_start"]
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+    env = {**os.environ, "XLA_FLAGS": flags,
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "train", *argv, f"--coordinator=localhost:{port}",
+         "--num_processes=2", f"--process_id={i}"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    # Meanwhile, the reference: one process, all 8 devices, 8 steps.
+    reference = train.run(dataclasses.replace(config, out_dir=str(tmp_path / "one"),
+                                              max_iters=8)).history
+    for i, proc in enumerate(procs):
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"process {i}:\n{output}"
+    multi = [json.loads(x) for x in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(_losses(multi)) == [1, 2, 3, 4]
+    np.testing.assert_allclose([_losses(multi)[s] for s in range(1, 5)],
+                               [_losses(reference)[s] for s in range(1, 5)], rtol=2e-5)
+    assert Checkpointer(tmp_path / "multi" / "checkpoints").steps() == [4]
+
+    # The 8-device, 2-process checkpoint restores on one device and continues the run.
+    resumed = train.run(dataclasses.replace(config, mesh_data=1, resume=True, max_iters=8))
+    np.testing.assert_allclose([_losses(resumed.history)[s] for s in range(5, 9)],
+                               [_losses(reference)[s] for s in range(5, 9)], rtol=1e-4)
