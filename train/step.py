@@ -159,3 +159,105 @@ def make_eval_step(model: ModelDef, *, mesh: Mesh,
     data = batch_sharding(mesh)
     return jax.jit(eval_step, in_shardings=(params_shardings, data, data),
                    out_shardings=replicated(mesh))
+
+
+def _refresh_event(opt_state: Any) -> Any:
+    """The `KfacRefreshEvent` of the (first) K-FAC transform in `opt_state`."""
+    from optax_snoo.kfac import ScaleByKfacState
+
+    is_state = lambda x: isinstance(x, ScaleByKfacState)
+    states = [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+    if not states:
+        raise ValueError("the optimizer takes curvature= but has no K-FAC state")
+    return states[0].event
+
+
+def _grad_and_curvature_fn(model: ModelDef, curvature_fn: Callable[[dict], Any]):
+    """`(params, inputs_BT, targets_BT, key) -> ((loss, (ce, aux)), (grads, curvature))`:
+    the gradient and the K-FAC batch factors from one backward pass
+    (`models.value_grad_and_stats`); the factors are over the whole (global) batch."""
+
+    def loss_fn(logits_BTV, aux_loss, targets_BT):
+        ce = _cross_entropy(logits_BTV, targets_BT)
+        return ce + aux_loss, (ce, aux_loss)
+
+    def grad_fn(params, inputs_BT, targets_BT, key):
+        out, grads, stats = models.value_grad_and_stats(
+            loss_fn, model.merge(params), inputs_BT, targets_BT, dropout_key=key,
+            has_aux=True)
+        return out, (nnx.to_pure_dict(grads), curvature_fn(stats))
+
+    return grad_fn
+
+
+def make_curvature_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, *,
+                              mesh: Mesh, state_shardings: Any,
+                              lr_schedule: Callable[[jax.Array], jax.Array],
+                              curvature_fn: Callable[[dict], Any],
+                              snoo: bool = False) -> Callable[..., tuple[TrainState, dict]]:
+    """`make_train_step` for optimizers that take K-FAC statistics (`curvature=`).
+
+    The gradient comes with the batch factors of `curvature_fn(stats)` (stats from
+    `models.value_grad_and_stats`, in the same backward pass); with accumulation both are
+    averaged over the micro-batches. The metrics also hold `kfac_event`, the K-FAC
+    state's latest `KfacRefreshEvent` after this update (small scalars: the trainer reads
+    them on its logging steps and writes one row per new refresh).
+    """
+    grad_fn = _grad_and_curvature_fn(model, curvature_fn)
+    use_dropout = model.config.dropout > 0
+
+    def train_step(state, inputs_ABT, targets_ABT, snoo_sync=None):
+        params, A = state["params"], inputs_ABT.shape[0]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        keys_A = jax.random.split(key, A)
+
+        def micro_step(total, batch):
+            inputs_BT, targets_BT, key = batch
+            (_, (ce, aux_loss)), (grads, curvature) = grad_fn(
+                params, inputs_BT, targets_BT, key if use_dropout else None)
+            return jax.tree.map(jnp.add, total, (grads, curvature)), (ce, aux_loss)
+
+        if A == 1:
+            (_, (ce, aux_loss)), (grads, curvature) = grad_fn(
+                params, inputs_ABT[0], targets_ABT[0], keys_A[0] if use_dropout else None)
+        else:
+            shapes = jax.eval_shape(grad_fn, params, inputs_ABT[0], targets_ABT[0],
+                                    keys_A[0] if use_dropout else None)[1]
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+            (grads, curvature), (ce_A, aux_A) = jax.lax.scan(
+                micro_step, zeros, (inputs_ABT, targets_ABT, keys_A))
+            grads = jax.tree.map(lambda g, p: (g / A).astype(p.dtype), grads, params)
+            curvature = jax.tree.map(lambda c: c / A, curvature)
+            ce, aux_loss = ce_A.mean(), aux_A.mean()
+        extra = {"snoo_sync": snoo_sync} if snoo else {}
+        updates, opt_state = tx.update(grads, state["opt_state"], params,
+                                       curvature=curvature, **extra)
+        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+                     "step": state["step"] + 1, "rng": state["rng"]}
+        metrics = {"loss": ce, "aux_loss": aux_loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": jnp.asarray(lr_schedule(state["step"]), jnp.float32),
+                   "kfac_event": _refresh_event(opt_state)}
+        return new_state, metrics
+
+    data = batch_sharding(mesh)
+    return jax.jit(train_step, in_shardings=(state_shardings, data, data),
+                   out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0,
+                   static_argnums=3)
+
+
+def make_curvature_estimate(model: ModelDef, *, mesh: Mesh, params_shardings: Any,
+                            curvature_fn: Callable[[dict], Any]
+                            ) -> Callable[[Any, jax.Array, jax.Array], Any]:
+    """`estimate(params, inputs_ABT, targets_ABT) -> curvature`, the batch factors averaged
+    over the `A` micro-batches (no update, no dropout): a K-FAC warm-start batch
+    (`optax_snoo.kfac.warm_start`)."""
+    grad_fn = _grad_and_curvature_fn(model, curvature_fn)
+
+    def estimate(params, inputs_ABT, targets_ABT):
+        A = inputs_ABT.shape[0]
+        total = [grad_fn(params, inputs_ABT[a], targets_ABT[a], None)[1][1] for a in range(A)]
+        return jax.tree.map(lambda *c: sum(c) / A, *total)
+
+    data = batch_sharding(mesh)
+    return jax.jit(estimate, in_shardings=(params_shardings, data, data),
+                   out_shardings=replicated(mesh))
