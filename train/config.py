@@ -102,6 +102,8 @@ class TrainConfig:
     kfac_skip_warmup: bool = _field(False, "optimizer", "lr_ratio: no refresh in the warmup")
     kfac_warm_start: int = _field(0, "optimizer", "batches estimating the factors before "
                                   "step 0 (0 = none)")
+    kfac_stats_stride: int = _field(1, "optimizer", "factors from every n-th position of "
+                                    "each sequence (rotating; 1 = all tokens)")
     muon_lr: float = _field(0.02, "optimizer", "peak lr of the Muon group")
     muon_beta: float = _field(0.95, "optimizer", "Muon momentum")
     muon_beta_warmup: int = _field(300, "optimizer", "steps warming Muon's momentum up from "

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from optax_snoo import kfac as kfac_lib
@@ -88,12 +89,13 @@ def warm_start_state(state: dict, estimate: Callable[[Any, Any, Any], Any],
 
     Args:
       state: the train state (step 0).
-      estimate: `estimate(params, inputs_ABT, targets_ABT) -> curvature` (from
+      estimate: `estimate(params, inputs_ABT, targets_ABT, index) -> curvature` (from
         `train.step.make_curvature_estimate`).
       batches: `(inputs_ABT, targets_ABT)` pairs already placed on the mesh.
       shardings: the train state's shardings (the result is put back on them).
     """
-    curvatures = [estimate(state["params"], x, y) for x, y in batches]
+    curvatures = [estimate(state["params"], x, y, jnp.int32(i))
+                  for i, (x, y) in enumerate(batches)]
     opt_state = kfac_lib.warm_start(state["opt_state"], curvatures)
     return jax.device_put({**state, "opt_state": opt_state}, shardings)
 
@@ -131,7 +133,7 @@ def setup(config: TrainConfig, model: Any, tx: Any, state: dict, data: CharDatas
     Warm-start batches are the train windows of steps `max_iters, max_iters + 1, ...`
     (never used by the run's own steps), one micro-batch of `batch_size` each.
     """
-    curvature_fn = kfac_curvature_fn(state["params"])
+    curvature_fn = kfac_curvature_fn(state["params"], config.kfac_stats_stride)
     train_step = make_curvature_train_step(model, tx, curvature_fn=curvature_fn, **step_kwargs)
     if start == 0 and config.kfac_warm_start > 0:
         shardings = step_kwargs["state_shardings"]

@@ -23,9 +23,11 @@ References:
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import optax_snoo
@@ -202,25 +204,45 @@ def _kfac(config: TrainConfig) -> optax.GradientTransformation:
                                        optax_snoo.labels.label_by_rules(KFAC_RULES))
 
 
-def kfac_curvature_fn(params: optax.Params) -> Callable[[dict], dict]:
-    """`stats -> curvature` for the K-FAC group of `params` (see `KFAC_RULES`).
+def kfac_curvature_fn(params: optax.Params, stride: int = 1
+                      ) -> Callable[[dict, jax.Array], dict]:
+    """`(stats, step) -> curvature` for the K-FAC group of `params` (see `KFAC_RULES`).
 
-    `stats` is the dict of `models.value_grad_and_stats` (`path -> (inputs, out_grads)`);
-    the result maps each K-FAC kernel path to its `layer_factors` (with the bias
-    coordinate when the layer has a bias), the `curvature=` argument of `kfac`.
+    `stats` is the dict of `models.value_grad_and_stats` (`path -> (inputs, out_grads)`,
+    `(B, T, ·)`); the result maps each K-FAC kernel path to its `layer_factors` (with the
+    bias coordinate when the layer has a bias), the `curvature=` argument of `kfac`.
+    With `stride > 1` the factors come from every `stride`-th position of each sequence
+    (positions `step % stride`, `+ stride`, ...: all positions over `stride` steps), which
+    divides their cost by `stride`; `g = M·dy` keeps `M` the number of tokens of the loss.
     """
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"kfac_stats_stride={stride!r}: expected an int >= 1")
     labels = optax_snoo.labels.label_by_rules(KFAC_RULES)(params)
     paths = {optax_snoo.labels.path_to_str(p): label for p, label in
              jax.tree_util.tree_flatten_with_path(labels)[0]}
     layers = {path: path[:-len("kernel")] + "bias" in paths for path, label in paths.items()
               if label == "kfac" and path.endswith("/kernel")}
 
-    def curvature(stats: dict) -> dict:
+    def positions(x_BTD: jax.Array, offset: jax.Array) -> jax.Array:
+        B, T, D = x_BTD.shape
+        if T % stride:
+            raise ValueError(f"kfac_stats_stride={stride} must divide the sequence length {T}")
+        return jax.lax.dynamic_index_in_dim(x_BTD.reshape(B, T // stride, stride, D), offset,
+                                            axis=2, keepdims=False)
+
+    def curvature(stats: dict, step: jax.Array) -> dict:
         missing = sorted(set(layers) - set(stats))
         if missing:
             raise ValueError(f"the model captured no K-FAC statistics for {missing}")
-        return {path: kfac_lib.layer_factors(*stats[path], has_bias)
-                for path, has_bias in layers.items()}
+        out = {}
+        for path, has_bias in layers.items():
+            x, dy = stats[path]
+            num_tokens = math.prod(x.shape[:-1])
+            if stride > 1:
+                offset = jnp.asarray(step, jnp.int32) % stride
+                x, dy = positions(x, offset), positions(dy, offset)
+            out[path] = kfac_lib.layer_factors(x, dy, has_bias, num_tokens=num_tokens)
+        return out
 
     return curvature
 

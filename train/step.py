@@ -172,20 +172,20 @@ def _refresh_event(opt_state: Any) -> Any:
     return states[0].event
 
 
-def _grad_and_curvature_fn(model: ModelDef, curvature_fn: Callable[[dict], Any]):
-    """`(params, inputs_BT, targets_BT, key) -> ((loss, (ce, aux)), (grads, curvature))`:
-    the gradient and the K-FAC batch factors from one backward pass
-    (`models.value_grad_and_stats`); the factors are over the whole (global) batch."""
+def _grad_and_curvature_fn(model: ModelDef, curvature_fn: Callable[[dict, jax.Array], Any]):
+    """`(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux)), (grads, curvature))`:
+    the gradient and the K-FAC batch factors `curvature_fn(stats, step)` from one backward
+    pass (`models.value_grad_and_stats`), over the whole (global) batch."""
 
     def loss_fn(logits_BTV, aux_loss, targets_BT):
         ce = _cross_entropy(logits_BTV, targets_BT)
         return ce + aux_loss, (ce, aux_loss)
 
-    def grad_fn(params, inputs_BT, targets_BT, key):
+    def grad_fn(params, inputs_BT, targets_BT, key, step):
         out, grads, stats = models.value_grad_and_stats(
             loss_fn, model.merge(params), inputs_BT, targets_BT, dropout_key=key,
             has_aux=True)
-        return out, (nnx.to_pure_dict(grads), curvature_fn(stats))
+        return out, (nnx.to_pure_dict(grads), curvature_fn(stats, step))
 
     return grad_fn
 
@@ -193,11 +193,11 @@ def _grad_and_curvature_fn(model: ModelDef, curvature_fn: Callable[[dict], Any])
 def make_curvature_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, *,
                               mesh: Mesh, state_shardings: Any,
                               lr_schedule: Callable[[jax.Array], jax.Array],
-                              curvature_fn: Callable[[dict], Any],
+                              curvature_fn: Callable[[dict, jax.Array], Any],
                               snoo: bool = False) -> Callable[..., tuple[TrainState, dict]]:
     """`make_train_step` for optimizers that take K-FAC statistics (`curvature=`).
 
-    The gradient comes with the batch factors of `curvature_fn(stats)` (stats from
+    The gradient comes with the batch factors of `curvature_fn(stats, step)` (stats from
     `models.value_grad_and_stats`, in the same backward pass); with accumulation both are
     averaged over the micro-batches. The metrics also hold `kfac_event`, the K-FAC
     state's latest `KfacRefreshEvent` after this update (small scalars: the trainer reads
@@ -214,15 +214,16 @@ def make_curvature_train_step(model: ModelDef, tx: optax.GradientTransformationE
         def micro_step(total, batch):
             inputs_BT, targets_BT, key = batch
             (_, (ce, aux_loss)), (grads, curvature) = grad_fn(
-                params, inputs_BT, targets_BT, key if use_dropout else None)
+                params, inputs_BT, targets_BT, key if use_dropout else None, state["step"])
             return jax.tree.map(jnp.add, total, (grads, curvature)), (ce, aux_loss)
 
         if A == 1:
             (_, (ce, aux_loss)), (grads, curvature) = grad_fn(
-                params, inputs_ABT[0], targets_ABT[0], keys_A[0] if use_dropout else None)
+                params, inputs_ABT[0], targets_ABT[0], keys_A[0] if use_dropout else None,
+                state["step"])
         else:
             shapes = jax.eval_shape(grad_fn, params, inputs_ABT[0], targets_ABT[0],
-                                    keys_A[0] if use_dropout else None)[1]
+                                    keys_A[0] if use_dropout else None, state["step"])[1]
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
             (grads, curvature), (ce_A, aux_A) = jax.lax.scan(
                 micro_step, zeros, (inputs_ABT, targets_ABT, keys_A))
@@ -246,18 +247,19 @@ def make_curvature_train_step(model: ModelDef, tx: optax.GradientTransformationE
 
 
 def make_curvature_estimate(model: ModelDef, *, mesh: Mesh, params_shardings: Any,
-                            curvature_fn: Callable[[dict], Any]
-                            ) -> Callable[[Any, jax.Array, jax.Array], Any]:
-    """`estimate(params, inputs_ABT, targets_ABT) -> curvature`, the batch factors averaged
-    over the `A` micro-batches (no update, no dropout): a K-FAC warm-start batch
-    (`optax_snoo.kfac.warm_start`)."""
+                            curvature_fn: Callable[[dict, jax.Array], Any]
+                            ) -> Callable[[Any, jax.Array, jax.Array, int], Any]:
+    """`estimate(params, inputs_ABT, targets_ABT, index) -> curvature`: the batch factors
+    averaged over the `A` micro-batches (no update, no dropout; `index` plays the step for
+    `curvature_fn`), one batch of a K-FAC warm start (`optax_snoo.kfac.warm_start`)."""
     grad_fn = _grad_and_curvature_fn(model, curvature_fn)
 
-    def estimate(params, inputs_ABT, targets_ABT):
+    def estimate(params, inputs_ABT, targets_ABT, index):
         A = inputs_ABT.shape[0]
-        total = [grad_fn(params, inputs_ABT[a], targets_ABT[a], None)[1][1] for a in range(A)]
+        total = [grad_fn(params, inputs_ABT[a], targets_ABT[a], None, index)[1][1]
+                 for a in range(A)]
         return jax.tree.map(lambda *c: sum(c) / A, *total)
 
     data = batch_sharding(mesh)
-    return jax.jit(estimate, in_shardings=(params_shardings, data, data),
+    return jax.jit(estimate, in_shardings=(params_shardings, data, data, replicated(mesh)),
                    out_shardings=replicated(mesh))
