@@ -13,8 +13,9 @@ trainer (`train.run`) on a CPU-sized character GPT with AdamW and with K-FAC und
 
 Runs go to ``--work/<strategy>_s<seed>`` (one process per seed can run side by side);
 ``--report`` then reads them and prints the table (refresh count, final val loss mean ±
-std over seeds, wall time), and writes ``<out>/kfac_refresh.json`` and ``.png`` (val loss
-per strategy; the refresh points of each strategy over the LR curve). Every K-FAC run's
+std over seeds, wall time), and writes ``<out>/kfac_refresh.json``, ``.png`` (val loss
+per strategy; the refresh points of each strategy over the LR curve) and
+``kfac_refresh_table.md``. Every K-FAC run's
 logged refreshes are checked against `optax_snoo.kfac.refresh_steps`.
 
     python -m benchmarks.kfac_refresh --seeds=0 &   # and 1, 2: one process per seed
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "kfac_refresh.json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "runs": runs}, indent=1) + "\n")
     plot(runs, configs, out / "kfac_refresh.png")
+    (out / "kfac_refresh_table.md").write_text(markdown(summary, meta))
     print(markdown(summary, meta))
     return summary
 
