@@ -82,6 +82,28 @@ class TrainConfig:
     weight_decay: float = _field(0.1, "optimizer", "AdamW weight decay on >= 2-D params "
                                  "(adamw stacks; Muon's Adam group has none)")
     grad_clip: float = _field(1.0, "optimizer", "global-norm clipping (0 = off)")
+    # K-FAC (kfac, snoo_kfac): hidden Dense kernels (+ biases); AdamW on the rest
+    kfac_lr: float | None = _field(None, "optimizer", "peak lr of the K-FAC group "
+                                   "(None = learning_rate)")
+    kfac_damping: float = _field(1e-3, "optimizer", "K-FAC damping lambda")
+    kfac_ema: float = _field(0.95, "optimizer", "K-FAC factor EMA decay rho")
+    kfac_momentum: float = _field(0.9, "optimizer", "K-FAC group heavy-ball momentum")
+    kfac_mode: str = _field("pi", "optimizer", "K-FAC damping: factored (pi) or exact (eigen)")
+    kfac_graft: str = _field("adam", "optimizer", "per-layer update norm of the K-FAC group")
+    kfac_refresh: str = _field("every", "optimizer", "K-FAC inverse refresh policy")
+    kfac_interval: int = _field(100, "optimizer", "every: steps between refreshes; "
+                                "lr_ratio: the max interval")
+    kfac_first: int | None = _field(None, "optimizer", "every: first refresh step "
+                                    "(None = kfac_interval)")
+    kfac_phases: str = _field("none,150,300,600", "optimizer", "by_lr_phase: intervals for "
+                              "warmup,peak,decay,tail (an int, none or once)")
+    kfac_tau: float = _field(0.15, "optimizer", "lr_ratio: relative lr change that refreshes")
+    kfac_min_interval: int = _field(10, "optimizer", "lr_ratio: fewest steps between refreshes")
+    kfac_skip_warmup: bool = _field(False, "optimizer", "lr_ratio: no refresh in the warmup")
+    kfac_warm_start: int = _field(0, "optimizer", "batches estimating the factors before "
+                                  "step 0 (0 = none)")
+    kfac_stats_stride: int = _field(1, "optimizer", "factors from every n-th position of "
+                                    "each sequence (rotating; 1 = all tokens)")
     muon_lr: float = _field(0.02, "optimizer", "peak lr of the Muon group")
     muon_beta: float = _field(0.95, "optimizer", "Muon momentum")
     muon_beta_warmup: int = _field(300, "optimizer", "steps warming Muon's momentum up from "
@@ -178,6 +200,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule": ("cosine", "stable_cooldown"),
     "skew_policies": ("skew_adam", "expert_momentum", "factored_router", "uniform"),
     "rounding": ("none", "stochastic", "dithered"),
+    "kfac_mode": ("pi", "eigen"),
+    "kfac_graft": ("adam", "sgd", "none"),
+    "kfac_refresh": ("every", "by_lr_phase", "lr_ratio"),
 }
 
 PRESETS: dict[str, dict[str, Any]] = {

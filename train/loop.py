@@ -34,12 +34,13 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from optax_snoo import snoo_is_sync_step
+from train import kfac_trainer
 from train.checkpoint import Checkpointer, check_compatible
 from train.config import TrainConfig, config_to_dict, model_config
 from train.data import CharDataset
 from train.metrics import MetricsLog, flops_per_token, peak_flops_per_device, plot_losses
 from train.nonfinite import check_bad_steps
-from train.optimizers import build_optimizer, learning_rate_schedule
+from train.optimizers import build_optimizer, learning_rate_schedule, needs_curvature
 from train.sample import generate_text
 from train.sharding import batch_sharding, make_mesh, process_rows, put_batch, tree_shardings
 from train.step import create_train_state, make_eval_step, make_train_step
@@ -114,12 +115,19 @@ def run(config: TrainConfig) -> RunResult:
     lead = jax.process_index() == 0
     if lead:
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
-    train_step = make_train_step(model, tx, mesh=mesh, state_shardings=shardings,
-                                 lr_schedule=learning_rate_schedule(config),
-                                 snoo=snoo_k is not None, max_bad_steps=config.max_bad_steps)
-    eval_step = make_eval_step(model, mesh=mesh, params_shardings=shardings["params"])
     rows = process_rows(batch_sharding(mesh), config.batch_size)  # this process's slice
     put = lambda x: put_batch(x, batch_sharding(mesh), config.batch_size)
+    step_kwargs = dict(mesh=mesh, state_shardings=shardings,
+                       lr_schedule=learning_rate_schedule(config), snoo=snoo_k is not None,
+                       max_bad_steps=config.max_bad_steps)
+    events = None
+    if needs_curvature(config):  # K-FAC: statistics from the step, refresh events
+        train_step, state, events = kfac_trainer.setup(config, model, tx, state, data,
+                                                       start=start, put=put, out=out,
+                                                       **step_kwargs)
+    else:
+        train_step = make_train_step(model, tx, **step_kwargs)
+    eval_step = make_eval_step(model, mesh=mesh, params_shardings=shardings["params"])
     evals = {split: [put(a) for a in data.eval_batches(
         split, num_batches=config.eval_iters, batch_size=config.batch_size,
         block_size=config.block_size, seed=config.seed, rows=rows)]
@@ -163,8 +171,12 @@ def run(config: TrainConfig) -> RunResult:
         state, metrics = train_step(state, put(inputs_ABT), put(targets_ABT), sync)
         steps_since += 1
         bar.update()
+        if events is not None:  # K-FAC refresh events: kept on device, read when logging
+            events.add(metrics.pop("kfac_event"))
         # log (the only host sync outside evaluations)
         if (step + 1) % config.log_interval == 0 or step + 1 == config.max_iters:
+            if events is not None:
+                events.flush()
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             now = time.perf_counter()
             rate = steps_since * tokens_per_step / (now - t_last)
@@ -181,6 +193,8 @@ def run(config: TrainConfig) -> RunResult:
             t_last, steps_since = now, 0
     bar.close()
     ckpt.close()
+    if events is not None:
+        kfac_trainer.finish(config, events, out)
     result = _finish(config, model, state, data, log, rates, best_val, out)
     result.final["wall_s"] = time.perf_counter() - t_start
     return result

@@ -23,12 +23,16 @@ References:
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import optax_snoo
+import optax_snoo.labels
+from optax_snoo import kfac as kfac_lib
 from optax_snoo.muon import muon as muon_tx
 from optax_snoo.muon import muon_momentum_warmup
 from optax_snoo.recipes import stable_cooldown_schedule
@@ -180,6 +184,125 @@ def _rounding(config: TrainConfig) -> optax.GradientTransformation | None:
     makers = {"stochastic": optax_snoo.stochastic_rounding,
               "dithered": optax_snoo.dithered_rounding}
     return makers[config.rounding](key=config.seed) if config.rounding in makers else None
+# ------------------------------------------------------------------------------ K-FAC
+# Hidden Dense kernels and their biases go to K-FAC; embeddings, the head, norms, routers
+# and expert stacks (3-D) to AdamW. The trainer passes their curvature from the step.
+KFAC_RULES: tuple = (
+    (r"(^|/)(wte|wpe|lm_head|router|experts)(/|$)", "adamw"),
+    (r"(^|/)(ln\w*|\w*norm\w*)(/|$)", "adamw"),
+    (r"(^|/)(kernel|bias)$", "kfac"),
+    (r".*", "adamw"),
+)
+CURVATURE_OPTIMIZERS: set[str] = set()
+
+
+def needs_curvature(config: TrainConfig) -> bool:
+    """Whether `config.optimizer` takes the batch K-FAC statistics (`curvature=`)."""
+    return config.optimizer in CURVATURE_OPTIMIZERS
+
+
+def kfac_refresh_policy(config: TrainConfig) -> kfac_lib.RefreshPolicy:
+    """The refresh policy of `config.kfac_refresh` (SPEC §4.3).
+
+    - `every`: `every(kfac_interval, first=kfac_first)`;
+    - `by_lr_phase`: `kfac_phases` (warmup, peak, decay, tail), peak at `kfac_lr`;
+    - `lr_ratio`: `lr_ratio(kfac_tau, max_interval=kfac_interval, min_interval=
+      kfac_min_interval)`, skipping the warmup when `kfac_skip_warmup`.
+    """
+    if config.kfac_refresh == "every":
+        return kfac_lib.every(config.kfac_interval, first=config.kfac_first)
+    if config.kfac_refresh == "lr_ratio":
+        return kfac_lib.lr_ratio(
+            config.kfac_tau, max_interval=config.kfac_interval,
+            min_interval=config.kfac_min_interval,
+            warmup_steps=config.warmup_iters if config.kfac_skip_warmup else 0)
+    values = [v.strip().lower() for v in config.kfac_phases.split(",")]
+    if len(values) != len(kfac_lib.PHASES):
+        raise ValueError(f"kfac_phases={config.kfac_phases!r}: expected {len(kfac_lib.PHASES)}"
+                         f" comma-separated intervals for {', '.join(kfac_lib.PHASES)}")
+    parse = lambda v: None if v == "none" else v if v == "once" else int(v) if v.isdigit() else v
+    intervals = dict(zip(kfac_lib.PHASES, map(parse, values), strict=True))
+    peak = config.learning_rate if config.kfac_lr is None else config.kfac_lr
+    return kfac_lib.by_lr_phase(peak, warmup_steps=config.warmup_iters, intervals=intervals)
+
+
+def kfac_schedule(config: TrainConfig) -> optax.Schedule:
+    """The learning rate of the K-FAC group (what LR-aware refresh policies read)."""
+    return learning_rate_schedule(config, config.kfac_lr)
+
+
+def _kfac(config: TrainConfig) -> optax.GradientTransformation:
+    if config.kfac_warm_start < 0:
+        raise ValueError(f"kfac_warm_start={config.kfac_warm_start}: expected batches >= 0")
+    hidden = kfac_lib.kfac(
+        kfac_schedule(config), damping=config.kfac_damping, momentum=config.kfac_momentum,
+        weight_decay=config.weight_decay, weight_decay_mask=_decay_matrices,
+        ema_decay=config.kfac_ema, refresh=kfac_refresh_policy(config), mode=config.kfac_mode,
+        graft=None if config.kfac_graft == "none" else config.kfac_graft, b2=config.beta2,
+        eps=config.eps)
+    return optax_snoo.labels.partition({"kfac": hidden, "adamw": _adamw(config)},
+                                       optax_snoo.labels.label_by_rules(KFAC_RULES))
+
+
+def kfac_curvature_fn(params: optax.Params, stride: int = 1
+                      ) -> Callable[[dict, jax.Array], dict]:
+    """`(stats, step) -> curvature` for the K-FAC group of `params` (see `KFAC_RULES`).
+
+    `stats` is the dict of `models.value_grad_and_stats` (`path -> (inputs, out_grads)`,
+    `(B, T, ·)`); the result maps each K-FAC kernel path to its `layer_factors` (with the
+    bias coordinate when the layer has a bias), the `curvature=` argument of `kfac`.
+    With `stride > 1` the factors come from every `stride`-th position of each sequence
+    (positions `step % stride`, `+ stride`, ...: all positions over `stride` steps), which
+    divides their cost by `stride`; `g = M·dy` keeps `M` the number of tokens of the loss.
+    """
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"kfac_stats_stride={stride!r}: expected an int >= 1")
+    labels = optax_snoo.labels.label_by_rules(KFAC_RULES)(params)
+    paths = {optax_snoo.labels.path_to_str(p): label for p, label in
+             jax.tree_util.tree_flatten_with_path(labels)[0]}
+    layers = {path: path[:-len("kernel")] + "bias" in paths for path, label in paths.items()
+              if label == "kfac" and path.endswith("/kernel")}
+
+    def positions(x_BTD: jax.Array, offset: jax.Array) -> jax.Array:
+        B, T, D = x_BTD.shape
+        if T % stride:
+            raise ValueError(f"kfac_stats_stride={stride} must divide the sequence length {T}")
+        return jax.lax.dynamic_index_in_dim(x_BTD.reshape(B, T // stride, stride, D), offset,
+                                            axis=2, keepdims=False)
+
+    def curvature(stats: dict, step: jax.Array) -> dict:
+        missing = sorted(set(layers) - set(stats))
+        if missing:
+            raise ValueError(f"the model captured no K-FAC statistics for {missing}")
+        out = {}
+        for path, has_bias in layers.items():
+            x, dy = stats[path]
+            num_tokens = math.prod(x.shape[:-1])
+            if stride > 1:
+                offset = jnp.asarray(step, jnp.int32) % stride
+                x, dy = positions(x, offset), positions(dy, offset)
+            out[path] = kfac_lib.layer_factors(x, dy, has_bias, num_tokens=num_tokens)
+        return out
+
+    return curvature
+
+
+def _register_kfac(name: str) -> Callable[[Builder], Builder]:
+    CURVATURE_OPTIMIZERS.add(name)
+    return register(name)
+
+
+@_register_kfac("kfac")
+def kfac(config: TrainConfig):
+    """K-FAC (SPEC §4) on hidden Dense kernels and biases, grafted to Adam's norm by default
+    (`kfac_*` options), AdamW on embeddings, head and norms; needs `curvature=`."""
+    return optax.chain(_clip(config), _kfac(config)), None
+
+
+@_register_kfac("snoo_kfac")
+def snoo_kfac(config: TrainConfig):
+    """`kfac` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
+    return optax.chain(_clip(config), _snoo(config, _kfac(config))), config.snoo_k
 
 
 def build_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformationExtraArgs,

@@ -81,6 +81,7 @@ def _cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 def make_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, *, mesh: Mesh,
                     state_shardings: Any, lr_schedule: Callable[[jax.Array], jax.Array],
                     snoo: bool = False, max_bad_steps: int | None = 10,
+                    curvature_fn: Callable[[dict, jax.Array], Any] | None = None,
                     ) -> Callable[..., tuple[TrainState, dict]]:
     """Build `train_step(state, inputs_ABT, targets_ABT, snoo_sync=None)` (jitted).
 
@@ -95,6 +96,12 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, 
       max_bad_steps: a step with a non-finite loss or gradient leaves the state unchanged
         but for its counters (`train.nonfinite`); after this many in a row, all are
         skipped. `None` applies every update unchecked.
+      curvature_fn: for optimizers that take K-FAC statistics (`curvature=`): the
+        gradient then comes with the batch factors `curvature_fn(stats, step)` (stats from
+        `models.value_grad_and_stats`, in the same backward pass; with accumulation both
+        are averaged over the micro-batches), and the metrics also hold `kfac_event`, the
+        K-FAC state's latest `KfacRefreshEvent` after this update (small scalars the
+        trainer reads on its logging steps). `None` (default): plain gradients.
 
     Returns:
       The jitted step, returning `(state, metrics)` with float32 scalars `loss` (mean
@@ -103,37 +110,49 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, 
       `skipped`, `bad_steps` and `skipped_steps` unless `max_bad_steps` is `None`.
     """
 
-    def loss_fn(params, inputs_BT, targets_BT, key):
-        logits_BTV, aux_loss, _ = models.forward(model.merge(params), inputs_BT,
-                                                 dropout_key=key)
-        ce = _cross_entropy(logits_BTV, targets_BT)
-        return ce + aux_loss, (ce, aux_loss)
+    if curvature_fn is None:
+        def loss_fn(params, inputs_BT, targets_BT, key):
+            logits_BTV, aux_loss, _ = models.forward(model.merge(params), inputs_BT,
+                                                     dropout_key=key)
+            ce = _cross_entropy(logits_BTV, targets_BT)
+            return ce + aux_loss, (ce, aux_loss)
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def grad_fn(params, inputs_BT, targets_BT, key, step):
+            out, grads = value_and_grad(params, inputs_BT, targets_BT, key)
+            return out, (grads, None)
+    else:
+        grad_fn = _grad_and_curvature_fn(model, curvature_fn)
     use_dropout = model.config.dropout > 0
 
     def train_step(state, inputs_ABT, targets_ABT, snoo_sync=None):
         params, A = state["params"], inputs_ABT.shape[0]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        keys_A = jax.random.split(key, A)
-
-        def micro_step(grads_sum, batch):
-            inputs_BT, targets_BT, key = batch
-            (_, (ce, aux_loss)), grads = grad_fn(params, inputs_BT, targets_BT,
-                                                 key if use_dropout else None)
-            if grads_sum is None:
-                return grads, (ce, aux_loss)
-            return jax.tree.map(jnp.add, grads_sum, grads), (ce, aux_loss)
+        keys_A = jax.random.split(key, A if use_dropout else 1)
+        key_of = lambda a: keys_A[a] if use_dropout else None
 
         if A == 1:
-            grads, (ce, aux_loss) = micro_step(None, (inputs_ABT[0], targets_ABT[0], keys_A[0]))
+            (_, (ce, aux_loss)), (grads, curvature) = grad_fn(
+                params, inputs_ABT[0], targets_ABT[0], key_of(0), state["step"])
         else:
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            grads, (ce_A, aux_A) = jax.lax.scan(micro_step, zeros,
-                                                (inputs_ABT, targets_ABT, keys_A))
+            def micro_step(total, batch):
+                inputs_BT, targets_BT, a = batch
+                (_, (ce, aux_loss)), grads_and_curvature = grad_fn(
+                    params, inputs_BT, targets_BT, key_of(a), state["step"])
+                return jax.tree.map(jnp.add, total, grads_and_curvature), (ce, aux_loss)
+
+            shapes = jax.eval_shape(grad_fn, params, inputs_ABT[0], targets_ABT[0], key_of(0),
+                                    state["step"])[1]
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+            (grads, curvature), (ce_A, aux_A) = jax.lax.scan(
+                micro_step, zeros, (inputs_ABT, targets_ABT, jnp.arange(A)))
             grads = jax.tree.map(lambda g, p: (g / A).astype(p.dtype), grads, params)
+            curvature = jax.tree.map(lambda c: c / A, curvature)
             ce, aux_loss = ce_A.mean(), aux_A.mean()
         extra = {"snoo_sync": snoo_sync} if snoo else {}
+        if curvature_fn is not None:
+            extra["curvature"] = curvature
         updates, opt_state = tx.update(grads, state["opt_state"], params, **extra)
         new_state = {**state, "params": optax.apply_updates(params, updates),
                      "opt_state": opt_state, "step": state["step"] + 1}
@@ -143,6 +162,8 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, 
             new_state, flags = skip_nonfinite(state, new_state, ce + aux_loss,
                                               metrics["grad_norm"], max_bad_steps=max_bad_steps)
             metrics.update(flags)
+        if curvature_fn is not None:
+            metrics["kfac_event"] = _refresh_event(new_state["opt_state"])
         return new_state, metrics
 
     data = batch_sharding(mesh)
@@ -168,4 +189,52 @@ def make_eval_step(model: ModelDef, *, mesh: Mesh,
 
     data = batch_sharding(mesh)
     return jax.jit(eval_step, in_shardings=(params_shardings, data, data),
+                   out_shardings=replicated(mesh))
+
+
+def _refresh_event(opt_state: Any) -> Any:
+    """The `KfacRefreshEvent` of the (first) K-FAC transform in `opt_state`."""
+    from optax_snoo.kfac import ScaleByKfacState
+
+    is_state = lambda x: isinstance(x, ScaleByKfacState)
+    states = [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+    if not states:
+        raise ValueError("the optimizer takes curvature= but has no K-FAC state")
+    return states[0].event
+
+
+def _grad_and_curvature_fn(model: ModelDef, curvature_fn: Callable[[dict, jax.Array], Any]):
+    """`(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux)), (grads, curvature))`:
+    the gradient and the K-FAC batch factors `curvature_fn(stats, step)` from one backward
+    pass (`models.value_grad_and_stats`), over the whole (global) batch."""
+
+    def loss_fn(logits_BTV, aux_loss, targets_BT):
+        ce = _cross_entropy(logits_BTV, targets_BT)
+        return ce + aux_loss, (ce, aux_loss)
+
+    def grad_fn(params, inputs_BT, targets_BT, key, step):
+        out, grads, stats = models.value_grad_and_stats(
+            loss_fn, model.merge(params), inputs_BT, targets_BT, dropout_key=key,
+            has_aux=True)
+        return out, (nnx.to_pure_dict(grads), curvature_fn(stats, step))
+
+    return grad_fn
+
+
+def make_curvature_estimate(model: ModelDef, *, mesh: Mesh, params_shardings: Any,
+                            curvature_fn: Callable[[dict, jax.Array], Any]
+                            ) -> Callable[[Any, jax.Array, jax.Array, int], Any]:
+    """`estimate(params, inputs_ABT, targets_ABT, index) -> curvature`: the batch factors
+    averaged over the `A` micro-batches (no update, no dropout; `index` plays the step for
+    `curvature_fn`), one batch of a K-FAC warm start (`optax_snoo.kfac.warm_start`)."""
+    grad_fn = _grad_and_curvature_fn(model, curvature_fn)
+
+    def estimate(params, inputs_ABT, targets_ABT, index):
+        A = inputs_ABT.shape[0]
+        total = [grad_fn(params, inputs_ABT[a], targets_ABT[a], None, index)[1][1]
+                 for a in range(A)]
+        return jax.tree.map(lambda *c: sum(c) / A, *total)
+
+    data = batch_sharding(mesh)
+    return jax.jit(estimate, in_shardings=(params_shardings, data, data, replicated(mesh)),
                    out_shardings=replicated(mesh))

@@ -124,6 +124,8 @@ def layer_factors(
     if mask is not None and tuple(mask.shape) != lead:
         raise ValueError(f"mask has shape {mask.shape}, expected the leading shape {lead}.")
 
+    if not stacked and mask is None:
+        return _dense_factors(inputs, out_grads, has_bias, num_tokens)
     num_experts = lead[0] if stacked else 1
     x = inputs.astype(jnp.float32).reshape(num_experts, -1, inputs.shape[-1])
     dy = out_grads.astype(jnp.float32).reshape(num_experts, -1, out_grads.shape[-1])
@@ -142,3 +144,33 @@ def layer_factors(
     if not stacked:
         a, gg = a[0], gg[0]
     return LayerCurvature(a=a, g=gg)
+
+
+def _gram(x_NM: jax.Array) -> jax.Array:
+    """``xᵀx`` of a 2-D ``(N, M)`` array in one matrix product, accumulated in float32.
+
+    Contracting the leading (token) axis of both operands is the layout of a weight
+    gradient, so no transpose is materialised; bf16 products are exact in float32.
+    """
+    return jax.lax.dot_general(x_NM, x_NM, (((0,), (0,)), ((), ())), precision=_HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _dense_factors(inputs: jax.Array, out_grads: jax.Array, has_bias: bool,
+                   num_tokens: jax.Array | float | None) -> LayerCurvature:
+    """The unmasked dense case with one product per factor: the bias row/column of ``A``
+    is the mean input (no ``[x; 1]`` copy), and ``G``'s scale ``M²/n`` is applied to the
+    ``(d_out, d_out)`` result instead of the ``(n, d_out)`` gradients."""
+    x = inputs.reshape(-1, inputs.shape[-1])
+    dy = out_grads.reshape(-1, out_grads.shape[-1])
+    n = x.shape[0]
+    if n == 0:
+        return LayerCurvature(
+            a=jnp.zeros((x.shape[1] + has_bias,) * 2, jnp.float32),
+            g=jnp.zeros((dy.shape[1],) * 2, jnp.float32))
+    a = _gram(x) / n
+    if has_bias:
+        mean = jnp.sum(x, axis=0, dtype=jnp.float32) / n
+        a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), jnp.float32)]])
+    scale = float(n) if num_tokens is None else jnp.asarray(num_tokens, jnp.float32)
+    return LayerCurvature(a=a, g=_gram(dy) * (scale * scale / n))

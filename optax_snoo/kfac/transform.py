@@ -133,10 +133,11 @@ class ScaleByKfacState(NamedTuple):
 
 
 def _initial_event() -> KfacRefreshEvent:
-    zero = jnp.zeros((), jnp.float32)
+    # One buffer per field: a trainer donating the state must not see one buffer twice.
+    zero = lambda: jnp.zeros((), jnp.float32)
     return KfacRefreshEvent(
         count=jnp.zeros((), jnp.int32), step=jnp.full((), -1, jnp.int32),
-        learning_rate=zero, a_max=zero, a_min=zero, g_max=zero, g_min=zero,
+        learning_rate=zero(), a_max=zero(), a_min=zero(), g_max=zero(), g_min=zero(),
         num_clipped=jnp.zeros((), jnp.int32))
 
 

@@ -1,0 +1,225 @@
+"""K-FAC in the trainer: `--optimizer=kfac`/`snoo_kfac`, statistics from the step, refresh
+events against the planned refresh steps, warm start, accumulation, 8 devices vs 1.
+
+Tiny models on a small synthetic corpus; the 8 CPU devices come from conftest.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+import train
+from optax_snoo import kfac
+from train import config as tc
+from train import data as td
+from train.optimizers import (
+    build_optimizer,
+    kfac_curvature_fn,
+    kfac_refresh_policy,
+    kfac_schedule,
+    learning_rate_schedule,
+    needs_curvature,
+)
+from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
+from train.step import create_train_state, make_train_step
+
+SENTENCES = ("the king and the queen walk to the castle . a fool sings of love and war . "
+             "my lord , the night is long and the wind is cold .")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {name: getattr(jax.config, name) for name in names}
+    jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update(names[1], 0.0)
+    jax.config.update(names[2], 0)
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    text = " ".join(rng.choice(SENTENCES.split(), size=6000)) + "\n"
+    path = tmp_path_factory.mktemp("corpus") / "input.txt"
+    path.write_text(text)
+    return path
+
+
+def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
+    base = dict(
+        n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
+        optimizer="kfac", learning_rate=1e-2, min_lr=1e-3, warmup_iters=3, max_iters=12,
+        lr_decay_iters=12, eval_interval=6, eval_iters=2, log_interval=5,
+        checkpoint_every=100, mesh_data=1, num_samples=0, progress=False, bias=True,
+        kfac_interval=3, kfac_first=1, kfac_damping=1e-2, data=str(corpus),
+        out_dir=str(tmp_path / "run"))
+    return dataclasses.replace(tc.TrainConfig(), **{**base, **overrides})
+
+
+def _events(result) -> list[dict]:
+    path = result.out_dir / "refresh_events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check_run(config, result):
+    evals = [h["val_loss"] for h in result.history if "val_loss" in h]
+    assert evals[-1] < evals[0] - 0.3, evals
+    rows = _events(result)
+    planned = kfac.refresh_steps(kfac_refresh_policy(config), kfac_schedule(config),
+                                 config.max_iters).tolist()
+    assert len(planned) >= 2
+    assert [r["step"] for r in rows] == planned
+    assert [r["refresh"] for r in rows] == list(range(1, len(planned) + 1))
+    lrs = [float(kfac_schedule(config)(s)) for s in planned]
+    np.testing.assert_allclose([r["lr"] for r in rows], lrs, rtol=1e-6)
+    for r in rows:
+        assert 0 < r["a_eig_max"] < np.inf and r["a_eig_min"] <= r["a_eig_max"]
+        assert 0 < r["g_eig_max"] < np.inf and r["g_eig_min"] <= r["g_eig_max"]
+    assert (result.out_dir / "refresh_events.png").stat().st_size > 0
+
+
+def test_kfac_run_loss_falls_and_logs_the_planned_refreshes(corpus, tmp_path):
+    """Refresh every 3 steps from step 1, log every 5: rows are written from the counter,
+    so refreshes between logging steps are not lost; warm start from 2 batches."""
+    config = tiny(corpus, tmp_path, kfac_warm_start=2)
+    assert needs_curvature(config)
+    _check_run(config, train.run(config))
+
+
+def test_snoo_kfac_with_lr_ratio_refreshes(corpus, tmp_path):
+    config = tiny(corpus, tmp_path, optimizer="snoo_kfac", snoo_k=3, kfac_refresh="lr_ratio",
+                  kfac_tau=0.3, kfac_interval=6, kfac_min_interval=2)
+    _check_run(config, train.run(config))
+
+
+def test_resumed_run_keeps_earlier_refresh_rows(corpus, tmp_path):
+    config = tiny(corpus, tmp_path, max_iters=6, checkpoint_every=3, kfac_refresh="by_lr_phase",
+                  kfac_phases="once,2,2,2")
+    first = _events(train.run(config))
+    resumed = _events(train.run(dataclasses.replace(config, max_iters=12, lr_decay_iters=12,
+                                                    resume=True)))
+    assert resumed[:len(first)] == first and len(resumed) > len(first)
+    assert [r["refresh"] for r in resumed] == list(range(1, len(resumed) + 1))
+
+
+def _curvature_setup(config):
+    vocab_size = td.CharDataset.load(config.data).vocab_size
+    tx, snoo_k = build_optimizer(config)
+    mesh = make_mesh(config)
+    model, state = create_train_state(tc.model_config(config, vocab_size), tx, seed=0,
+                                      mesh=mesh)
+    step = make_train_step(
+        model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
+        lr_schedule=learning_rate_schedule(config), snoo=snoo_k is not None,
+        curvature_fn=kfac_curvature_fn(state["params"], config.kfac_stats_stride))
+    return mesh, state, step, vocab_size
+
+
+def _run_steps(config, steps):
+    mesh, state, step, vocab_size = _curvature_setup(config)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        xy = rng.integers(0, vocab_size, (2, 1, 8, config.block_size)).astype(np.int32)
+        xy = xy.reshape(2, config.grad_accum, config.batch_size, config.block_size)
+        state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
+                              put_batch(xy[1], batch_sharding(mesh)), None)
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+def _assert_factors_close(state, expected):
+    """The K-FAC factor EMAs agree to float32 rounding relative to each factor's scale
+    (entries reach ~1e4: g = M·dy), and so do the refresh events."""
+    is_state = lambda x: isinstance(x, kfac.ScaleByKfacState)
+    states = [[s for s in jax.tree.leaves(t["opt_state"], is_leaf=is_state) if is_state(s)]
+              for t in (state, expected)]
+    assert len(states[0]) == len(states[1]) == 1
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b)))),
+        states[0][0].factors, states[1][0].factors)
+    assert kfac.refresh_events(state["opt_state"])[0]["refresh"] == kfac.refresh_events(
+        expected["opt_state"])[0]["refresh"]
+
+
+def test_eight_devices_match_one(corpus, tmp_path):
+    """data=2, fsdp=2, tensor=2: the statistics are over the global batch and the factors
+    stay replicated, so the trajectory (through two refreshes) is the 1-device one."""
+    # No biases here (as in test_train): the key bias has an exactly zero gradient (softmax
+    # ignores a per-query constant), so its (Adam-grafted) updates are rounding noise that
+    # differs between programs.
+    one = tiny(corpus, tmp_path, bias=False)
+    runs = {n: _run_steps(config, 5) for n, config in (
+        (1, one), (8, dataclasses.replace(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)))}
+    np.testing.assert_allclose(runs[8][0], runs[1][0], rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 runs[8][1]["params"], runs[1][1]["params"])
+    _assert_factors_close(runs[8][1], runs[1][1])
+    state = runs[8][1]
+    events = kfac.refresh_events(state["opt_state"])
+    assert events[0]["refresh"] == 2  # steps 1 and 4
+    factors = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+               if "factors" in jax.tree_util.keystr(path)]
+    assert factors and all(f.sharding.is_fully_replicated for f in factors)
+
+
+def test_accumulation_averages_the_statistics(corpus, tmp_path):
+    big = tiny(corpus, tmp_path, bias=False)  # see test_eight_devices_match_one
+    small = dataclasses.replace(big, batch_size=4, grad_accum=2)
+    (l_big, s_big), (l_small, s_small) = _run_steps(big, 3), _run_steps(small, 3)
+    np.testing.assert_allclose(l_small, l_big, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 s_small["params"], s_big["params"])
+    _assert_factors_close(s_small, s_big)
+
+
+def test_strided_statistics_average_to_the_full_ones():
+    """Over `stride` consecutive steps the offsets cover every position once, so the mean
+    of the strided factors is the full-batch factors (with M the loss's token count)."""
+    config = models.GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=32, bias=True,
+                              tie_embeddings=False, dtype="float32")
+    model = models.GPT(config, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
+    x = jax.random.randint(jax.random.key(1), (3, 8), 0, 32)
+
+    def loss_fn(logits, aux, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + aux
+
+    _, _, stats = models.value_grad_and_stats(loss_fn, model, x, x)
+    full = kfac_curvature_fn(params)(stats, jnp.int32(0))
+    assert "blocks/0/attn/c_q/kernel" in full and "lm_head/kernel" not in full
+    assert full["blocks/0/mlp/c_fc/kernel"].a.shape == (17, 17)  # bias coordinate
+    strided = kfac_curvature_fn(params, 4)
+    mean = jax.tree.map(lambda *c: sum(c) / 4, *[strided(stats, jnp.int32(t))
+                                                 for t in range(4)])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b)))), mean, full)
+    with pytest.raises(ValueError, match="must divide the sequence length 8"):
+        kfac_curvature_fn(params, 3)(stats, jnp.int32(0))
+    with pytest.raises(ValueError, match="kfac_stats_stride"):
+        kfac_curvature_fn(params, 0)
+
+
+def test_kfac_options_are_checked(corpus, tmp_path):
+    with pytest.raises(ValueError, match="kfac_refresh"):
+        tiny(corpus, tmp_path, kfac_refresh="sometimes")
+    with pytest.raises(ValueError, match="kfac_phases"):
+        build_optimizer(tiny(corpus, tmp_path, kfac_refresh="by_lr_phase", kfac_phases="1,2"))
+    with pytest.raises(ValueError, match="interval"):
+        build_optimizer(tiny(corpus, tmp_path, kfac_interval=0))
+    with pytest.raises(ValueError, match="kfac_warm_start"):
+        build_optimizer(tiny(corpus, tmp_path, kfac_warm_start=-1))
+    assert not needs_curvature(tiny(corpus, tmp_path, optimizer="adamw"))
