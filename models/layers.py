@@ -114,20 +114,25 @@ class Embed(nnx.Module):
 
 
 def _row_major_transpose(a_MN: jax.Array) -> jax.Array:
-    """``a.T`` written out as a row-major copy (XLA:CPU would otherwise fold it into the dot).
-
-    XLA turns ``dot(transpose(a), b)`` into a dot with transposed dimension numbers or a
-    column-major operand, and XLA:CPU's fast bf16 kernels (YNNPACK) take neither: such
-    dots are computed in float32 instead. Flattening behind an optimisation barrier keeps
-    the transposition a separate, row-major copy.
-    """
+    """``a.T`` written out as a row-major copy (XLA would otherwise fold it into a dot)."""
     return jax.lax.optimization_barrier(a_MN.T.reshape(-1)).reshape(a_MN.shape[::-1])
+
+
+def _canonical_dot(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
+    """``a @ b`` in float32 from bf16, kept in the one form XLA:CPU runs on bf16 kernels.
+
+    The barriers stop XLA's simplifier from folding a transpose of an operand or of the
+    result into the dot after it has decided the dot's precision: a transposed bf16 dot
+    has no CPU kernel at all (``Unsupported element type for DotThunk``).
+    """
+    a_MK, b_KN = jax.lax.optimization_barrier((a_MK, b_KN))
+    return jax.lax.optimization_barrier(
+        jnp.matmul(a_MK, b_KN, preferred_element_type=jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _bf16_dot(x_MK: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
-    w_KN = _row_major_transpose(w) if transpose_w else w
-    return jnp.matmul(x_MK, w_KN, preferred_element_type=jnp.float32)
+    return _canonical_dot(x_MK, _row_major_transpose(w) if transpose_w else w)
 
 
 def _bf16_dot_fwd(x_MK, w, transpose_w):
@@ -137,13 +142,13 @@ def _bf16_dot_fwd(x_MK, w, transpose_w):
 def _bf16_dot_bwd(transpose_w, residuals, g_MN):
     x_MK, w = residuals
     g_MN = g_MN.astype(jnp.bfloat16)
-    f32 = dict(preferred_element_type=jnp.float32)
+    T = _row_major_transpose
     if transpose_w:  # w is (N, K)
-        dx_MK = jnp.matmul(g_MN, w, **f32)
-        dw = jnp.matmul(_row_major_transpose(g_MN), x_MK, **f32)
+        dx_MK = _canonical_dot(g_MN, w)
+        dw = _canonical_dot(T(g_MN), x_MK)
     else:  # w is (K, N)
-        dx_MK = jnp.matmul(g_MN, _row_major_transpose(w), **f32)
-        dw = jnp.matmul(_row_major_transpose(x_MK), g_MN, **f32)
+        dx_MK = _canonical_dot(g_MN, T(w))
+        dw = _canonical_dot(T(x_MK), g_MN)
     return dx_MK.astype(x_MK.dtype), dw.astype(w.dtype)
 
 

@@ -354,6 +354,20 @@ def test_bf16_matmul_and_its_gradients(transpose_w):
     np.testing.assert_allclose(dw, bf16(dw_ref.T if transpose_w else dw_ref), rtol=1e-2, atol=1e-6)
 
 
+def test_bf16_matmul_of_transposed_operands():
+    # XLA folds such transposes into the dot; a transposed bf16 dot has no CPU kernel.
+    x = jnp.asarray(normal((16, 24), seed=0), jnp.bfloat16)
+    w = jnp.asarray(normal((40, 16), seed=1), jnp.bfloat16)
+
+    def loss(x, w):
+        return jnp.sum(jnp.square(matmul(x.T, w.T, preferred_element_type=jnp.float32).T))
+
+    value, grads = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+    x64, w64 = (np.asarray(a, np.float64) for a in (x, w))
+    np.testing.assert_allclose(value, np.sum(np.square(x64.T @ w64.T)), rtol=1e-5)
+    assert [g.shape for g in grads] == [x.shape, w.shape]
+
+
 def test_dropout():
     model, x = _cached(DENSE), tokens()
     call = nnx.jit(lambda model, x, key: model(x, dropout_key=key))
