@@ -71,7 +71,8 @@ class TrainConfig:
     capacity_factor: float = _field(1.25, "model", "MoE expert capacity factor")
     aux_loss_coef: float = _field(0.01, "model", "MoE load-balancing loss coefficient")
     z_loss_coef: float = _field(0.0, "model", "MoE router z-loss coefficient")
-    vocab_multiple: int = _field(8, "model", "pad the vocabulary size to a multiple of this")
+    vocab_multiple: int = _field(1, "model", "pad the vocabulary size to a multiple of this "
+                                 "(1 = the corpus's own, as nanoGPT's char models)")
 
     # optimizer
     optimizer: str = _field("snoo_muon", "optimizer", "name in train.optimizers.OPTIMIZERS")
@@ -168,8 +169,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's CPU recipe (README: --device=cpu --eval_iters=20 --block_size=64 ...).
-    # bf16 compute: on XLA:CPU (jax 0.10.2, 2-core AMD EPYC) a step took ~150 ms of CPU
-    # time in bf16 and ~240 ms in fp32 (fp32's weight-gradient transposes are slow).
+    # bf16 compute, also on a CPU: XLA:CPU runs bf16 matmuls on the CPU's bf16 units
+    # (AMX / AVX512-BF16; see models.layers.matmul), and a train step took 0.65x the CPU
+    # time of float32 on the project's Xeon (benchmarks/throughput.py). A CPU without
+    # bf16 units emulates them: pass --dtype=float32 there.
     "shakespeare_char_cpu": {},
     # nanoGPT's config/train_shakespeare_char.py (one GPU); SPEC §5: best val 1.4697.
     "shakespeare_char": dict(
