@@ -171,7 +171,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's CPU recipe (README: --device=cpu --eval_iters=20 --block_size=64 ...).
     # bf16 compute, also on a CPU: XLA:CPU runs bf16 matmuls on the CPU's bf16 units
-    # (AMX / AVX512-BF16; see models.layers.matmul), and a train step took 0.65x the CPU
+    # (AMX / AVX512-BF16; see models.layers.matmul), and a train step took 0.7-0.8x the CPU
     # time of float32 on the project's Xeon (benchmarks/throughput.py). A CPU without
     # bf16 units emulates them: pass --dtype=float32 there.
     # No vocabulary padding, as nanoGPT: step-0 loss ln 65 = 4.17 (SPEC §5: 4.1649), not
