@@ -196,7 +196,8 @@ class GPT(nnx.Module):
         x_BTD = self.ln_f(x_BTD).astype(cfg.compute_dtype)
         if self.lm_head is None:
             wte_VD = self.wte.embedding[...].astype(cfg.compute_dtype)
-            logits_BTV = matmul(x_BTD, wte_VD.T, preferred_element_type=jnp.float32)
+            logits_BTV = matmul(x_BTD, wte_VD, transpose_w=True,
+                                preferred_element_type=jnp.float32)
         else:
             logits_BTV = self.lm_head(x_BTD)
         return logits_BTV.astype(jnp.float32), None if cache is None else tuple(new_cache)

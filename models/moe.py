@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import GPTConfig
-from models.layers import INIT_STD, Dense, param, residual_std, sow, tap_kfac
+from models.layers import INIT_STD, Dense, gelu, param, residual_std, sow, tap_kfac
 
 
 class Routing(NamedTuple):
@@ -175,7 +175,7 @@ class Experts(nnx.Module):
     def __call__(self, x_ECD: jax.Array) -> jax.Array:
         h_ECF = self._matmul("w_fc", x_ECD)
         if self.w_gate is None:
-            h_ECF = jax.nn.gelu(h_ECF, approximate=False)
+            h_ECF = gelu(h_ECF)
         else:
             h_ECF = jax.nn.silu(self._matmul("w_gate", x_ECD)) * h_ECF
         return self._matmul("w_proj", h_ECF)

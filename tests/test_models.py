@@ -24,7 +24,7 @@ from jax.sharding import AxisType
 
 import models
 from models import moe as moe_lib
-from models.layers import dropout
+from models.layers import dropout, matmul
 
 # GQA (4 query heads share 2 key/value heads), tied GELU MLP.
 DENSE = models.GPTConfig(
@@ -330,6 +330,42 @@ def test_bf16_compute_close_to_float32():
     assert logits.dtype == jnp.float32 and aux.dtype == jnp.float32
     np.testing.assert_allclose(logits, ref_logits, atol=0.05)
     np.testing.assert_allclose(aux, ref_aux, rtol=0.05)
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_bf16_matmul_and_its_gradients(transpose_w):
+    # bf16 inputs, float32 accumulation; the output gradient is rounded to bf16 first.
+    bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+    x = bf16(normal((2, 24, 16), seed=1))
+    w = bf16(normal((40, 16) if transpose_w else (16, 40), seed=2))
+    g = bf16(normal((2, 24, 40), seed=3))
+    w_IO = w.T if transpose_w else w
+
+    def loss(x, w):
+        y = matmul(x, w, transpose_w=transpose_w, preferred_element_type=jnp.float32)
+        return jnp.sum(y * jnp.asarray(g, jnp.float32)), y
+
+    (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))
+    assert y.dtype == jnp.float32 and dx.dtype == dw.dtype == jnp.bfloat16
+    np.testing.assert_allclose(y, x @ w_IO, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, bf16(g @ w_IO.T), rtol=1e-2, atol=1e-6)
+    dw_ref = np.einsum("bmi,bmo->io", x, g)
+    np.testing.assert_allclose(dw, bf16(dw_ref.T if transpose_w else dw_ref), rtol=1e-2, atol=1e-6)
+
+
+def test_bf16_matmul_of_transposed_operands():
+    # XLA folds such transposes into the dot; a transposed bf16 dot has no CPU kernel.
+    x = jnp.asarray(normal((16, 24), seed=0), jnp.bfloat16)
+    w = jnp.asarray(normal((40, 16), seed=1), jnp.bfloat16)
+
+    def loss(x, w):
+        return jnp.sum(jnp.square(matmul(x.T, w.T, preferred_element_type=jnp.float32).T))
+
+    value, grads = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+    x64, w64 = (np.asarray(a, np.float64) for a in (x, w))
+    np.testing.assert_allclose(value, np.sum(np.square(x64.T @ w64.T)), rtol=1e-5)
+    assert [g.shape for g in grads] == [x.shape, w.shape]
 
 
 def test_dropout():

@@ -292,6 +292,8 @@ def test_presets_and_overrides():
     assert tc.config_from_dict(tc.config_to_dict(config)) == config
     gpt = tc.model_config(config, 65)
     assert gpt.vocab_size == 72 and gpt.moe_every == 2
+    assert tc.model_config(default, 65).vocab_size == 65  # nanoGPT's CPU recipe: no padding
+    assert tc.model_config(tc.get_preset("gpt2_small"), 65).vocab_size == 128
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -49,7 +49,8 @@ def _field(default: Any, group: str, help: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Every setting of a training run. Defaults are the `shakespeare_char_cpu` preset."""
+    """Every setting of a training run. Defaults are the `shakespeare_char_cpu` preset,
+    except `vocab_multiple` (8 here, so a tensor-parallel mesh divides the vocabulary)."""
 
     # model (fields named as in models.GPTConfig; the vocabulary comes from the data)
     block_size: int = _field(64, "model", "context length T in tokens")
@@ -71,7 +72,8 @@ class TrainConfig:
     capacity_factor: float = _field(1.25, "model", "MoE expert capacity factor")
     aux_loss_coef: float = _field(0.01, "model", "MoE load-balancing loss coefficient")
     z_loss_coef: float = _field(0.0, "model", "MoE router z-loss coefficient")
-    vocab_multiple: int = _field(8, "model", "pad the vocabulary size to a multiple of this")
+    vocab_multiple: int = _field(8, "model", "pad the vocabulary size to a multiple of this "
+                                 "(the vocab axis is sharded over mesh_tensor)")
 
     # optimizer
     optimizer: str = _field("snoo_muon", "optimizer", "name in train.optimizers.OPTIMIZERS")
@@ -207,9 +209,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's CPU recipe (README: --device=cpu --eval_iters=20 --block_size=64 ...).
-    # bf16 compute: on XLA:CPU (jax 0.10.2, 2-core AMD EPYC) a step took ~150 ms of CPU
-    # time in bf16 and ~240 ms in fp32 (fp32's weight-gradient transposes are slow).
-    "shakespeare_char_cpu": {},
+    # bf16 compute, also on a CPU: XLA:CPU runs bf16 matmuls on the CPU's bf16 units
+    # (AMX / AVX512-BF16; see models.layers.matmul), and a train step took 0.7-0.8x the CPU
+    # time of float32 on the project's Xeon (benchmarks/throughput.py). A CPU without
+    # bf16 units emulates them: pass --dtype=float32 there.
+    # No vocabulary padding, as nanoGPT: step-0 loss ln 65 = 4.17 (SPEC §5: 4.1649), not
+    # ln 72; the same speed on CPU (one device, so nothing to shard the vocab over).
+    "shakespeare_char_cpu": dict(vocab_multiple=1),
     # nanoGPT's config/train_shakespeare_char.py (one GPU); SPEC §5: best val 1.4697.
     "shakespeare_char": dict(
         n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2,

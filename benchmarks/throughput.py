@@ -1,0 +1,213 @@
+"""Tokens/s of the trainer's jitted step, against a minimal pure-JAX step in the same process.
+
+The step is the one `python -m train` runs (`train.step.make_train_step`: forward,
+backward, clipping, optimizer update, donated state) on random tokens at a preset's
+shape. Variants (compute dtypes of ours, and a reference GPT step written here in plain
+`jax.numpy`, float32, same shape and AdamW) run interleaved, round by round, so machine
+load hits them alike; the table gives median wall time per step, tokens/s, CPU time
+per step (load-robust on a shared machine), the ratio to the reference, and MFU
+(nanoGPT's estimate; needs a known accelerator, see `train.metrics.PEAK_FLOPS`).
+
+    python -m benchmarks.throughput                       # nanoGPT's CPU recipe, adamw
+    python -m benchmarks.throughput --rounds=3 --n_layer=2   # any train key overrides
+    bash benchmarks/gpu.sh                                # gpt2_small on one GPU, MFU
+
+Compilation and a few warm-up steps are excluded. Machine load (`os.getloadavg`) is
+printed before and after, since absolute figures move with it.
+
+References:
+  Karpathy, "nanoGPT" (train.py; model.py estimate_mfu), https://github.com/karpathy/nanoGPT,
+  2023.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_snoo import snoo_is_sync_step
+from train.config import TrainConfig, model_config, parse_args
+from train.metrics import flops_per_token, peak_flops_per_device
+from train.optimizers import build_optimizer, learning_rate_schedule
+from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
+from train.step import create_train_state, make_train_step
+
+VOCAB = 65  # tiny shakespeare's characters; the tokens are random, the shapes are real
+
+
+@dataclasses.dataclass
+class Variant:
+    """One timed step: `run(n)` does `n` steps and blocks; `flops` per step (or None)."""
+
+    name: str
+    run: Callable[[int], None]
+    flops: float | None
+    wall: list[float] = dataclasses.field(default_factory=list)
+    cpu: list[float] = dataclasses.field(default_factory=list)
+
+
+def _batches(config: TrainConfig, count: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    shape = (config.grad_accum, config.batch_size, config.block_size + 1)
+    windows = [rng.integers(0, VOCAB, shape, dtype=np.int32) for _ in range(count)]
+    return [(w[..., :-1], w[..., 1:]) for w in windows]
+
+
+def ours(config: TrainConfig) -> Variant:
+    """The trainer's step for `config` (its mesh, shardings, optimizer and Snoo hint)."""
+    gpt_config = model_config(config, VOCAB)
+    tx, snoo_k = build_optimizer(config)
+    mesh = make_mesh(config)
+    model, state = create_train_state(gpt_config, tx, seed=config.seed, mesh=mesh)
+    step = make_train_step(model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
+                           lr_schedule=learning_rate_schedule(config),
+                           snoo=snoo_k is not None)
+    data = batch_sharding(mesh)
+    batches = [(put_batch(x, data), put_batch(y, data)) for x, y in _batches(config)]
+    flops = flops_per_token(state["params"], gpt_config) * math.prod(batches[0][0].shape)
+    box = {"state": state, "i": 0}
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            i = box["i"]
+            sync = None if snoo_k is None else snoo_is_sync_step(i, snoo_k)
+            box["state"], metrics = step(box["state"], *batches[i % len(batches)], sync)
+            box["i"] = i + 1
+        jax.block_until_ready(metrics)
+
+    return Variant(f"ours {config.dtype}", run, flops)
+
+
+def _reference_loss(params: dict, x_BT: jax.Array, y_BT: jax.Array, n_head: int) -> jax.Array:
+    """A plain GPT (pre-LayerNorm, causal softmax attention, exact GELU, tied head)."""
+
+    def norm(x, scale):
+        x = x - x.mean(-1, keepdims=True)
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * scale
+
+    B, T = x_BT.shape
+    h = params["wte"][x_BT] + params["wpe"][:T]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    for p in params["blocks"]:
+        q, k, v = jnp.split(norm(h, p["ln_1"]) @ p["qkv"], 3, axis=-1)
+        q, k, v = (a.reshape(B, T, n_head, -1).transpose(0, 2, 1, 3) for a in (q, k, v))
+        s = jnp.where(causal, q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1]), -jnp.inf)
+        a = (jax.nn.softmax(s, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(B, T, -1)
+        h = h + a @ p["proj"]
+        h = h + jax.nn.gelu(norm(h, p["ln_2"]) @ p["fc"], approximate=False) @ p["out"]
+    logits = norm(h, params["ln_f"]) @ params["wte"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y_BT).mean()
+
+
+def reference(config: TrainConfig) -> Variant:
+    """A minimal float32 GPT step at `config`'s shape: value_and_grad, clip, AdamW, donated."""
+    L, D = config.n_layer, config.n_embd
+    keys = iter(jax.random.split(jax.random.key(config.seed), 2 + 4 * L))
+    normal = lambda *shape, std=0.02: std * jax.random.normal(next(keys), shape)
+    params = {"wte": normal(VOCAB, D), "wpe": normal(config.block_size, D),
+              "ln_f": jnp.ones(D), "blocks": [
+                  {"ln_1": jnp.ones(D), "qkv": normal(D, 3 * D),
+                   "proj": normal(D, D, std=0.02 / math.sqrt(2 * L)), "ln_2": jnp.ones(D),
+                   "fc": normal(D, 4 * D), "out": normal(4 * D, D, std=0.02 / math.sqrt(2 * L))}
+                  for _ in range(L)]}
+    tx = optax.chain(optax.clip_by_global_norm(config.grad_clip),
+                     optax.adamw(config.learning_rate, b1=config.beta1, b2=config.beta2,
+                                 weight_decay=config.weight_decay))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, x_ABT, y_ABT):
+        grad_fn = jax.value_and_grad(_reference_loss)
+        loss, grads = grad_fn(params, x_ABT[0], y_ABT[0], config.n_head)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    batches = [(jnp.asarray(x), jnp.asarray(y)) for x, y in _batches(config)]
+    box = {"state": (params, tx.init(params)), "i": 0}
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            *box["state"], loss = step(*box["state"], *batches[box["i"] % len(batches)])
+            box["i"] += 1
+        jax.block_until_ready(loss)
+
+    return Variant("reference float32 (plain jax)", run, None)
+
+
+def measure(variants: Sequence[Variant], *, rounds: int, steps: int, warmup: int) -> None:
+    """Warm every variant up (compiles), then time `rounds` interleaved rounds of `steps`."""
+    for v in variants:
+        v.run(warmup)
+    for _ in range(rounds):
+        for v in variants:
+            t0, c0 = time.perf_counter(), time.process_time()
+            v.run(steps)
+            v.wall.append((time.perf_counter() - t0) / steps)
+            v.cpu.append((time.process_time() - c0) / steps)
+
+
+def report(variants: Sequence[Variant], config: TrainConfig, load: tuple[Any, Any]) -> str:
+    """The result table (markdown) with the machine, the shape and the load."""
+    device = jax.devices()[0]
+    peak = peak_flops_per_device(device.device_kind)
+    tokens = config.grad_accum * config.batch_size * config.block_size
+    ref = next((v for v in variants if v.name.startswith("reference")), None)
+    lines = [
+        f"machine: {jax.device_count()} x {device.device_kind} ({jax.default_backend()}), "
+        f"{os.cpu_count()} CPUs; load average {load[0]} before, {load[1]} after",
+        f"shape: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, block "
+        f"{config.block_size}, batch {config.batch_size} x {config.grad_accum}; "
+        f"{tokens:,} tokens/step; optimizer {config.optimizer}", "",
+        "| variant | ms/step (median, min) | tokens/s | CPU ms/step | speed vs reference | MFU |",
+        "|---|---|---|---|---|---|"]
+    for v in variants:
+        wall = statistics.median(v.wall)
+        ratio = f"{statistics.median(ref.wall) / wall:.2f}x" if ref else "-"
+        mfu = f"{v.flops / wall / (peak * jax.device_count()):.1%}" if (
+            peak and v.flops) else "n/a"
+        lines.append(f"| {v.name} | {wall * 1e3:.1f}, {min(v.wall) * 1e3:.1f} | "
+                     f"{tokens / wall:,.0f} | {statistics.median(v.cpu) * 1e3:.1f} | "
+                     f"{ratio} | {mfu} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=(
+        "Other --key=value arguments are train config keys (python -m train --help)."))
+    parser.add_argument("--dtypes", default="bfloat16,float32",
+                        help="compute dtypes of our step, comma-separated")
+    parser.add_argument("--no_reference", action="store_true",
+                        help="skip the plain-JAX reference step")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--require_accelerator", action="store_true",
+                        help="fail unless JAX's default backend is a GPU or TPU")
+    args, rest = parser.parse_known_args(argv)
+    if args.require_accelerator and jax.default_backend() == "cpu":
+        raise SystemExit("no GPU/TPU visible to JAX (jax.devices() = "
+                         f"{jax.devices()}); install jax[cuda12] or run on a GPU machine")
+    config = parse_args(["--optimizer=adamw", *rest])
+    variants = [ours(dataclasses.replace(config, dtype=d)) for d in args.dtypes.split(",")]
+    if not args.no_reference:
+        variants.append(reference(config))
+    load_before = os.getloadavg()[0]
+    measure(variants, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
+    table = report(variants, config, (f"{load_before:.1f}", f"{os.getloadavg()[0]:.1f}"))
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()

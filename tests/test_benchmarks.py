@@ -1,0 +1,32 @@
+"""Smoke tests of benchmarks/throughput.py (the Python part of benchmarks/gpu.sh), tiny shapes.
+
+Only that the scripts run and report what they say; no timing is asserted.
+"""
+
+import pytest
+
+from benchmarks import throughput
+
+TINY = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=8",
+        "--rounds=1", "--steps=2", "--warmup=1"]
+
+
+def test_gpu_script_arguments_run_on_cpu_with_a_tiny_override():
+    # benchmarks/gpu.sh's arguments, less --require_accelerator, plus a tiny shape.
+    table = throughput.main(["--preset=gpt2_small", "--dtypes=bfloat16", "--no_reference",
+                             "--optimizer=snoo_muon", *TINY])
+    rows = [line for line in table.splitlines() if line.startswith("| ours")]
+    assert len(rows) == 1 and "| n/a |" in rows[0]  # no MFU without a known peak
+    assert "128 tokens/step; optimizer snoo_muon" in table
+
+
+def test_ours_against_the_reference_step():
+    table = throughput.main(["--dtypes=bfloat16,float32", *TINY])
+    names = [line.split("|")[1].strip() for line in table.splitlines()[5:]]
+    assert names == ["ours bfloat16", "ours float32", "reference float32 (plain jax)"]
+    assert table.splitlines()[-1].split("|")[5].strip() == "1.00x"
+
+
+def test_require_accelerator_fails_on_cpu():
+    with pytest.raises(SystemExit, match="no GPU/TPU"):
+        throughput.main(["--require_accelerator", *TINY])
