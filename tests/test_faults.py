@@ -31,18 +31,6 @@ from train.optimizers import build_optimizer, learning_rate_schedule
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
 
-SENTENCES = ("the king and the queen walk to the castle . a fool sings of love and war . "
-             "my lord , the night is long and the wind is cold .")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    text = " ".join(rng.choice(SENTENCES.split(), size=6000)) + "\n"
-    path = tmp_path_factory.mktemp("corpus") / "input.txt"
-    path.write_text(text)
-    return path
-
 
 def tiny(corpus, out_dir, **overrides) -> tc.TrainConfig:
     base = dict(

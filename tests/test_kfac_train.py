@@ -32,30 +32,8 @@ from train.optimizers import (
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
 
-SENTENCES = ("the king and the queen walk to the castle . a fool sings of love and war . "
-             "my lord , the night is long and the wind is cold .")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    saved = {name: getattr(jax.config, name) for name in names}
-    jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update(names[1], 0.0)
-    jax.config.update(names[2], 0)
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    text = " ".join(rng.choice(SENTENCES.split(), size=6000)) + "\n"
-    path = tmp_path_factory.mktemp("corpus") / "input.txt"
-    path.write_text(text)
-    return path
+# Runs of the same config compile the same programs: cached for this module.
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:

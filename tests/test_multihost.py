@@ -17,23 +17,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import train
 from train import config as tc
 from train.checkpoint import Checkpointer
-
-SENTENCES = ("the king and the queen walk to the castle . a fool sings of love and war . "
-             "my lord , the night is long and the wind is cold .")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    text = " ".join(rng.choice(SENTENCES.split(), size=6000)) + "\n"
-    path = tmp_path_factory.mktemp("corpus") / "input.txt"
-    path.write_text(text)
-    return path
 
 
 def _free_port() -> int:
