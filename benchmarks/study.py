@@ -237,12 +237,10 @@ def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
 
 
 def _plot(grid: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # not pyplot: a notebook's backend stays as it is
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for stack, runs in grid["runs"].items():
         steps = [s for s, _ in runs[0]["curve"]]
         losses = np.array([[v for _, v in r["curve"]] for r in runs])
@@ -258,7 +256,6 @@ def _plot(grid: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{grid['preset']}: val loss, mean ± std over {grid['seeds']} seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> Path:

@@ -103,14 +103,12 @@ def warm_start_state(state: dict, estimate: Callable[[Any, Any, Any], Any],
 def plot_refresh_events(rows: Sequence[dict[str, Any]], schedule: Callable[[Any], Any],
                         total_steps: int, path: str | os.PathLike) -> None:
     """Save the learning-rate curve with a marker at every refresh (`rows` of the log)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: a notebook's backend stays as it is
 
     steps = np.arange(max(total_steps, 1))
     lrs = np.asarray(jax.vmap(schedule)(steps))
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.subplots()
     ax.plot(steps, lrs, color="0.3", label="learning rate (K-FAC group)")
     if rows:
         ax.scatter([r["step"] for r in rows], [r["lr"] for r in rows], color="C3", s=18,
@@ -121,7 +119,6 @@ def plot_refresh_events(rows: Sequence[dict[str, Any]], schedule: Callable[[Any]
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def setup(config: TrainConfig, model: Any, tx: Any, state: dict, data: CharDataset, *,
