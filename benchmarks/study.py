@@ -7,15 +7,21 @@ stack, the final val loss (mean ± sample std over seeds), the steps to reach th
 (the baseline's mean final val loss, as the modded-nanogpt records did: the first
 evaluation at or below the target, interpolated linearly between evaluations), wall time,
 tokens/s, optimizer-state bytes (`optax_snoo.memory` on `jax.eval_shape` of the state) and
-a one-sided Welch t-test of "this stack's final val loss is lower than the baseline's".
+one-sided Welch t-tests of "this stack's final val loss is lower than the baseline's" and,
+for a Snoo stack, "... than its inner optimizer's" (`snoo_muon` against `muon`), when the
+inner stack is in the same grid.
 
-    python -m benchmarks.study --suite=dense              # the default dense grid
+    python -m benchmarks.study                            # the default study: all suites
+    python -m benchmarks.study --suite=dense              # one suite
     python -m benchmarks.study --suite=moe                # SkewAdam and friends on moe_tiny
     python -m benchmarks.study --suite=snoo_sensitivity   # k and outer lr/momentum
     python -m benchmarks.study --preset=shakespeare_char_cpu --optimizers=adamw,snoo_adamw \
         --seeds=3 --steps=500 --name=quick
 
-Writes `benchmarks/results/<name>.md`, `.json` and `.png` (val loss against step).
+Writes `benchmarks/results/<name>.md`, `.json` and `.png` (val loss against step), one
+set per suite. Runs with the same (preset, stack, seed, steps) are trained once per
+invocation and shared between suites, and a persistent compilation cache (a temporary
+folder, unless `jax_compilation_cache_dir` is already set) lets seeds 1.. skip compiling.
 
 References:
   Welch, "The generalization of Student's problem when several different population
@@ -65,19 +71,30 @@ class Suite:
     eval_interval: int
 
 
+# Sized so that the three together (82 runs, 7 of them shared) take about an hour on 2 CPU
+# cores: a dense step costs 50-90 ms there, a moe_tiny step about 150 ms.
 SUITES: dict[str, Suite] = {
     # tiny shakespeare, nanoGPT's CPU recipe shape.
     "dense": Suite("shakespeare_char_cpu", (
         "adamw", "muon", "snoo_adamw", "snoo_muon", "snoo_muon_smooth", "kfac", "snoo_kfac"),
-        seeds=5, steps=1000, eval_interval=100),
+        seeds=5, steps=400, eval_interval=100),
     "moe": Suite("moe_tiny", ("adamw", "skewadam", "snoo_skewadam", "adafactor"),
-                 seeds=5, steps=1000, eval_interval=100),
+                 seeds=5, steps=300, eval_interval=50),
     # Snoo around Muon at our scale: k, then the outer lr and momentum around (0.68, 0.37).
     "snoo_sensitivity": Suite("shakespeare_char_cpu", (
         "muon", "snoo_muon@snoo_k=7", "snoo_muon@snoo_k=14", "snoo_muon", "snoo_muon@snoo_k=56",
         "snoo_muon@snoo_lr=0.5", "snoo_muon@snoo_lr=0.9", "snoo_muon@snoo_momentum=0.0",
-        "snoo_muon@snoo_momentum=0.6"), seeds=3, steps=1000, eval_interval=100),
+        "snoo_muon@snoo_momentum=0.6"), seeds=3, steps=400, eval_interval=100),
 }
+DEFAULT_SUITES = ("dense", "moe", "snoo_sensitivity")
+
+
+def inner_stack(stack: str, stacks: Sequence[str]) -> str | None:
+    """The stack in `stacks` that a Snoo stack wraps (`snoo_muon@snoo_k=7` -> `muon`), or
+    None when `stack` is not a Snoo stack or its inner stack is not in the grid."""
+    name = ALIASES.get(stack, stack).split("@")[0]
+    inner = name.removeprefix("snoo_")
+    return inner if inner != name and inner in stacks else None
 
 
 def stack_config(preset: str, stack: str, *, seed: int, steps: int, eval_interval: int,
@@ -142,32 +159,40 @@ def welch_one_sided(a: Sequence[float], b: Sequence[float]) -> tuple[float, floa
     return t, (tail if t <= 0 else 1.0 - tail)
 
 
-def run_grid(preset: str, stacks: Sequence[str], *, seeds: int, steps: int,
-             eval_interval: int, log=print) -> dict[str, Any]:
-    """Train every (stack, seed) and collect curves, final losses and speed."""
+def train_one(preset: str, stack: str, *, seed: int, steps: int,
+              eval_interval: int) -> dict[str, Any]:
+    """One training run in a scratch folder: its val curve, final loss and speed."""
     import train
 
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in stacks}
-    scratch = Path(tempfile.mkdtemp(prefix="optax_snoo_study_"))
+    scratch = tempfile.mkdtemp(prefix="optax_snoo_study_")
     try:
-        for seed in range(seeds):  # seed-major: an interrupted grid still covers every stack
-            for stack in stacks:
-                config = stack_config(preset, stack, seed=seed, steps=steps,
-                                      eval_interval=eval_interval,
-                                      out_dir=str(scratch / f"{len(runs[stack])}_{seed}"))
-                result = train.run(config)
-                shutil.rmtree(config.out_dir, ignore_errors=True)
-                curve = [(h["step"], h["val_loss"]) for h in result.history if "val_loss" in h]
-                aux = [h["aux_loss"] for h in result.history if "aux_loss" in h]
-                runs[stack].append({
-                    "seed": seed, "val_loss": result.final["val_loss"], "curve": curve,
-                    "wall_s": result.final["wall_s"],
-                    "tokens_per_sec": result.final["tokens_per_sec"],
-                    "aux_loss": statistics.mean(aux[-10:]) if aux else None})
-                log(f"[study] {stack} seed {seed}: val {result.final['val_loss']:.4f}, "
-                    f"{result.final['wall_s']:.0f} s")
+        result = train.run(stack_config(preset, stack, seed=seed, steps=steps,
+                                        eval_interval=eval_interval, out_dir=scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    curve = [(h["step"], h["val_loss"]) for h in result.history if "val_loss" in h]
+    aux = [h["aux_loss"] for h in result.history if "aux_loss" in h]
+    return {"seed": seed, "val_loss": result.final["val_loss"], "curve": curve,
+            "wall_s": result.final["wall_s"], "tokens_per_sec": result.final["tokens_per_sec"],
+            "aux_loss": statistics.mean(aux[-10:]) if aux else None}
+
+
+def run_grid(preset: str, stacks: Sequence[str], *, seeds: int, steps: int,
+             eval_interval: int, cache: dict[tuple, dict[str, Any]] | None = None,
+             log=print) -> dict[str, Any]:
+    """Train every (stack, seed) and collect curves, final losses and speed. Runs already in
+    `cache` (keyed by preset, stack, seed, steps, eval interval) are not trained again."""
+    cache = {} if cache is None else cache
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in stacks}
+    for seed in range(seeds):  # seed-major: an interrupted grid still covers every stack
+        for stack in stacks:
+            key = (preset, stack, seed, steps, eval_interval)
+            if key not in cache:
+                cache[key] = train_one(preset, stack, seed=seed, steps=steps,
+                                       eval_interval=eval_interval)
+                log(f"[study] {preset} {stack} seed {seed}: val {cache[key]['val_loss']:.4f}, "
+                    f"{cache[key]['wall_s']:.0f} s")
+            runs[stack].append(cache[key])
     state = {s: optimizer_state_bytes(stack_config(preset, s, seed=0, steps=steps,
                                                    eval_interval=eval_interval, out_dir="-"))
              for s in stacks}
@@ -186,6 +211,10 @@ def summarize(grid: dict[str, Any]) -> list[dict[str, Any]]:
                    if s is not None]
         t, p = (welch_one_sided(finals, base) if stack != grid["baseline"] and len(finals) > 1
                 and len(base) > 1 else (None, None))
+        inner = inner_stack(stack, list(grid["runs"]))
+        inner_finals = [r["val_loss"] for r in grid["runs"][inner]] if inner else []
+        p_inner = (welch_one_sided(finals, inner_finals)[1]
+                   if len(finals) > 1 and len(inner_finals) > 1 else None)
         aux = [r["aux_loss"] for r in runs if r["aux_loss"] is not None]
         rows.append({
             "stack": stack, "n": len(finals), "val_mean": statistics.mean(finals),
@@ -194,6 +223,7 @@ def summarize(grid: dict[str, Any]) -> list[dict[str, Any]]:
             "reached": len(reached), "wall_s": statistics.mean(r["wall_s"] for r in runs),
             "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in runs),
             "state_bytes": grid["state_bytes"][stack], "t": t, "p": p,
+            "inner": inner, "p_inner": p_inner,
             "aux_loss": statistics.mean(aux) if aux else None})
     return rows
 
@@ -203,13 +233,14 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
-                 command: str, directory: Path = RESULTS) -> Path:
-    """Write `<name>.md`, `<name>.json` and `<name>.png` into `directory`."""
+                 command: str, directory: Path | None = None) -> Path:
+    """Write `<name>.md`, `<name>.json` and `<name>.png` into `directory` (`RESULTS`)."""
+    directory = RESULTS if directory is None else directory
     directory.mkdir(parents=True, exist_ok=True)
     target = rows[0]["val_mean"]
     moe = any(r["aux_loss"] for r in rows)
     head = ("| stack | val loss (mean ± std) | steps to target | wall s | tokens/s | "
-            "opt state | p (< baseline) |" + (" aux loss |" if moe else ""))
+            "opt state | p (< baseline) | p (< inner) |" + (" aux loss |" if moe else ""))
     lines = [
         f"# Study `{name}`", "",
         f"`{command}`", "",
@@ -223,12 +254,15 @@ def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
     for r in rows:
         steps = "-" if r["steps_to_target"] is None else (
             f"{r['steps_to_target']:.0f} ({r['reached']}/{r['n']})")
+        inner = "-" if r["p_inner"] is None else f"{r['p_inner']:.4f} ({r['inner']})"
         line = (f"| {r['stack']} | {r['val_mean']:.4f} ± {r['val_std']:.4f} | {steps} | "
                 f"{r['wall_s']:.0f} | {r['tokens_per_sec']:,.0f} | "
-                f"{r['state_bytes'] / 2**20:.2f} MiB | {_fmt(r['p'], '.4f')} |")
+                f"{r['state_bytes'] / 2**20:.2f} MiB | {_fmt(r['p'], '.4f')} | "
+                f"{inner} |")
         lines.append(line + (f" {_fmt(r['aux_loss'], '.4f')} |" if moe else ""))
     lines += ["", "p: one-sided Welch t-test of the stack's final val loss against the "
-              "baseline's. Steps to target: mean over the seeds that reached it.", ""]
+              "baseline's (p < baseline) and, for a Snoo stack, against the stack it wraps "
+              "(p < inner). Steps to target: mean over the seeds that reached it.", ""]
     (directory / f"{name}.md").write_text("\n".join(lines))
     (directory / f"{name}.json").write_text(json.dumps(
         {"command": command, "grid": grid, "rows": rows}, indent=1) + "\n")
@@ -258,36 +292,60 @@ def _plot(grid: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: Sequence[str] | None = None) -> Path:
+def _use_compilation_cache(directory: str) -> None:
+    """Seeds of one stack compile the same programs: cache them (unless a cache is set)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def main(argv: Sequence[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--suite", choices=sorted(SUITES), help="a predefined grid")
+    parser.add_argument("--suite", choices=["all", *sorted(SUITES)],
+                        help=f"a predefined grid; 'all' (the default without --optimizers) "
+                             f"runs {', '.join(DEFAULT_SUITES)}")
     parser.add_argument("--preset", help="trainer preset (overrides the suite's)")
     parser.add_argument("--optimizers", help="comma-separated stacks; the first is the baseline")
     parser.add_argument("--seeds", type=int, help="seeds per stack (>= 2 for the t-test)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run")
     parser.add_argument("--eval_interval", type=int, help="steps between evaluations")
-    parser.add_argument("--name", help="report name under benchmarks/results/")
+    parser.add_argument("--name", help="report name under benchmarks/results/ (one grid only)")
     args = parser.parse_args(argv)
-    suite = SUITES[args.suite] if args.suite else None
-    if suite is None and not (args.preset and args.optimizers):
-        parser.error("give --suite, or --preset and --optimizers")
-    preset = args.preset or suite.preset
-    stacks = tuple(args.optimizers.split(",")) if args.optimizers else suite.stacks
-    seeds = args.seeds or (suite.seeds if suite else 3)
-    steps = args.steps or (suite.steps if suite else 1000)
-    eval_interval = args.eval_interval or (suite.eval_interval if suite else 100)
-    if seeds < 1 or steps < 1 or eval_interval < 1:
-        parser.error(f"--seeds, --steps, --eval_interval must be >= 1 (got {seeds}, {steps}, "
-                     f"{eval_interval})")
-    for stack in stacks:  # fail before hours of training, not after
-        stack_config(preset, stack, seed=0, steps=steps, eval_interval=eval_interval,
-                     out_dir="-")
-    name = args.name or args.suite or "study"
-    grid = run_grid(preset, stacks, seeds=seeds, steps=steps, eval_interval=eval_interval)
+    if args.optimizers and not (args.preset or args.suite not in (None, "all")):
+        parser.error("--optimizers needs --preset (or a single --suite for its preset)")
+    if args.optimizers:
+        names = [args.suite if args.suite not in (None, "all") else None]
+    else:
+        names = list(DEFAULT_SUITES) if args.suite in (None, "all") else [args.suite]
+    if args.name and len(names) > 1:
+        parser.error("--name names one grid's report; give --suite or --optimizers with it")
+    grids = []
+    for suite_name in names:
+        suite = SUITES[suite_name] if suite_name else None
+        preset = args.preset or suite.preset
+        stacks = tuple(args.optimizers.split(",")) if args.optimizers else suite.stacks
+        seeds = args.seeds or (suite.seeds if suite else 3)
+        steps = args.steps or (suite.steps if suite else 1000)
+        eval_interval = args.eval_interval or (suite.eval_interval if suite else 100)
+        if seeds < 1 or steps < 1 or eval_interval < 1:
+            parser.error(f"--seeds, --steps, --eval_interval must be >= 1 (got {seeds}, "
+                         f"{steps}, {eval_interval})")
+        for stack in stacks:  # fail before hours of training, not after
+            stack_config(preset, stack, seed=0, steps=steps, eval_interval=eval_interval,
+                         out_dir="-")
+        grids.append((args.name or suite_name or "study", preset, stacks, seeds, steps,
+                      eval_interval))
     command = "python -m benchmarks.study " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = write_report(name, grid, summarize(grid), command)
-    print(report.read_text())
-    return report
+    reports, cache = [], {}
+    with tempfile.TemporaryDirectory(prefix="optax_snoo_study_jax_cache_") as jax_cache:
+        _use_compilation_cache(jax_cache)
+        for name, preset, stacks, seeds, steps, eval_interval in grids:
+            grid = run_grid(preset, stacks, seeds=seeds, steps=steps,
+                            eval_interval=eval_interval, cache=cache)
+            reports.append(write_report(name, grid, summarize(grid), command.strip()))
+            print(reports[-1].read_text())
+    return reports
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import statistics
 
 import pytest
 
-from benchmarks.study import ALIASES, stack_config, steps_to_target, welch_one_sided
+from benchmarks import study
+from benchmarks.study import ALIASES, inner_stack, stack_config, steps_to_target, welch_one_sided
 
 
 def _pair_with_t(t: float, n: int = 5):
@@ -61,3 +62,41 @@ def test_stack_config_applies_overrides_and_aliases(tmp_path):
     with pytest.raises(ValueError, match="snoo_kk"):
         stack_config("shakespeare_char_cpu", "snoo_muon@snoo_kk=7", seed=0, steps=1,
                      eval_interval=1, out_dir=str(tmp_path))
+
+
+def test_inner_stack_names_the_wrapped_optimizer_when_it_is_in_the_grid():
+    grid = ["adamw", "muon", "snoo_muon", "snoo_muon_smooth", "snoo_kfac"]
+    assert inner_stack("snoo_muon", grid) == "muon"
+    assert inner_stack("snoo_muon@snoo_k=7", grid) == "muon"
+    assert inner_stack("snoo_muon_smooth", grid) == "muon"
+    assert inner_stack("snoo_kfac", grid) is None  # kfac is not in the grid
+    assert inner_stack("muon", grid) is None
+
+
+def test_default_study_shares_runs_between_suites_and_tests_snoo_against_its_inner(
+        monkeypatch, tmp_path):
+    trained = []
+
+    def fake_train_one(preset, stack, *, seed, steps, eval_interval):
+        trained.append((preset, stack, seed, steps))
+        final = 2.0 - 0.1 * stack.startswith("snoo") + 0.01 * seed
+        curve = [(0, 4.0), (steps, final)]
+        return {"seed": seed, "val_loss": final, "curve": curve, "wall_s": 1.0,
+                "tokens_per_sec": 100.0, "aux_loss": None}
+
+    monkeypatch.setattr(study, "train_one", fake_train_one)
+    monkeypatch.setattr(study, "optimizer_state_bytes", lambda config: 1024)
+    monkeypatch.setattr(study, "RESULTS", tmp_path)
+    monkeypatch.setattr(study, "SUITES", {
+        "a": study.Suite("shakespeare_char_cpu", ("muon", "snoo_muon"), 2, 10, 5),
+        "b": study.Suite("shakespeare_char_cpu", ("muon", "snoo_muon@snoo_k=7"), 2, 10, 5)})
+    monkeypatch.setattr(study, "DEFAULT_SUITES", ("a", "b"))
+    reports = study.main([])
+    assert [r.name for r in reports] == ["a.md", "b.md"]
+    # muon's two seeds are trained once for both suites.
+    assert sorted(trained) == sorted(
+        [("shakespeare_char_cpu", s, seed, 10) for s in ("muon", "snoo_muon", "snoo_muon@snoo_k=7")
+         for seed in (0, 1)])
+    row = next(r for r in (tmp_path / "a.md").read_text().splitlines()
+               if r.startswith("| snoo_muon "))
+    assert "(muon)" in row  # its p against the inner stack
