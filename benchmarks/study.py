@@ -137,26 +137,45 @@ def steps_to_target(curve: Sequence[tuple[int, float]], target: float) -> float 
     return None
 
 
-def welch_one_sided(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
-    """`(t, p)` of Welch's t-test of mean(a) < mean(b) (one-sided).
+def _student_t_cdf(t: float, nu: float) -> float:
+    """`P(T_ν <= t)` through the regularized incomplete beta function:
+    `P(T_ν <= t) = I_{ν/(ν+t²)}(ν/2, 1/2) / 2` for `t <= 0`, by symmetry above."""
+    tail = 0.5 * float(jax.scipy.special.betainc(
+        jnp.float32(nu / 2), jnp.float32(0.5), jnp.float32(nu / (nu + t * t))))
+    return tail if t <= 0 else 1.0 - tail
 
-    `p = P(T_ν <= t)` with the Welch-Satterthwaite degrees of freedom ν, through the
-    regularized incomplete beta function: `P(T_ν <= t) = I_{ν/(ν+t²)}(ν/2, 1/2) / 2` for
-    `t <= 0`. Needs at least two values on each side.
-    """
+
+def _degenerate(diff: float) -> tuple[float, float]:
+    """`(t, p)` when the standard error is 0: certain unless the means are equal."""
+    return (-math.inf if diff < 0 else math.inf if diff > 0 else 0.0,
+            0.0 if diff < 0 else 1.0 if diff > 0 else 0.5)
+
+
+def welch_one_sided(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """`(t, p)` of Welch's t-test of mean(a) < mean(b) (one-sided), with the
+    Welch-Satterthwaite degrees of freedom. Needs at least two values on each side."""
     if len(a) < 2 or len(b) < 2:
         raise ValueError(f"a t-test needs >= 2 seeds per side, got {len(a)} and {len(b)}")
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     se = math.sqrt(va + vb)
     diff = statistics.mean(a) - statistics.mean(b)
     if se == 0.0:
-        return (-math.inf if diff < 0 else math.inf if diff > 0 else 0.0,
-                0.0 if diff < 0 else 1.0 if diff > 0 else 0.5)
-    t = diff / se
+        return _degenerate(diff)
     nu = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    tail = 0.5 * float(jax.scipy.special.betainc(
-        jnp.float32(nu / 2), jnp.float32(0.5), jnp.float32(nu / (nu + t * t))))
-    return t, (tail if t <= 0 else 1.0 - tail)
+    return diff / se, _student_t_cdf(diff / se, nu)
+
+
+def paired_one_sided(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """`(t, p)` of the paired t-test of mean(a - b) < 0 (one-sided, n - 1 degrees of
+    freedom). Pairs are runs with the same seed, so the same init and the same batches:
+    the seed-to-seed spread cancels, which an unpaired test cannot use."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"a paired t-test needs >= 2 pairs, got {len(a)} and {len(b)} values")
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(d) / math.sqrt(len(d))
+    if se == 0.0:
+        return _degenerate(statistics.mean(d))
+    return statistics.mean(d) / se, _student_t_cdf(statistics.mean(d) / se, len(d) - 1)
 
 
 def train_one(preset: str, stack: str, *, seed: int, steps: int,
@@ -215,6 +234,9 @@ def summarize(grid: dict[str, Any]) -> list[dict[str, Any]]:
         inner_finals = [r["val_loss"] for r in grid["runs"][inner]] if inner else []
         p_inner = (welch_one_sided(finals, inner_finals)[1]
                    if len(finals) > 1 and len(inner_finals) > 1 else None)
+        by_seed = {r["seed"]: r["val_loss"] for r in grid["runs"][inner]} if inner else {}
+        pairs = [(r["val_loss"], by_seed[r["seed"]]) for r in runs if r["seed"] in by_seed]
+        p_paired = paired_one_sided(*zip(*pairs, strict=True))[1] if len(pairs) > 1 else None
         aux = [r["aux_loss"] for r in runs if r["aux_loss"] is not None]
         rows.append({
             "stack": stack, "n": len(finals), "val_mean": statistics.mean(finals),
@@ -223,7 +245,7 @@ def summarize(grid: dict[str, Any]) -> list[dict[str, Any]]:
             "reached": len(reached), "wall_s": statistics.mean(r["wall_s"] for r in runs),
             "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in runs),
             "state_bytes": grid["state_bytes"][stack], "t": t, "p": p,
-            "inner": inner, "p_inner": p_inner,
+            "inner": inner, "p_inner": p_inner, "p_inner_paired": p_paired,
             "aux_loss": statistics.mean(aux) if aux else None})
     return rows
 
@@ -232,11 +254,21 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def machine_line() -> str:
+    """Date, host, CPUs, jax and load now: where and when a grid ran."""
+    return (f"{datetime.date.today().isoformat()}; {platform.node() or 'host'}, "
+            f"{os.cpu_count()} CPUs, jax {jax.__version__} on {jax.devices()[0].platform}; "
+            f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
 def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
-                 command: str, directory: Path | None = None) -> Path:
-    """Write `<name>.md`, `<name>.json` and `<name>.png` into `directory` (`RESULTS`)."""
+                 command: str, directory: Path | None = None,
+                 machine: str | None = None) -> Path:
+    """Write `<name>.md`, `<name>.json` and `<name>.png` into `directory` (`RESULTS`);
+    `machine` (default: `machine_line()` now) says where and when the grid ran."""
     directory = RESULTS if directory is None else directory
     directory.mkdir(parents=True, exist_ok=True)
+    machine = machine_line() if machine is None else machine
     target = rows[0]["val_mean"]
     moe = any(r["aux_loss"] for r in rows)
     head = ("| stack | val loss (mean ± std) | steps to target | wall s | tokens/s | "
@@ -244,9 +276,7 @@ def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
     lines = [
         f"# Study `{name}`", "",
         f"`{command}`", "",
-        f"{datetime.date.today().isoformat()}; {platform.node() or 'host'}, "
-        f"{os.cpu_count()} CPUs, jax {jax.__version__} on {jax.devices()[0].platform}; "
-        f"load average {os.getloadavg()[0]:.1f} at the end. Preset `{grid['preset']}`, "
+        f"{machine}. Preset `{grid['preset']}`, "
         f"{grid['steps']} steps, {grid['seeds']} seeds (0..{grid['seeds'] - 1}), evaluation "
         f"every {grid['eval_interval']} steps. Baseline `{grid['baseline']}`; target = its "
         f"mean final val loss {target:.4f}.", "",
@@ -254,7 +284,8 @@ def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
     for r in rows:
         steps = "-" if r["steps_to_target"] is None else (
             f"{r['steps_to_target']:.0f} ({r['reached']}/{r['n']})")
-        inner = "-" if r["p_inner"] is None else f"{r['p_inner']:.4f} ({r['inner']})"
+        inner = "-" if r["p_inner"] is None else (
+            f"{r['inner']}: {r['p_inner']:.4f}, paired {_fmt(r['p_inner_paired'], '.4f')}")
         line = (f"| {r['stack']} | {r['val_mean']:.4f} ± {r['val_std']:.4f} | {steps} | "
                 f"{r['wall_s']:.0f} | {r['tokens_per_sec']:,.0f} | "
                 f"{r['state_bytes'] / 2**20:.2f} MiB | {_fmt(r['p'], '.4f')} | "
@@ -262,10 +293,11 @@ def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
         lines.append(line + (f" {_fmt(r['aux_loss'], '.4f')} |" if moe else ""))
     lines += ["", "p: one-sided Welch t-test of the stack's final val loss against the "
               "baseline's (p < baseline) and, for a Snoo stack, against the stack it wraps "
-              "(p < inner). Steps to target: mean over the seeds that reached it.", ""]
+              "(p < inner: Welch, and paired by seed, since a seed fixes the init and the "
+              "batches). Steps to target: mean over the seeds that reached it.", ""]
     (directory / f"{name}.md").write_text("\n".join(lines))
     (directory / f"{name}.json").write_text(json.dumps(
-        {"command": command, "grid": grid, "rows": rows}, indent=1) + "\n")
+        {"command": command, "machine": machine, "grid": grid, "rows": rows}, indent=1) + "\n")
     _plot(grid, directory / f"{name}.png")
     return directory / f"{name}.md"
 
@@ -292,6 +324,18 @@ def _plot(grid: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def rewrite_report(name: str, directory: Path | None = None) -> Path:
+    """Rewrite `<name>.md` and `.png` from `<name>.json` (the grid and its command)."""
+    directory = RESULTS if directory is None else directory
+    saved = json.loads((directory / f"{name}.json").read_text())
+    grid = saved["grid"]
+    for runs in grid["runs"].values():  # JSON turned the curves' (step, loss) into lists
+        for r in runs:
+            r["curve"] = [tuple(point) for point in r["curve"]]
+    return write_report(name, grid, summarize(grid), saved["command"], directory,
+                        machine=saved.get("machine", "(machine not recorded)"))
+
+
 def _use_compilation_cache(directory: str) -> None:
     """Seeds of one stack compile the same programs: cache them (unless a cache is set)."""
     if jax.config.jax_compilation_cache_dir is None:
@@ -311,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     parser.add_argument("--steps", type=int, help="optimizer steps per run")
     parser.add_argument("--eval_interval", type=int, help="steps between evaluations")
     parser.add_argument("--name", help="report name under benchmarks/results/ (one grid only)")
+    parser.add_argument("--from_json", action="store_true",
+                        help="train nothing: rewrite each report from its .json grid")
     args = parser.parse_args(argv)
     if args.optimizers and not (args.preset or args.suite not in (None, "all")):
         parser.error("--optimizers needs --preset (or a single --suite for its preset)")
@@ -337,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         grids.append((args.name or suite_name or "study", preset, stacks, seeds, steps,
                       eval_interval))
     command = "python -m benchmarks.study " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.from_json:
+        return [rewrite_report(name) for name, *_ in grids]
     reports, cache = [], {}
     with tempfile.TemporaryDirectory(prefix="optax_snoo_study_jax_cache_") as jax_cache:
         _use_compilation_cache(jax_cache)

@@ -7,7 +7,14 @@ import statistics
 import pytest
 
 from benchmarks import study
-from benchmarks.study import ALIASES, inner_stack, stack_config, steps_to_target, welch_one_sided
+from benchmarks.study import (
+    ALIASES,
+    inner_stack,
+    paired_one_sided,
+    stack_config,
+    steps_to_target,
+    welch_one_sided,
+)
 
 
 def _pair_with_t(t: float, n: int = 5):
@@ -40,6 +47,25 @@ def test_welch_unequal_variances_is_symmetric_and_monotone():
 def test_welch_needs_two_seeds():
     with pytest.raises(ValueError, match=">= 2 seeds"):
         welch_one_sided([1.0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("t, p", [(-2.132, 0.05), (-3.747, 0.01), (0.0, 0.5), (2.132, 0.95)])
+def test_paired_matches_student_t_table_with_n_minus_1_degrees(t, p):
+    # Five pairs: 4 degrees of freedom. b has a large spread that the pairing cancels.
+    d = [-2.0, -1.0, 0.0, 1.0, 2.0]
+    shift = t * statistics.stdev(d) / math.sqrt(len(d))
+    b = [10.0, -3.0, 7.0, 0.5, 4.0]
+    a = [y + x + shift for x, y in zip(d, b, strict=True)]
+    t_hat, p_hat = paired_one_sided(a, b)
+    assert t_hat == pytest.approx(t, abs=1e-9)
+    assert p_hat == pytest.approx(p, abs=2e-4)
+    if t < 0:  # unpaired, the spread of b hides the shift
+        assert welch_one_sided(a, b)[1] > 0.15 > p
+
+
+def test_paired_needs_matching_pairs():
+    with pytest.raises(ValueError, match=">= 2 pairs"):
+        paired_one_sided([1.0, 2.0], [1.0, 2.0, 3.0])
 
 
 def test_steps_to_target_interpolates_between_evaluations():
@@ -99,4 +125,9 @@ def test_default_study_shares_runs_between_suites_and_tests_snoo_against_its_inn
          for seed in (0, 1)])
     row = next(r for r in (tmp_path / "a.md").read_text().splitlines()
                if r.startswith("| snoo_muon "))
-    assert "(muon)" in row  # its p against the inner stack
+    assert "muon: " in row and "paired 0.0000" in row  # lower than muon on both seeds
+    # The report is regenerable from its JSON, with the machine line of the run.
+    before = (tmp_path / "a.md").read_text()
+    (tmp_path / "a.md").unlink()
+    study.main(["--from_json", "--suite=a"])
+    assert (tmp_path / "a.md").read_text() == before
