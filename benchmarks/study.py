@@ -17,6 +17,8 @@ inner stack is in the same grid.
     python -m benchmarks.study --suite=snoo_sensitivity   # k and outer lr/momentum
     python -m benchmarks.study --preset=shakespeare_char_cpu --optimizers=adamw,snoo_adamw \
         --seeds=3 --steps=500 --name=quick
+    python -m benchmarks.study --preset=gpt2_small@warmup_iters=20 --optimizers=adamw,muon \
+        --seeds=1 --steps=150                             # overrides for every stack
 
 Writes `benchmarks/results/<name>.md`, `.json` and `.png` (val loss against step), one
 set per suite. Runs with the same (preset, stack, seed, steps) are trained once per
@@ -99,11 +101,14 @@ def inner_stack(stack: str, stacks: Sequence[str]) -> str | None:
 
 def stack_config(preset: str, stack: str, *, seed: int, steps: int, eval_interval: int,
                  out_dir: str):
-    """The `TrainConfig` of one run: `preset`, the stack's optimizer and overrides."""
+    """The `TrainConfig` of one run: `preset` (with its own `@key=value` overrides, for
+    every stack), the stack's optimizer and overrides. The cosine ends at `steps`."""
     from train.config import parse_args
 
+    preset_name, *common = preset.split("@")
     name, *overrides = ALIASES.get(stack, stack).split("@")
-    args = [f"--preset={preset}", f"--optimizer={name}"] + [f"--{o}" for o in overrides]
+    args = [f"--preset={preset_name}", "--lr_decay_iters=None", f"--optimizer={name}"] + [
+        f"--{o}" for o in (*common, *overrides)]
     config = parse_args(args)
     return dataclasses.replace(
         config, seed=seed, max_iters=steps, eval_interval=eval_interval,
@@ -349,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     parser.add_argument("--suite", choices=["all", *sorted(SUITES)],
                         help=f"a predefined grid; 'all' (the default without --optimizers) "
                              f"runs {', '.join(DEFAULT_SUITES)}")
-    parser.add_argument("--preset", help="trainer preset (overrides the suite's)")
+    parser.add_argument("--preset", help="trainer preset (overrides the suite's), with "
+                        "overrides for every stack after @: gpt2_small@warmup_iters=20")
     parser.add_argument("--optimizers", help="comma-separated stacks; the first is the baseline")
     parser.add_argument("--seeds", type=int, help="seeds per stack (>= 2 for the t-test)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run")

@@ -85,6 +85,11 @@ def test_stack_config_applies_overrides_and_aliases(tmp_path):
                           eval_interval=1, out_dir=str(tmp_path))
     assert ALIASES["snoo_muon_smooth"].startswith("snoo_muon@")
     assert (smooth.optimizer, smooth.muon_smoothing) == ("snoo_muon", 0.2)
+    # Preset overrides apply to every stack; the cosine always ends at the run's last step.
+    gpu = stack_config("gpt2_small@warmup_iters=20@eval_iters=10", "muon@muon_lr=0.03", seed=0,
+                       steps=150, eval_interval=50, out_dir=str(tmp_path))
+    assert (gpu.n_layer, gpu.warmup_iters, gpu.eval_iters, gpu.muon_lr) == (12, 20, 10, 0.03)
+    assert gpu.lr_decay_iters is None  # the preset's 5000 would leave a 150-step run at peak
     with pytest.raises(ValueError, match="snoo_kk"):
         stack_config("shakespeare_char_cpu", "snoo_muon@snoo_kk=7", seed=0, steps=1,
                      eval_interval=1, out_dir=str(tmp_path))
