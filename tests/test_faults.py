@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import train
+from optax_snoo import SnooState
 from train import config as tc
 from train import data as td
 from train.checkpoint import Checkpointer, CheckpointSaveError, CheckpointWarning
@@ -47,6 +48,19 @@ def train_losses(history) -> dict[int, float]:
 
 
 # ----------------------------------------------------------------------------- NaN / Inf
+
+def _is_snoo(x):
+    return isinstance(x, SnooState)
+
+
+def snoo_counts(tree) -> list:
+    return [x.count for x in jax.tree.leaves(tree, is_leaf=_is_snoo) if _is_snoo(x)]
+
+
+def without_snoo_count(tree):
+    return jax.tree.map(lambda x: x._replace(count=0) if _is_snoo(x) else x, tree,
+                        is_leaf=_is_snoo)
+
 
 
 @pytest.mark.parametrize("poison", ["inputs", "targets"])
@@ -73,12 +87,39 @@ def test_nonfinite_step_leaves_state_unchanged(corpus, tmp_path, poison):
         assert not np.isfinite(float(metrics["loss"]) + float(metrics["grad_norm"]))
         assert float(metrics["skipped"]) == 1.0
         assert int(state["bad_steps"]) == t + 1 and int(state["skipped_steps"]) == t + 1
-        after = {k: v for k, v in state.items() if k not in ("bad_steps", "skipped_steps")}
+        # Only Snoo's count moves: the skipped step keeps its slot in the period.
+        assert [int(c) for c in snoo_counts(state)] == [c + t + 1 for c in snoo_counts(before)]
+        after = {k: without_snoo_count(v) for k, v in state.items()
+                 if k not in ("bad_steps", "skipped_steps")}
         jax.tree.map(np.testing.assert_array_equal, after,
-                     {k: v for k, v in before.items() if k in after})
+                     {k: without_snoo_count(v) for k, v in before.items() if k in after})
     # Latched: past max_bad_steps even a good batch is skipped (the host stops the run).
     state, metrics = step(state, put(xy[0]), put(xy[1]), False)
     assert float(metrics["skipped"]) == 1.0 and int(state["bad_steps"]) == 4
+
+
+def test_snoo_hint_from_the_step_agrees_with_the_in_jit_sync_after_a_skipped_step(
+        corpus, tmp_path):
+    """The host's hint `step % k == 0` stays right after a skip: the same states as
+    Snoo's own in-jit choice (`snoo_sync=None`), step by step."""
+    config = tiny(corpus, tmp_path, snoo_k=3)
+    vocab = td.CharDataset.load(corpus).vocab_size
+    tx, k = build_optimizer(config)
+    mesh = make_mesh(config)
+    put = lambda x: put_batch(x, batch_sharding(mesh))
+    batches = np.random.default_rng(1).integers(0, vocab, (8, 2, 1, 8, 16)).astype(np.int32)
+    batches[1, 0, 0, 2, 3] = 10 * vocab  # step 1 is skipped
+    finals = []
+    for hinted in (False, True):
+        model, state = create_train_state(tc.model_config(config, vocab), tx, seed=0, mesh=mesh)
+        step = make_train_step(model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
+                               lr_schedule=learning_rate_schedule(config), snoo=True)
+        for s, (x, y) in enumerate(batches):
+            state, metrics = step(state, put(x), put(y), (s % k == 0) if hinted else None)
+            assert float(metrics["skipped"]) == (s == 1)
+        assert [int(c) for c in snoo_counts(state)] == [len(batches)]
+        finals.append(jax.device_get(state))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), *finals)
 
 
 def test_run_skips_bad_steps_then_stops_keeping_the_last_good_checkpoint(

@@ -166,8 +166,8 @@ def run(config: TrainConfig) -> RunResult:
                                              block_size=config.block_size,
                                              grad_accum=config.grad_accum, seed=config.seed,
                                              rows=rows)
-        # Snoo counts applied updates; skipped steps (known as of the last log line) apply none.
-        sync = None if snoo_k is None else snoo_is_sync_step(step - int(skipped), snoo_k)
+        # Snoo's count is the step: a skipped step keeps its slot (train.nonfinite).
+        sync = None if snoo_k is None else snoo_is_sync_step(step, snoo_k)
         state, metrics = train_step(state, put(inputs_ABT), put(targets_ABT), sync)
         steps_since += 1
         bar.update()

@@ -3,8 +3,11 @@
 A step is *bad* when its loss or the global norm of its gradients is NaN or Inf (the norm
 is Inf/NaN as soon as one gradient entry is). A bad step leaves the whole train state
 (params, optimizer state including Snoo's slow copy and momentum, step, RNG) unchanged;
-only two counters in the state move: `bad_steps` (consecutive bad steps, reset by a good
-one) and `skipped_steps` (all skipped steps of the run). Once `bad_steps` reaches
+only three counters move: `bad_steps` (consecutive bad steps, reset by a good one),
+`skipped_steps` (all skipped steps of the run) and Snoo's `count`. A skipped step keeps
+its slot in Snoo's period (a sync that falls on it is dropped, the next comes k steps
+later), so Snoo's count is always the trainer's step and the host knows every sync step
+without reading the device (`snoo_is_sync_step(step, k)`). Once `bad_steps` reaches
 `max_bad_steps` every later step is skipped too (latched), and the host raises
 `NonFiniteError` at its next sync point (a log line or a checkpoint), before saving, so
 the last good checkpoint stays the latest.
@@ -33,6 +36,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from optax_snoo import SnooState
 
 __all__ = ["COUNTERS", "NonFiniteError", "check_bad_steps", "counters", "skip_nonfinite"]
 
@@ -65,7 +70,15 @@ def skip_nonfinite(state: Mapping[str, Any], new_state: Mapping[str, Any], loss:
     """
     bad_run = state["bad_steps"]
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (bad_run < max_bad_steps)
-    kept = {key: jax.tree.map(lambda n, o: jnp.where(ok, n, o), value, state[key])
+
+    def keep(new: Any, old: Any) -> Any:
+        if isinstance(new, SnooState):  # the period advances on a skipped step too
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)._replace(
+                count=new.count)
+        return jnp.where(ok, new, old)
+
+    is_snoo = lambda x: isinstance(x, SnooState)
+    kept = {key: jax.tree.map(keep, value, state[key], is_leaf=is_snoo)
             for key, value in new_state.items() if key not in COUNTERS}
     kept["bad_steps"] = jnp.where(ok, 0, bad_run + 1).astype(jnp.int32)
     kept["skipped_steps"] = state["skipped_steps"] + (~ok).astype(jnp.int32)
