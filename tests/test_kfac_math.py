@@ -94,6 +94,25 @@ def test_dense_factors_bf16_inputs_computed_in_f32():
     assert_close(g, g_ref)
 
 
+def test_dense_factors_bf16_on_cpu_use_a_bf16_dot():
+    """The CPU fast path (canonical bf16 dots): the compiled program multiplies bf16
+    operands, and the factors still equal float64 sums of the exact bf16 products."""
+    x = jnp.asarray(RNG.normal(size=(3, 32, 24)), jnp.bfloat16)
+    dy = jnp.asarray(RNG.normal(size=(3, 32, 16)) / 96, jnp.bfloat16)
+    a, g = layer_factors(x, dy, True)
+    a_ref, g_ref = _np_factors(np.asarray(x, np.float32), np.asarray(dy, np.float32), True)
+    assert_close(a, a_ref)
+    assert_close(g, g_ref)
+    if jax.default_backend() == "cpu":
+        hlo = layer_factors.lower(x, dy, True).compile().as_text()
+        blocks = [b for b in hlo.split("\n\n") if " dot(" in b]    # computations with a dot
+        assert len(blocks) == 2, hlo
+        for block in blocks:
+            header = block.strip().splitlines()[0]
+            assert "bf16[" in header and "f32[" not in header.split("->")[0], block
+            assert "lhs_contracting_dims={1}, rhs_contracting_dims={0}" in block, block
+
+
 def test_expert_stack_factors_with_mask():
     E, C, d_in, d_out, N = 3, 5, 4, 2, 11
     x = RNG.normal(size=(E, C, d_in)).astype(np.float32)

@@ -12,15 +12,17 @@ without reading the device (`snoo_is_sync_step(step, k)`). Once `bad_steps` reac
 `NonFiniteError` at its next sync point (a log line or a checkpoint), before saving, so
 the last good checkpoint stays the latest.
 
-The select is `jnp.where(ok, new, old)` per leaf: XLA fuses it into the elementwise
-update that produces `new`, so it costs no extra pass over the state (measured in
-README.md, "Reliability").
+The optimizer update runs under `lax.cond(ok, update, keep)`: a good step computes the
+new state once, with no select over its leaves, and a bad one returns the old state. (A
+per-leaf `jnp.where(ok, new, old)` fuses into elementwise updates, but not into values
+that come out of a conditional, such as K-FAC's cached inverses: there it cost an extra
+pass and copies of that state, measured in README.md, "Reliability".)
 
 Example:
   >>> state = {"w": jnp.ones(2), **counters()}
-  >>> new = {"w": jnp.full(2, jnp.nan), **counters()}
-  >>> kept, _ = skip_nonfinite(state, new, jnp.float32(jnp.nan), jnp.float32(1.0),
-  ...                          max_bad_steps=3)
+  >>> update = lambda s: {"w": s["w"] * jnp.nan}
+  >>> kept, _ = update_if_finite(state, update, jnp.float32(jnp.nan), jnp.float32(1.0),
+  ...                            max_bad_steps=3)
   >>> kept["w"].tolist(), int(kept["bad_steps"]), int(kept["skipped_steps"])
   ([1.0, 1.0], 1, 1)
 
@@ -31,15 +33,16 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_snoo import SnooState
 
-__all__ = ["COUNTERS", "NonFiniteError", "check_bad_steps", "counters", "skip_nonfinite"]
+__all__ = ["COUNTERS", "NonFiniteError", "check_bad_steps", "counters", "update_if_finite"]
 
 COUNTERS = ("bad_steps", "skipped_steps")
 
@@ -53,13 +56,14 @@ def counters() -> dict[str, jax.Array]:
     return {name: jnp.int32(0) for name in COUNTERS}
 
 
-def skip_nonfinite(state: Mapping[str, Any], new_state: Mapping[str, Any], loss: jax.Array,
-                   grad_norm: jax.Array, *, max_bad_steps: int) -> tuple[dict, dict]:
-    """Keep `new_state` if `loss` and `grad_norm` are finite (and not latched), else `state`.
+def update_if_finite(state: Mapping[str, Any], update: Callable[[dict], dict], loss: jax.Array,
+                     grad_norm: jax.Array, *, max_bad_steps: int) -> tuple[dict, dict]:
+    """`update(state)` if `loss` and `grad_norm` are finite (and not latched), else `state`.
 
     Args:
       state: the train state before the update (with `counters()`).
-      new_state: the train state after the update (its counters are ignored).
+      update: maps the state without its counters to the updated one (same structure and
+        dtypes); it runs inside `lax.cond`, only on a good step.
       loss: the step's scalar loss.
       grad_norm: the global norm of the step's gradients (before clipping).
       max_bad_steps: consecutive bad steps after which every step is skipped.
@@ -70,22 +74,25 @@ def skip_nonfinite(state: Mapping[str, Any], new_state: Mapping[str, Any], loss:
     """
     bad_run = state["bad_steps"]
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (bad_run < max_bad_steps)
-
-    def keep(new: Any, old: Any) -> Any:
-        if isinstance(new, SnooState):  # the period advances on a skipped step too
-            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)._replace(
-                count=new.count)
-        return jnp.where(ok, new, old)
-
-    is_snoo = lambda x: isinstance(x, SnooState)
-    kept = {key: jax.tree.map(keep, value, state[key], is_leaf=is_snoo)
-            for key, value in new_state.items() if key not in COUNTERS}
+    body = {key: value for key, value in state.items() if key not in COUNTERS}
+    kept = dict(jax.lax.cond(ok, lambda s: dict(update(s)), _keep, body))
     kept["bad_steps"] = jnp.where(ok, 0, bad_run + 1).astype(jnp.int32)
     kept["skipped_steps"] = state["skipped_steps"] + (~ok).astype(jnp.int32)
     flags = {"skipped": (~ok).astype(jnp.float32),
              "bad_steps": kept["bad_steps"].astype(jnp.float32),
              "skipped_steps": kept["skipped_steps"].astype(jnp.float32)}
     return kept, flags
+
+
+def _is_snoo(x: Any) -> bool:
+    return isinstance(x, SnooState)
+
+
+def _keep(state: dict) -> dict:
+    """The state of a skipped step: unchanged but for Snoo's count (its period goes on)."""
+    return jax.tree.map(
+        lambda x: x._replace(count=optax.safe_increment(x.count)) if _is_snoo(x) else x,
+        state, is_leaf=_is_snoo)
 
 
 def check_bad_steps(bad_steps: int, *, max_bad_steps: int, step: int,

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import models
-from train.nonfinite import counters, skip_nonfinite
+from train.nonfinite import counters, update_if_finite
 from train.sharding import batch_sharding, replicated, tree_shardings
 
 __all__ = [
@@ -153,14 +153,19 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformationExtraArgs, 
         extra = {"snoo_sync": snoo_sync} if snoo else {}
         if curvature_fn is not None:
             extra["curvature"] = curvature
-        updates, opt_state = tx.update(grads, state["opt_state"], params, **extra)
-        new_state = {**state, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state, "step": state["step"] + 1}
+
+        def update(state):
+            updates, opt_state = tx.update(grads, state["opt_state"], state["params"], **extra)
+            return {**state, "params": optax.apply_updates(state["params"], updates),
+                    "opt_state": opt_state, "step": state["step"] + 1}
+
         metrics = {"loss": ce, "aux_loss": aux_loss, "grad_norm": optax.tree.norm(grads),
                    "lr": jnp.asarray(lr_schedule(state["step"]), jnp.float32)}
-        if max_bad_steps is not None:
-            new_state, flags = skip_nonfinite(state, new_state, ce + aux_loss,
-                                              metrics["grad_norm"], max_bad_steps=max_bad_steps)
+        if max_bad_steps is None:
+            new_state = update(state)
+        else:
+            new_state, flags = update_if_finite(state, update, ce + aux_loss,
+                                                metrics["grad_norm"], max_bad_steps=max_bad_steps)
             metrics.update(flags)
         if curvature_fn is not None:
             metrics["kfac_event"] = _refresh_event(new_state["opt_state"])
