@@ -235,14 +235,14 @@ def _init_moment(p: jax.Array, factored: bool, dtype: Any) -> tuple[Any, Any, An
 
 def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: Any
                    ) -> tuple[tuple[jax.Array, ...], Any, Any, Any]:
-    """SPEC §3 step 1 for one parameter: `den` and the new `(v_row, v_col, v)`.
+    """SPEC §3 step 1 for one parameter: `1/den` and the new `(v_row, v_col, v)`.
 
-    `den` is `(1/row, 1/col)` (vectors; `1/den` is their outer product) when factored,
-    else `(den²,) = (max(v, eps),)`, squared so that its consumers (`_scaled`,
-    `_clip_scale`) fuse the `rsqrt` or the division into their own loops. Each reduction
-    reads its own `optimization_barrier` copy of `g`: XLA would otherwise merge the `g*g`
-    of the row and column means into one shared, parameter-sized temporary (on XLA:CPU a
-    fresh buffer on every step).
+    `1/den` is `(1/row, 1/col)` (vectors; `1/den` is their outer product) when factored,
+    else `(1/sqrt(max(v, eps)),)` (stored: a division or `rsqrt` inside XLA:CPU's
+    reductions costs more than reading it). Each reduction reads its own
+    `optimization_barrier` copy of `g`: XLA would otherwise merge the `g*g` of the row and
+    column means into one shared, parameter-sized temporary (on XLA:CPU a fresh buffer on
+    every step).
     """
     if isinstance(v, optax.MaskedNode):
         g_col = jax.lax.optimization_barrier(g)
@@ -256,37 +256,37 @@ def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: A
         inv_col = jax.lax.rsqrt(jnp.maximum(v_col, eps))
         return (inv_row, inv_col), v_row, v_col, v
     v = b2 * v + (1 - b2) * g * g
-    return (jnp.maximum(v, eps),), v_row, v_col, v
+    return (jax.lax.rsqrt(jnp.maximum(v, eps)),), v_row, v_col, v
 
 
-def _clip_scale(x: jax.Array, den: tuple[jax.Array, ...], scale: jax.Array,
+def _clip_scale(x: jax.Array, inv_den: tuple[jax.Array, ...], scale: jax.Array,
                 clip_threshold: Any) -> jax.Array:
     """`scale / max(1, RMS(x·scale/den)/clip_threshold)` (SPEC §3 step 3), for `_scaled`.
 
     The sum reads `optimization_barrier` copies of its inputs, so it shares (and
     materialises) nothing with the update. Factored, it sums over rows first,
     `Σ_j col_j⁻² Σ_i (x_ij / row_i)²`: one broadcast per element instead of two, the
-    cheaper reduction on XLA:CPU; full, it is `mean(x² / den²)`.
+    cheaper reduction on XLA:CPU.
     """
     if clip_threshold is None:
         return scale
-    x, d = jax.lax.optimization_barrier((x, den[0]))
-    if len(den) == 2:
-        col_sq = jnp.sum(jnp.square(x * d[..., :, None]), axis=-2)
-        mean_sq = jnp.sum(col_sq * jnp.square(den[1])) / x.size
+    x, inv = jax.lax.optimization_barrier((x, inv_den[0]))
+    if len(inv_den) == 2:
+        col_sq = jnp.sum(jnp.square(x * inv[..., :, None]), axis=-2)
+        mean_sq = jnp.sum(col_sq * jnp.square(inv_den[1])) / x.size
     else:
-        mean_sq = jnp.mean(jnp.square(x) / d)
+        mean_sq = jnp.mean(jnp.square(x * inv))
     return scale / jnp.maximum(1.0, jnp.sqrt(mean_sq) * scale / clip_threshold)
 
 
-def _scaled(x: jax.Array, den: tuple[jax.Array, ...], scale: jax.Array) -> jax.Array:
-    """`x · scale / den` with `den` as `_update_moment` returns it. Only multiplications
-    (and, full, an elementwise `rsqrt`) touch parameter-sized arrays, the scalar going into
-    the row vector, so XLA fuses this into its consumer instead of storing it."""
-    if len(den) == 2:
-        inv_row, inv_col = den
+def _scaled(x: jax.Array, inv_den: tuple[jax.Array, ...], scale: jax.Array) -> jax.Array:
+    """`x · scale / den` with `inv_den` from `_update_moment`. Only multiplications touch
+    parameter-sized arrays (the scalar goes into the row vector), so XLA fuses this into
+    its consumer instead of storing it."""
+    if len(inv_den) == 2:
+        inv_row, inv_col = inv_den
         return x * (scale * inv_row)[..., :, None] * inv_col[..., None, :]
-    return x * (scale * jax.lax.rsqrt(den[0]))
+    return x * (scale * inv_den[0])
 
 
 def _unzip(updates: Any, out: Any, n: int) -> list[Any]:
@@ -422,8 +422,8 @@ def scale_by_second_moment(b2: float = 0.999, eps: float = 1e-8, *, factored: bo
 
         def leaf(g, v_row, v_col, v):
             g = g.astype(stats_dtype)
-            den, v_row, v_col, v = _update_moment(g, v_row, v_col, v, b2, eps)
-            u = _scaled(g, den, _clip_scale(g, den, scale, clip_threshold))
+            inv_den, v_row, v_col, v = _update_moment(g, v_row, v_col, v, b2, eps)
+            u = _scaled(g, inv_den, _clip_scale(g, inv_den, scale, clip_threshold))
             return u.astype(stats_dtype), v_row, v_col, v
 
         out = jax.tree.map(leaf, updates, state.v_row, state.v_col, state.v)
@@ -493,9 +493,9 @@ def scale_by_skew_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
         def leaf(g, mu, v_row, v_col, v):
             g = g.astype(stats_dtype)
-            den, v_row, v_col, v = _update_moment(g, v_row, v_col, v, b2, eps)
+            inv_den, v_row, v_col, v = _update_moment(g, v_row, v_col, v, b2, eps)
             mu = b1 * mu + (1 - b1) * g
-            u = _scaled(mu, den, _clip_scale(mu, den, scale, clip_threshold))
+            u = _scaled(mu, inv_den, _clip_scale(mu, inv_den, scale, clip_threshold))
             return u.astype(stats_dtype), mu.astype(stats_dtype), v_row, v_col, v
 
         out = jax.tree.map(leaf, updates, state.mu, state.v_row, state.v_col, state.v)
