@@ -3,11 +3,12 @@
 Each step is a jitted `update` + `apply_updates` with donated params and state; the two
 optimizers run interleaved round by round and the figure is the ratio of median step
 times, so machine load cancels as far as it can. Trees: the `moe_tiny` preset's params
-(real paths, so SkewAdam's roles apply: experts, router, backbone) and a dense GPT-2-small
-shape (every leaf is backbone: momentum + factored second moment). `--hlo` also prints what
+(real paths, so SkewAdam's roles apply: experts, router, backbone), the same model at width
+256 with 1024-wide experts (`moe_10m`) and a dense GPT-2-small shape (every leaf is
+backbone: momentum + factored second moment). `--hlo` also prints what
 XLA compiled: fusions, reductions and the temporary bytes of each program.
 
-    python -m benchmarks.skewadam_speed                 # both trees
+    python -m benchmarks.skewadam_speed                 # all trees
     python -m benchmarks.skewadam_speed --tree=moe_tiny --rounds=9 --hlo
 """
 
@@ -27,14 +28,18 @@ from benchmarks.overhead import gpt2_shaped_params
 from optax_snoo.skew_adam import skew_adam
 
 
-def moe_tiny_params(seed: int = 0) -> dict:
-    """The `moe_tiny` preset's params (vocabulary 65 padded to 72), as a pure dict."""
+def moe_tiny_params(seed: int = 0, **overrides) -> dict:
+    """The `moe_tiny` preset's params (vocabulary 65 padded to 72), as a pure dict;
+    `overrides` replace preset fields (e.g. `n_embd`, `expert_hidden`)."""
+    import dataclasses
+
     from flax import nnx
 
     import models
     from train.config import get_preset, model_config
 
-    model = models.GPT(model_config(get_preset("moe_tiny"), 65), rngs=nnx.Rngs(seed))
+    config = dataclasses.replace(get_preset("moe_tiny"), **overrides)
+    model = models.GPT(model_config(config, 65), rngs=nnx.Rngs(seed))
     return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
 
 
@@ -101,6 +106,7 @@ def update_time_ratio(params, rounds: int = 7, steps: int = 10,
 
 
 TREES = {"moe_tiny": moe_tiny_params,
+         "moe_10m": lambda: moe_tiny_params(n_embd=256, expert_hidden=1024),
          "gpt2_small_2l": lambda: gpt2_shaped_params(n_layer=2)}
 
 

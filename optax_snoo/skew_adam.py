@@ -238,9 +238,11 @@ def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: A
     """SPEC §3 step 1 for one parameter: `1/den` and the new `(v_row, v_col, v)`.
 
     `1/den` is `(1/row, 1/col)` (vectors; `1/den` is their outer product) when factored,
-    else `(1/sqrt(max(v, eps)),)`. Each reduction reads its own `optimization_barrier`
-    copy of `g`: XLA would otherwise merge the `g*g` of the row and column means into one
-    shared, parameter-sized temporary (on XLA:CPU a fresh buffer on every step).
+    else `(1/sqrt(max(v, eps)),)` (stored: a division or `rsqrt` inside XLA:CPU's
+    reductions costs more than reading it). Each reduction reads its own
+    `optimization_barrier` copy of `g`: XLA would otherwise merge the `g*g` of the row and
+    column means into one shared, parameter-sized temporary (on XLA:CPU a fresh buffer on
+    every step).
     """
     if isinstance(v, optax.MaskedNode):
         g_col = jax.lax.optimization_barrier(g)
@@ -257,28 +259,34 @@ def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: A
     return (jax.lax.rsqrt(jnp.maximum(v, eps)),), v_row, v_col, v
 
 
-def _scaled(x: jax.Array, inv_den: tuple[jax.Array, ...], scale: jax.Array,
-            clip_threshold: Any) -> jax.Array:
-    """`x · scale / den`, then divided by `max(1, RMS/clip_threshold)` (SPEC §3 step 3).
+def _clip_scale(x: jax.Array, inv_den: tuple[jax.Array, ...], scale: jax.Array,
+                clip_threshold: Any) -> jax.Array:
+    """`scale / max(1, RMS(x·scale/den)/clip_threshold)` (SPEC §3 step 3), for `_scaled`.
 
-    Only multiplications touch parameter-sized arrays (the scalars go into the row vector),
-    so XLA fuses this into its consumer instead of storing it. The RMS is a separate sum,
-    over a barrier copy of its inputs, so that it does not share (and materialise) `x/den`.
+    The sum reads `optimization_barrier` copies of its inputs, so it shares (and
+    materialises) nothing with the update. Factored, it sums over rows first,
+    `Σ_j col_j⁻² Σ_i (x_ij / row_i)²`: one broadcast per element instead of two, the
+    cheaper reduction on XLA:CPU.
     """
+    if clip_threshold is None:
+        return scale
+    x, inv = jax.lax.optimization_barrier((x, inv_den[0]))
+    if len(inv_den) == 2:
+        col_sq = jnp.sum(jnp.square(x * inv[..., :, None]), axis=-2)
+        mean_sq = jnp.sum(col_sq * jnp.square(inv_den[1])) / x.size
+    else:
+        mean_sq = jnp.mean(jnp.square(x * inv))
+    return scale / jnp.maximum(1.0, jnp.sqrt(mean_sq) * scale / clip_threshold)
+
+
+def _scaled(x: jax.Array, inv_den: tuple[jax.Array, ...], scale: jax.Array) -> jax.Array:
+    """`x · scale / den` with `inv_den` from `_update_moment`. Only multiplications touch
+    parameter-sized arrays (the scalar goes into the row vector), so XLA fuses this into
+    its consumer instead of storing it."""
     if len(inv_den) == 2:
         inv_row, inv_col = inv_den
-        if clip_threshold is not None:
-            xb, rb, cb = jax.lax.optimization_barrier((x, inv_row, inv_col))
-            mean_sq = jnp.mean(jnp.square(xb) * jnp.square(rb)[..., :, None]
-                               * jnp.square(cb)[..., None, :])
-            scale = scale / jnp.maximum(1.0, jnp.sqrt(mean_sq) * scale / clip_threshold)
         return x * (scale * inv_row)[..., :, None] * inv_col[..., None, :]
-    (inv,) = inv_den
-    if clip_threshold is not None:
-        xb, ib = jax.lax.optimization_barrier((x, inv))
-        mean_sq = jnp.mean(jnp.square(xb * ib))
-        scale = scale / jnp.maximum(1.0, jnp.sqrt(mean_sq) * scale / clip_threshold)
-    return x * (scale * inv)
+    return x * (scale * inv_den[0])
 
 
 def _unzip(updates: Any, out: Any, n: int) -> list[Any]:
@@ -415,7 +423,7 @@ def scale_by_second_moment(b2: float = 0.999, eps: float = 1e-8, *, factored: bo
         def leaf(g, v_row, v_col, v):
             g = g.astype(stats_dtype)
             inv_den, v_row, v_col, v = _update_moment(g, v_row, v_col, v, b2, eps)
-            u = _scaled(g, inv_den, scale, clip_threshold)
+            u = _scaled(g, inv_den, _clip_scale(g, inv_den, scale, clip_threshold))
             return u.astype(stats_dtype), v_row, v_col, v
 
         out = jax.tree.map(leaf, updates, state.v_row, state.v_col, state.v)
@@ -487,7 +495,7 @@ def scale_by_skew_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             g = g.astype(stats_dtype)
             inv_den, v_row, v_col, v = _update_moment(g, v_row, v_col, v, b2, eps)
             mu = b1 * mu + (1 - b1) * g
-            u = _scaled(mu, inv_den, scale, clip_threshold)
+            u = _scaled(mu, inv_den, _clip_scale(mu, inv_den, scale, clip_threshold))
             return u.astype(stats_dtype), mu.astype(stats_dtype), v_row, v_col, v
 
         out = jax.tree.map(leaf, updates, state.mu, state.v_row, state.v_col, state.v)
