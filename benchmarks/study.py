@@ -35,6 +35,7 @@ References:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -73,7 +74,7 @@ class Suite:
     eval_interval: int
 
 
-# Sized so that the three together (82 runs, 7 of them shared) take about an hour on 2 CPU
+# Sized so that the three together (82 runs, 6 of them shared) take about an hour on 2 CPU
 # cores: a dense step costs 50-90 ms there, a moe_tiny step about 150 ms.
 SUITES: dict[str, Suite] = {
     # tiny shakespeare, nanoGPT's CPU recipe shape.
@@ -341,12 +342,21 @@ def rewrite_report(name: str, directory: Path | None = None) -> Path:
                         machine=saved.get("machine", "(machine not recorded)"))
 
 
-def _use_compilation_cache(directory: str) -> None:
-    """Seeds of one stack compile the same programs: cache them (unless a cache is set)."""
-    if jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+@contextlib.contextmanager
+def _compilation_cache(directory: str):
+    """Seeds of one stack compile the same programs: cache them in `directory` (unless a
+    cache is already set), and restore the previous settings afterwards."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {name: getattr(jax.config, name) for name in names}
+    if saved[names[0]] is None:
+        for name, value in zip(names, (directory, 0.0, 0), strict=True):
+            jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
@@ -392,8 +402,8 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     if args.from_json:
         return [rewrite_report(name) for name, *_ in grids]
     reports, cache = [], {}
-    with tempfile.TemporaryDirectory(prefix="optax_snoo_study_jax_cache_") as jax_cache:
-        _use_compilation_cache(jax_cache)
+    with (tempfile.TemporaryDirectory(prefix="optax_snoo_study_jax_cache_") as jax_cache,
+          _compilation_cache(jax_cache)):
         for name, preset, stacks, seeds, steps, eval_interval in grids:
             grid = run_grid(preset, stacks, seeds=seeds, steps=steps,
                             eval_interval=eval_interval, cache=cache)

@@ -122,7 +122,9 @@ def test_default_study_shares_runs_between_suites_and_tests_snoo_against_its_inn
         "a": study.Suite("shakespeare_char_cpu", ("muon", "snoo_muon"), 2, 10, 5),
         "b": study.Suite("shakespeare_char_cpu", ("muon", "snoo_muon@snoo_k=7"), 2, 10, 5)})
     monkeypatch.setattr(study, "DEFAULT_SUITES", ("a", "b"))
+    cache_dir = study.jax.config.jax_compilation_cache_dir
     reports = study.main([])
+    assert study.jax.config.jax_compilation_cache_dir == cache_dir  # restored
     assert [r.name for r in reports] == ["a.md", "b.md"]
     # muon's two seeds are trained once for both suites.
     assert sorted(trained) == sorted(
