@@ -23,5 +23,5 @@ nvidia-smi --query-gpu=name,memory.total,utilization.gpu --format=csv 2>/dev/nul
 if [ "$STUDY_STEPS" -gt 0 ]; then
   "$PYTHON" -m benchmarks.study --preset="gpt2_small@warmup_iters=$((STUDY_STEPS / 10))@eval_iters=10" \
     --optimizers=adamw,muon,snoo_muon --seeds=1 --steps="$STUDY_STEPS" \
-    --eval_interval="$((STUDY_STEPS / 3))" --name=gpu_headline
+    --eval_interval="$(( STUDY_STEPS >= 3 ? STUDY_STEPS / 3 : 1 ))" --name=gpu_headline
 fi
