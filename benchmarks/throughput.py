@@ -5,11 +5,13 @@ backward, clipping, optimizer update, donated state) on random tokens at a prese
 shape. Variants (compute dtypes of ours, and a reference GPT step written here in plain
 `jax.numpy`, float32, same shape and AdamW) run interleaved, round by round, so machine
 load hits them alike; the table gives median wall time per step, tokens/s, CPU time
-per step (load-robust on a shared machine), the ratio to the reference, and MFU
+per step (load-robust on a shared machine), the ratio to the reference, the median
+over rounds of each round's tokens/s ratio to the first variant, and MFU
 (nanoGPT's estimate; needs a known accelerator, see `train.metrics.PEAK_FLOPS`).
 
     python -m benchmarks.throughput                       # nanoGPT's CPU recipe, adamw
     python -m benchmarks.throughput --rounds=3 --n_layer=2   # any train key overrides
+    python -m benchmarks.throughput --optimizers=adamw,snoo_adamw --dtypes=bfloat16
     bash benchmarks/gpu.sh                                # gpt2_small on one GPU, MFU
 
 Compilation and a few warm-up steps are excluded. Machine load (`os.getloadavg`) is
@@ -87,7 +89,7 @@ def ours(config: TrainConfig) -> Variant:
             box["i"] = i + 1
         jax.block_until_ready(metrics)
 
-    return Variant(f"ours {config.dtype}", run, flops)
+    return Variant(f"ours {config.optimizer} {config.dtype}", run, flops)
 
 
 def _reference_loss(params: dict, x_BT: jax.Array, y_BT: jax.Array, n_head: int) -> jax.Array:
@@ -146,11 +148,12 @@ def reference(config: TrainConfig) -> Variant:
 
 
 def measure(variants: Sequence[Variant], *, rounds: int, steps: int, warmup: int) -> None:
-    """Warm every variant up (compiles), then time `rounds` interleaved rounds of `steps`."""
+    """Warm every variant up (compiles), then time `rounds` interleaved rounds of `steps`
+    (every other round in reverse order, so no variant always follows the same one)."""
     for v in variants:
         v.run(warmup)
-    for _ in range(rounds):
-        for v in variants:
+    for r in range(rounds):
+        for v in variants if r % 2 == 0 else variants[::-1]:
             t0, c0 = time.perf_counter(), time.process_time()
             v.run(steps)
             v.wall.append((time.perf_counter() - t0) / steps)
@@ -168,17 +171,19 @@ def report(variants: Sequence[Variant], config: TrainConfig, load: tuple[Any, An
         f"{os.cpu_count()} CPUs; load average {load[0]} before, {load[1]} after",
         f"shape: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, block "
         f"{config.block_size}, batch {config.batch_size} x {config.grad_accum}; "
-        f"{tokens:,} tokens/step; optimizer {config.optimizer}", "",
-        "| variant | ms/step (median, min) | tokens/s | CPU ms/step | speed vs reference | MFU |",
-        "|---|---|---|---|---|---|"]
+        f"{tokens:,} tokens/step", "",
+        "| variant | ms/step (median, min) | tokens/s | CPU ms/step | speed vs reference "
+        f"| tokens/s vs {variants[0].name} (paired by round) | MFU |",
+        "|---|---|---|---|---|---|---|"]
     for v in variants:
         wall = statistics.median(v.wall)
         ratio = f"{statistics.median(ref.wall) / wall:.2f}x" if ref else "-"
+        paired = statistics.median(a / b for a, b in zip(variants[0].wall, v.wall, strict=True))
         mfu = f"{v.flops / wall / (peak * jax.device_count()):.1%}" if (
             peak and v.flops) else "n/a"
         lines.append(f"| {v.name} | {wall * 1e3:.1f}, {min(v.wall) * 1e3:.1f} | "
                      f"{tokens / wall:,.0f} | {statistics.median(v.cpu) * 1e3:.1f} | "
-                     f"{ratio} | {mfu} |")
+                     f"{ratio} | {paired:.3f} | {mfu} |")
     return "\n".join(lines)
 
 
@@ -187,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> str:
         "Other --key=value arguments are train config keys (python -m train --help)."))
     parser.add_argument("--dtypes", default="bfloat16,float32",
                         help="compute dtypes of our step, comma-separated")
+    parser.add_argument("--optimizers", default=None,
+                        help="optimizers of our step (train.optimizers names), comma-separated; "
+                             "each runs at every dtype, all interleaved in this process "
+                             "(default: --optimizer, which defaults to adamw here)")
     parser.add_argument("--no_reference", action="store_true",
                         help="skip the plain-JAX reference step")
     parser.add_argument("--rounds", type=int, default=7)
@@ -199,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> str:
         raise SystemExit("no GPU/TPU visible to JAX (jax.devices() = "
                          f"{jax.devices()}); install jax[cuda12] or run on a GPU machine")
     config = parse_args(["--optimizer=adamw", *rest])
-    variants = [ours(dataclasses.replace(config, dtype=d)) for d in args.dtypes.split(",")]
+    names = args.optimizers.split(",") if args.optimizers else [config.optimizer]
+    variants = [ours(dataclasses.replace(config, optimizer=o, dtype=d))
+                for o in names for d in args.dtypes.split(",")]
     if not args.no_reference:
         variants.append(reference(config))
     load_before = os.getloadavg()[0]

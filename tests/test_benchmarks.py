@@ -17,14 +17,24 @@ def test_gpu_script_arguments_run_on_cpu_with_a_tiny_override():
                              "--optimizer=snoo_muon", *TINY])
     rows = [line for line in table.splitlines() if line.startswith("| ours")]
     assert len(rows) == 1 and "| n/a |" in rows[0]  # no MFU without a known peak
-    assert "128 tokens/step; optimizer snoo_muon" in table
+    assert rows[0].startswith("| ours snoo_muon bfloat16 |") and "128 tokens/step" in table
 
 
 def test_ours_against_the_reference_step():
     table = throughput.main(["--dtypes=bfloat16,float32", *TINY])
     names = [line.split("|")[1].strip() for line in table.splitlines()[5:]]
-    assert names == ["ours bfloat16", "ours float32", "reference float32 (plain jax)"]
+    assert names == ["ours adamw bfloat16", "ours adamw float32",
+                     "reference float32 (plain jax)"]
     assert table.splitlines()[-1].split("|")[5].strip() == "1.00x"
+
+
+def test_optimizers_interleaved_with_a_paired_ratio_to_the_first():
+    table = throughput.main(["--optimizers=adamw,snoo_adamw", "--dtypes=float32",
+                             "--no_reference", *TINY])
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| ours")]
+    assert [r[1].strip() for r in rows] == ["ours adamw float32", "ours snoo_adamw float32"]
+    assert rows[0][6].strip() == "1.000"  # the first variant against itself
+    assert float(rows[1][6]) > 0
 
 
 def test_require_accelerator_fails_on_cpu():

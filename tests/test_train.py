@@ -18,14 +18,18 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import models
 import train
 from optax_snoo.labels import path_to_str
 from train import config as tc
 from train import data as td
 from train.__main__ import main
 from train.checkpoint import Checkpointer, check_compatible
+from train.evaluate import evaluate_split, split_windows
+from train.evaluate import main as evaluate_main
 from train.metrics import flops_per_token
 from train.optimizers import OPTIMIZERS, build_optimizer, learning_rate_schedule
+from train.sample import load_model
 from train.sample import main as sample_main
 from train.sharding import batch_sharding, make_mesh, mesh_shape, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
@@ -82,6 +86,39 @@ def test_sample_cli_restores_the_final_model(reference, capsys):
     printed = capsys.readouterr().out
     assert printed.split("\n---------------\n")[0] == (
         result.out_dir / "samples.txt").read_text()[:-1]
+
+
+def test_split_windows_are_every_non_overlapping_window():
+    inputs, targets = split_windows(np.arange(11), 3)  # (11 - 1) // 3 = 3 windows
+    np.testing.assert_array_equal(inputs, [[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    np.testing.assert_array_equal(targets, inputs + 1)
+    with pytest.raises(ValueError, match="block_size=3"):
+        split_windows(np.arange(3), 3)
+
+
+def test_evaluate_cli_is_the_mean_loss_over_every_val_window(reference, corpus, capsys):
+    config, result = reference
+    model, _, _ = load_model(result.out_dir)
+    ids = td.CharDataset.load(corpus).val_ids
+    inputs, targets = split_windows(ids, config.block_size)
+    logits = np.asarray(models.forward(model, jnp.asarray(inputs))[0], np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    expected = float(np.mean(log_z - np.take_along_axis(logits, targets[..., None], -1)[..., 0]))
+    for batch_size in (7, len(inputs), 1000):  # a remainder batch; one batch; fewer windows
+        r = evaluate_split(result.out_dir, batch_size=batch_size)
+        assert r["windows"] == len(inputs) == (len(ids) - 1) // config.block_size
+        assert r["step"] == config.max_iters
+        np.testing.assert_allclose(r["loss"], expected, rtol=1e-5)
+    assert evaluate_main(["--out", str(result.out_dir), "--split=train"]) == 0
+    assert capsys.readouterr().out.startswith("train loss ")
+
+
+def test_evaluate_refuses_a_corpus_with_another_vocabulary(reference, tmp_path):
+    _, result = reference
+    other = tmp_path / "other.txt"
+    other.write_text("abc" * 1000)
+    with pytest.raises(ValueError, match="vocabulary of 3 characters"):
+        evaluate_split(result.out_dir, data=str(other))
 
 
 def test_resume_continues_exactly(reference, corpus, tmp_path):

@@ -31,7 +31,7 @@ from train.optimizers import build_optimizer
 from train.sharding import make_mesh
 from train.step import ModelDef, create_train_state
 
-__all__ = ["generate_text", "load_model", "main"]
+__all__ = ["generate_text", "load_model", "load_params", "main"]
 
 
 def generate_text(model: models.GPT, vocab: CharDataset, *, start: str, num_samples: int,
@@ -53,6 +53,15 @@ def load_model(out_dir: str | Path, step: int | None = None
     Returns:
       `(model, vocab, meta)`; `vocab` holds the characters only (no corpus).
     """
+    model_def, params, vocab, meta = load_params(out_dir, step)
+    return model_def.merge(params), vocab, meta
+
+
+def load_params(out_dir: str | Path, step: int | None = None
+                ) -> tuple[ModelDef, dict, CharDataset, dict]:
+    """`(model_def, params, vocab, meta)` of a checkpoint in `out_dir/checkpoints` (latest
+    step by default), restored on one device; `vocab` holds the characters only and
+    `meta` the saved JSON item plus `"checkpoint_step"`."""
     ckpt = Checkpointer(Path(out_dir) / "checkpoints", async_save=False)
     step = ckpt.latest_step() if step is None else step
     if step is None:
@@ -66,7 +75,7 @@ def load_model(out_dir: str | Path, step: int | None = None
                                          seed=config.seed, mesh=mesh)
     state, _ = ckpt.restore(step, like=like)
     ckpt.close()
-    return ModelDef.merge(model_def, state["params"]), vocab, meta
+    return model_def, state["params"], vocab, {**meta, "checkpoint_step": step}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
