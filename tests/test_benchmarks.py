@@ -1,11 +1,11 @@
-"""Smoke tests of benchmarks/throughput.py (the Python part of benchmarks/gpu.sh), tiny shapes.
+"""Smoke tests of the Python parts of benchmarks/gpu.sh (throughput, skewadam_speed), tiny.
 
 Only that the scripts run and report what they say; no timing is asserted.
 """
 
 import pytest
 
-from benchmarks import throughput
+from benchmarks import skewadam_speed, throughput
 
 TINY = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=8",
         "--rounds=1", "--steps=2", "--warmup=1"]
@@ -40,3 +40,11 @@ def test_optimizers_interleaved_with_a_paired_ratio_to_the_first():
 def test_require_accelerator_fails_on_cpu():
     with pytest.raises(SystemExit, match="no GPU/TPU"):
         throughput.main(["--require_accelerator", *TINY])
+
+
+def test_skewadam_speed_script_runs_on_the_moe_tiny_tree(capsys):
+    # benchmarks/gpu.sh's third part, one short round.
+    skewadam_speed.main(["--tree=moe_tiny", "--rounds=1", "--steps=1", "--hlo"])
+    out = capsys.readouterr().out
+    assert "moe_tiny" in out and "ratio" in out
+    assert "adamw" in out and "skewadam  {'fusions':" in out
