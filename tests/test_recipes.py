@@ -81,3 +81,20 @@ def test_adam_group_without_match_is_an_error():
     match = r"parameter 'blocks/0/ln_1/scale' matches no Adam group \['lm_head'\]"
     with pytest.raises(ValueError, match=match):
         tx.init(PARAMS)
+
+
+@pytest.mark.parametrize("use_snoo", [False, True])
+def test_record_weight_decay_is_doubled_on_mlp_weights(use_snoo):
+    """SPEC §2.2: the record's wd 0.01 with wd_mul 2.0 on MLP weights, times the scheduled
+    Muon lr. Zero gradients isolate the decay (NS(0) = 0, Adam's step is 0); with Snoo the
+    first update is the inner one times η(1 + μ) (SPEC §1, t = 0 fires)."""
+    tx = modded_nanogpt(100, use_snoo=use_snoo)
+    grads = jax.tree.map(jnp.zeros_like, PARAMS)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(PARAMS), PARAMS)
+    outer = 0.68 * (1 + 0.37) if use_snoo else 1.0
+    block, updated = PARAMS["blocks"][0], updates["blocks"][0]
+    for module, name, wd_mul in [("mlp", "c_fc", 2.0), ("attn", "c_q", 1.0)]:
+        p = np.asarray(block[module][name]["kernel"], np.float64)
+        np.testing.assert_allclose(np.asarray(updated[module][name]["kernel"]),
+                                   -outer * 0.027 * 0.01 * wd_mul * p, rtol=1e-5, atol=1e-9)
+    np.testing.assert_array_equal(np.asarray(updated["ln_1"]["scale"]), 0.0)
