@@ -133,6 +133,7 @@ def modded_nanogpt(
     muon_weight_decay: float = 0.01,
     weight_decay_multiplier: Any = record_weight_decay_multiplier,
     coefficients: Coefficients = "modded",
+    ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     smoothing: float | optax.Schedule | None = None,
     smoothing_form: str = "ema",
     adam_groups: tuple[tuple[str, float], ...] = RECORD_ADAM_GROUPS,
@@ -166,6 +167,7 @@ def modded_nanogpt(
       weight_decay_multiplier: per-leaf multiplier tree or callable; the default is the
         record's (2.0 on leaves under an `mlp` path component, else 1.0); `None` = 1.
       coefficients: Newton-Schulz preset or triples.
+      ns_dtype: dtype of the Newton-Schulz iteration (bfloat16 as in the record).
       smoothing: update smoothing σ (float or schedule) or `None`.
       smoothing_form: `"ema"` (PR #137) or `"nesterov"` (PR #129).
       adam_groups: ordered `(path pattern, peak lr)` pairs for the non-Muon leaves.
@@ -197,7 +199,7 @@ def modded_nanogpt(
     beta = muon_momentum_warmup(0.85, 0.95, 300) if muon_momentum is None else muon_momentum
     transforms: dict[str, optax.GradientTransformation] = {
         "muon": optax.chain(
-            scale_by_muon(beta, coefficients=coefficients, smoothing=smoothing,
+            scale_by_muon(beta, coefficients=coefficients, ns_dtype=ns_dtype, smoothing=smoothing,
                           smoothing_form=smoothing_form),
             add_decoupled_weight_decay(muon_weight_decay, weight_decay_multiplier),
             optax.scale_by_learning_rate(schedule(muon_learning_rate)),
