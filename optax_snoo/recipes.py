@@ -25,7 +25,13 @@ from optax_snoo.muon import (
 )
 from optax_snoo.snoo import snoo
 
-__all__ = ["RECORD_ADAM_GROUPS", "modded_nanogpt", "stable_cooldown_schedule"]
+__all__ = [
+    "RECORD_ADAM_GROUPS",
+    "RECORD_WEIGHT_DECAY_MULTIPLIERS",
+    "modded_nanogpt",
+    "record_weight_decay_multiplier",
+    "stable_cooldown_schedule",
+]
 
 # The record's Adam groups: (path pattern, learning rate); first match wins. These rates
 # belong to the record's architecture (untied embeddings, 1/320 head): rescale for others.
@@ -34,6 +40,30 @@ RECORD_ADAM_GROUPS: tuple[tuple[str, float], ...] = (
     (r"(^|/)(wte|wpe|embed\w*)(/|$)", 0.3),
     (r".*", 0.015),
 )
+# The record's Muon `wd_mul`: (path pattern, multiplier); first match wins. 2.0 on the MLP
+# weights (the record's `mlp.fc_w`, `mlp.proj_w`; here `mlp/c_fc`, `mlp/c_proj`, `mlp/c_gate`).
+RECORD_WEIGHT_DECAY_MULTIPLIERS: tuple[tuple[str, float], ...] = (
+    (r"(^|/)mlp(/|$)", 2.0),
+    (r".*", 1.0),
+)
+
+
+def record_weight_decay_multiplier(params: Any) -> Any:
+    """The record's per-leaf Muon weight-decay multiplier (`RECORD_WEIGHT_DECAY_MULTIPLIERS`).
+
+    Leaves are matched by their path (`optax_snoo.labels.path_to_str`); `optax.MaskedNode`
+    leaves (the Adam leaves inside the partition) get 1.0, which the decay skips anyway.
+    """
+    compiled = [(re.compile(pattern), mul) for pattern, mul in RECORD_WEIGHT_DECAY_MULTIPLIERS]
+
+    def multiplier(path, leaf):
+        if isinstance(leaf, optax.MaskedNode):
+            return 1.0
+        name = path_to_str(path)
+        return next(mul for regex, mul in compiled if regex.search(name))
+
+    return jax.tree.map_with_path(multiplier, params,
+                                  is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
 
 def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac: float = 0.7,
@@ -101,8 +131,9 @@ def modded_nanogpt(
     muon_learning_rate: float = 0.027,
     muon_momentum: float | optax.Schedule | None = None,
     muon_weight_decay: float = 0.01,
-    weight_decay_multiplier: Any = None,
+    weight_decay_multiplier: Any = record_weight_decay_multiplier,
     coefficients: Coefficients = "modded",
+    ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     smoothing: float | optax.Schedule | None = None,
     smoothing_form: str = "ema",
     adam_groups: tuple[tuple[str, float], ...] = RECORD_ADAM_GROUPS,
@@ -133,9 +164,10 @@ def modded_nanogpt(
       muon_learning_rate: Muon peak lr (0.027 in PR #128, 0.03 from PR #129).
       muon_momentum: float or schedule; `None` = `muon_momentum_warmup(0.85, 0.95, 300)`.
       muon_weight_decay: Muon decoupled weight decay.
-      weight_decay_multiplier: per-leaf multiplier tree or callable (record: 2.0 on MLP
-        weights); `None` = 1.
+      weight_decay_multiplier: per-leaf multiplier tree or callable; the default is the
+        record's (2.0 on leaves under an `mlp` path component, else 1.0); `None` = 1.
       coefficients: Newton-Schulz preset or triples.
+      ns_dtype: dtype of the Newton-Schulz iteration (bfloat16 as in the record).
       smoothing: update smoothing σ (float or schedule) or `None`.
       smoothing_form: `"ema"` (PR #137) or `"nesterov"` (PR #129).
       adam_groups: ordered `(path pattern, peak lr)` pairs for the non-Muon leaves.
@@ -167,7 +199,7 @@ def modded_nanogpt(
     beta = muon_momentum_warmup(0.85, 0.95, 300) if muon_momentum is None else muon_momentum
     transforms: dict[str, optax.GradientTransformation] = {
         "muon": optax.chain(
-            scale_by_muon(beta, coefficients=coefficients, smoothing=smoothing,
+            scale_by_muon(beta, coefficients=coefficients, ns_dtype=ns_dtype, smoothing=smoothing,
                           smoothing_form=smoothing_form),
             add_decoupled_weight_decay(muon_weight_decay, weight_decay_multiplier),
             optax.scale_by_learning_rate(schedule(muon_learning_rate)),

@@ -81,3 +81,110 @@ def test_adam_group_without_match_is_an_error():
     match = r"parameter 'blocks/0/ln_1/scale' matches no Adam group \['lm_head'\]"
     with pytest.raises(ValueError, match=match):
         tx.init(PARAMS)
+
+
+@pytest.mark.parametrize("use_snoo", [False, True])
+def test_record_weight_decay_is_doubled_on_mlp_weights(use_snoo):
+    """SPEC §2.2: the record's wd 0.01 with wd_mul 2.0 on MLP weights, times the scheduled
+    Muon lr. Zero gradients isolate the decay (NS(0) = 0, Adam's step is 0); with Snoo the
+    first update is the inner one times η(1 + μ) (SPEC §1, t = 0 fires)."""
+    tx = modded_nanogpt(100, use_snoo=use_snoo)
+    grads = jax.tree.map(jnp.zeros_like, PARAMS)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(PARAMS), PARAMS)
+    outer = 0.68 * (1 + 0.37) if use_snoo else 1.0
+    block, updated = PARAMS["blocks"][0], updates["blocks"][0]
+    for module, name, wd_mul in [("mlp", "c_fc", 2.0), ("attn", "c_q", 1.0)]:
+        p = np.asarray(block[module][name]["kernel"], np.float64)
+        np.testing.assert_allclose(np.asarray(updated[module][name]["kernel"]),
+                                   -outer * 0.027 * 0.01 * wd_mul * p, rtol=1e-5, atol=1e-9)
+    np.testing.assert_array_equal(np.asarray(updated["ln_1"]["scale"]), 0.0)
+
+
+# ---------------------------------------------------------------- the whole stack, float64
+MODDED = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+          (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))  # SPEC §2.1, from the spec
+
+
+def ref_ns(x):
+    X = np.asarray(x, np.float64)
+    transposed = X.shape[-2] > X.shape[-1]
+    X = np.swapaxes(X, -1, -2) if transposed else X
+    X = X / (np.linalg.norm(X, axis=(-2, -1), keepdims=True) + 1e-7)
+    for a, b, c in MODDED:
+        A = X @ np.swapaxes(X, -1, -2)
+        X = a * X + (b * A + c * A @ A) @ X
+    return np.swapaxes(X, -1, -2) if transposed else X
+
+
+# path -> (shape, group): "muon" or the record's Adam lr (SPEC §2.3).
+STACK = {
+    "wte/embedding": ((16, 8), 0.3), "lm_head/kernel": ((8, 16), 1 / 320),
+    "blocks/0/ln_1/scale": ((8,), 0.015), "blocks/0/attn/c_q/kernel": ((8, 8), "muon"),
+    "blocks/0/mlp/c_fc/kernel": ((8, 32), "muon"), "blocks/0/mlp/c_proj/kernel": ((32, 8), "muon"),
+    "blocks/0/moe/experts/w_fc": ((3, 8, 12), "muon"),
+}
+
+
+def nest(flat):
+    out = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = jnp.asarray(value, jnp.float32)
+    return out
+
+
+def reference_record(params, grads, T, k):
+    """SPEC §1 around §2.2 (Muon, record values) and Adam (0.8, 0.95, 1e-10), all on §2.5."""
+    p = {n: v.copy() for n, v in params.items()}
+    slow, buf = {n: v.copy() for n, v in p.items()}, {n: np.zeros_like(v) for n, v in p.items()}
+    m, v = {n: np.zeros_like(x) for n, x in p.items()}, {n: np.zeros_like(x) for n, x in p.items()}
+    history = []
+    for t, g in enumerate(grads):
+        mult = reference_multiplier(t, T, 0.7, 0.0)
+        fast = {}
+        for n, x in p.items():
+            group = STACK[n][1]
+            if group == "muon":
+                beta = 0.85 + 0.10 * min(t / 300, 1)
+                m[n] = beta * m[n] + (1 - beta) * g[n]
+                o = ref_ns(beta * m[n] + (1 - beta) * g[n])
+                lr, wd_mul = 0.027 * mult, 2.0 if "/mlp/" in n else 1.0
+                fast[n] = (x * (1 - lr * 0.01 * wd_mul)
+                           - lr * np.sqrt(max(1.0, x.shape[-1] / x.shape[-2])) * o)
+            else:
+                m[n] = 0.8 * m[n] + 0.2 * g[n]
+                v[n] = 0.95 * v[n] + 0.05 * g[n] ** 2
+                mh, vh = m[n] / (1 - 0.8 ** (t + 1)), v[n] / (1 - 0.95 ** (t + 1))
+                fast[n] = x - group * mult * mh / (np.sqrt(vh) + 1e-10)
+        if t % k == 0:
+            for n in fast:
+                d = slow[n] - fast[n]
+                buf[n] = 0.37 * buf[n] + d
+                slow[n] = slow[n] - 0.68 * (d + 0.37 * buf[n])
+                fast[n] = slow[n].copy()
+        p = fast
+        history.append(p)
+    return history
+
+
+def test_record_stack_matches_float64_reference():
+    T, k = 30, 4
+    rng = np.random.default_rng(0)
+    params = {n: 0.1 * rng.standard_normal(shape) for n, (shape, _) in STACK.items()}
+    grads = [{n: rng.standard_normal(shape) for n, (shape, _) in STACK.items()}
+             for _ in range(T)]
+    ref = reference_record(params, grads, T, k)
+    tx = modded_nanogpt(T, snoo_k=k, ns_dtype=jnp.float32)
+    ours = nest(params)
+    state, update = tx.init(ours), jax.jit(tx.update)
+    for t, g in enumerate(grads):
+        u, state = update(nest(g), state, ours)
+        ours = optax.apply_updates(ours, u)
+        flat = {optax_snoo.labels.path_to_str(path): np.asarray(x, np.float64)
+                for path, x in jax.tree_util.tree_flatten_with_path(ours)[0]}
+        for n, want in ref[t].items():
+            np.testing.assert_allclose(flat[n], want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {t}, {n}")
