@@ -70,11 +70,32 @@ def round_stochastic(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
       <https://doi.org/10.1098/rsos.211631>`_, 2022.
     """
     nearest = x.astype(dtype)
+    if x.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16:
+        other, prob = _bf16_other_and_prob(x, nearest)
+        keep = ~(jnp.isfinite(nearest) & jnp.isfinite(other))
+        return jnp.where((uniform < prob) & ~keep, other, nearest)
     nearest_x = nearest.astype(x.dtype)
     toward = jnp.where(x > nearest_x, jnp.inf, -jnp.inf).astype(dtype)
     other = jnp.nextafter(nearest, toward)
     prob = jnp.abs(x - nearest_x) / jnp.abs(other.astype(x.dtype) - nearest_x)
     return jnp.where(uniform < prob, other, nearest)
+
+
+def _bf16_other_and_prob(x: jax.Array, nearest: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 -> bfloat16: the other neighbour of `x` and `|x - nearest| / spacing`, from
+    the bits. A bf16 value is a float32 with its low 16 bits zero, so those bits are the
+    position of `x` between its two neighbours; arithmetic would lose it wherever
+    `x - nearest` is a float32 subnormal (|x| < ~2^-118), which XLA:CPU flushes to zero."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    # Position from the neighbour toward zero, in units of the spacing (exact).
+    frac = (bits & jnp.uint32(0xFFFF)).astype(jnp.float32) * 2.0**-16
+    toward_zero = bits & jnp.uint32(0xFFFF0000)
+    near_bits = jax.lax.bitcast_convert_type(nearest.astype(jnp.float32), jnp.uint32)
+    away = near_bits != toward_zero              # nearest is the neighbour away from zero
+    other_bits = jnp.where(away, toward_zero, toward_zero + jnp.uint32(0x10000))
+    other = jax.lax.bitcast_convert_type(
+        (other_bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return other, jnp.where(away, 1.0 - frac, frac)
 
 
 def round_dithered(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:

@@ -13,7 +13,8 @@ The pieces are public on their own:
 - `scale_by_skew_adam`: the same denominator with an fp32 first moment:
   `m·sqrt(1-β2^t)/(1-β1^t)/den` (without momentum it is `scale_by_second_moment`).
 - `skew_adam`: `optax.partition` over roles of `scale_by_skew_adam` (with its per-tensor
-  RMS clipping, i.e. `optax.clip_by_block_rms` fused in) -> `optax.add_decayed_weights` ->
+  RMS clipping, i.e. `optax.clip_by_block_rms` fused in) -> `optax.add_decayed_weights`
+  (`wd·p` in float32) ->
   `optax.scale_by_learning_rate`, followed by a cast to the parameter dtype or by a
   rounding transform (`optax_snoo.rounding`).
 
@@ -530,6 +531,21 @@ def cast_to_param_dtype() -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def _add_decayed_weights(weight_decay: optax.ScalarOrSchedule
+                         ) -> optax.GradientTransformation:
+    """`optax.add_decayed_weights` (same state) with `wd·p` formed in the update dtype:
+    optax multiplies in the param dtype, so for bf16 params `wd·p` was rounded to bf16
+    (a relative error up to 2^-9 of the decay term) before joining the float32 update."""
+    inner = optax.add_decayed_weights(weight_decay)
+
+    def update_fn(updates, state, params=None):
+        if params is not None:
+            params = jax.tree.map(lambda u, p: p.astype(u.dtype), updates, params)
+        return inner.update(updates, state, params)
+
+    return optax.GradientTransformation(inner.init, update_fn)
+
+
 def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
               b2: float = 0.999, eps: float = 1e-8,
               weight_decay: optax.ScalarOrSchedule = 0.05, *,
@@ -617,7 +633,7 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
                                     factored=policy.factored, stats_dtype=policy.stats_dtype,
                                     clip_threshold=clip_threshold)]
         if policy.weight_decay:
-            parts.append(optax.add_decayed_weights(weight_decay))
+            parts.append(_add_decayed_weights(weight_decay))
         parts.append(optax.scale_by_learning_rate(learning_rate))
         groups[role] = optax.chain(*parts)
     return optax.chain(optax.partition(groups, labels), _resolve_rounding(rounding))

@@ -9,7 +9,12 @@ import optax
 import pytest
 
 import optax_matrix as m
-from optax_snoo.rounding import RoundingState, dithered_rounding, stochastic_rounding
+from optax_snoo.rounding import (
+    RoundingState,
+    dithered_rounding,
+    round_stochastic,
+    stochastic_rounding,
+)
 from optax_snoo.skew_adam import skew_adam
 
 BF16 = ml_dtypes.bfloat16
@@ -74,6 +79,32 @@ def test_stochastic_rounding_is_unbiased_and_returns_a_neighbour():
         assert abs(r.mean() - x) <= 5 * sigma + 1e-12 * abs(x), (name, r.mean(), x, sigma)
         if 0 < f < 1:
             assert 0 < np.mean(r == hi) < 1
+
+
+def test_stochastic_rounding_is_unbiased_for_tiny_values():
+    """|x| < ~2^-118: the distance to the bf16 neighbours is a float32 subnormal (flushed to
+    zero by XLA:CPU), yet the rounding must stay unbiased. Through the transform (p = 0,
+    u = x, normal float32) and directly on float32 subnormals."""
+    cases = []
+    for lo, frac in ((2e-38, 0.3), (5e-37, 0.7), (-3e-36, 0.45), (1e-39, 0.6), (-3e-40, 0.2)):
+        lo_bits = int(np.asarray(lo, np.float32).view(np.uint32)) & 0xFFFF0000
+        x_bits = lo_bits | int(frac * 2**16)
+        cases.append((np.uint32(lo_bits).view(np.float32), np.uint32(x_bits).view(np.float32),
+                      np.uint32(lo_bits + 0x10000).view(np.float32)))
+    params = {f"c{i}": jnp.zeros((N,), jnp.bfloat16) for i in range(3)}
+    updates = {f"c{i}": jnp.full((N,), cases[i][1], jnp.float32) for i in range(3)}
+    new, _, _ = apply_once(stochastic_rounding(key=2), params, updates)
+    results = [np.asarray(new[f"c{i}"], np.float64) for i in range(3)]
+    uniform = jax.random.uniform(jax.random.key(5), (N,), jnp.float32)
+    for _, x, _ in cases[3:]:                       # float32 subnormals
+        results.append(np.asarray(jax.jit(round_stochastic, static_argnums=2)(
+            jnp.full((N,), x, jnp.float32), uniform, jnp.bfloat16), np.float64))
+    for (lo, x, hi), r in zip(cases, results, strict=True):
+        lo, x, hi = float(lo), float(x), float(hi)
+        assert set(np.unique(r)) <= {lo, hi}, (x, np.unique(r))
+        f = (x - lo) / (hi - lo)
+        sigma = abs(hi - lo) * np.sqrt(f * (1 - f) / N)
+        assert abs(r.mean() - x) <= 5 * sigma, (x, r.mean(), sigma)
 
 
 def test_stochastic_rounding_keeps_small_updates_in_expectation():

@@ -156,6 +156,26 @@ def test_matches_float64_reference(case):
                                        rtol=1e-5, atol=1e-6, err_msg=f"{name} at step {t}")
 
 
+def test_bf16_params_decay_in_float32():
+    """SPEC §3 step 4 on bf16 params: the float32 new value `p(1 - lr·wd) - lr·u` (before
+    any rounding) from the exact bf16 `p`; `wd·p` must not be rounded to bf16 first
+    (optax.add_decayed_weights multiplies in the param dtype: 2^-9 relative error)."""
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
+    grads = make_grads(1)
+    lr, wd = 1e-2, 0.3
+    p64 = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    (expected,), _ = reference(p64, grads, lr_fn=lambda _: lr, b1=0.9, b2=0.999, eps=1e-8,
+                               wd=wd, policies=resolve_policies(None))
+    tx = skew_adam(lr, weight_decay=wd, rounding=optax.identity())
+    u, _ = jax.jit(tx.update)(_unflat({k: jnp.asarray(v) for k, v in grads[0].items()}),
+                              tx.init(params), params)
+    for name, got in _flat(u).items():
+        assert got.dtype == jnp.float32
+        want = expected[name] - _flat(p64)[name]
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-8,
+                                   err_msg=name)
+
+
 def test_router_has_no_weight_decay_and_experts_do():
     """With zero gradients only the weight decay moves parameters."""
     params = make_params()
