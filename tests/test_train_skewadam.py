@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+import optax_snoo
 import train
 from optax_snoo.labels import path_to_str
 from optax_snoo.memory import skew_adam_state_bytes_by_role, state_bytes_by_group
@@ -126,6 +127,42 @@ def test_stochastic_rounding_keeps_steps_below_half_a_bf16_unit(corpus, tmp_path
     exact = moved["float32", "none"]
     assert moved["bfloat16", "none"] < 0.5 * exact, moved
     assert 0.8 * exact < moved["bfloat16", "stochastic"] < 1.25 * exact, moved
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "dithered"])
+def test_rounding_acts_on_the_float32_update(rounding):
+    """`--rounding` with `skewadam` rounds p + u from SkewAdam's float32 update u (SPEC §3
+    step 5): the same as that rounding transform applied by hand to the update the float32
+    stack computes for the same values. Appended after SkewAdam's cast it would round
+    p + bf16(u) instead."""
+    rng = np.random.default_rng(0)
+    p32 = {"mlp": {"kernel": jnp.asarray(rng.normal(size=(16, 24)), jnp.float32)},
+           "moe": {"experts": jnp.asarray(rng.normal(size=(2, 16, 8)), jnp.float32)}}
+    p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p32)
+    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), p16)  # the same values
+    grads = [jax.tree.map(lambda x, t=t: jnp.asarray(
+        np.random.default_rng(t).normal(size=x.shape), jnp.float32), p32) for t in range(3)]
+    config = dataclasses.replace(tc.TrainConfig(), optimizer="skewadam", skew_lr=3e-2,
+                                 warmup_iters=0, max_iters=10, seed=3)
+    tx, _ = build_optimizer(dataclasses.replace(config, rounding=rounding))
+    ref_tx, _ = build_optimizer(dataclasses.replace(config, rounding="none"))
+    rounder = {"stochastic": optax_snoo.stochastic_rounding,
+               "dithered": optax_snoo.dithered_rounding}[rounding](key=config.seed)
+    state, ref_state, rounder_state = tx.init(p16), ref_tx.init(p32), rounder.init(p16)
+    params = p16
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        u32, ref_state = ref_tx.update(
+            g, ref_state, jax.tree.map(lambda x: x.astype(jnp.float32), params))
+        assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(u32))
+        expected_updates, rounder_state = rounder.update(u32, rounder_state, params)
+        new = optax.apply_updates(params, updates)
+        expected = optax.apply_updates(params, expected_updates)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                                                np.asarray(b, np.float32)),
+                     new, expected)
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(new))
+        params = new
 
 
 def test_snoo_skewadam_fast_path_matches_in_jit_decision(corpus, tmp_path):

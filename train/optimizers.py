@@ -144,11 +144,12 @@ def snoo_muon(config: TrainConfig):
     return optax.chain(_clip(config), _snoo(config, _muon(config))), config.snoo_k
 
 
-def _skew_adam(config: TrainConfig) -> optax.GradientTransformation:
+def _skew_adam(config: TrainConfig, rounding: optax.GradientTransformation | None = None
+               ) -> optax.GradientTransformation:
     return optax_snoo.skew_adam(
         learning_rate_schedule(config, config.skew_lr), b1=config.beta1, b2=config.beta2,
         eps=config.eps, weight_decay=config.skew_weight_decay, policies=config.skew_policies,
-        clip_threshold=config.skew_clip if config.skew_clip > 0 else None)
+        clip_threshold=config.skew_clip if config.skew_clip > 0 else None, rounding=rounding)
 
 
 @register("skewadam")
@@ -157,8 +158,9 @@ def skewadam(config: TrainConfig):
     momentum for the backbone only, factored second moments, no decay on the router;
     `skew_lr` on the trainer's schedule, `beta1`/`beta2`/`eps` shared with AdamW (eps is
     SkewAdam's clamp on the squared statistics), `skew_policies` picks the paper's
-    ablations."""
-    return optax.chain(_clip(config), _skew_adam(config)), None
+    ablations. `--rounding` goes inside SkewAdam, so it rounds `p + u` from the float32
+    update (SPEC §3 step 5) rather than from an update already cast to bf16."""
+    return optax.chain(_clip(config), _skew_adam(config, _rounding(config))), None
 
 
 @register("snoo_skewadam")
@@ -177,6 +179,10 @@ def adafactor(config: TrainConfig):
     return optax.chain(_clip(config), optax.adafactor(
         lr, multiply_by_parameter_scale=False,
         weight_decay_rate=lambda t: config.skew_weight_decay * lr(t))), None
+
+
+#: Stacks that apply `--rounding` themselves (build_optimizer does not append it).
+ROUNDING_INSIDE = {"skewadam"}
 
 
 def _rounding(config: TrainConfig) -> optax.GradientTransformation | None:
@@ -310,8 +316,9 @@ def build_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformationEx
     """Build `config.optimizer` from `OPTIMIZERS`.
 
     With `rounding` other than "none", the stack is followed by that rounding transform
-    (seeded with `seed`), so bf16 params land on stochastically (or dithered-) rounded
-    values; float32 params pass through it unchanged.
+    (seeded with `seed`; stacks in `ROUNDING_INSIDE` place it themselves), so bf16 params
+    land on stochastically (or dithered-) rounded values; float32 params pass through it
+    unchanged.
 
     Returns:
       `(tx, snoo_k)`; `snoo_k` is the Snoo sync period or `None` for stacks without Snoo.
@@ -326,6 +333,6 @@ def build_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformationEx
                          f"{sorted(OPTIMIZERS)}")
     tx, snoo_k = OPTIMIZERS[config.optimizer](config)
     rounding = _rounding(config)
-    if rounding is not None:
+    if rounding is not None and config.optimizer not in ROUNDING_INSIDE:
         tx = optax.chain(tx, rounding)
     return optax.with_extra_args_support(tx), snoo_k
