@@ -8,7 +8,7 @@ Example:
   >>> logits, aux_loss, _ = models.forward(model, jnp.zeros((2, 16), jnp.int32))
 """
 
-from models.attention import CausalSelfAttention, KVCache
+from models.attention import CausalSelfAttention, KVCache, causal_attention
 from models.config import GPTConfig
 from models.generate import generate, sample_token
 from models.gpt import GPT, Block, forward
@@ -32,6 +32,7 @@ __all__ = [
     "LayerNorm",
     "MoE",
     "Routing",
+    "causal_attention",
     "forward",
     "generate",
     "kfac_perturbations",

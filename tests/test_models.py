@@ -286,6 +286,30 @@ def test_attention_matches_reference_with_gqa(n_kv_head):
     np.testing.assert_allclose(y, attention_reference(attn, x), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n_head,n_kv_head", [(4, 4), (4, 2), (6, 2), (4, 1)])
+def test_causal_attention_vjp_equals_autodiff_of_the_xla_attention(n_head, n_kv_head, dtype):
+    """The hand-written backward pass equals JAX's autodiff through
+    `jax.nn.dot_product_attention` (float32, computed from the same inputs), with GQA."""
+    B, T, H = 2, 13, 8
+    rng = np.random.default_rng(n_head * 10 + n_kv_head)
+    q, k, v = (rng.normal(size=(B, T, n, H)) for n in (n_head, n_kv_head, n_kv_head))
+    w = jnp.asarray(rng.normal(size=(B, T, n_head, H)), jnp.float32)
+    args = [jnp.asarray(a, dtype) for a in (q, k, v)]
+    ours = lambda q, k, v: jnp.sum(models.causal_attention(q, k, v).astype(jnp.float32) * w)
+    xla = lambda q, k, v: jnp.sum(
+        jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32) * w)
+    value, grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2)))(*args)
+    ref_value, ref_grads = jax.value_and_grad(xla, (0, 1, 2))(
+        *(a.astype(jnp.float32) for a in args))
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: the inputs' 8-bit mantissa
+    np.testing.assert_allclose(value, ref_value, rtol=tol)
+    for g, r, a in zip(grads, ref_grads, args, strict=True):
+        assert g.dtype == a.dtype and g.shape == a.shape
+        scale = float(jnp.max(jnp.abs(r)))
+        np.testing.assert_allclose(np.asarray(g, np.float32) / scale, r / scale, atol=tol)
+
+
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])
 def test_mlp_formula(kind):
     mlp = models.MLP(dataclasses.replace(DENSE, mlp=kind, bias=True), rngs=nnx.Rngs(0))
