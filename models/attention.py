@@ -18,13 +18,14 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) ->
     """``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` with a hand-written VJP.
 
     The forward pass is that call (softmax in float32, grouped-query heads when
-    ``K < N``). The backward pass is the standard one from the saved log-sum-exp
-    (FlashAttention's, without tiling): ``P = exp(S - lse)``, ``dV = Pᵀ dO``,
-    ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O))``, ``dQ = dS K / sqrt(H)``, ``dK = dSᵀ Q / sqrt(H)``,
-    every product accumulated in float32. Autodiff through the XLA implementation
-    instead reduces ``dP ∘ P`` over an array with a leading unit axis (its ``vmap`` over
-    the query groups), which XLA:CPU's YNNPACK reductions ran 10x slower than the same
-    reduction without that axis (jax 0.10.2).
+    ``K < N``). The backward pass is FlashAttention's (without tiling): ``P = softmax(S)``
+    recomputed with the saved log-sum-exp as its stabiliser, ``dV = Pᵀ dO``,
+    ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dQ = dS K / sqrt(H)``,
+    ``dK = dSᵀ Q / sqrt(H)``, every product accumulated in float32; in bf16 it is as
+    accurate as autodiff. Autodiff through the XLA implementation reduces ``dP ∘ P`` over
+    an array with a unit axis (its ``vmap`` over the query groups), which XLA:CPU's
+    YNNPACK reductions ran 10x slower than the same reduction without that axis (jax
+    0.10.2); here the group axis only exists when ``K < N``.
 
     Args:
       q_BTNH: queries ``(B, T, N, H)``.
@@ -44,29 +45,31 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) ->
 def _causal_attention_fwd(q_BTNH, k_BSKH, v_BSKH):
     out_BTNH, lse_BTN = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
                                                      return_residual=True)
-    return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, out_BTNH, lse_BTN)
+    return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, lse_BTN)
 
 
 def _causal_attention_bwd(residuals, dout_BTNH):
-    q_BTNH, k_BSKH, v_BSKH, out_BTNH, lse_BTN = residuals
+    q_BTNH, k_BSKH, v_BSKH, lse_BTN = residuals
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
-    G = N // K
+    # Query heads as K groups of G; without grouping (G == 1) the group axis is left out:
+    # XLA:CPU's reductions over arrays with a unit axis are what made autodiff slow.
+    g, grouped = ("g", (B, T, K, N // K)) if N > K else ("", (B, T, K))
+    q, do = q_BTNH.reshape(*grouped, H), dout_BTNH.reshape(*grouped, H)
     f32 = dict(preferred_element_type=jnp.float32)
-    q = q_BTNH.reshape(B, T, K, G, H)
-    do = dout_BTNH.reshape(B, T, K, G, H)
     scale = 1.0 / math.sqrt(H)
-    s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, **f32) * scale
-    lse_BKGT = lse_BTN.astype(jnp.float32).reshape(B, T, K, G).transpose(0, 2, 3, 1)
-    causal_TS = jnp.tril(jnp.ones((T, T), bool))
-    p_BKGTS = jnp.where(causal_TS, jnp.exp(s_BKGTS - lse_BKGT[..., None]), 0.0)
-    dv = jnp.einsum("bkgts,btkgh->bskh", p_BKGTS.astype(v_BSKH.dtype), do, **f32)
-    dp_BKGTS = jnp.einsum("btkgh,bskh->bkgts", do, v_BSKH, **f32)
-    rowsum_BTN = jnp.sum(dout_BTNH.astype(jnp.float32) * out_BTNH.astype(jnp.float32), -1)
-    rowsum_BKGT = rowsum_BTN.reshape(B, T, K, G).transpose(0, 2, 3, 1)
-    ds_BKGTS = (p_BKGTS * (dp_BKGTS - rowsum_BKGT[..., None]) * scale).astype(q_BTNH.dtype)
-    dq = jnp.einsum("bkgts,bskh->btkgh", ds_BKGTS, k_BSKH, **f32).reshape(B, T, N, H)
-    dk = jnp.einsum("bkgts,btkgh->bskh", ds_BKGTS, q, **f32)
+    s = jnp.einsum(f"btk{g}h,bskh->bk{g}ts", q, k_BSKH, **f32) * scale
+    lse = jnp.einsum(f"btk{g}->bk{g}t", lse_BTN.astype(jnp.float32).reshape(grouped))
+    # The saved log-sum-exp is in the inputs' dtype (bf16 rounds it by up to 2^-9 of its
+    # size, a per-row error of ~1% in exp(s - lse)): it only steadies the exponent, and
+    # each row is normalised here.
+    e = jnp.where(jnp.tril(jnp.ones((T, T), bool)), jnp.exp(s - lse[..., None]), 0.0)
+    p = e / jnp.sum(e, axis=-1, keepdims=True)
+    dv = jnp.einsum(f"bk{g}ts,btk{g}h->bskh", p.astype(v_BSKH.dtype), do, **f32)
+    dp = jnp.einsum(f"btk{g}h,bskh->bk{g}ts", do, v_BSKH, **f32)
+    ds = (p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale).astype(q_BTNH.dtype)
+    dq = jnp.einsum(f"bk{g}ts,bskh->btk{g}h", ds, k_BSKH, **f32).reshape(B, T, N, H)
+    dk = jnp.einsum(f"bk{g}ts,btk{g}h->bskh", ds, q, **f32)
     return dq.astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype), dv.astype(v_BSKH.dtype)
 
 
