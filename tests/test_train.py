@@ -119,6 +119,10 @@ def test_evaluate_refuses_a_corpus_with_another_vocabulary(reference, tmp_path):
     other.write_text("abc" * 1000)
     with pytest.raises(ValueError, match="vocabulary of 3 characters"):
         evaluate_split(result.out_dir, data=str(other))
+    with pytest.raises(ValueError, match="split='test'"):
+        evaluate_split(result.out_dir, split="test")
+    with pytest.raises(ValueError, match="batch_size=0"):
+        evaluate_split(result.out_dir, batch_size=0)
 
 
 def test_resume_continues_exactly(reference, corpus, tmp_path):
