@@ -72,8 +72,8 @@ def round_stochastic(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
     nearest = x.astype(dtype)
     if x.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16:
         other, prob = _bf16_other_and_prob(x, nearest)
-        keep = ~(jnp.isfinite(nearest) & jnp.isfinite(other))
-        return jnp.where((uniform < prob) & ~keep, other, nearest)
+        finite = jnp.isfinite(nearest) & jnp.isfinite(other)
+        return jnp.where((uniform < prob) & finite, other, nearest)
     nearest_x = nearest.astype(x.dtype)
     toward = jnp.where(x > nearest_x, jnp.inf, -jnp.inf).astype(dtype)
     other = jnp.nextafter(nearest, toward)

@@ -152,7 +152,7 @@ class CharDataset:
     def _windows(self, split: str, rng: np.random.Generator, n: int, batch_size: int,
                  block_size: int, rows: slice | None):
         """`(n, batch_size)` window starts drawn; only the windows of `rows` are gathered."""
-        ids = {"train": self.train_ids, "val": self.val_ids}[split]
+        ids = self.split_ids(split)
         if len(ids) <= block_size:
             raise ValueError(f"{split} split has {len(ids)} tokens; block_size={block_size} "
                              "needs more")
@@ -177,7 +177,7 @@ class CharDataset:
           `grad_accum*batch_size` drawn, so `grad_accum=2, batch_size=b` reshapes
           `grad_accum=1, batch_size=2b`.
         """
-        self._check_split(split)
+        self.check_split(split)
         rng = np.random.default_rng([seed, _SPLITS[split], step])
         return self._windows(split, rng, grad_accum, batch_size, block_size, rows)
 
@@ -189,11 +189,17 @@ class CharDataset:
           `(inputs, targets)` of shape `(num_batches, batch_size, block_size)` (`batch_size`
           cut to `rows`, as in `batch`).
         """
-        self._check_split(split)
+        self.check_split(split)
         rng = np.random.default_rng([seed, 2 + _SPLITS[split]])
         return self._windows(split, rng, num_batches, batch_size, block_size, rows)
 
+    def split_ids(self, split: str) -> np.ndarray:
+        """The token ids of `split` ("train" or "val"); another name raises ValueError."""
+        self.check_split(split)
+        return self.train_ids if split == "train" else self.val_ids
+
     @staticmethod
-    def _check_split(split: str) -> None:
+    def check_split(split: str) -> None:
+        """ValueError unless `split` is "train" or "val"."""
         if split not in _SPLITS:
             raise ValueError(f"split={split!r}: expected 'train' or 'val'")

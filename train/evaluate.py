@@ -58,8 +58,7 @@ def evaluate_split(out_dir: str | Path, *, split: str = "val", step: int | None 
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: expected >= 1")
-    if split not in ("train", "val"):
-        raise ValueError(f"split={split!r}: expected 'train' or 'val'")
+    CharDataset.check_split(split)  # before the checkpoint is read
     model_def, params, vocab, meta = load_params(out_dir, step)
     config = config_from_dict(meta["config"])
     dataset = CharDataset.load(config.data if data is None else data)
@@ -67,7 +66,7 @@ def evaluate_split(out_dir: str | Path, *, split: str = "val", step: int | None 
         raise ValueError(f"the corpus has a vocabulary of {dataset.vocab_size} characters "
                          f"that differs from the checkpoint's {vocab.vocab_size}; pass the "
                          f"run's corpus with --data")
-    ids = dataset.train_ids if split == "train" else dataset.val_ids
+    ids = dataset.split_ids(split)
     inputs, targets = split_windows(ids, config.block_size)
     mesh = make_mesh(dataclasses.replace(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
     eval_step = make_eval_step(model_def, mesh=mesh, params_shardings=tree_shardings(params, mesh))
