@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 import optax.contrib
 
-from optax_snoo.muon import COEFFICIENT_PRESETS, muon
+from optax_snoo import COEFFICIENT_PRESETS, muon
 
 OPTAX_PRESET = {"keller": COEFFICIENT_PRESETS["keller"][0],
                 "modded": list(COEFFICIENT_PRESETS["modded"])}

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from benchmarks.overhead import gpt2_shaped_params
-from optax_snoo.skew_adam import skew_adam
+from optax_snoo import skew_adam
 
 
 def moe_tiny_params(seed: int = 0, **overrides) -> dict:

@@ -1,14 +1,15 @@
 """optax_snoo: Snoo, Muon, SkewAdam and K-FAC as composable optax transformations.
 
-Modules: `snoo`, `muon`, `skew_adam`, `kfac`, `rounding`, `labels`, `memory`, `recipes`.
-The functions below are re-exported; import module internals from their modules
-(`from optax_snoo.muon import ...`), since `optax_snoo.snoo` and `optax_snoo.skew_adam`
-name the functions here.
+The transformations and their states are exported here; `optax_snoo.kfac`,
+`optax_snoo.labels`, `optax_snoo.rounding`, `optax_snoo.memory` and `optax_snoo.recipes`
+are namespaces of related tools. Implementations live in `optax_snoo._src` (as in optax),
+so no public module is shadowed by a function of the same name.
 """
 
 from optax_snoo import kfac, labels, memory, recipes, rounding
-from optax_snoo.memory import state_bytes, state_bytes_by_group
-from optax_snoo.muon import (
+from optax_snoo._src.memory import state_bytes, state_bytes_by_group
+from optax_snoo._src.muon import (
+    COEFFICIENT_PRESETS,
     MuonState,
     add_decoupled_weight_decay,
     muon,
@@ -16,22 +17,30 @@ from optax_snoo.muon import (
     orthogonalize,
     scale_by_muon,
 )
-from optax_snoo.recipes import modded_nanogpt, stable_cooldown_schedule
-from optax_snoo.rounding import RoundingState, dithered_rounding, stochastic_rounding
-from optax_snoo.skew_adam import (
+from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
+from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
+from optax_snoo._src.skew_adam import (
+    DEFAULT_POLICIES,
+    DEFAULT_ROLE_RULES,
+    POLICY_PRESETS,
     RolePolicy,
     ScaleBySecondMomentState,
     ScaleBySkewAdamState,
     assign_roles,
+    cast_to_param_dtype,
     scale_by_second_moment,
     scale_by_skew_adam,
     skew_adam,
 )
-from optax_snoo.snoo import SnooState, snoo, snoo_is_sync_step
+from optax_snoo._src.snoo import SnooState, snoo, snoo_is_sync_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "COEFFICIENT_PRESETS",
+    "DEFAULT_POLICIES",
+    "DEFAULT_ROLE_RULES",
+    "POLICY_PRESETS",
     "MuonState",
     "RolePolicy",
     "RoundingState",
@@ -40,6 +49,7 @@ __all__ = [
     "SnooState",
     "add_decoupled_weight_decay",
     "assign_roles",
+    "cast_to_param_dtype",
     "dithered_rounding",
     "kfac",
     "labels",

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from optax_snoo._src.kfac import precondition as precondition_eager
 from optax_snoo.kfac import (
     EigenInverse,
     LayerCurvature,
@@ -23,7 +24,6 @@ from optax_snoo.kfac import (
     pi_adjustment,
 )
 from optax_snoo.kfac import layer_factors as layer_factors_eager
-from optax_snoo.kfac import precondition as precondition_eager
 from optax_snoo.kfac import refresh_inverse as refresh_inverse_eager
 
 RNG = np.random.default_rng(0)

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from optax_snoo._src.kfac import transform as kfac_transform
 from optax_snoo.kfac import (
     LayerCurvature,
     ScaleByKfacState,
@@ -19,7 +20,6 @@ from optax_snoo.kfac import (
     scale_by_kfac,
     warm_start,
 )
-from optax_snoo.kfac import transform as kfac_transform
 
 # Layers: (kernel shape, stack axes, has_bias). "scale" is not preconditioned.
 LAYERS = {"l1": ((4, 6), 0, True), "l2": ((6, 3), 0, False), "experts": ((2, 3, 4), 1, True)}

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+from optax_snoo import RolePolicy, skew_adam
 from optax_snoo.memory import (
     adamw_state_bytes,
     muon_state_bytes,
@@ -16,7 +17,6 @@ from optax_snoo.memory import (
     state_bytes_by_group,
 )
 from optax_snoo.rounding import stochastic_rounding
-from optax_snoo.skew_adam import RolePolicy, skew_adam
 
 PARAMS = {"wte": jnp.zeros((10, 4)), "ln": jnp.zeros((4,)),
           "moe": {"experts": jnp.zeros((3, 4, 6)), "router": jnp.zeros((4, 3))}}

@@ -15,7 +15,7 @@ import optax.contrib
 import pytest
 
 import optax_matrix as m
-from optax_snoo.muon import (
+from optax_snoo import (
     MuonState,
     add_decoupled_weight_decay,
     muon,

@@ -9,13 +9,13 @@ import optax
 import pytest
 
 import optax_matrix as m
+from optax_snoo import skew_adam
 from optax_snoo.rounding import (
     RoundingState,
     dithered_rounding,
     round_stochastic,
     stochastic_rounding,
 )
-from optax_snoo.skew_adam import skew_adam
 
 BF16 = ml_dtypes.bfloat16
 

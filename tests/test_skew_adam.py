@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import optax_matrix as m
-from optax_snoo.skew_adam import (
+from optax_snoo._src.skew_adam import (
     DEFAULT_POLICIES,
     RolePolicy,
     ScaleBySecondMomentState,

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import optax_matrix as m
-from optax_snoo.skew_adam import scale_by_skew_adam, skew_adam
+from optax_snoo import scale_by_skew_adam, skew_adam
 
 
 @pytest.mark.parametrize("momentum", [True, False])

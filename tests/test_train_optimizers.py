@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from optax_snoo.muon import MuonState
+from optax_snoo import MuonState
 from train.config import get_preset, parse_args
 from train.optimizers import build_optimizer
 

@@ -13,9 +13,9 @@ import pytest
 
 import optax_snoo
 import train
+from optax_snoo import POLICY_PRESETS, ScaleBySecondMomentState, ScaleBySkewAdamState
 from optax_snoo.labels import path_to_str
 from optax_snoo.memory import skew_adam_state_bytes_by_role, state_bytes_by_group
-from optax_snoo.skew_adam import POLICY_PRESETS, ScaleBySecondMomentState, ScaleBySkewAdamState
 from train import config as tc
 from train import data as td
 from train.optimizers import build_optimizer, learning_rate_schedule

@@ -33,8 +33,8 @@ import optax
 import optax_snoo
 import optax_snoo.labels
 from optax_snoo import kfac as kfac_lib
-from optax_snoo.muon import muon as muon_tx
-from optax_snoo.muon import muon_momentum_warmup
+from optax_snoo import muon as muon_tx
+from optax_snoo import muon_momentum_warmup
 from optax_snoo.recipes import stable_cooldown_schedule
 from train.config import TrainConfig
 

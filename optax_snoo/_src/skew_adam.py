@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo import rounding as rounding_lib
+from optax_snoo._src import rounding as rounding_lib
 
 BACKBONE = "backbone"
 EXPERTS = "experts"
@@ -126,7 +126,7 @@ def assign_roles(params: Any, rules: RoleRules = DEFAULT_ROLE_RULES,
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from optax_snoo.skew_adam import assign_roles
+      >>> from optax_snoo import assign_roles
       >>> assign_roles({"moe": {"experts": jnp.zeros((2, 3, 4)), "router": jnp.zeros((4, 2))},
       ...               "wte": jnp.zeros((8, 4))})
       {'moe': {'experts': 'experts', 'router': 'router'}, 'wte': 'backbone'}
@@ -393,7 +393,7 @@ def scale_by_second_moment(b2: float = 0.999, eps: float = 1e-8, *, factored: bo
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from optax_snoo.skew_adam import scale_by_second_moment
+      >>> from optax_snoo import scale_by_second_moment
       >>> tx = scale_by_second_moment()
       >>> params = {"w": jnp.ones((4, 3)), "b": jnp.ones((3,))}
       >>> state = tx.init(params)
@@ -462,7 +462,7 @@ def scale_by_skew_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from optax_snoo.skew_adam import scale_by_skew_adam
+      >>> from optax_snoo import scale_by_skew_adam
       >>> tx = scale_by_skew_adam()
       >>> params = {"w": jnp.ones((4, 3))}
       >>> u, state = tx.update({"w": jnp.full((4, 3), 0.1)}, tx.init(params))
@@ -515,7 +515,7 @@ def cast_to_param_dtype() -> optax.GradientTransformation:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from optax_snoo.skew_adam import cast_to_param_dtype
+      >>> from optax_snoo import cast_to_param_dtype
       >>> p = {"w": jnp.ones((2,), jnp.bfloat16)}
       >>> u, _ = cast_to_param_dtype().update({"w": jnp.ones((2,))}, None, p)
       >>> u["w"].dtype
@@ -605,7 +605,7 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from optax_snoo.skew_adam import skew_adam
+      >>> from optax_snoo import skew_adam
       >>> params = {"attn": jnp.ones((8, 8)), "moe": {"experts": jnp.ones((4, 8, 16)),
       ...                                             "router": jnp.ones((8, 4))}}
       >>> tx = skew_adam(3e-4)

@@ -7,9 +7,9 @@
 - `refresh_events`, `warm_start`, `estimate_factors`: host helpers for trainers.
 """
 
-from optax_snoo.kfac.factors import LayerCurvature, layer_factors
-from optax_snoo.kfac.grafting import GraftState, graft
-from optax_snoo.kfac.precondition import (
+from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
+from optax_snoo._src.kfac.grafting import GraftState, graft
+from optax_snoo._src.kfac.precondition import (
     EigenInverse,
     PiInverse,
     SpectrumStats,
@@ -20,7 +20,7 @@ from optax_snoo.kfac.precondition import (
     precondition,
     refresh_inverse,
 )
-from optax_snoo.kfac.refresh import (
+from optax_snoo._src.kfac.refresh import (
     PHASES,
     ByLrPhase,
     Every,
@@ -32,7 +32,7 @@ from optax_snoo.kfac.refresh import (
     policy_step,
     refresh_steps,
 )
-from optax_snoo.kfac.transform import (
+from optax_snoo._src.kfac.transform import (
     KfacRefreshEvent,
     ScaleByKfacState,
     estimate_factors,

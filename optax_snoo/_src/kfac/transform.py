@@ -68,9 +68,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_snoo.kfac.factors import LayerCurvature
-from optax_snoo.kfac.grafting import graft as graft_transform
-from optax_snoo.kfac.precondition import (
+from optax_snoo._src.kfac.factors import LayerCurvature
+from optax_snoo._src.kfac.grafting import graft as graft_transform
+from optax_snoo._src.kfac.precondition import (
     MODES,
     EigenInverse,
     PiInverse,
@@ -78,7 +78,7 @@ from optax_snoo.kfac.precondition import (
     identity_inverse,
     refresh_inverse,
 )
-from optax_snoo.kfac.refresh import (
+from optax_snoo._src.kfac.refresh import (
     RefreshPolicy,
     every,
     learning_rate_at,

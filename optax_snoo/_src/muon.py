@@ -159,7 +159,7 @@ def orthogonalize(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from optax_snoo.muon import orthogonalize
+      >>> from optax_snoo import orthogonalize
       >>> g = jax.random.normal(jax.random.key(0), (64, 128))
       >>> s = jnp.linalg.svd(orthogonalize(g, "keller", jnp.float32), compute_uv=False)
       >>> bool(jnp.all((s > 0.6) & (s < 1.2)))
@@ -230,7 +230,7 @@ def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
       A schedule (callable of the update count) to pass as ``beta``.
 
     Example:
-      >>> from optax_snoo.muon import muon_momentum_warmup, scale_by_muon
+      >>> from optax_snoo import muon_momentum_warmup, scale_by_muon
       >>> beta = muon_momentum_warmup()
       >>> round(float(beta(150)), 4)
       0.9
@@ -314,7 +314,7 @@ def scale_by_muon(
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from optax_snoo.muon import scale_by_muon
+      >>> from optax_snoo import scale_by_muon
       >>> params = {"w": jnp.ones((4, 8)), "experts": jnp.ones((2, 8, 4))}
       >>> tx = optax.chain(scale_by_muon(), optax.scale_by_learning_rate(0.02))
       >>> state = tx.init(params)
@@ -431,7 +431,7 @@ def add_decoupled_weight_decay(
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from optax_snoo.muon import add_decoupled_weight_decay
+      >>> from optax_snoo import add_decoupled_weight_decay
       >>> params = {"mlp": jnp.ones((2, 2)), "attn": jnp.ones((2, 2))}
       >>> tx = add_decoupled_weight_decay(0.01, {"mlp": 2.0, "attn": 1.0})
       >>> updates, _ = tx.update(optax.tree.zeros_like(params), tx.init(params), params)
@@ -538,7 +538,7 @@ def muon(
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from optax_snoo.muon import muon, muon_momentum_warmup
+      >>> from optax_snoo import muon, muon_momentum_warmup
       >>> params = {"w": jnp.ones((8, 16)), "b": jnp.zeros((16,))}
       >>> labels = {"w": "muon", "b": "adam"}
       >>> tx = muon(0.03, beta=muon_momentum_warmup(), weight_decay=0.01,
@@ -558,7 +558,7 @@ def muon(
     _check_non_negative("adam_learning_rate", adam_learning_rate)
     _check_non_negative("weight_decay", weight_decay)
     if labels is None:
-        from optax_snoo.labels import muon_adam_labels
+        from optax_snoo._src.labels import muon_adam_labels
 
         labels = muon_adam_labels
     muon_tx = optax.chain(

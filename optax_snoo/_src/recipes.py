@@ -1,0 +1,216 @@
+"""Ready optimizer stacks: the modded-nanogpt GPT-2 Medium record's Snoo + Muon + Adam.
+
+`stable_cooldown_schedule` is the record's learning-rate multiplier (SPEC §2.5);
+`modded_nanogpt` wires Snoo around a partition of Muon (hidden matrices) and Adam groups
+with their own learning rates (embeddings, head, everything else), all scaled by that
+schedule. Every value can be overridden; the defaults are the record's (PR #128).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_snoo._src.labels import muon_adam_labels, partition, path_to_str
+from optax_snoo._src.muon import (
+    Coefficients,
+    add_decoupled_weight_decay,
+    muon_momentum_warmup,
+    scale_by_muon,
+)
+from optax_snoo._src.snoo import snoo
+
+__all__ = [
+    "RECORD_ADAM_GROUPS",
+    "RECORD_WEIGHT_DECAY_MULTIPLIERS",
+    "modded_nanogpt",
+    "record_weight_decay_multiplier",
+    "stable_cooldown_schedule",
+]
+
+# The record's Adam groups: (path pattern, learning rate); first match wins. These rates
+# belong to the record's architecture (untied embeddings, 1/320 head): rescale for others.
+RECORD_ADAM_GROUPS: tuple[tuple[str, float], ...] = (
+    (r"(^|/)(lm_head|head)(/|$)", 1 / 320),
+    (r"(^|/)(wte|wpe|embed\w*)(/|$)", 0.3),
+    (r".*", 0.015),
+)
+# The record's Muon `wd_mul`: (path pattern, multiplier); first match wins. 2.0 on the MLP
+# weights (the record's `mlp.fc_w`, `mlp.proj_w`; here `mlp/c_fc`, `mlp/c_proj`, `mlp/c_gate`).
+RECORD_WEIGHT_DECAY_MULTIPLIERS: tuple[tuple[str, float], ...] = (
+    (r"(^|/)mlp(/|$)", 2.0),
+    (r".*", 1.0),
+)
+
+
+def record_weight_decay_multiplier(params: Any) -> Any:
+    """The record's per-leaf Muon weight-decay multiplier (`RECORD_WEIGHT_DECAY_MULTIPLIERS`).
+
+    Leaves are matched by their path (`optax_snoo.labels.path_to_str`); `optax.MaskedNode`
+    leaves (the Adam leaves inside the partition) get 1.0, which the decay skips anyway.
+    """
+    compiled = [(re.compile(pattern), mul) for pattern, mul in RECORD_WEIGHT_DECAY_MULTIPLIERS]
+
+    def multiplier(path, leaf):
+        if isinstance(leaf, optax.MaskedNode):
+            return 1.0
+        name = path_to_str(path)
+        return next(mul for regex, mul in compiled if regex.search(name))
+
+    return jax.tree.map_with_path(multiplier, params,
+                                  is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
+def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac: float = 0.7,
+                             final_lr_scale: float = 0.0) -> optax.Schedule:
+    """Constant, then a linear cooldown over the last `cooldown_frac` of training.
+
+    The multiplier at step `t` of `T` is 1 while `t/T < 1 - cooldown_frac`, then
+    `(1 - t/T) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale` (SPEC §2.5).
+
+    Args:
+      peak_value: the learning rate before the cooldown.
+      total_steps: `T`, the number of training steps (>= 1).
+      cooldown_frac: fraction of `T` spent cooling down, in (0, 1].
+      final_lr_scale: multiplier reached at `t = T` (record: 0 in PR #128, 0.01 later).
+
+    Returns:
+      A schedule `step -> learning rate`.
+
+    Example:
+      >>> sched = stable_cooldown_schedule(0.03, 1000)
+      >>> float(sched(0)), float(sched(1000))
+      (0.03, 0.0)
+
+    References:
+      Jordan et al, `modded-nanogpt <https://github.com/KellerJordan/modded-nanogpt>`_, 2025.
+    """
+    if not (isinstance(total_steps, int) and total_steps >= 1):
+        raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
+    if not 0 < cooldown_frac <= 1:
+        raise ValueError(f"cooldown_frac must be in (0, 1], got {cooldown_frac!r}")
+    if not 0 <= final_lr_scale <= 1:
+        raise ValueError(f"final_lr_scale must be in [0, 1], got {final_lr_scale!r}")
+
+    def schedule(count):
+        x = jnp.asarray(count, jnp.float32) / total_steps
+        cooling = (1 - x) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale
+        return peak_value * jnp.where(x < 1 - cooldown_frac, 1.0, cooling)
+
+    return schedule
+
+
+def _labels_with_adam_groups(groups: tuple[tuple[str, float], ...]) -> Callable[[Any], Any]:
+    compiled = [re.compile(pattern) for pattern, _ in groups]
+
+    def labels(params):
+        base = muon_adam_labels(params)
+
+        def refine(path, label):
+            if label == "muon":
+                return label
+            name = path_to_str(path)
+            for i, regex in enumerate(compiled):
+                if regex.search(name):
+                    return f"adam_{i}"
+            raise ValueError(f"parameter {name!r} matches no Adam group {[p for p, _ in groups]}")
+
+        return jax.tree.map_with_path(refine, base)
+
+    return labels
+
+
+def modded_nanogpt(
+    total_steps: int,
+    *,
+    muon_learning_rate: float = 0.027,
+    muon_momentum: float | optax.Schedule | None = None,
+    muon_weight_decay: float = 0.01,
+    weight_decay_multiplier: Any = record_weight_decay_multiplier,
+    coefficients: Coefficients = "modded",
+    ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
+    smoothing: float | optax.Schedule | None = None,
+    smoothing_form: str = "ema",
+    adam_groups: tuple[tuple[str, float], ...] = RECORD_ADAM_GROUPS,
+    adam_b1: float = 0.8,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-10,
+    cooldown_frac: float = 0.7,
+    final_lr_scale: float = 0.0,
+    use_snoo: bool = True,
+    snoo_learning_rate: float = 0.68,
+    snoo_momentum: float = 0.37,
+    snoo_k: int = 28,
+) -> optax.GradientTransformationExtraArgs:
+    """The GPT-2 Medium record's optimizer: `snoo(partition({muon, adam groups}))`.
+
+    - Muon on hidden matrices (`optax_snoo.labels.muon_adam_labels`): modded Newton-Schulz
+      coefficients, momentum warmed up 0.85 -> 0.95 over 300 steps, decoupled weight decay
+      `lr·wd·wd_mul`, optional update smoothing (PR #137: `smoothing=0.2`; PR #129:
+      `smoothing=schedule, smoothing_form="nesterov"`).
+    - Adam (betas (0.8, 0.95), eps 1e-10, no weight decay) on every other leaf, one group
+      per `(pattern, learning rate)` of `adam_groups`.
+    - Every group's learning rate (and so weight decay) follows
+      `stable_cooldown_schedule(·, total_steps, cooldown_frac, final_lr_scale)`.
+    - Snoo (0.68, 0.37, k = 28) around it all, its own lr unscheduled.
+
+    Args:
+      total_steps: training steps `T` of the schedule.
+      muon_learning_rate: Muon peak lr (0.027 in PR #128, 0.03 from PR #129).
+      muon_momentum: float or schedule; `None` = `muon_momentum_warmup(0.85, 0.95, 300)`.
+      muon_weight_decay: Muon decoupled weight decay.
+      weight_decay_multiplier: per-leaf multiplier tree or callable; the default is the
+        record's (2.0 on leaves under an `mlp` path component, else 1.0); `None` = 1.
+      coefficients: Newton-Schulz preset or triples.
+      ns_dtype: dtype of the Newton-Schulz iteration (bfloat16 as in the record).
+      smoothing: update smoothing σ (float or schedule) or `None`.
+      smoothing_form: `"ema"` (PR #137) or `"nesterov"` (PR #129).
+      adam_groups: ordered `(path pattern, peak lr)` pairs for the non-Muon leaves.
+      adam_b1: Adam beta1.
+      adam_b2: Adam beta2.
+      adam_eps: Adam epsilon.
+      cooldown_frac: fraction of training in the linear cooldown.
+      final_lr_scale: lr multiplier at the end.
+      use_snoo: wrap in Snoo (False gives the record's inner optimizer alone).
+      snoo_learning_rate: Snoo outer lr η.
+      snoo_momentum: Snoo outer momentum μ.
+      snoo_k: Snoo sync period.
+
+    Returns:
+      A `GradientTransformationExtraArgs`; `update` needs `params`.
+
+    Example:
+      >>> tx = modded_nanogpt(5640)
+      >>> state = tx.init(params)
+
+    References:
+      Jordan et al, `modded-nanogpt GPT-2 Medium records #128, #129, #137
+      <https://github.com/KellerJordan/modded-nanogpt>`_, 2025.
+    """
+    if not adam_groups:
+        raise ValueError("adam_groups must name at least one (pattern, lr) group")
+    schedule = lambda peak: stable_cooldown_schedule(peak, total_steps, cooldown_frac,
+                                                     final_lr_scale)
+    beta = muon_momentum_warmup(0.85, 0.95, 300) if muon_momentum is None else muon_momentum
+    transforms: dict[str, optax.GradientTransformation] = {
+        "muon": optax.chain(
+            scale_by_muon(beta, coefficients=coefficients, ns_dtype=ns_dtype, smoothing=smoothing,
+                          smoothing_form=smoothing_form),
+            add_decoupled_weight_decay(muon_weight_decay, weight_decay_multiplier),
+            optax.scale_by_learning_rate(schedule(muon_learning_rate)),
+        ),
+    }
+    for i, (_, lr) in enumerate(adam_groups):
+        transforms[f"adam_{i}"] = optax.chain(
+            optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps),
+            optax.scale_by_learning_rate(schedule(lr)),
+        )
+    inner = partition(transforms, _labels_with_adam_groups(tuple(adam_groups)))
+    if not use_snoo:
+        return optax.with_extra_args_support(inner)
+    return snoo(inner, snoo_learning_rate, snoo_momentum, snoo_k)
