@@ -2,6 +2,7 @@
 
 from optax_snoo._src.rounding import (
     RoundingState,
+    by_name,
     dithered_rounding,
     round_dithered,
     round_stochastic,
@@ -10,6 +11,7 @@ from optax_snoo._src.rounding import (
 
 __all__ = [
     "RoundingState",
+    "by_name",
     "dithered_rounding",
     "round_dithered",
     "round_stochastic",

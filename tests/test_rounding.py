@@ -1,5 +1,6 @@
-"""Stochastic and dithered rounding (SPEC §3 step 5): statistics, the formula, exactness of
-`optax.apply_updates`, composition with optax and skew_adam, the optax matrix."""
+"""Stochastic and dithered rounding (Gupta et al. 2015; Malik 2026): statistics, the
+formula, exactness of `optax.apply_updates`, overflow, composition with optax and skew_adam,
+the optax matrix."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,9 @@ import optax_matrix as m
 from optax_snoo import skew_adam
 from optax_snoo.rounding import (
     RoundingState,
+    by_name,
     dithered_rounding,
+    round_dithered,
     round_stochastic,
     stochastic_rounding,
 )
@@ -160,7 +163,7 @@ def test_dithered_rounding_matches_spec_formula():
         new = optax.apply_updates(params, u)
         x = new_value(params["w"], updates["w"])
         (U,) = uniform_draws(11, t, [x.shape])
-        d64 = x + (U.astype(np.float64) - 0.5) * np.abs(x) * 2.0**-7       # SPEC §3 step 5
+        d64 = x + (U.astype(np.float64) - 0.5) * np.abs(x) * 2.0**-7       # the paper's dither
         ref = d64.astype(BF16)
         got = np.asarray(new["w"])
         mismatch = got.astype(np.float64) != ref.astype(np.float64)
@@ -258,6 +261,74 @@ def test_skew_adam_with_rounding_on_bf16_params():
         ok = np.where(inside, (got == ref) | ambiguous, close)
         assert ok.all(), (kind, np.flatnonzero(~ok)[:5])
         assert inside.sum() > 10 * (~inside).sum() > 0, (inside.sum(), (~inside).sum())
+
+
+# ----------------------------------------------------------------------------- overflow
+
+def values_near_the_largest(dtype):
+    """float32 values from two spacings below the largest finite value of `dtype` up to
+    float32's largest, both signs, and the float32 values right next to them."""
+    big = float(jnp.finfo(dtype).max)
+    below = float(np.nextafter(np.nextafter(np.asarray(big, dtype), 0, dtype=dtype), 0))
+    x = np.linspace(below, float(np.finfo(np.float32).max), 4001).astype(np.float32)
+    x = np.concatenate([x, np.nextafter(x, np.float32(0)),
+                        np.float32([big, np.finfo(np.float32).max])])
+    return np.concatenate([x, -x]), big
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("round_fn", [round_stochastic, round_dithered])
+def test_finite_values_near_the_largest_never_round_to_inf(round_fn, dtype):
+    x, big = values_near_the_largest(dtype)
+    rng = np.random.default_rng(0)
+    for uniform in (np.zeros_like(x), np.full_like(x, 1 - 2.0**-24), rng.random(x.size)):
+        r = np.asarray(round_fn(jnp.asarray(x), jnp.asarray(uniform, jnp.float32), dtype),
+                       np.float64)
+        assert np.isfinite(r).all(), x[~np.isfinite(r)][:4]
+        assert (np.abs(r) <= big).all()
+        if round_fn is round_stochastic:
+            # Beyond the largest finite value: that value, with the sign of x. (The dither
+            # may first move a value back inside, so only the bound holds for it.)
+            beyond = np.abs(x.astype(np.float64)) > big
+            np.testing.assert_array_equal(r[beyond], np.sign(x[beyond]) * big)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("round_fn", [round_stochastic, round_dithered])
+def test_inf_and_nan_map_to_themselves(round_fn, dtype):
+    x = jnp.asarray([np.inf, -np.inf, np.nan], jnp.float32)
+    for u in (0.0, 0.5, 1 - 2.0**-24):
+        r = np.asarray(round_fn(x, jnp.full((3,), u, jnp.float32), dtype), np.float64)
+        assert r[0] == np.inf and r[1] == -np.inf and np.isnan(r[2])
+
+
+def test_a_step_past_the_largest_bf16_keeps_the_param_finite():
+    big = float(jnp.finfo(jnp.bfloat16).max)
+    params = {"w": jnp.full((256,), big, jnp.bfloat16)}
+    tx = optax.chain(optax.sgd(1.0), stochastic_rounding(key=0))
+    new, _, _ = apply_once(tx, params, {"w": jnp.full((256,), -big * 2.0**-9, jnp.bfloat16)})
+    assert np.asarray(new["w"], np.float64).max() == big
+
+
+# ----------------------------------------------------------------------------- by_name
+
+@pytest.mark.parametrize("name, make", [("stochastic", stochastic_rounding),
+                                        ("dithered", dithered_rounding)])
+def test_by_name_builds_the_named_transform(name, make):
+    params = {"w": jnp.linspace(1, 2, 64, dtype=jnp.bfloat16)}
+    updates = {"w": jnp.full((64,), 1e-3, jnp.float32)}
+    for kw in ({}, {"key": 7}, {"key": 7, "dtype": jnp.bfloat16}):
+        _, got, _ = apply_once(by_name(name, **kw), params, updates)
+        _, want, _ = apply_once(make(**kw), params, updates)
+        np.testing.assert_array_equal(got["w"], want["w"])
+
+
+def test_by_name_rejects_unknown_names():
+    with pytest.raises(ValueError, match=r"unknown rounding 'nearest'; expected one of "
+                                         r"\['dithered', 'stochastic'\]"):
+        by_name("nearest")
+    with pytest.raises(ValueError, match="unknown rounding None"):
+        by_name(None)
 
 
 # ----------------------------------------------------------------------------- errors, state

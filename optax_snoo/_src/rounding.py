@@ -1,7 +1,9 @@
-"""Rounding of the new parameter value to a low-precision dtype (SPEC §3 step 5).
+"""Rounding of the new parameter value to a low-precision dtype (e.g. bf16 master weights).
 
-`stochastic_rounding` (unbiased) and `dithered_rounding` (SkewAdam's approximation of it)
-are `GradientTransformation`s placed LAST in a chain. Given the incoming update `u` and the
+`stochastic_rounding` (unbiased; Gupta et al. 2015, https://arxiv.org/abs/1502.02551) and
+`dithered_rounding` (the SkewAdam paper's approximation of it; Malik 2026,
+https://arxiv.org/abs/2607.19058) are `GradientTransformation`s placed LAST in a chain;
+`by_name("stochastic" | "dithered")` builds either. Given the incoming update `u` and the
 params `p`, they compute the new value `x = p + u` in float32, round it to `r` in the
 target dtype, and emit `u' = r - p` in the parameter dtype, so that
 `optax.apply_updates(p, u')` -- which computes `(p + u').astype(p.dtype)` in the param
@@ -17,6 +19,10 @@ change) carries `r - p` rounded to the param dtype, and `apply_updates` rounds
 error relative to the step, like rounding the update itself), not necessarily `r`. Exact
 `r` there would need updates wider than the param dtype, which optax's convention (updates
 in the param dtype) rules out.
+
+Overflow: a finite value never rounds to inf. A value beyond the largest finite value of
+the target dtype (possible from float32 to bf16 or float16) becomes that largest value,
+with its sign; inf and nan map to themselves.
 
 Random draws: update number `t` (from 0) uses
 `keys = jax.random.split(jax.random.fold_in(key, t), n)` for the `n` leaves of the updates
@@ -45,8 +51,10 @@ def round_stochastic(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
     """Unbiased stochastic rounding of `x` to `dtype` with given uniform draws.
 
     `x` lies between two neighbouring values `lo <= x <= hi` of `dtype`; the result is `hi`
-    with probability `(x - lo)/(hi - lo)` (when `uniform < ` that), else `lo`, so its mean is
-    `x`. Values of `dtype` map to themselves; inf and nan round to nearest.
+    with probability `(x - lo)/(hi - lo)`, else `lo`, so its mean is `x`. (The draw picks
+    the neighbour farther from `x` when `uniform` is below the probability of that one.)
+    Values of `dtype` map to themselves; inf and nan map to themselves; a finite `x`
+    beyond the largest finite value of `dtype` becomes that value (never inf).
 
     Args:
       x: values in a dtype at least as precise as `dtype` (e.g. float32).
@@ -66,6 +74,9 @@ def round_stochastic(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
       1.0
 
     References:
+      S. Gupta, A. Agrawal, K. Gopalakrishnan, P. Narayanan, `Deep Learning with Limited
+      Numerical Precision <https://arxiv.org/abs/1502.02551>`_, 2015.
+
       M. Croci et al., `Stochastic rounding: implementation, error analysis and applications
       <https://doi.org/10.1098/rsos.211631>`_, 2022.
     """
@@ -73,12 +84,16 @@ def round_stochastic(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
     if x.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16:
         other, prob = _bf16_other_and_prob(x, nearest)
         finite = jnp.isfinite(nearest) & jnp.isfinite(other)
-        return jnp.where((uniform < prob) & finite, other, nearest)
+        r = jnp.where((uniform < prob) & finite, other, nearest)
+        # Beyond bf16's largest finite value one neighbour is inf: keep the finite one.
+        return jnp.where(jnp.isfinite(x) & ~jnp.isfinite(r), other, r)
     nearest_x = nearest.astype(x.dtype)
     toward = jnp.where(x > nearest_x, jnp.inf, -jnp.inf).astype(dtype)
     other = jnp.nextafter(nearest, toward)
     prob = jnp.abs(x - nearest_x) / jnp.abs(other.astype(x.dtype) - nearest_x)
-    return jnp.where(uniform < prob, other, nearest)
+    r = jnp.where(uniform < prob, other, nearest)
+    # Beyond the largest finite value `nearest` is inf and `other` that largest value.
+    return jnp.where(jnp.isfinite(x) & ~jnp.isfinite(r), other, r)
 
 
 def _bf16_other_and_prob(x: jax.Array, nearest: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -101,9 +116,11 @@ def _bf16_other_and_prob(x: jax.Array, nearest: jax.Array) -> tuple[jax.Array, j
 def round_dithered(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
     """SkewAdam's dithered rounding: `x + (U - 0.5)·|x|·eps`, then round to nearest.
 
-    `eps = jnp.finfo(dtype).eps` is the spacing of `dtype` at 1 (2^-7 for bfloat16, as in
-    SPEC §3 step 5). `|x|·eps` is one to two times the true spacing at `x`, so this only
-    approximates unbiased stochastic rounding.
+    `eps = jnp.finfo(dtype).eps` is the spacing of `dtype` at 1 (2^-7 for bfloat16, the
+    paper's constant). `|x|·eps` is one to two times the true spacing at `x`, so this only
+    approximates unbiased stochastic rounding. A finite `x` never becomes inf: the
+    dithered value saturates at the largest finite value of `dtype`; inf and nan map to
+    themselves.
 
     Args:
       x: values (float32).
@@ -123,8 +140,14 @@ def round_dithered(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
       N. Malik, `Where Should Optimizer State Live? Tiered State Allocation for
       Memory-Efficient Mixture-of-Experts Training <https://arxiv.org/abs/2607.19058>`_, 2026.
     """
-    eps = jnp.finfo(dtype).eps.astype(x.dtype)
-    return (x + (uniform - 0.5) * jnp.abs(x) * eps).astype(dtype)
+    info = jnp.finfo(dtype)
+    dithered = x + (uniform - 0.5) * jnp.abs(x) * info.eps.astype(x.dtype)
+    r = dithered.astype(dtype)
+    big = jnp.asarray(info.max, dtype)
+    # The dither can push a value near the largest finite one past it: saturate instead;
+    # inf (whose dither would be inf - inf) and nan are kept as they are.
+    r = jnp.where(jnp.isfinite(r), r, jnp.where(x > 0, big, -big))
+    return jnp.where(jnp.isfinite(x), r, x.astype(dtype))
 
 
 def _rounding_transform(round_fn: Callable[[jax.Array, jax.Array, Any], jax.Array],
@@ -202,15 +225,15 @@ def stochastic_rounding(key: int | jax.Array = 0, dtype: Any = None
       >>> params = optax.apply_updates(params, updates)  # each 1.0 or 0.99609375
 
     References:
-      M. Croci et al., `Stochastic rounding: implementation, error analysis and applications
-      <https://doi.org/10.1098/rsos.211631>`_, 2022.
+      S. Gupta, A. Agrawal, K. Gopalakrishnan, P. Narayanan, `Deep Learning with Limited
+      Numerical Precision <https://arxiv.org/abs/1502.02551>`_, 2015.
     """
     return _rounding_transform(round_stochastic, key, dtype, "stochastic_rounding")
 
 
 def dithered_rounding(key: int | jax.Array = 0, dtype: Any = None
                       ) -> optax.GradientTransformation:
-    """SkewAdam's dithered rounding of the new parameter value (SPEC §3 step 5; place LAST).
+    """SkewAdam's dithered rounding of the new parameter value (place LAST in a chain).
 
     `x = p + u` (float32) becomes `round_nearest(x + (U[0,1) - 0.5)·|x|·2^-7)` for bfloat16
     (`2^-7` is `jnp.finfo(dtype).eps`); the emitted update is `r - p` in the param dtype, so
@@ -234,3 +257,48 @@ def dithered_rounding(key: int | jax.Array = 0, dtype: Any = None
       Memory-Efficient Mixture-of-Experts Training <https://arxiv.org/abs/2607.19058>`_, 2026.
     """
     return _rounding_transform(round_dithered, key, dtype, "dithered_rounding")
+
+
+_BY_NAME: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "dithered": dithered_rounding,
+    "stochastic": stochastic_rounding,
+}
+
+
+def by_name(name: str, key: int | jax.Array = 0, dtype: Any = None
+            ) -> optax.GradientTransformation:
+    """The rounding transform called `name`: `"stochastic"` or `"dithered"`.
+
+    The one table from names to transforms, for configs and command lines (and
+    `optax_snoo.skew_adam(rounding=name)`).
+
+    Args:
+      name: `"stochastic"` (`stochastic_rounding`) or `"dithered"` (`dithered_rounding`).
+      key: an int seed or a PRNG key, as for those transforms.
+      dtype: the target dtype, as for those transforms (`None`: each param's own).
+
+    Returns:
+      The rounding `optax.GradientTransformation`.
+
+    Raises:
+      ValueError: an unknown name (the message lists the known ones).
+
+    Example:
+      >>> import optax
+      >>> from optax_snoo.rounding import by_name
+      >>> tx = optax.chain(optax.adamw(1e-3), by_name("stochastic", key=3))
+      >>> by_name("nearest")
+      Traceback (most recent call last):
+      ...
+      ValueError: unknown rounding 'nearest'; expected one of ['dithered', 'stochastic']
+
+    References:
+      S. Gupta, A. Agrawal, K. Gopalakrishnan, P. Narayanan, `Deep Learning with Limited
+      Numerical Precision <https://arxiv.org/abs/1502.02551>`_, 2015.
+
+      N. Malik, `Where Should Optimizer State Live? Tiered State Allocation for
+      Memory-Efficient Mixture-of-Experts Training <https://arxiv.org/abs/2607.19058>`_, 2026.
+    """
+    if not isinstance(name, str) or name not in _BY_NAME:
+        raise ValueError(f"unknown rounding {name!r}; expected one of {sorted(_BY_NAME)}")
+    return _BY_NAME[name](key=key, dtype=dtype)
