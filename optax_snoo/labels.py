@@ -2,10 +2,18 @@
 
 from optax_snoo._src.labels import (
     MUON_ADAM_RULES,
+    describe,
     label_by_rules,
     muon_adam_labels,
     partition,
     path_to_str,
 )
 
-__all__ = ["MUON_ADAM_RULES", "label_by_rules", "muon_adam_labels", "partition", "path_to_str"]
+__all__ = [
+    "MUON_ADAM_RULES",
+    "describe",
+    "label_by_rules",
+    "muon_adam_labels",
+    "partition",
+    "path_to_str",
+]

@@ -85,3 +85,51 @@ def test_partition_checks_every_label_has_a_transform():
     u, _ = tx.update({"w": jnp.ones((2, 2)), "b": jnp.ones(2)}, state, params)
     assert float(u["w"][0, 0]) == pytest.approx(-0.1)
     assert float(u["b"][0]) == pytest.approx(-1.0)
+
+
+# ----------------------------------------------------------------------------- one path rule
+
+def test_path_to_str_is_the_shared_rule():
+    from optax_snoo._src import utils
+    assert lb.path_to_str is utils.path_to_str
+    # Keys holding "/" name the same leaf as the nested dicts they abbreviate.
+    flat = jax.tree_util.tree_flatten_with_path({"l1/kernel": 0})[0][0][0]
+    nested = jax.tree_util.tree_flatten_with_path({"l1": {"kernel": 0}})[0][0][0]
+    assert lb.path_to_str(flat) == lb.path_to_str(nested) == "l1/kernel"
+
+
+def test_rules_take_compiled_patterns_and_reject_other_types():
+    import re
+    fn = lb.label_by_rules([(re.compile(r"^W$", re.IGNORECASE), "a")], default="b")
+    assert fn({"w": 0, "v": 0}) == {"w": "a", "v": "b"}
+    with pytest.raises(ValueError, match="pattern must be a regex string or an re.Pattern"):
+        lb.label_by_rules([(3, "a")])
+
+
+# ----------------------------------------------------------------------------- describe
+
+def test_describe_lists_every_path_and_its_label():
+    got = lb.describe(lb.muon_adam_labels, GPT_LIKE)
+    assert got == {
+        "blocks/0/attn/c_proj/bias": "adam", "blocks/0/attn/c_proj/kernel": "muon",
+        "blocks/0/attn/c_q/kernel": "muon", "blocks/0/ln_1/bias": "adam",
+        "blocks/0/ln_1/scale": "adam", "blocks/0/moe/experts/w_fc": "muon",
+        "blocks/0/moe/router/kernel": "adam", "gain": "adam", "lm_head/kernel": "adam",
+        "ln_f/scale": "adam", "wpe/embedding": "adam", "wte/embedding": "adam"}
+    assert list(got) == [lb.path_to_str(p) for p, _ in
+                         jax.tree_util.tree_flatten_with_path(GPT_LIKE)[0]]
+    # A tree of labels reads the same as the function that made it.
+    assert lb.describe(lb.muon_adam_labels(GPT_LIKE), GPT_LIKE) == got
+
+
+def test_describe_on_nnx_state_and_shapes():
+    model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    shapes = jax.eval_shape(lambda: nnx.state(model, nnx.Param))
+    assert lb.describe(lb.muon_adam_labels, shapes) == {"bias": "adam", "kernel": "muon"}
+
+
+def test_describe_rejects_mismatched_trees_and_clashing_paths():
+    with pytest.raises(ValueError, match="structure of params"):
+        lb.describe({"w": "muon"}, {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)})
+    with pytest.raises(ValueError, match="two parameters have the path 'a/b'"):
+        lb.describe(lb.muon_adam_labels, {"a/b": jnp.zeros(2), "a": {"b": jnp.zeros(2)}})

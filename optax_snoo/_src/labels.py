@@ -1,9 +1,11 @@
 """Label a params tree by ordered path-pattern rules, for `optax.partition`.
 
-A rule is `(pattern, label)`: `pattern` is a regular expression searched in the leaf's
-path written as `"blocks/0/attn/c_q/kernel"`; `label` is a string or a callable of the
-leaf (its shape is what matters) returning one. The first matching rule wins. A leaf that
-matches no rule, or a label with no transform, is an error that names the path.
+A rule is `(pattern, label)`: `pattern` is a regular expression (a string or a compiled
+`re.Pattern`) searched in the leaf's path written as `"blocks/0/attn/c_q/kernel"` (see
+`path_to_str`); `label` is a string or a callable of the leaf (its shape is what matters)
+returning one. The first matching rule wins. A leaf that matches no rule, or a label with
+no transform, is an error that names the path. `describe` shows what a labelling decided,
+path by path.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from typing import Any
 import jax
 import optax
 
+from optax_snoo._src.utils import path_to_str
+
 Label = str | Callable[[Any], str]
-Rule = tuple[str, Label]
+Rule = tuple[str | re.Pattern, Label]
 
 __all__ = [
     "MUON_ADAM_RULES",
+    "describe",
     "label_by_rules",
     "muon_adam_labels",
     "partition",
@@ -27,36 +32,15 @@ __all__ = [
 ]
 
 
-def path_to_str(path: Sequence[Any]) -> str:
-    """Write a pytree key path as `"a/0/b"`.
-
-    The `.value` attribute of Flax NNX variables is dropped, so the path of an
-    `nnx.State` leaf reads like the module attribute it came from.
-    """
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.GetAttrKey):
-            if key.name == "value":
-                continue
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
 def _matrix_or_vector(leaf: Any) -> str:
     return "muon" if len(getattr(leaf, "shape", ())) >= 2 else "adam"
 
 
-# Hidden matrices (and MoE expert stacks) go to Muon; embeddings, the head, norms,
-# biases and scalars go to Adam (SPEC §2.3), and so does the small MoE router, as in the
-# SkewAdam paper's Muon baseline. Names cover nanoGPT/Flax/Llama-style models.
+# Hidden matrices (and MoE expert stacks) go to Muon; embeddings, the head, norms, biases
+# and scalars go to Adam, as in K. Jordan et al., "Muon: An optimizer for hidden layers in
+# neural networks" (https://kellerjordan.github.io/posts/muon/, 2024); so does the small
+# MoE router, as in the SkewAdam paper's Muon baseline (N. Malik, arXiv 2607.19058, 2026).
+# Names cover nanoGPT/Flax/Llama-style models.
 MUON_ADAM_RULES: tuple[Rule, ...] = (
     (r"(^|/)(wte|wpe|embed\w*|tok_embeddings|lm_head|head|unembed\w*|router)(/|$)", "adam"),
     (r"(^|/)(ln\w*|\w*norm\w*)(/|$)", "adam"),
@@ -70,18 +54,31 @@ def label_by_rules(rules: Sequence[Rule], *, default: str | None = None
     """Build a labelling function for `optax.partition` from ordered path rules.
 
     Args:
-      rules: `(pattern, label)` pairs, tried in order; `pattern` is searched (`re.search`)
-        in the path string (see `path_to_str`); `label` is a string or a callable of the
-        leaf returning a string.
+      rules: `(pattern, label)` pairs, tried in order; `pattern` is a regular expression,
+        a string or a compiled `re.Pattern`, searched (`re.search`) in the path string (see
+        `path_to_str`); to match a plain substring, pass `re.escape(text)`. `label` is a
+        string or a callable of the leaf returning a string.
       default: label for leaves that match no rule; `None` makes that an error.
 
     Returns:
       A function `params -> labels` (a tree of strings with the structure of `params`).
 
+    Raises:
+      ValueError: at construction, a rule that is not a `(pattern, label)` pair, an invalid
+        regex or a label that is neither a string nor a callable; when called, a leaf that
+        matches no rule (without `default`) or a callable label returning a non-string,
+        naming the leaf's path.
+
     Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.labels import label_by_rules
       >>> labels = label_by_rules([(r"embed", "adam"), (r".*", "muon")])
       >>> labels({"embed": jnp.zeros((4, 2)), "w": jnp.zeros((2, 2))})
       {'embed': 'adam', 'w': 'muon'}
+
+    References:
+      optax authors, `optax.partition
+      <https://optax.readthedocs.io/en/latest/api/combining_optimizers.html>`_, 2024.
     """
     compiled = []
     for rule in rules:
@@ -90,6 +87,9 @@ def label_by_rules(rules: Sequence[Rule], *, default: str | None = None
         pattern, label = rule
         if not (isinstance(label, str) or callable(label)):
             raise ValueError(f"rule {pattern!r}: label must be a string or callable, got {label!r}")
+        if not isinstance(pattern, str | re.Pattern):
+            raise ValueError(f"rule {rule!r}: pattern must be a regex string or an re.Pattern, "
+                             f"got {type(pattern).__name__}")
         try:
             compiled.append((re.compile(pattern), label))
         except re.error as err:
@@ -114,8 +114,83 @@ def label_by_rules(rules: Sequence[Rule], *, default: str | None = None
     return labels_fn
 
 
+def describe(labels: Any | Callable[[Any], Any], params: Any) -> dict[str, Any]:
+    """The label of every parameter path: what a labelling decided, in leaf order.
+
+    Labels decided by path names (`muon_adam_labels`, `label_by_rules`, SkewAdam's roles,
+    see `optax_snoo.skew_adam_roles`) are easy to get silently wrong when a model names its
+    layers differently; print this once to check.
+
+    Args:
+      labels: a tree of labels with the structure of `params`, or a function
+        `params -> labels` (as `optax.partition` takes).
+      params: the params tree (arrays or `jax.ShapeDtypeStruct`s: only paths and shapes
+        are read).
+
+    Returns:
+      A dict from each leaf's path string (`path_to_str`) to its label, in
+      `jax.tree.leaves` order.
+
+    Raises:
+      ValueError: if a tree of labels does not have the structure of `params`, or two
+        leaves have the same path string.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.labels import describe, muon_adam_labels
+      >>> params = {"wte": {"embedding": jnp.zeros((8, 4))},
+      ...           "blocks": [{"attn": {"kernel": jnp.zeros((4, 4)), "bias": jnp.zeros(4)}}]}
+      >>> describe(muon_adam_labels, params)
+      {'blocks/0/attn/bias': 'adam', 'blocks/0/attn/kernel': 'muon', 'wte/embedding': 'adam'}
+
+    References:
+      optax authors, `optax.partition
+      <https://optax.readthedocs.io/en/latest/api/combining_optimizers.html>`_, 2024.
+    """
+    if callable(labels):
+        tree = labels(params)
+    else:
+        tree = labels
+        if jax.tree.structure(tree) != jax.tree.structure(params):
+            raise ValueError(
+                f"labels must have the structure of params (or be a function of params); "
+                f"got labels {jax.tree.structure(tree)} for params "
+                f"{jax.tree.structure(params)}")
+    out: dict[str, Any] = {}
+    for path, label in jax.tree_util.tree_leaves_with_path(tree):
+        name = path_to_str(path)
+        if name in out:
+            raise ValueError(f"two parameters have the path {name!r}; describe needs "
+                             f"distinct path strings")
+        out[name] = label
+    return out
+
+
 def muon_adam_labels(params: Any) -> Any:
-    """Label hidden matrices `"muon"` and everything else `"adam"` (`MUON_ADAM_RULES`)."""
+    """Label hidden matrices `"muon"` and everything else `"adam"` (`MUON_ADAM_RULES`).
+
+    In order: a path component named like an embedding, the head, an unembedding or a
+    router -> "adam"; a norm (`ln*`, `*norm*`) -> "adam"; a leaf named `bias` or `scale`
+    -> "adam"; else "muon" for ndim >= 2 (MoE expert stacks too) and "adam" for vectors
+    and scalars. `describe(muon_adam_labels, params)` shows the result.
+
+    Args:
+      params: a params tree (arrays or `jax.ShapeDtypeStruct`s).
+
+    Returns:
+      A tree of `"muon"`/`"adam"` with the structure of `params`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.labels import muon_adam_labels
+      >>> muon_adam_labels({"lm_head": jnp.zeros((4, 8)), "mlp": jnp.zeros((4, 4)),
+      ...                   "ln_f": {"scale": jnp.ones(4)}})
+      {'lm_head': 'adam', 'ln_f': {'scale': 'adam'}, 'mlp': 'muon'}
+
+    References:
+      K. Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024.
+    """
     return label_by_rules(MUON_ADAM_RULES)(params)
 
 
@@ -145,7 +220,20 @@ def partition(transforms: Mapping[str, optax.GradientTransformation],
       parameter path whose label has no transform.
 
     Example:
-      >>> tx = partition({"muon": muon(0.02), "adam": optax.adamw(3e-4)}, muon_adam_labels)
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> from optax_snoo.labels import muon_adam_labels, partition
+      >>> tx = partition({"muon": optax_snoo.muon(0.02), "adam": optax.adamw(3e-4)},
+      ...                muon_adam_labels)
+      >>> state = tx.init({"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)})
+      >>> only_muon = partition({"muon": optax.sgd(0.1)}, muon_adam_labels)
+      >>> only_muon.init({"b": jnp.zeros(4)})  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: parameter 'b' has label 'adam', which has no transform; ...
+
+    References:
+      optax authors, `optax.partition
+      <https://optax.readthedocs.io/en/latest/api/combining_optimizers.html>`_, 2024.
     """
     inner = optax.partition(transforms, labels)
 

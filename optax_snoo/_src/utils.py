@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["is_integer", "is_real", "path_names", "path_to_str"]
+__all__ = ["concrete_real", "is_integer", "is_real", "path_names", "path_to_str"]
 
 
 def path_names(path: Sequence[Any]) -> tuple[str, ...]:
@@ -50,3 +52,20 @@ def is_real(x: Any) -> bool:
 def is_integer(x: Any) -> bool:
     """Whether ``x`` is a concrete integer (not a bool)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def concrete_real(x: Any) -> float | None:
+    """``x`` as a float when its value is known now, else ``None``.
+
+    Known: a real number (`is_real`) or a concrete scalar array, e.g. the hyperparameter
+    arrays `optax.inject_hyperparams` hands to a factory at ``init``. Unknown: tracers
+    (inside ``jit``), schedules and other callables, non-scalar arrays, bools. Use it to
+    validate an argument that may also arrive as an array, without reading a tracer.
+    """
+    if is_real(x):
+        return float(x)
+    if (isinstance(x, jax.Array | np.ndarray) and not isinstance(x, jax.core.Tracer)
+            and x.shape == () and jnp.issubdtype(x.dtype, jnp.number)
+            and not jnp.issubdtype(x.dtype, jnp.complexfloating)):
+        return float(x)
+    return None
