@@ -1,7 +1,8 @@
 """The SkewAdam paper's optimizer-state memory table, from our MoE GPT under `jax.eval_shape`.
 
-The paper's 6,784.33M-parameter model (SPEC §3) is built as a `models.GPT` config (2 blocks,
-d 4096, 32 heads with 8 KV heads, SwiGLU ff 4096, block 1 with 128 experts top-2, tied
+The paper's 6,784.33M-parameter model (N. Malik, "Where Should Optimizer State Live?",
+https://arxiv.org/abs/2607.19058, 2026) is built as a `models.GPT` config (2 blocks, d 4096,
+32 heads with 8 KV heads, SwiGLU ff 4096, block 1 with 128 experts top-2, tied
 embeddings, vocab 50304, 256 positions) and only traced: parameters and optimizer states
 are `jax.ShapeDtypeStruct`s, nothing is allocated. Params are bf16 (SkewAdam's
 statistics are float32 whatever the params); AdamW and Lion are traced on float32 params,
@@ -41,7 +42,8 @@ PAPER_BY_ROLE = "backbone 5.0% of params -> 1.27 GiB momentum; experts 12.6 MB; 
 
 
 def paper_config() -> models.GPTConfig:
-    """SPEC §3's model as our MoE GPT: block 0 dense SwiGLU, block 1 128 SwiGLU experts."""
+    """The SkewAdam paper's model as our MoE GPT: block 0 dense SwiGLU, block 1 128
+    SwiGLU experts."""
     return models.GPTConfig(
         vocab_size=50304, block_size=256, n_layer=2, n_head=32, n_kv_head=8, n_embd=4096,
         mlp="swiglu", mlp_hidden=4096, bias=False, tie_embeddings=True, moe_every=2,

@@ -44,7 +44,7 @@ def moe_tiny_params(seed: int = 0, **overrides) -> dict:
 
 
 def optimizers(lr: float = 1e-3) -> dict[str, optax.GradientTransformation]:
-    """AdamW and SkewAdam with SPEC §3's betas, eps and weight decay."""
+    """AdamW and SkewAdam with the SkewAdam paper's betas, eps and weight decay."""
     return {"adamw": optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05),
             "skewadam": skew_adam(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05)}
 

@@ -31,6 +31,7 @@ from optax_snoo._src.skew_adam import (
     scale_by_second_moment,
     scale_by_skew_adam,
     skew_adam,
+    skew_adam_roles,
 )
 from optax_snoo._src.snoo import SnooState, snoo, snoo_is_sync_step
 
@@ -64,6 +65,7 @@ __all__ = [
     "scale_by_second_moment",
     "scale_by_skew_adam",
     "skew_adam",
+    "skew_adam_roles",
     "snoo",
     "snoo_is_sync_step",
     "stable_cooldown_schedule",

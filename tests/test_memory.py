@@ -1,6 +1,6 @@
-"""Optimizer-state accounting (SPEC §3): measured states equal the paper's formula, on real
-and on `jax.eval_shape` states, and the paper's memory table is reproduced without
-allocating its 6.78B-parameter model."""
+"""Optimizer-state accounting (Malik 2026, arXiv 2607.19058): measured states equal the
+paper's formula, on real and on `jax.eval_shape` states, and the paper's memory table is
+reproduced without allocating its 6.78B-parameter model."""
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ PARAMS = {"wte": jnp.zeros((10, 4)), "ln": jnp.zeros((4,)),
 
 
 def test_formula_by_hand():
-    """SPEC §3: 4·numel momentum (backbone) + 4·(R + C) per factored matrix (× E), or
+    """The paper's formula: 4·numel momentum (backbone) + 4·(R + C) per factored matrix (× E), or
     4·numel for a full second moment."""
     backbone = (4 * 40 + 4 * (10 + 4)) + (4 * 4 + 4 * 4)   # wte: m + factored; ln: m + full
     experts = 4 * 3 * (4 + 6)                              # no momentum, factored per expert
@@ -100,7 +100,7 @@ def test_groups_through_wrappers():
 
 
 def paper_model():
-    """The SkewAdam paper's 6.78B MoE (SPEC §3), as shapes only: 2 blocks, d 4096, GQA with
+    """The SkewAdam paper's 6.78B MoE (its memory table), as shapes only: 2 blocks, d 4096, GQA with
     8 KV heads of 128, LayerNorm with bias, block 0 dense SwiGLU (ff 4096), block 1 with 128
     SwiGLU experts and a 128x4096 router, tied embeddings (vocab 50304), 256 positions."""
     d, ff, n_exp, vocab = 4096, 4096, 128, 50304
@@ -141,3 +141,14 @@ def test_reproduces_the_papers_memory_table():
     # The real optimizer state of that model, traced but never allocated, has that size.
     state = jax.eval_shape(skew_adam().init, params)
     assert state_bytes_by_group(state, statistics_only=True) == by_role
+
+
+def test_memory_uses_only_public_skew_adam_names():
+    import ast
+    import inspect
+
+    import optax_snoo._src.memory as memory_src
+    tree = ast.parse(inspect.getsource(memory_src))
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             and node.module and node.module.endswith("skew_adam") for alias in node.names]
+    assert names and not [n for n in names if n.startswith("_")], names

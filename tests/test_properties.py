@@ -164,6 +164,41 @@ def test_rounding_on_random_trees(spec, seed, dtype, kind):
             np.testing.assert_array_equal(wide, wide.astype(dtype).astype(jnp.float32))
 
 
+@SETTINGS
+@given(trees())
+def test_skew_adam_roles_on_random_trees(spec):
+    params, _ = materialise(spec)
+    roles = osn.skew_adam_roles(params)
+    paths = ["/".join(str(k.key) for k in path)
+             for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    assert list(roles) == paths
+    for path, role in roles.items():
+        want = ("experts" if "experts" in path else "router" if "router" in path
+                else "backbone")
+        assert role == want, (path, role)
+    assert osn.labels.describe(osn.assign_roles(params), params) == roles
+
+
+FLOAT32S = st.floats(width=32, allow_nan=True, allow_infinity=True)
+NEAR_BF16_MAX = st.floats(float(np.float32(3.3e38)), float(np.finfo(np.float32).max), width=32)
+
+
+@SETTINGS
+@given(st.lists(st.one_of(FLOAT32S, NEAR_BF16_MAX, NEAR_BF16_MAX.map(lambda x: -x)),
+                min_size=16, max_size=16),
+       st.lists(st.floats(0.0, 1.0, exclude_max=True, width=32), min_size=16, max_size=16),
+       st.sampled_from(["stochastic", "dithered"]), st.sampled_from([jnp.bfloat16, jnp.float16]))
+def test_rounding_keeps_finite_values_finite(values, draws, kind, dtype):
+    x = jnp.asarray(values, jnp.float32)
+    round_fn = {"stochastic": osn.rounding.round_stochastic,
+                "dithered": osn.rounding.round_dithered}[kind]
+    r = np.asarray(round_fn(x, jnp.asarray(draws, jnp.float32), dtype), np.float64)
+    x = np.asarray(x, np.float64)
+    finite = np.isfinite(x)
+    assert np.isfinite(r[finite]).all(), x[finite][~np.isfinite(r[finite])]
+    np.testing.assert_array_equal(r[~finite], x[~finite])  # ±inf and nan (nan == nan here)
+
+
 KERNELS = st.tuples(st.integers(1, 5), st.integers(1, 5))
 
 
@@ -252,6 +287,8 @@ WRONG = [
     ("skew eps=0", lambda: osn.scale_by_skew_adam(eps=0.0), "eps"),
     ("skew policies", lambda: osn.skew_adam(policies="nope"), "policies"),
     ("skew rounding", lambda: osn.skew_adam(rounding="up"), "rounding"),
+    ("skew roles", lambda: osn.skew_adam(roles="experts"), "static_args"),
+    ("rounding by_name", lambda: osn.rounding.by_name("up"), "'up'"),
     ("second moment b2=-0.1", lambda: osn.scale_by_second_moment(b2=-0.1), "b2"),
     ("rounding dtype", lambda: osn.stochastic_rounding(0, jnp.int8), "dtype"),
     ("rounding key", lambda: osn.dithered_rounding("seed"), "key"),

@@ -1,4 +1,5 @@
-"""SkewAdam (SPEC §3) against a float64 NumPy reference, properties, roles, the optax matrix."""
+"""SkewAdam (Malik 2026, arXiv 2607.19058) against a float64 NumPy reference, properties,
+roles, the optax matrix."""
 
 import re
 
@@ -9,6 +10,7 @@ import optax
 import pytest
 
 import optax_matrix as m
+import optax_snoo
 from optax_snoo._src.skew_adam import (
     DEFAULT_POLICIES,
     RolePolicy,
@@ -19,6 +21,7 @@ from optax_snoo._src.skew_adam import (
     scale_by_second_moment,
     scale_by_skew_adam,
     skew_adam,
+    skew_adam_roles,
 )
 
 # A small MoE-shaped tree: 2-D and 1-D backbone, an (E, R, C) expert stack, a 2-D router.
@@ -43,7 +46,7 @@ def make_params(seed=0):
 
 
 def make_grads(steps, seed=1):
-    """float32 gradients with structure that exercises every branch of SPEC §3:
+    """float32 gradients with structure that exercises every branch of the paper's update:
     rows of very different scale (the factored row normalisation and the eps clamp), spikes
     (update clipping: RMS(u) > 1), and quiet stretches (the clamp on c and v)."""
     rng = np.random.default_rng(seed)
@@ -63,7 +66,8 @@ def make_grads(steps, seed=1):
 
 
 def reference(params, grads, *, lr_fn, b1, b2, eps, wd, policies, clip=1.0):
-    """SPEC §3 in float64, written from the text; returns the params after each step and
+    """The paper's update (Malik 2026, steps 1-4 of its algorithm) in float64, written from
+    the text; returns the params after each step and
     how often the clip and the eps clamps fired."""
     p = {k: np.asarray(v, np.float64) for k, v in _flat(params).items()}
     state = {}
@@ -117,7 +121,7 @@ def linear_lr(step):
 
 
 CASES = {
-    # SPEC defaults for the betas/eps, constant lr.
+    # The paper's defaults for the betas/eps, constant lr.
     "defaults": dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, wd=0.1, policies=None),
     # Fast EMAs, a schedule and a large eps so that the clamps fire.
     "clamped": dict(lr=optax.linear_schedule(2e-2, 2e-3, 150), lr_ref=linear_lr,
@@ -157,7 +161,7 @@ def test_matches_float64_reference(case):
 
 
 def test_bf16_params_decay_in_float32():
-    """SPEC §3 step 4 on bf16 params: the float32 new value `p(1 - lr·wd) - lr·u` (before
+    """Decoupled weight decay on bf16 params: the float32 new value `p(1 - lr·wd) - lr·u` (before
     any rounding) from the exact bf16 `p`; `wd·p` must not be rounded to bf16 first
     (optax.add_decayed_weights multiplies in the param dtype: 2^-9 relative error)."""
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), make_params())
@@ -309,6 +313,51 @@ def test_roles_callable():
     m.assert_trees_close(p1, p2, 1e-6, 1e-7)
 
 
+def test_skew_adam_roles_describes_the_role_of_every_path():
+    params = make_params()
+    assert skew_adam_roles(params) == {"ln": "backbone", "moe/experts": "experts",
+                                       "moe/router": "router", "wte": "backbone"}
+    assert optax_snoo.skew_adam_roles is skew_adam_roles
+    # The same labelling as the optimizer's: its partition holds exactly these leaves.
+    rules = [(re.compile(r"^wte$"), "embed"), ("router", "router")]
+    got = skew_adam_roles(params, rules)
+    assert got == {"ln": "backbone", "moe/experts": "backbone", "moe/router": "router",
+                   "wte": "embed"}
+    tx = skew_adam(1e-2, roles=rules, policies={"embed": RolePolicy(momentum=False)})
+    state = jax.eval_shape(tx.init, params)
+    for role, inner in state[0].inner_states.items():
+        moments = inner.inner_state[0]
+        held = {optax_snoo.labels.path_to_str(path)
+                for path, x in jax.tree_util.tree_leaves_with_path(moments.v_row)
+                + jax.tree_util.tree_leaves_with_path(moments.v)}
+        assert held == {name for name, r in got.items() if r == role}, role
+    everything = lambda p: jax.tree.map(lambda _: "experts", p)
+    assert set(skew_adam_roles(params, everything).values()) == {"experts"}
+
+
+def test_string_role_patterns_match_as_substrings_not_regexes():
+    tree = {"moe.experts": 0, "moeXexperts": 0, "a+b": 0}
+    assert assign_roles(tree, [("moe.experts", "experts"), ("a+b", "router")]) == {
+        "moe.experts": "experts", "moeXexperts": "backbone", "a+b": "router"}
+
+
+def test_callable_roles_under_inject_hyperparams_say_to_use_static_args():
+    roles = optax_snoo.labels.label_by_rules([("experts", "experts")], default="backbone")
+    for fn in (roles, lambda p: {"wte": "backbone"}):
+        tx = optax.inject_hyperparams(skew_adam)(learning_rate=1e-3, roles=fn)
+        with pytest.raises(TypeError, match=r"static_args=\('roles'"):
+            tx.init(MATRIX_PARAMS)
+
+
+def test_concrete_array_hyperparameters_are_validated():
+    # optax.inject_hyperparams hands numeric hyperparameters over as concrete arrays.
+    for kw, name in (({"learning_rate": -1.0}, "learning_rate"), ({"b2": 1.5}, "b2"),
+                     ({"weight_decay": -0.1}, "weight_decay")):
+        tx = optax.inject_hyperparams(skew_adam)(**kw)
+        with pytest.raises(ValueError, match=name):
+            tx.init(MATRIX_PARAMS)
+
+
 def test_bad_inputs():
     params = make_params()
     with pytest.raises(ValueError, match="learning_rate"):
@@ -344,7 +393,7 @@ def test_bad_inputs():
         jax.eval_shape(tx.update, params, jax.eval_shape(tx.init, params))
 
 
-def test_default_table_is_spec():
+def test_default_table_is_the_papers():
     spec = {"backbone": RolePolicy(momentum=True, factored=True, weight_decay=True),
             "experts": RolePolicy(momentum=False, factored=True, weight_decay=True),
             "router": RolePolicy(momentum=False, factored=False, weight_decay=False)}

@@ -1,9 +1,11 @@
-"""Optimizer-state accounting, on real states or on `jax.eval_shape` trees (SPEC §3).
+"""Optimizer-state accounting, on real states or on `jax.eval_shape` trees.
 
 `state_bytes` and `state_bytes_by_group` measure a state (arrays or
 `jax.ShapeDtypeStruct`s: nothing is allocated); `skew_adam_state_bytes_by_role`,
 `adamw_state_bytes` and `muon_state_bytes` are the closed-form predictions of the SkewAdam
-paper's memory table, from parameter shapes alone.
+paper's memory table (N. Malik, "Where Should Optimizer State Live? Tiered State
+Allocation for Memory-Efficient Mixture-of-Experts Training",
+https://arxiv.org/abs/2607.19058, 2026), from parameter shapes alone.
 
 Example, the state of a model too large to allocate::
 
@@ -26,9 +28,9 @@ import optax
 from optax_snoo._src.skew_adam import (
     RolePolicy,
     RolesArg,
-    _is_factored,
-    _role_labeller,
+    is_factored,
     resolve_policies,
+    role_labeller,
 )
 
 
@@ -118,7 +120,7 @@ def _policy_bytes(shape: tuple[int, ...], policy: RolePolicy) -> int:
     itemsize = np.dtype(policy.stats_dtype).itemsize
     numel = math.prod(shape)
     total = itemsize * numel if policy.momentum else 0
-    if _is_factored(shape, policy.factored):
+    if is_factored(shape, policy.factored):
         total += itemsize * math.prod(shape[:-2]) * (shape[-2] + shape[-1])
     else:
         total += itemsize * numel
@@ -128,7 +130,7 @@ def _policy_bytes(shape: tuple[int, ...], policy: RolePolicy) -> int:
 def skew_adam_state_bytes_by_role(params: Any, roles: RolesArg = None,
                                   policies: str | Mapping[str, RolePolicy] | None = None
                                   ) -> dict[str, int]:
-    """SkewAdam's optimizer-state bytes per role, from parameter shapes (SPEC §3).
+    """SkewAdam's optimizer-state bytes per role, from parameter shapes.
 
     Per parameter: `4·numel` for the momentum (roles with momentum), plus `4·(R + C)` per
     matrix for a factored second moment (times the leading batch size, e.g. E for an
@@ -155,7 +157,7 @@ def skew_adam_state_bytes_by_role(params: Any, roles: RolesArg = None,
       Memory-Efficient Mixture-of-Experts Training <https://arxiv.org/abs/2607.19058>`_, 2026.
     """
     table = resolve_policies(policies, roles)
-    labels = _role_labeller(roles, table)(params)
+    labels = role_labeller(roles, table)(params)
     out = dict.fromkeys(table, 0)
     for role, p in zip(jax.tree.leaves(labels), jax.tree.leaves(params), strict=True):
         out[role] += _policy_bytes(tuple(p.shape), table[role])

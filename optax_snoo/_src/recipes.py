@@ -8,7 +8,6 @@ schedule. Every value can be overridden; the defaults are the record's (PR #128)
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.labels import muon_adam_labels, partition, path_to_str
+from optax_snoo._src.labels import label_by_rules, muon_adam_labels, partition
 from optax_snoo._src.muon import (
     Coefficients,
     add_decoupled_weight_decay,
@@ -24,6 +23,7 @@ from optax_snoo._src.muon import (
     scale_by_muon,
 )
 from optax_snoo._src.snoo import snoo
+from optax_snoo._src.utils import path_to_str
 
 __all__ = [
     "RECORD_ADAM_GROUPS",
@@ -51,19 +51,32 @@ RECORD_WEIGHT_DECAY_MULTIPLIERS: tuple[tuple[str, float], ...] = (
 def record_weight_decay_multiplier(params: Any) -> Any:
     """The record's per-leaf Muon weight-decay multiplier (`RECORD_WEIGHT_DECAY_MULTIPLIERS`).
 
-    Leaves are matched by their path (`optax_snoo.labels.path_to_str`); `optax.MaskedNode`
-    leaves (the Adam leaves inside the partition) get 1.0, which the decay skips anyway.
+    Leaves are matched by their path (`optax_snoo.labels.label_by_rules` on the rules'
+    indices); `optax.MaskedNode` leaves (the Adam leaves inside the partition) get 1.0,
+    which the decay skips anyway.
+
+    Args:
+      params: the params tree (or the Muon part of a partition, with `optax.MaskedNode`s).
+
+    Returns:
+      A tree of floats with the structure of `params` (a float at each `MaskedNode`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.recipes import record_weight_decay_multiplier
+      >>> record_weight_decay_multiplier({"mlp": {"c_fc": jnp.zeros((4, 8))},
+      ...                                 "attn": {"c_q": jnp.zeros((4, 4))}})
+      {'attn': {'c_q': 1.0}, 'mlp': {'c_fc': 2.0}}
+
+    References:
+      Jordan et al, `modded-nanogpt GPT-2 Medium record #128
+      <https://github.com/KellerJordan/modded-nanogpt>`_, 2025.
     """
-    compiled = [(re.compile(pattern), mul) for pattern, mul in RECORD_WEIGHT_DECAY_MULTIPLIERS]
-
-    def multiplier(path, leaf):
-        if isinstance(leaf, optax.MaskedNode):
-            return 1.0
-        name = path_to_str(path)
-        return next(mul for regex, mul in compiled if regex.search(name))
-
-    return jax.tree.map_with_path(multiplier, params,
-                                  is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    rules = RECORD_WEIGHT_DECAY_MULTIPLIERS
+    group = label_by_rules([(pattern, str(i)) for i, (pattern, _) in enumerate(rules)])
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)
+    return jax.tree.map(lambda i: 1.0 if is_masked(i) else rules[int(i)][1], group(params),
+                        is_leaf=is_masked)
 
 
 def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac: float = 0.7,
@@ -106,21 +119,21 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
 
 
 def _labels_with_adam_groups(groups: tuple[tuple[str, float], ...]) -> Callable[[Any], Any]:
-    compiled = [re.compile(pattern) for pattern, _ in groups]
+    """`muon_adam_labels`, with each "adam" leaf relabelled `adam_i` by the first of
+    `groups` whose pattern its path matches (`label_by_rules`)."""
+    adam_group = label_by_rules([(pattern, f"adam_{i}") for i, (pattern, _) in
+                                 enumerate(groups)], default="")
 
     def labels(params):
-        base = muon_adam_labels(params)
+        def refine(path, base, group):
+            if base == "muon":
+                return base
+            if not group:
+                raise ValueError(f"parameter {path_to_str(path)!r} matches no Adam group "
+                                 f"{[p for p, _ in groups]}")
+            return group
 
-        def refine(path, label):
-            if label == "muon":
-                return label
-            name = path_to_str(path)
-            for i, regex in enumerate(compiled):
-                if regex.search(name):
-                    return f"adam_{i}"
-            raise ValueError(f"parameter {name!r} matches no Adam group {[p for p, _ in groups]}")
-
-        return jax.tree.map_with_path(refine, base)
+        return jax.tree.map_with_path(refine, muon_adam_labels(params), adam_group(params))
 
     return labels
 

@@ -1,15 +1,20 @@
-"""SkewAdam: optimizer state allocated per parameter role (SPEC §3).
+"""SkewAdam: optimizer state allocated per parameter role.
 
-Parameters of a Mixture-of-Experts model get a role from their path (`"experts"`,
-`"router"`, everything else `"backbone"`), and each role gets its own policy: whether it
+After N. Malik, "Where Should Optimizer State Live? Tiered State Allocation for
+Memory-Efficient Mixture-of-Experts Training", https://arxiv.org/abs/2607.19058, 2026.
+
+Parameters of a Mixture-of-Experts model get a role from their path (by default: a path
+containing `"experts"` -> experts, containing `"router"` -> router, everything else ->
+backbone; `skew_adam_roles(params)` shows the roles), and each role gets its own policy: whether it
 keeps a first moment, whether its second moment is factored Adafactor-style over the last
 two axes, and whether it is weight-decayed. The defaults keep momentum only for the small
 dense backbone, so the state of a 95%-experts model is a few percent of AdamW's.
 
 The pieces are public on their own:
 
-- `scale_by_second_moment`: a β2-EMA of g² (factored over the last two axes, leading axes
-  batch, or full), bias-corrected in the numerator: `g·sqrt(1-β2^t)/den`.
+- `scale_by_second_moment`: a β2-EMA of g² (factored over the last two axes as in
+  Adafactor, leading axes batch, or full), bias-corrected in the numerator:
+  `g·sqrt(1-β2^t)/den`.
 - `scale_by_skew_adam`: the same denominator with an fp32 first moment:
   `m·sqrt(1-β2^t)/(1-β1^t)/den` (without momentum it is `scale_by_second_moment`).
 - `skew_adam`: `optax.partition` over roles of `scale_by_skew_adam` (with its per-tensor
@@ -27,15 +32,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_snoo._src import rounding as rounding_lib
+from optax_snoo._src.labels import describe, label_by_rules
+from optax_snoo._src.utils import concrete_real
 
 BACKBONE = "backbone"
 EXPERTS = "experts"
@@ -70,7 +79,8 @@ class RolePolicy:
     stats_dtype: Any = jnp.float32
 
 
-#: SPEC §3's table.
+#: The paper's table (Malik 2026): momentum only for the dense backbone; the router's
+#: second moment full and not weight-decayed.
 DEFAULT_POLICIES: dict[str, RolePolicy] = {
     BACKBONE: RolePolicy(momentum=True, factored=True, weight_decay=True),
     EXPERTS: RolePolicy(momentum=False, factored=True, weight_decay=True),
@@ -92,33 +102,18 @@ POLICY_PRESETS: dict[str, dict[str, RolePolicy]] = {
 
 # ----------------------------------------------------------------------------- roles
 
-def path_str(path: Sequence[Any]) -> str:
-    """A pytree key path as `"a/b/0/c"` (dict keys, attribute names, sequence indices)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
-def _match(pattern: str | re.Pattern, path: str) -> bool:
-    if isinstance(pattern, re.Pattern):
-        return pattern.search(path) is not None
-    return pattern in path
-
-
 def assign_roles(params: Any, rules: RoleRules = DEFAULT_ROLE_RULES,
                  default_role: str = BACKBONE) -> Any:
     """Labels every leaf of `params` with a role from its path.
 
+    This is `optax_snoo.labels.label_by_rules` with each plain-string pattern escaped
+    (`re.escape`), so that it matches as a substring.
+
     Args:
       params: a pytree of arrays (or `jax.ShapeDtypeStruct`s; only paths are used).
       rules: ordered `(pattern, role)` pairs; a `str` pattern matches as a substring of the
-        `"/"`-joined path, an `re.Pattern` with `search`. The first matching rule wins.
+        path written by `optax_snoo.labels.path_to_str` (`"moe/experts/w_fc"`), an
+        `re.Pattern` with `search`. The first matching rule wins.
       default_role: the role of leaves that match no rule.
 
     Returns:
@@ -135,13 +130,42 @@ def assign_roles(params: Any, rules: RoleRules = DEFAULT_ROLE_RULES,
       N. Malik, `Where Should Optimizer State Live? Tiered State Allocation for
       Memory-Efficient Mixture-of-Experts Training <https://arxiv.org/abs/2607.19058>`_, 2026.
     """
-    def role(path, _):
-        s = path_str(path)
-        for pattern, name in rules:
-            if _match(pattern, s):
-                return name
-        return default_role
-    return jax.tree_util.tree_map_with_path(role, params)
+    regex_rules = [(re.escape(pattern) if isinstance(pattern, str) else pattern, role)
+                   for pattern, role in _checked_rules(rules)]
+    return label_by_rules(regex_rules, default=default_role)(params)
+
+
+def skew_adam_roles(params: Any, roles: RolesArg = None) -> dict[str, str]:
+    """The SkewAdam role of every parameter path, as `skew_adam(roles=roles)` decides it.
+
+    Roles come from path names, so a model that names its layers differently (say
+    `"moe_ffn"` for its experts) silently gets backbone policies; print this once.
+    This is `optax_snoo.labels.describe` of the role labelling.
+
+    Args:
+      params: a pytree of arrays or `jax.ShapeDtypeStruct`s.
+      roles: the `roles` argument of `skew_adam` (`None`, rules, or a callable).
+
+    Returns:
+      A dict from each leaf's path string (`optax_snoo.labels.path_to_str`) to its role,
+      in `jax.tree.leaves` order.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo import skew_adam_roles
+      >>> params = {"moe": {"experts": {"w_fc": jnp.zeros((2, 3, 4))},
+      ...                   "router": {"kernel": jnp.zeros((4, 2))}},
+      ...           "wte": jnp.zeros((8, 4))}
+      >>> skew_adam_roles(params)
+      {'moe/experts/w_fc': 'experts', 'moe/router/kernel': 'router', 'wte': 'backbone'}
+      >>> skew_adam_roles(params, roles=[("moe", "experts")])
+      {'moe/experts/w_fc': 'experts', 'moe/router/kernel': 'experts', 'wte': 'backbone'}
+
+    References:
+      N. Malik, `Where Should Optimizer State Live? Tiered State Allocation for
+      Memory-Efficient Mixture-of-Experts Training <https://arxiv.org/abs/2607.19058>`_, 2026.
+    """
+    return describe(role_labeller(roles), params)
 
 
 def resolve_policies(policies: str | Mapping[str, RolePolicy] | None = None,
@@ -149,7 +173,7 @@ def resolve_policies(policies: str | Mapping[str, RolePolicy] | None = None,
     """The full role -> `RolePolicy` table used by `skew_adam`.
 
     Args:
-      policies: `None` (SPEC's table), a preset name from `POLICY_PRESETS`
+      policies: `None` (`DEFAULT_POLICIES`), a preset name from `POLICY_PRESETS`
         ("skew_adam", "expert_momentum", "factored_router", "uniform"), or a mapping of role
         names to policies that overrides the default table entry by entry.
       roles: the `roles` argument of `skew_adam`; with a rule list, the roles it names may
@@ -191,8 +215,20 @@ def resolve_policies(policies: str | Mapping[str, RolePolicy] | None = None,
     return table
 
 
+_INJECT_HINT = (
+    "With optax.inject_hyperparams, a callable `roles` is taken for a schedule and called "
+    "with the step count: declare it static, e.g. optax.inject_hyperparams(skew_adam, "
+    "static_args=('roles', 'policies', 'rounding'))")
+
+
 def _checked_rules(roles: RoleRules | None) -> tuple[tuple[str | re.Pattern, str], ...]:
-    rules = DEFAULT_ROLE_RULES if roles is None else tuple(roles)
+    if roles is None:
+        return DEFAULT_ROLE_RULES
+    if isinstance(roles, str | bytes | Mapping | numbers.Number | jax.Array | np.ndarray):
+        raise TypeError(f"roles must be None, a sequence of (pattern, role) rules or a "
+                        f"callable params -> tree of role names, got "
+                        f"{type(roles).__name__} {roles!r:.60}. {_INJECT_HINT}.")
+    rules = tuple(roles)
     for rule in rules:
         if (not isinstance(rule, tuple) or len(rule) != 2
                 or not isinstance(rule[0], str | re.Pattern) or not isinstance(rule[1], str)):
@@ -201,12 +237,26 @@ def _checked_rules(roles: RoleRules | None) -> tuple[tuple[str | re.Pattern, str
     return rules
 
 
-def _role_labeller(roles: RolesArg, table: Mapping[str, RolePolicy]) -> Callable[[Any], Any]:
+def role_labeller(roles: RolesArg = None, table: Mapping[str, RolePolicy] | None = None
+                  ) -> Callable[[Any], Any]:
+    """The function `params -> tree of role names` that `skew_adam(roles=roles)` uses.
+
+    Args:
+      roles: the `roles` argument of `skew_adam`: `None` (`DEFAULT_ROLE_RULES`), rules for
+        `assign_roles`, or a callable `params -> tree of role names`.
+      table: the role -> policy table (`resolve_policies`); when given, a role without a
+        policy is a `ValueError` when the labeller is called.
+
+    Returns:
+      The labelling function, for `optax.partition`.
+    """
     if callable(roles):
         fn = roles
     else:
         rules = _checked_rules(roles)
         fn = lambda params: assign_roles(params, rules)
+    if table is None:
+        return fn
 
     def labels(params):
         tree = fn(params)
@@ -220,14 +270,16 @@ def _role_labeller(roles: RolesArg, table: Mapping[str, RolePolicy]) -> Callable
 
 # ----------------------------------------------------------------------------- numerics
 
-def _is_factored(shape: Sequence[int], factored: bool) -> bool:
-    # An empty matrix (a zero-size axis) keeps a full, empty moment: no row/col to slice.
+def is_factored(shape: Sequence[int], factored: bool = True) -> bool:
+    """Whether a parameter of `shape` keeps a factored second moment (row and column
+    statistics over its last two axes) when its policy asks for `factored`: ndim >= 2 and
+    no zero-size matrix axis (an empty matrix keeps a full, empty moment)."""
     return factored and len(shape) >= 2 and shape[-1] > 0 and shape[-2] > 0
 
 
 def _init_moment(p: jax.Array, factored: bool, dtype: Any) -> tuple[Any, Any, Any]:
     """`(v_row, v_col, v)` for one parameter; the unused entries are `optax.MaskedNode()`."""
-    if _is_factored(p.shape, factored):
+    if is_factored(p.shape, factored):
         # Slices of the param keep its sharding on the axes that survive.
         return (jnp.zeros_like(p[..., 0], dtype=dtype), jnp.zeros_like(p[..., 0, :], dtype=dtype),
                 optax.MaskedNode())
@@ -236,7 +288,8 @@ def _init_moment(p: jax.Array, factored: bool, dtype: Any) -> tuple[Any, Any, An
 
 def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: Any
                    ) -> tuple[tuple[jax.Array, ...], Any, Any, Any]:
-    """SPEC §3 step 1 for one parameter: `1/den` and the new `(v_row, v_col, v)`.
+    """Step 1 of the paper's update for one parameter: `1/den` and the new
+    `(v_row, v_col, v)`.
 
     `1/den` is `(1/row, 1/col)` (vectors; `1/den` is their outer product) when factored,
     else `(1/sqrt(max(v, eps)),)` (stored: a division or `rsqrt` inside XLA:CPU's
@@ -247,7 +300,7 @@ def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: A
     """
     if isinstance(v, optax.MaskedNode):
         g_col = jax.lax.optimization_barrier(g)
-        # The column sums as a contraction: on XLA:CPU ~2x faster than a reduce over -2.
+        # The column sums as a contraction: XLA:CPU runs it faster than a reduce over -2.
         col_sum = jnp.einsum("...rc,...rc->...c", g_col, g_col,
                              precision=jax.lax.Precision.HIGHEST)
         v_row = b2 * v_row + (1 - b2) * jnp.mean(g * g, axis=-1)
@@ -262,7 +315,7 @@ def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: A
 
 def _clip_scale(x: jax.Array, inv_den: tuple[jax.Array, ...], scale: jax.Array,
                 clip_threshold: Any) -> jax.Array:
-    """`scale / max(1, RMS(x·scale/den)/clip_threshold)` (SPEC §3 step 3), for `_scaled`.
+    """`scale / max(1, RMS(x·scale/den)/clip_threshold)` (update clipping), for `_scaled`.
 
     The sum reads `optimization_barrier` copies of its inputs, so it shares (and
     materialises) nothing with the update. Factored, it sums over rows first,
@@ -312,26 +365,23 @@ def _check_not_schedule(name: str, value: Any) -> None:
 
 def _check_decay(name: str, value: Any) -> None:
     _check_not_schedule(name, value)
-    if _is_concrete(value) and not 0 <= float(value) < 1:
+    v = concrete_real(value)
+    if v is not None and not 0 <= v < 1:
         raise ValueError(f"{name} must be in [0, 1), got {value}")
 
 
 def _check_eps(eps: Any) -> None:
     _check_not_schedule("eps", eps)
-    if _is_concrete(eps) and not float(eps) > 0:
+    v = concrete_real(eps)
+    if v is not None and not v > 0:
         raise ValueError(f"eps must be > 0 (a clamp on the squared quantity), got {eps}")
 
 
 def _check_clip(clip_threshold: Any) -> None:
     _check_not_schedule("clip_threshold", clip_threshold)
-    if (clip_threshold is not None and _is_concrete(clip_threshold)
-            and not float(clip_threshold) > 0):
+    v = concrete_real(clip_threshold)
+    if v is not None and not v > 0:
         raise ValueError(f"clip_threshold must be > 0 or None, got {clip_threshold}")
-
-
-def _is_concrete(value: Any) -> bool:
-    """True for Python/NumPy scalars and concrete arrays (not tracers, not schedules)."""
-    return not callable(value) and not isinstance(value, jax.core.Tracer)
 
 
 def _check_params(params: Any, name: str) -> None:
@@ -365,7 +415,7 @@ class ScaleBySkewAdamState(NamedTuple):
 def scale_by_second_moment(b2: float = 0.999, eps: float = 1e-8, *, factored: bool = True,
                            stats_dtype: Any = jnp.float32, clip_threshold: float | None = None
                            ) -> optax.GradientTransformation:
-    r"""Scales updates by SkewAdam's second moment, without momentum (SPEC §3 steps 1-3).
+    r"""Scales updates by SkewAdam's second moment, without momentum.
 
     With `t` the update count from 1 and `g` the update cast to `stats_dtype`:
 
@@ -438,7 +488,7 @@ def scale_by_skew_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                        momentum: bool = True, factored: bool = True,
                        stats_dtype: Any = jnp.float32, clip_threshold: float | None = None
                        ) -> optax.GradientTransformation:
-    r"""SkewAdam's direction for one role (SPEC §3 steps 1-3): no weight decay or lr.
+    r"""SkewAdam's direction for one role: no weight decay or lr.
 
     Steps, with `t` counting updates from 1 and `g` the update cast to `stats_dtype`:
 
@@ -554,10 +604,11 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
               clip_threshold: float | None = 1.0,
               rounding: str | optax.GradientTransformation | None = None,
               ) -> optax.GradientTransformationExtraArgs:
-    r"""SkewAdam: per-role optimizer state for Mixture-of-Experts models (SPEC §3).
+    r"""SkewAdam: per-role optimizer state for Mixture-of-Experts models.
 
     Every parameter gets a role (default rules: path contains "experts" -> experts, contains
-    "router" -> router, else backbone) and each role a `RolePolicy`. Default table:
+    "router" -> router, else backbone; `skew_adam_roles(params, roles)` shows the roles a
+    model gets) and each role a `RolePolicy`. Default table (the paper's):
 
     ========  ========  =====================================  ============
     role      momentum  second moment                          weight decay
@@ -574,7 +625,7 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
     then `p <- p - lr·(u + wd·p) = p(1 - lr·wd) - lr·u`. All arithmetic is in the role's
     `stats_dtype` (float32); the updates are finally cast to the parameter dtype, or handed
     to `rounding`, which turns the float32 new value into the parameter dtype (e.g. bf16
-    master weights with SPEC step 5's dithered rounding).
+    master weights with the paper's dithered rounding, `optax_snoo.rounding`).
 
     Args:
       learning_rate: a non-negative float or a schedule of the step.
@@ -589,19 +640,23 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
         (it must depend only on paths/shapes: `optax.partition` re-evaluates it on updates).
       policies: `None`, a preset name ("skew_adam", "expert_momentum", "factored_router",
         "uniform") or a mapping `role -> RolePolicy` overriding the default table.
-      clip_threshold: the per-tensor RMS threshold (SPEC: 1.0); `None` disables clipping.
-      rounding: `None` (cast to the param dtype), "stochastic" or "dithered" (the transforms
-        of `optax_snoo.rounding` with key 0), or any rounding `GradientTransformation`.
+      clip_threshold: the per-tensor RMS threshold (the paper's: 1.0); `None` disables
+        clipping.
+      rounding: `None` (cast to the param dtype), "stochastic" or "dithered"
+        (`optax_snoo.rounding.by_name(rounding)`, key 0), or any rounding
+        `GradientTransformation`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`. With `optax.inject_hyperparams`, declare
       `static_args=("roles", "policies", "rounding")` (a callable `roles` would otherwise be
-      taken for a schedule).
+      taken for a schedule; skew_adam then fails with a `TypeError` that says so).
 
     Raises:
       ValueError: negative learning rate or weight decay, b1/b2 outside [0, 1), eps <= 0,
         clip_threshold <= 0, unknown role or preset names, or (at init) roles returning a
         role without a policy.
+      TypeError: `roles` that is not None, rules or a callable (e.g. the output of a
+        callable `roles` that `optax.inject_hyperparams` took for a schedule).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -619,13 +674,15 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
       N. Malik, `Where Should Optimizer State Live? Tiered State Allocation for
       Memory-Efficient Mixture-of-Experts Training <https://arxiv.org/abs/2607.19058>`_, 2026.
     """
-    if _is_concrete(learning_rate) and not float(learning_rate) >= 0:
+    lr = concrete_real(learning_rate)
+    if lr is not None and not lr >= 0:
         raise ValueError(f"learning_rate must be >= 0 or a schedule, got {learning_rate}")
-    if _is_concrete(weight_decay) and not float(weight_decay) >= 0:
+    wd = concrete_real(weight_decay)
+    if wd is not None and not wd >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     _check_clip(clip_threshold)
     table = resolve_policies(policies, roles)
-    labels = _role_labeller(roles, table)
+    labels = role_labeller(roles, table)
 
     groups = {}
     for role, policy in table.items():
@@ -644,12 +701,7 @@ def _resolve_rounding(rounding: str | optax.GradientTransformation | None
     if rounding is None:
         return cast_to_param_dtype()
     if isinstance(rounding, str):
-        makers = {"stochastic": rounding_lib.stochastic_rounding,
-                  "dithered": rounding_lib.dithered_rounding}
-        if rounding not in makers:
-            raise ValueError(f"rounding must be None, 'stochastic', 'dithered' or a "
-                             f"GradientTransformation, got {rounding!r}")
-        return makers[rounding]()
+        return rounding_lib.by_name(rounding)
     if not isinstance(rounding, optax.GradientTransformation):
         raise TypeError(f"rounding must be None, a name or a GradientTransformation, "
                         f"got {type(rounding).__name__}")
