@@ -339,6 +339,7 @@ def test_string_role_patterns_match_as_substrings_not_regexes():
     tree = {"moe.experts": 0, "moeXexperts": 0, "a+b": 0}
     assert assign_roles(tree, [("moe.experts", "experts"), ("a+b", "router")]) == {
         "moe.experts": "experts", "moeXexperts": "backbone", "a+b": "router"}
+    assert assign_roles({"r": 0}, [["r", "router"]]) == {"r": "router"}  # list pairs too
 
 
 def test_callable_roles_under_inject_hyperparams_say_to_use_static_args():

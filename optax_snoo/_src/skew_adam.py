@@ -5,10 +5,11 @@ Memory-Efficient Mixture-of-Experts Training", https://arxiv.org/abs/2607.19058,
 
 Parameters of a Mixture-of-Experts model get a role from their path (by default: a path
 containing `"experts"` -> experts, containing `"router"` -> router, everything else ->
-backbone; `skew_adam_roles(params)` shows the roles), and each role gets its own policy: whether it
-keeps a first moment, whether its second moment is factored Adafactor-style over the last
-two axes, and whether it is weight-decayed. The defaults keep momentum only for the small
-dense backbone, so the state of a 95%-experts model is a few percent of AdamW's.
+backbone; `skew_adam_roles(params)` shows the roles), and each role gets its own policy:
+whether it keeps a first moment, whether its second moment is factored Adafactor-style
+over the last two axes, and whether it is weight-decayed. The defaults keep momentum only
+for the small dense backbone, so the state of a 95%-experts model is a few percent of
+AdamW's.
 
 The pieces are public on their own:
 
@@ -230,7 +231,7 @@ def _checked_rules(roles: RoleRules | None) -> tuple[tuple[str | re.Pattern, str
                         f"{type(roles).__name__} {roles!r:.60}. {_INJECT_HINT}.")
     rules = tuple(roles)
     for rule in rules:
-        if (not isinstance(rule, tuple) or len(rule) != 2
+        if (not isinstance(rule, tuple | list) or len(rule) != 2
                 or not isinstance(rule[0], str | re.Pattern) or not isinstance(rule[1], str)):
             raise ValueError(f"each roles rule must be (str or re.Pattern, role name), "
                              f"got {rule!r}")
@@ -300,7 +301,7 @@ def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: A
     """
     if isinstance(v, optax.MaskedNode):
         g_col = jax.lax.optimization_barrier(g)
-        # The column sums as a contraction: XLA:CPU runs it faster than a reduce over -2.
+        # The column sums as a contraction: on XLA:CPU no slower than a reduce over -2.
         col_sum = jnp.einsum("...rc,...rc->...c", g_col, g_col,
                              precision=jax.lax.Precision.HIGHEST)
         v_row = b2 * v_row + (1 - b2) * jnp.mean(g * g, axis=-1)
