@@ -32,7 +32,7 @@ from optax_snoo._src.skew_adam import (
     scale_by_skew_adam,
     skew_adam,
 )
-from optax_snoo._src.snoo import SnooState, snoo, snoo_is_sync_step
+from optax_snoo._src.snoo import SnooState, skip_update, snoo, snoo_is_sync_step
 
 __version__ = "0.1.0"
 
@@ -64,6 +64,7 @@ __all__ = [
     "scale_by_second_moment",
     "scale_by_skew_adam",
     "skew_adam",
+    "skip_update",
     "snoo",
     "snoo_is_sync_step",
     "stable_cooldown_schedule",
