@@ -1,4 +1,4 @@
-"""The record's schedule and stack (SPEC §2.5, §1, §2)."""
+"""The record's schedule and stack (modded-nanogpt PR #128: stable cooldown, Snoo, Muon)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import optax_snoo
+from optax_snoo import recipes
 from optax_snoo.recipes import modded_nanogpt, stable_cooldown_schedule
 
 
@@ -188,3 +189,34 @@ def test_record_stack_matches_float64_reference():
         for n, want in ref[t].items():
             np.testing.assert_allclose(flat[n], want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"step {t}, {n}")
+
+
+def test_snoo_muon_with_one_adam_lr_is_snoo_around_muon():
+    """One Adam learning rate: the same updates as `snoo(optax_snoo.muon(...))` with an
+    undecayed AdamW group (the trainer's stack before it used this builder)."""
+    params = {"h": {"kernel": jnp.linspace(-1, 1, 24).reshape(4, 6)},
+              "wte": {"embedding": jnp.linspace(0, 1, 12).reshape(6, 2)}}
+    grads = [jax.tree.map(lambda p, i=i: jnp.cos(p * (i + 1)), params) for i in range(4)]
+    beta = optax_snoo.muon_momentum_warmup(0.85, 0.95, 3)
+    ours = recipes.snoo_muon(0.02, 3e-3, muon_momentum=beta, muon_weight_decay=0.1,
+                             adam_b1=0.8, adam_b2=0.95, snoo_k=2)
+    theirs = optax_snoo.snoo(optax_snoo.muon(
+        0.02, beta=beta, weight_decay=0.1, adam_learning_rate=3e-3, adam_b1=0.8, adam_b2=0.95,
+        adam_weight_decay=0.0), k=2)
+    states = [ours.init(params), theirs.init(params)]
+    for g in grads:
+        (u1, states[0]), (u2, states[1]) = (tx.update(g, s, params) for tx, s in
+                                            zip((ours, theirs), states, strict=True))
+        jax.tree.map(np.testing.assert_array_equal, u1, u2)
+        params = optax.apply_updates(params, u1)
+    assert "adam" in states[0].inner_state.inner_states
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"muon_learning_rate": -1.0}, "muon_learning_rate must be >= 0, got -1.0"),
+    ({"adam_learning_rate": ()}, "at least one"),
+    ({"adam_learning_rate": ((".*", -0.1),)}, r"adam_learning_rate\[0\] must be >= 0"),
+])
+def test_snoo_muon_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        recipes.snoo_muon(**{"muon_learning_rate": 0.02, "adam_learning_rate": 3e-3, **kwargs})
