@@ -86,9 +86,9 @@ def test_adam_group_without_match_is_an_error():
 
 @pytest.mark.parametrize("use_snoo", [False, True])
 def test_record_weight_decay_is_doubled_on_mlp_weights(use_snoo):
-    """SPEC §2.2: the record's wd 0.01 with wd_mul 2.0 on MLP weights, times the scheduled
+    """The record's wd 0.01 with wd_mul 2.0 on MLP weights, times the scheduled
     Muon lr. Zero gradients isolate the decay (NS(0) = 0, Adam's step is 0); with Snoo the
-    first update is the inner one times η(1 + μ) (SPEC §1, t = 0 fires)."""
+    first update is the inner one times η(1 + μ) (Snoo syncs at t = 0)."""
     tx = modded_nanogpt(100, use_snoo=use_snoo)
     grads = jax.tree.map(jnp.zeros_like, PARAMS)
     updates, _ = jax.jit(tx.update)(grads, tx.init(PARAMS), PARAMS)
@@ -103,7 +103,7 @@ def test_record_weight_decay_is_doubled_on_mlp_weights(use_snoo):
 
 # ---------------------------------------------------------------- the whole stack, float64
 MODDED = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
-          (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))  # SPEC §2.1, from the spec
+          (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))  # the record's NS coefficients
 
 
 def ref_ns(x):
@@ -117,7 +117,7 @@ def ref_ns(x):
     return np.swapaxes(X, -1, -2) if transposed else X
 
 
-# path -> (shape, group): "muon" or the record's Adam lr (SPEC §2.3).
+# path -> (shape, group): "muon" or the record's Adam lr.
 STACK = {
     "wte/embedding": ((16, 8), 0.3), "lm_head/kernel": ((8, 16), 1 / 320),
     "blocks/0/ln_1/scale": ((8,), 0.015), "blocks/0/attn/c_q/kernel": ((8, 8), "muon"),
@@ -138,7 +138,8 @@ def nest(flat):
 
 
 def reference_record(params, grads, T, k):
-    """SPEC §1 around §2.2 (Muon, record values) and Adam (0.8, 0.95, 1e-10), all on §2.5."""
+    """Snoo around Muon (record values) and Adam (0.8, 0.95, 1e-10), all on the stable
+    cooldown schedule."""
     p = {n: v.copy() for n, v in params.items()}
     slow, buf = {n: v.copy() for n, v in p.items()}, {n: np.zeros_like(v) for n, v in p.items()}
     m, v = {n: np.zeros_like(x) for n, x in p.items()}, {n: np.zeros_like(x) for n, x in p.items()}

@@ -6,6 +6,7 @@ Example:
   >>> result = train.run(config)  # doctest: +SKIP
 """
 
+from train import kfac_trainer  # noqa: F401  (registers "kfac" and "snoo_kfac")
 from train.config import PRESETS, TrainConfig, get_preset, override, parse_args
 from train.loop import RunResult, run
 from train.optimizers import OPTIMIZERS, TrainOptimizer, build_optimizer, register

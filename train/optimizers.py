@@ -5,7 +5,9 @@ gradient transformation plus everything the train step and loop need to know abo
 (the learning rate to log, Snoo's sync period, whether it rounds the params itself, and
 hooks for optimizers that need more than the gradient, such as K-FAC's curvature). The
 step and the loop read only that object, so they hold no optimizer-specific code. Every
-stack starts with global-norm clipping (`grad_clip`, 0 = off).
+stack starts with global-norm clipping (`grad_clip`, 0 = off). The K-FAC builders
+(`kfac`, `snoo_kfac`) live with their glue in `train.kfac_trainer`, which `train`'s
+`__init__` imports, so the registry is complete whenever `train` is imported.
 
 Example:
   >>> from train.config import TrainConfig, override
@@ -343,7 +345,3 @@ def build_optimizer(config: TrainConfig) -> TrainOptimizer:
         tx = optax.chain(tx, rounding_tx)
     return dataclasses.replace(spec, tx=optax.with_extra_args_support(tx))
 
-
-# K-FAC's builders ("kfac", "snoo_kfac") live with their train-step glue in one module;
-# importing it registers them.
-from train import kfac_trainer as _kfac_trainer  # noqa: E402, F401
