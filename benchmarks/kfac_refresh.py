@@ -25,7 +25,6 @@ logged refreshes are checked against `optax_snoo.kfac.refresh_steps`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -37,16 +36,16 @@ import jax
 
 import train
 from optax_snoo import kfac as kfac_lib
-from train.config import TrainConfig
-from train.optimizers import kfac_refresh_policy, kfac_schedule
+from train.config import TrainConfig, flat_dict, override
+from train.kfac_trainer import kfac_refresh_policy, kfac_schedule
 
 HERE = Path(__file__).resolve().parent
 
 
 def base_config(args: argparse.Namespace) -> TrainConfig:
     """The study's model and schedule (CPU-sized; see the module docstring)."""
-    return TrainConfig(
-        n_layer=2, n_head=4, n_embd=64, block_size=32, batch_size=8, dtype="float32",
+    return override(
+        TrainConfig(), n_layer=2, n_head=4, n_embd=64, block_size=32, batch_size=8, dtype="float32",
         learning_rate=args.lr, min_lr=args.lr / 10, warmup_iters=args.warmup,
         max_iters=args.max_iters, eval_interval=args.max_iters // 4, eval_iters=args.eval_iters,
         log_interval=50, checkpoint_every=10**6, num_samples=0, progress=False, mesh_data=1,
@@ -55,27 +54,27 @@ def base_config(args: argparse.Namespace) -> TrainConfig:
 
 def strategies(base: TrainConfig, interval: int, long_warmup: int) -> dict[str, TrainConfig]:
     """Name -> config for the baseline and the K-FAC refresh strategies."""
-    kfac = dataclasses.replace(base, optimizer="kfac")
+    kfac = override(base, optimizer="kfac")
     n = interval
     return {
-        "adamw": dataclasses.replace(base, optimizer="adamw"),
-        "a_fixed_early": dataclasses.replace(kfac, kfac_first=n),
-        "b_fixed_after_warmup": dataclasses.replace(kfac, kfac_first=base.warmup_iters),
-        "c_by_lr_phase": dataclasses.replace(kfac, kfac_refresh="by_lr_phase",
+        "adamw": override(base, optimizer="adamw"),
+        "a_fixed_early": override(kfac, kfac_first=n),
+        "b_fixed_after_warmup": override(kfac, kfac_first=base.schedule.warmup_iters),
+        "c_by_lr_phase": override(kfac, kfac_refresh="by_lr_phase",
                                              kfac_phases=f"none,{n},{2 * n},{4 * n}"),
-        "d_lr_ratio": dataclasses.replace(kfac, kfac_refresh="lr_ratio", kfac_tau=0.15,
+        "d_lr_ratio": override(kfac, kfac_refresh="lr_ratio", kfac_tau=0.15,
                                           kfac_interval=4 * n,
                                           kfac_min_interval=max(1, n // 2)),
-        "e_warm_start": dataclasses.replace(kfac, kfac_first=base.warmup_iters,
+        "e_warm_start": override(kfac, kfac_first=base.schedule.warmup_iters,
                                             kfac_warm_start=10),
-        "a_long_warmup": dataclasses.replace(kfac, kfac_first=n, warmup_iters=long_warmup),
+        "a_long_warmup": override(kfac, kfac_first=n, warmup_iters=long_warmup),
     }
 
 
 def planned_refreshes(config: TrainConfig) -> list[int]:
     """`kfac.refresh_steps` of the config's policy and K-FAC learning rate."""
     return kfac_lib.refresh_steps(kfac_refresh_policy(config), kfac_schedule(config),
-                                  config.max_iters).tolist()
+                                  config.run.max_iters).tolist()
 
 
 def read_run(out_dir: Path) -> dict | None:
@@ -138,7 +137,7 @@ def plot(runs: dict[str, list[dict]], configs: dict[str, TrainConfig], path: Pat
             continue
         config = configs[name]
         sched = kfac_schedule(config)
-        t = np.arange(config.max_iters)
+        t = np.arange(config.run.max_iters)
         ax_lr.plot(t, np.asarray(jax.vmap(sched)(t)) * (1 + 0.04 * i), color=f"C{i}",
                    alpha=0.5, lw=1)
         marks = rows[0].get("refresh_steps", [])
@@ -182,12 +181,12 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.report:  # seed-major: a partial study still covers every strategy
         for seed in seeds:
             for name, config in configs.items():
-                config = dataclasses.replace(config, seed=seed,
+                config = override(config, seed=seed,
                                              out_dir=str(work / f"{name}_s{seed}"))
-                shutil.rmtree(config.out_dir, ignore_errors=True)
+                shutil.rmtree(config.run.out_dir, ignore_errors=True)
                 train.run(config)
-                row = read_run(Path(config.out_dir))
-                if config.optimizer != "adamw" and row["refresh_steps"] != planned_refreshes(
+                row = read_run(Path(config.run.out_dir))
+                if config.optimizer.name != "adamw" and row["refresh_steps"] != planned_refreshes(
                         config):
                     raise AssertionError(f"{name}: logged refreshes {row['refresh_steps']} "
                                          f"differ from the plan {planned_refreshes(config)}")
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {name: rows for name, rows in runs.items() if rows}
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "load": os.getloadavg()[0], "seeds": seeds, "args": vars(args),
-            "config": ", ".join(f"{k}={getattr(base, k)}" for k in (
+            "config": ", ".join(f"{k}={flat_dict(base)[k]}" for k in (
                 "n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters",
                 "warmup_iters", "learning_rate", "min_lr", "kfac_damping", "kfac_interval",
                 "kfac_ema", "kfac_graft", "kfac_stats_stride", "dtype"))}

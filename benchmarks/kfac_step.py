@@ -15,7 +15,6 @@ refresh every N steps is ``(refresh - plain) / N`` per step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -23,22 +22,18 @@ import time
 import jax
 import numpy as np
 
-from train.config import TrainConfig, model_config
-from train.optimizers import build_optimizer, kfac_curvature_fn, learning_rate_schedule
+from train.config import TrainConfig, model_config, override
+from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
 
 
-def _runner(config: TrainConfig, batch: np.ndarray, kfac: bool):
+def _runner(config: TrainConfig, batch: np.ndarray):
     """A closure running one (donated) train step and returning its wall time."""
-    tx, _ = build_optimizer(config)
+    spec = build_optimizer(config)
     mesh = make_mesh(config)
-    model, state = create_train_state(model_config(config, 65), tx, seed=0, mesh=mesh)
-    kwargs = dict(mesh=mesh, state_shardings=tree_shardings(state, mesh),
-                  lr_schedule=learning_rate_schedule(config))
-    step = (make_train_step(model, tx, curvature_fn=kfac_curvature_fn(
-        state["params"], config.kfac_stats_stride), **kwargs) if kfac
-        else make_train_step(model, tx, **kwargs))
+    model, state = create_train_state(model_config(config, 65), spec.tx, seed=0, mesh=mesh)
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
     x, y = (put_batch(a, batch_sharding(mesh)) for a in batch)
     holder = {"state": state}
 
@@ -63,19 +58,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--interval", type=int, default=100, help="for the amortised cost")
     parser.add_argument("--strides", default="1,4", help="kfac_stats_stride values")
     args = parser.parse_args(argv)
-    base = TrainConfig(dtype=args.dtype, n_layer=args.n_layer, n_embd=args.n_embd,
-                       batch_size=args.batch_size, block_size=args.block_size, mesh_data=1,
-                       max_iters=10_000)
+    base = override(TrainConfig(), dtype=args.dtype, n_layer=args.n_layer, n_embd=args.n_embd,
+                    batch_size=args.batch_size, block_size=args.block_size, mesh_data=1,
+                    max_iters=10_000)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 65, (2, 1, args.batch_size, args.block_size), dtype=np.int32)
     strides = [int(s) for s in args.strides.split(",")]
-    kfac = dataclasses.replace(base, optimizer="kfac")
-    runners = {"adamw": _runner(dataclasses.replace(base, optimizer="adamw"), tokens, False)}
+    kfac = override(base, optimizer="kfac")
+    runners = {"adamw": _runner(override(base, optimizer="adamw"), tokens)}
     for s in strides:
-        runners[f"kfac_stride{s}"] = _runner(dataclasses.replace(
-            kfac, kfac_first=10**9, kfac_stats_stride=s), tokens, True)
-    runners["kfac_refresh"] = _runner(dataclasses.replace(
-        kfac, kfac_interval=1, kfac_first=0, kfac_stats_stride=strides[0]), tokens, True)
+        runners[f"kfac_stride{s}"] = _runner(override(
+            kfac, kfac_first=10**9, kfac_stats_stride=s), tokens)
+    runners["kfac_refresh"] = _runner(override(
+        kfac, kfac_interval=1, kfac_first=0, kfac_stats_stride=strides[0]), tokens)
     times = {name: [] for name in runners}
     for _ in range(args.rounds):
         for name, run in runners.items():

@@ -10,12 +10,10 @@ load, unlike timings on a shared machine.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from train import config as tc
-from train.optimizers import build_optimizer, learning_rate_schedule
+from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
 
@@ -23,21 +21,21 @@ from train.step import create_train_state, make_train_step
 def main() -> None:
     for optimizer, sync in (("adamw", None), ("snoo_muon", False), ("snoo_muon", True),
                             ("snoo_adamw", None)):
-        config = dataclasses.replace(tc.get_preset("shakespeare_char_cpu"),
-                                     optimizer=optimizer, mesh_data=1)
-        tx, snoo_k = build_optimizer(config)
+        config = tc.override(tc.get_preset("shakespeare_char_cpu"), optimizer=optimizer,
+                             mesh_data=1)
+        spec = build_optimizer(config)
+        hints = {} if sync is None else {"snoo_sync": sync}  # None: Snoo decides in jit
         mesh = make_mesh(config)
         cost = {}
         for name, max_bad_steps in (("off", None), ("guard", 10)):
-            model, state = create_train_state(tc.model_config(config, 65), tx, seed=0,
+            model, state = create_train_state(tc.model_config(config, 65), spec.tx, seed=0,
                                               mesh=mesh)
-            step = make_train_step(model, tx, mesh=mesh,
+            step = make_train_step(model, spec, mesh=mesh,
                                    state_shardings=tree_shardings(state, mesh),
-                                   lr_schedule=learning_rate_schedule(config),
-                                   snoo=snoo_k is not None, max_bad_steps=max_bad_steps)
-            x = put_batch(np.zeros((1, config.batch_size, config.block_size), np.int32),
-                          batch_sharding(mesh))
-            analysis = step.lower(state, x, x, sync).compile().cost_analysis()
+                                   max_bad_steps=max_bad_steps)
+            shape = (1, config.data.batch_size, config.model.block_size)
+            x = put_batch(np.zeros(shape, np.int32), batch_sharding(mesh))
+            analysis = step.lower(state, x, x, **hints).compile().cost_analysis()
             analysis = analysis[0] if isinstance(analysis, list) else analysis
             cost[name] = (analysis["bytes accessed"], analysis["flops"])
         print(f"{optimizer:<11} snoo_sync={sync!s:<5} bytes accessed "

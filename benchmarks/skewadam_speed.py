@@ -31,14 +31,12 @@ from optax_snoo import skew_adam
 def moe_tiny_params(seed: int = 0, **overrides) -> dict:
     """The `moe_tiny` preset's params (vocabulary 65 padded to 72), as a pure dict;
     `overrides` replace preset fields (e.g. `n_embd`, `expert_hidden`)."""
-    import dataclasses
-
     from flax import nnx
 
     import models
-    from train.config import get_preset, model_config
+    from train.config import get_preset, model_config, override
 
-    config = dataclasses.replace(get_preset("moe_tiny"), **overrides)
+    config = override(get_preset("moe_tiny"), **overrides)
     model = models.GPT(model_config(config, 65), rngs=nnx.Rngs(seed))
     return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
 

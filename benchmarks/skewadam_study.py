@@ -17,7 +17,6 @@ is kept).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -37,7 +36,7 @@ from optax_snoo.memory import (
     state_bytes,
     state_bytes_by_group,
 )
-from train.config import get_preset
+from train.config import get_preset, override
 from train.optimizers import build_optimizer
 
 OPTIMIZERS = ("skewadam", "adamw", "adafactor")
@@ -45,7 +44,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def study_config(optimizer: str, seed: int, args, out_dir: str):
-    return dataclasses.replace(
+    return override(
         get_preset("moe_tiny"), optimizer=optimizer, seed=seed, max_iters=args.max_iters,
         eval_interval=args.max_iters // 2, eval_iters=args.eval_iters,
         warmup_iters=args.warmup_iters, log_interval=10, checkpoint_every=args.max_iters,
@@ -55,7 +54,8 @@ def study_config(optimizer: str, seed: int, args, out_dir: str):
 def load_balance(aux_loss: float, config) -> float:
     """The Switch load-balance loss per MoE block (1.0 for uniform routing): the logged
     `aux_loss` sums `aux_loss_coef · E·Σ f_e P_e` over the MoE blocks."""
-    return aux_loss / (config.aux_loss_coef * (config.n_layer // config.moe_every))
+    m = config.model
+    return aux_loss / (m.aux_loss_coef * (m.n_layer // m.moe_every))
 
 
 def run_one(optimizer: str, seed: int, args) -> dict:
@@ -76,7 +76,7 @@ def state_and_speed(args) -> dict:
     params = moe_tiny_params()
     txs, out = {}, {}
     for name in OPTIMIZERS:
-        tx, _ = build_optimizer(study_config(name, 0, args, "unused"))
+        tx = build_optimizer(study_config(name, 0, args, "unused")).tx
         state = tx.init(params)
         txs[name] = tx
         out[name] = {"state_bytes": state_bytes(state, statistics_only=True)}
@@ -168,7 +168,8 @@ def main(argv=None):
         "device": f"{jax.devices()[0].device_kind} x{len(jax.devices())}, jax {jax.__version__}",
         "load_start": os.getloadavg()[0], "max_iters": args.max_iters,
         "warmup_iters": args.warmup_iters, "eval_iters": args.eval_iters,
-        "tokens_per_step": base.batch_size * base.block_size, "runs": [], "summary": {}}
+        "tokens_per_step": base.data.batch_size * base.model.block_size, "runs": [],
+        "summary": {}}
     t0 = time.perf_counter()
     for seed in (int(s) for s in args.seeds.split(",")):
         for name in OPTIMIZERS:

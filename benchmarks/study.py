@@ -104,14 +104,14 @@ def stack_config(preset: str, stack: str, *, seed: int, steps: int, eval_interva
                  out_dir: str):
     """The `TrainConfig` of one run: `preset` (with its own `@key=value` overrides, for
     every stack), the stack's optimizer and overrides. The cosine ends at `steps`."""
-    from train.config import parse_args
+    from train.config import override, parse_args
 
     preset_name, *common = preset.split("@")
     name, *overrides = ALIASES.get(stack, stack).split("@")
     args = [f"--preset={preset_name}", "--lr_decay_iters=None", f"--optimizer={name}"] + [
         f"--{o}" for o in (*common, *overrides)]
     config = parse_args(args)
-    return dataclasses.replace(
+    return override(
         config, seed=seed, max_iters=steps, eval_interval=eval_interval,
         checkpoint_every=max(steps, 1), out_dir=out_dir, progress=False, num_samples=0)
 
@@ -126,10 +126,10 @@ def optimizer_state_bytes(config) -> int:
     from train.data import CharDataset
     from train.optimizers import build_optimizer
 
-    vocab = CharDataset.load(config.data).vocab_size
+    vocab = CharDataset.load(config.data.path).vocab_size
     gpt = nnx.eval_shape(lambda: models.GPT(model_config(config, vocab), rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(nnx.split(gpt, nnx.Param, ...)[1])
-    tx, _ = build_optimizer(config)
+    tx = build_optimizer(config).tx
     return state_bytes(jax.eval_shape(tx.init, params))
 
 

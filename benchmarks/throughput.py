@@ -39,10 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_snoo import snoo_is_sync_step
-from train.config import TrainConfig, model_config, parse_args
+from train.config import TrainConfig, model_config, override, parse_args
 from train.metrics import flops_per_token, peak_flops_per_device
-from train.optimizers import build_optimizer, learning_rate_schedule
+from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
 
@@ -62,7 +61,7 @@ class Variant:
 
 def _batches(config: TrainConfig, count: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)
-    shape = (config.grad_accum, config.batch_size, config.block_size + 1)
+    shape = (config.data.grad_accum, config.data.batch_size, config.model.block_size + 1)
     windows = [rng.integers(0, VOCAB, shape, dtype=np.int32) for _ in range(count)]
     return [(w[..., :-1], w[..., 1:]) for w in windows]
 
@@ -70,12 +69,10 @@ def _batches(config: TrainConfig, count: int = 4) -> list[tuple[np.ndarray, np.n
 def ours(config: TrainConfig) -> Variant:
     """The trainer's step for `config` (its mesh, shardings, optimizer and Snoo hint)."""
     gpt_config = model_config(config, VOCAB)
-    tx, snoo_k = build_optimizer(config)
+    spec = build_optimizer(config)
     mesh = make_mesh(config)
-    model, state = create_train_state(gpt_config, tx, seed=config.seed, mesh=mesh)
-    step = make_train_step(model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
-                           lr_schedule=learning_rate_schedule(config),
-                           snoo=snoo_k is not None)
+    model, state = create_train_state(gpt_config, spec.tx, seed=config.run.seed, mesh=mesh)
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
     data = batch_sharding(mesh)
     batches = [(put_batch(x, data), put_batch(y, data)) for x, y in _batches(config)]
     flops = flops_per_token(state["params"], gpt_config) * math.prod(batches[0][0].shape)
@@ -84,12 +81,12 @@ def ours(config: TrainConfig) -> Variant:
     def run(n: int) -> None:
         for _ in range(n):
             i = box["i"]
-            sync = None if snoo_k is None else snoo_is_sync_step(i, snoo_k)
-            box["state"], metrics = step(box["state"], *batches[i % len(batches)], sync)
+            box["state"], metrics = step(box["state"], *batches[i % len(batches)],
+                                         **spec.update_kwargs(i))
             box["i"] = i + 1
         jax.block_until_ready(metrics)
 
-    return Variant(f"ours {config.optimizer} {config.dtype}", run, flops)
+    return Variant(f"ours {config.optimizer.name} {config.model.dtype}", run, flops)
 
 
 def _reference_loss(params: dict, x_BT: jax.Array, y_BT: jax.Array, n_head: int) -> jax.Array:
@@ -115,23 +112,24 @@ def _reference_loss(params: dict, x_BT: jax.Array, y_BT: jax.Array, n_head: int)
 
 def reference(config: TrainConfig) -> Variant:
     """A minimal float32 GPT step at `config`'s shape: value_and_grad, clip, AdamW, donated."""
-    L, D = config.n_layer, config.n_embd
-    keys = iter(jax.random.split(jax.random.key(config.seed), 2 + 4 * L))
+    L, D = config.model.n_layer, config.model.n_embd
+    keys = iter(jax.random.split(jax.random.key(config.run.seed), 2 + 4 * L))
     normal = lambda *shape, std=0.02: std * jax.random.normal(next(keys), shape)
-    params = {"wte": normal(VOCAB, D), "wpe": normal(config.block_size, D),
+    params = {"wte": normal(VOCAB, D), "wpe": normal(config.model.block_size, D),
               "ln_f": jnp.ones(D), "blocks": [
                   {"ln_1": jnp.ones(D), "qkv": normal(D, 3 * D),
                    "proj": normal(D, D, std=0.02 / math.sqrt(2 * L)), "ln_2": jnp.ones(D),
                    "fc": normal(D, 4 * D), "out": normal(4 * D, D, std=0.02 / math.sqrt(2 * L))}
                   for _ in range(L)]}
-    tx = optax.chain(optax.clip_by_global_norm(config.grad_clip),
-                     optax.adamw(config.learning_rate, b1=config.beta1, b2=config.beta2,
-                                 weight_decay=config.weight_decay))
+    a = config.adamw
+    tx = optax.chain(optax.clip_by_global_norm(config.optimizer.grad_clip),
+                     optax.adamw(a.learning_rate, b1=a.beta1, b2=a.beta2,
+                                 weight_decay=a.weight_decay))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, x_ABT, y_ABT):
         grad_fn = jax.value_and_grad(_reference_loss)
-        loss, grads = grad_fn(params, x_ABT[0], y_ABT[0], config.n_head)
+        loss, grads = grad_fn(params, x_ABT[0], y_ABT[0], config.model.n_head)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -164,13 +162,14 @@ def report(variants: Sequence[Variant], config: TrainConfig, load: tuple[Any, An
     """The result table (markdown) with the machine, the shape and the load."""
     device = jax.devices()[0]
     peak = peak_flops_per_device(device.device_kind)
-    tokens = config.grad_accum * config.batch_size * config.block_size
+    m, d = config.model, config.data
+    tokens = d.grad_accum * d.batch_size * m.block_size
     ref = next((v for v in variants if v.name.startswith("reference")), None)
     lines = [
         f"machine: {jax.device_count()} x {device.device_kind} ({jax.default_backend()}), "
         f"{os.cpu_count()} CPUs; load average {load[0]} before, {load[1]} after",
-        f"shape: {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, block "
-        f"{config.block_size}, batch {config.batch_size} x {config.grad_accum}; "
+        f"shape: {m.n_layer} layers x {m.n_embd}, {m.n_head} heads, block "
+        f"{m.block_size}, batch {d.batch_size} x {d.grad_accum}; "
         f"{tokens:,} tokens/step", "",
         "| variant | ms/step (median, min) | tokens/s | CPU ms/step | speed vs reference "
         f"| tokens/s vs {variants[0].name} (paired by round) | MFU |",
@@ -208,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         raise SystemExit("no GPU/TPU visible to JAX (jax.devices() = "
                          f"{jax.devices()}); install jax[cuda12] or run on a GPU machine")
     config = parse_args(["--optimizer=adamw", *rest])
-    names = args.optimizers.split(",") if args.optimizers else [config.optimizer]
-    variants = [ours(dataclasses.replace(config, optimizer=o, dtype=d))
+    names = args.optimizers.split(",") if args.optimizers else [config.optimizer.name]
+    variants = [ours(override(config, optimizer=o, dtype=d))
                 for o in names for d in args.dtypes.split(",")]
     if not args.no_reference:
         variants.append(reference(config))

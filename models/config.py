@@ -7,8 +7,10 @@ import math
 
 import jax.numpy as jnp
 
-_MLP_KINDS = ("gelu", "swiglu")
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+MLP_KINDS = ("gelu", "swiglu")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_BOOLS = ("bias", "tie_embeddings")
+_REALS = ("dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
 def _swiglu_hidden(n_embd: int) -> int:
@@ -84,6 +86,13 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
 
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}.")
+        for name in _REALS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"GPTConfig.{name} must be a float, got {value!r}.")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             positive(name)
         for name in ("n_experts", "top_k"):
@@ -99,14 +108,14 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}."
             )
-        if self.mlp not in _MLP_KINDS:
-            raise ValueError(f"GPTConfig.mlp must be one of {_MLP_KINDS}, got {self.mlp!r}.")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"GPTConfig.mlp must be one of {MLP_KINDS}, got {self.mlp!r}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
-            if value not in _FLOAT_DTYPES:
-                raise ValueError(f"GPTConfig.{name} must be one of {_FLOAT_DTYPES}, got {value!r}.")
+            if value not in FLOAT_DTYPES:
+                raise ValueError(f"GPTConfig.{name} must be one of {FLOAT_DTYPES}, got {value!r}.")
         if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int):
             raise ValueError(f"GPTConfig.moe_every must be an int >= 0, got {self.moe_every!r}.")
         if not 0 <= self.moe_every <= self.n_layer:

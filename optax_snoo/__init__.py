@@ -33,7 +33,7 @@ from optax_snoo._src.skew_adam import (
     skew_adam,
     skew_adam_roles,
 )
-from optax_snoo._src.snoo import SnooState, snoo, snoo_is_sync_step
+from optax_snoo._src.snoo import SnooState, skip_update, snoo, snoo_is_sync_step
 
 __version__ = "0.1.0"
 
@@ -66,6 +66,7 @@ __all__ = [
     "scale_by_skew_adam",
     "skew_adam",
     "skew_adam_roles",
+    "skip_update",
     "snoo",
     "snoo_is_sync_step",
     "stable_cooldown_schedule",

@@ -5,6 +5,7 @@ from optax_snoo._src.recipes import (
     RECORD_WEIGHT_DECAY_MULTIPLIERS,
     modded_nanogpt,
     record_weight_decay_multiplier,
+    snoo_muon,
     stable_cooldown_schedule,
 )
 
@@ -13,5 +14,6 @@ __all__ = [
     "RECORD_WEIGHT_DECAY_MULTIPLIERS",
     "modded_nanogpt",
     "record_weight_decay_multiplier",
+    "snoo_muon",
     "stable_cooldown_schedule",
 ]

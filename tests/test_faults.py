@@ -6,7 +6,6 @@ Tiny models on a small synthetic corpus, as in test_train.py.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -28,7 +27,7 @@ from train import config as tc
 from train import data as td
 from train.checkpoint import Checkpointer, CheckpointSaveError, CheckpointWarning
 from train.nonfinite import NonFiniteError
-from train.optimizers import build_optimizer, learning_rate_schedule
+from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
 
@@ -40,7 +39,7 @@ def tiny(corpus, out_dir, **overrides) -> tc.TrainConfig:
         max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
         checkpoint_every=4, mesh_data=1, num_samples=0, progress=False,
         data=str(corpus), out_dir=str(out_dir))
-    return dataclasses.replace(tc.TrainConfig(), **{**base, **overrides})
+    return tc.override(tc.TrainConfig(), **{**base, **overrides})
 
 
 def train_losses(history) -> dict[int, float]:
@@ -68,22 +67,22 @@ def test_nonfinite_step_leaves_state_unchanged(corpus, tmp_path, poison):
     """An out-of-vocabulary id gathers NaN (jnp.take fills): the step changes no state."""
     config = tiny(corpus, tmp_path)
     vocab = td.CharDataset.load(corpus).vocab_size
-    tx, _ = build_optimizer(config)
+    spec = build_optimizer(config)
     mesh = make_mesh(config)
-    model, state = create_train_state(tc.model_config(config, vocab), tx, seed=0, mesh=mesh)
-    step = make_train_step(model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
-                           lr_schedule=learning_rate_schedule(config), snoo=True,
+    model, state = create_train_state(tc.model_config(config, vocab), spec.tx, seed=0,
+                                      mesh=mesh)
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh),
                            max_bad_steps=2)
     put = lambda x: put_batch(x, batch_sharding(mesh))
     rng = np.random.default_rng(0)
     xy = rng.integers(0, vocab, (2, 1, 8, 16)).astype(np.int32)
-    state, metrics = step(state, put(xy[0]), put(xy[1]), False)  # one good step
+    state, metrics = step(state, put(xy[0]), put(xy[1]), snoo_sync=False)  # one good step
     assert float(metrics["skipped"]) == 0.0
     before = jax.tree.map(lambda x: np.array(x, copy=True), state)
     bad = xy.copy()
     bad[0 if poison == "inputs" else 1, 0, 3, 5] = 10 * vocab
     for t in range(3):  # a sync step (Snoo's outer update would move its slow copy), twice
-        state, metrics = step(state, put(bad[0]), put(bad[1]), True)
+        state, metrics = step(state, put(bad[0]), put(bad[1]), snoo_sync=True)
         assert not np.isfinite(float(metrics["loss"]) + float(metrics["grad_norm"]))
         assert float(metrics["skipped"]) == 1.0
         assert int(state["bad_steps"]) == t + 1 and int(state["skipped_steps"]) == t + 1
@@ -94,7 +93,7 @@ def test_nonfinite_step_leaves_state_unchanged(corpus, tmp_path, poison):
         jax.tree.map(np.testing.assert_array_equal, after,
                      {k: without_snoo_count(v) for k, v in before.items() if k in after})
     # Latched: past max_bad_steps even a good batch is skipped (the host stops the run).
-    state, metrics = step(state, put(xy[0]), put(xy[1]), False)
+    state, metrics = step(state, put(xy[0]), put(xy[1]), snoo_sync=False)
     assert float(metrics["skipped"]) == 1.0 and int(state["bad_steps"]) == 4
 
 
@@ -104,18 +103,19 @@ def test_snoo_hint_from_the_step_agrees_with_the_in_jit_sync_after_a_skipped_ste
     Snoo's own in-jit choice (`snoo_sync=None`), step by step."""
     config = tiny(corpus, tmp_path, snoo_k=3)
     vocab = td.CharDataset.load(corpus).vocab_size
-    tx, k = build_optimizer(config)
+    spec = build_optimizer(config)
     mesh = make_mesh(config)
     put = lambda x: put_batch(x, batch_sharding(mesh))
     batches = np.random.default_rng(1).integers(0, vocab, (8, 2, 1, 8, 16)).astype(np.int32)
     batches[1, 0, 0, 2, 3] = 10 * vocab  # step 1 is skipped
     finals = []
     for hinted in (False, True):
-        model, state = create_train_state(tc.model_config(config, vocab), tx, seed=0, mesh=mesh)
-        step = make_train_step(model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
-                               lr_schedule=learning_rate_schedule(config), snoo=True)
+        model, state = create_train_state(tc.model_config(config, vocab), spec.tx, seed=0,
+                                          mesh=mesh)
+        step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
         for s, (x, y) in enumerate(batches):
-            state, metrics = step(state, put(x), put(y), (s % k == 0) if hinted else None)
+            state, metrics = step(state, put(x), put(y),
+                                  **(spec.update_kwargs(s) if hinted else {}))
             assert float(metrics["skipped"]) == (s == 1)
         assert [int(c) for c in snoo_counts(state)] == [len(batches)]
         finals.append(jax.device_get(state))
@@ -171,7 +171,7 @@ def cache_dir(tmp_path_factory):
 
 def _launch(config: tc.TrainConfig, cache: Path, resume: bool = False) -> subprocess.Popen:
     """`python -m train` with `config` in a fresh process (the 8-device env of conftest)."""
-    values = {**tc.config_to_dict(config), "resume": resume}
+    values = {**tc.flat_dict(config), "resume": resume}
     argv = [f"--{k}={v}" for k, v in values.items() if v is not None and k != "sample_start"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
            "JAX_COMPILATION_CACHE_DIR": str(cache),
@@ -206,7 +206,7 @@ def test_sigkill_during_async_save_and_at_a_random_step_then_resume_exactly(
     config = tiny(corpus, tmp_path / "ref", max_iters=12, lr_decay_iters=12, eval_interval=2,
                   checkpoint_every=2)
     reference = train.run(config).history
-    run = dataclasses.replace(config, out_dir=str(tmp_path / "run"))
+    run = tc.override(config, out_dir=str(tmp_path / "run"))
     ckpts, log = tmp_path / "run" / "checkpoints", tmp_path / "run" / "metrics.jsonl"
     tmp_dirs = lambda: [p.name for p in ckpts.glob("*.orbax-checkpoint-tmp*")]
 
@@ -249,7 +249,7 @@ def eight_steps(corpus, tmp_path_factory, cache_dir):
     """A finished 8-step run with checkpoints at steps 4 and 8 (both kept)."""
     config = tiny(corpus, tmp_path_factory.mktemp("eight") / "run")
     result = train.run(config)
-    assert Checkpointer(Path(config.out_dir) / "checkpoints").steps() == [4, 8]
+    assert Checkpointer(Path(config.run.out_dir) / "checkpoints").steps() == [4, 8]
     return config, result.history
 
 
@@ -257,7 +257,7 @@ def eight_steps(corpus, tmp_path_factory, cache_dir):
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(eight_steps, tmp_path, how):
     config, _ = eight_steps
     out = tmp_path / "run"
-    shutil.copytree(config.out_dir, out)
+    shutil.copytree(config.run.out_dir, out)
     _damage(out / "checkpoints" / "8", how)
     ckpt = Checkpointer(out / "checkpoints")
     like = _state_like(config)
@@ -270,19 +270,19 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(eight_steps, t
 
 
 def _state_like(config):
-    vocab = td.CharDataset.load(config.data).vocab_size
-    tx, _ = build_optimizer(config)
+    vocab = td.CharDataset.load(config.data.path).vocab_size
     mesh = make_mesh(config)
-    return create_train_state(tc.model_config(config, vocab), tx, seed=0, mesh=mesh)[1]
+    return create_train_state(tc.model_config(config, vocab), build_optimizer(config).tx,
+                              seed=0, mesh=mesh)[1]
 
 
 def test_resume_past_a_damaged_checkpoint_redoes_its_steps_exactly(eight_steps, tmp_path):
     config, history = eight_steps
     out = tmp_path / "run"
-    shutil.copytree(config.out_dir, out)
+    shutil.copytree(config.run.out_dir, out)
     _damage(out / "checkpoints" / "8", "truncated arrays")
     with pytest.warns(CheckpointWarning, match="checkpoint step 8"):
-        resumed = train.run(dataclasses.replace(config, out_dir=str(out), resume=True))
+        resumed = train.run(tc.override(config, out_dir=str(out), resume=True))
     assert train_losses(resumed.history) == {s: v for s, v in train_losses(history).items()
                                              if s > 4}
     assert Checkpointer(out / "checkpoints").steps() == [4, 8]  # step 8 rewritten
@@ -291,21 +291,21 @@ def test_resume_past_a_damaged_checkpoint_redoes_its_steps_exactly(eight_steps, 
 def test_every_checkpoint_damaged_is_a_clear_error(eight_steps, tmp_path):
     config, _ = eight_steps
     out = tmp_path / "run"
-    shutil.copytree(config.out_dir, out)
+    shutil.copytree(config.run.out_dir, out)
     for step in (4, 8):
         _damage(out / "checkpoints" / str(step), "missing meta")
     with pytest.warns(CheckpointWarning), pytest.raises(
             FileNotFoundError, match=r"(?s)no checkpoint in .* could be restored:.*step 8.*"
                                      r"step 4"):
-        train.run(dataclasses.replace(config, out_dir=str(out), resume=True))
+        train.run(tc.override(config, out_dir=str(out), resume=True))
 
 
 def test_checkpoint_of_another_config_is_refused_and_kept(eight_steps, tmp_path):
     config, _ = eight_steps
     out = tmp_path / "run"
-    shutil.copytree(config.out_dir, out)
+    shutil.copytree(config.run.out_dir, out)
     with pytest.raises(ValueError, match=r"n_layer: checkpoint has 1, this run has 2"):
-        train.run(dataclasses.replace(config, out_dir=str(out), resume=True, n_layer=2))
+        train.run(tc.override(config, out_dir=str(out), resume=True, n_layer=2))
     assert Checkpointer(out / "checkpoints").steps() == [4, 8]
     assert not (out / "checkpoints_damaged").exists()  # a mismatch is not damage
 
@@ -352,7 +352,7 @@ def test_full_disk_at_save_is_a_clear_error_and_loses_no_checkpoint(
 
         monkeypatch.setattr(ocp.CheckpointManager, "save", full)
     try:
-        run = dataclasses.replace(config, out_dir=str(out / "run"))
+        run = tc.override(config, out_dir=str(out / "run"))
         with pytest.raises(CheckpointSaveError, match=r"(?s)writing checkpoint step\(s\) \[8\]"
                                                       r".*No space left on device.*intact "
                                                       r"\(steps \[4\]\).*--resume"):
@@ -360,7 +360,7 @@ def test_full_disk_at_save_is_a_clear_error_and_loses_no_checkpoint(
         monkeypatch.undo()
         if disk == "tmpfs":  # free space: the same mount, grown
             subprocess.run(["mount", "-o", "remount,size=4m", str(out)], check=True)
-        resumed = train.run(dataclasses.replace(run, resume=True))
+        resumed = train.run(tc.override(run, resume=True))
         assert train_losses(resumed.history) == {s: v for s, v in train_losses(history).items()
                                                  if s > 4}
         assert Checkpointer(out / "run" / "checkpoints").steps() == [4, 8]

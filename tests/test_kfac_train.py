@@ -6,7 +6,6 @@ Tiny models on a small synthetic corpus; the 8 CPU devices come from conftest.py
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
@@ -21,14 +20,8 @@ import train
 from optax_snoo import kfac
 from train import config as tc
 from train import data as td
-from train.optimizers import (
-    build_optimizer,
-    kfac_curvature_fn,
-    kfac_refresh_policy,
-    kfac_schedule,
-    learning_rate_schedule,
-    needs_curvature,
-)
+from train.kfac_trainer import kfac_curvature_fn, kfac_refresh_policy, kfac_schedule
+from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
 
@@ -44,7 +37,7 @@ def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
         checkpoint_every=100, mesh_data=1, num_samples=0, progress=False, bias=True,
         kfac_interval=3, kfac_first=1, kfac_damping=1e-2, data=str(corpus),
         out_dir=str(tmp_path / "run"))
-    return dataclasses.replace(tc.TrainConfig(), **{**base, **overrides})
+    return tc.override(tc.TrainConfig(), **{**base, **overrides})
 
 
 def _events(result) -> list[dict]:
@@ -57,7 +50,7 @@ def _check_run(config, result):
     assert evals[-1] < evals[0] - 0.3, evals
     rows = _events(result)
     planned = kfac.refresh_steps(kfac_refresh_policy(config), kfac_schedule(config),
-                                 config.max_iters).tolist()
+                                 config.run.max_iters).tolist()
     assert len(planned) >= 2
     assert [r["step"] for r in rows] == planned
     assert [r["refresh"] for r in rows] == list(range(1, len(planned) + 1))
@@ -73,7 +66,7 @@ def test_kfac_run_loss_falls_and_logs_the_planned_refreshes(corpus, tmp_path):
     """Refresh every 3 steps from step 1, log every 5: rows are written from the counter,
     so refreshes between logging steps are not lost; warm start from 2 batches."""
     config = tiny(corpus, tmp_path, kfac_warm_start=2)
-    assert needs_curvature(config)
+    assert build_optimizer(config).takes_curvature
     _check_run(config, train.run(config))
 
 
@@ -87,22 +80,19 @@ def test_resumed_run_keeps_earlier_refresh_rows(corpus, tmp_path):
     config = tiny(corpus, tmp_path, max_iters=6, checkpoint_every=3, kfac_refresh="by_lr_phase",
                   kfac_phases="once,2,2,2")
     first = _events(train.run(config))
-    resumed = _events(train.run(dataclasses.replace(config, max_iters=12, lr_decay_iters=12,
+    resumed = _events(train.run(tc.override(config, max_iters=12, lr_decay_iters=12,
                                                     resume=True)))
     assert resumed[:len(first)] == first and len(resumed) > len(first)
     assert [r["refresh"] for r in resumed] == list(range(1, len(resumed) + 1))
 
 
 def _curvature_setup(config):
-    vocab_size = td.CharDataset.load(config.data).vocab_size
-    tx, snoo_k = build_optimizer(config)
+    vocab_size = td.CharDataset.load(config.data.path).vocab_size
+    spec = build_optimizer(config)
     mesh = make_mesh(config)
-    model, state = create_train_state(tc.model_config(config, vocab_size), tx, seed=0,
+    model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
                                       mesh=mesh)
-    step = make_train_step(
-        model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
-        lr_schedule=learning_rate_schedule(config), snoo=snoo_k is not None,
-        curvature_fn=kfac_curvature_fn(state["params"], config.kfac_stats_stride))
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
     return mesh, state, step, vocab_size
 
 
@@ -111,10 +101,11 @@ def _run_steps(config, steps):
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(steps):
-        xy = rng.integers(0, vocab_size, (2, 1, 8, config.block_size)).astype(np.int32)
-        xy = xy.reshape(2, config.grad_accum, config.batch_size, config.block_size)
+        T = config.model.block_size
+        xy = rng.integers(0, vocab_size, (2, 1, 8, T)).astype(np.int32)
+        xy = xy.reshape(2, config.data.grad_accum, config.data.batch_size, T)
         state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
-                              put_batch(xy[1], batch_sharding(mesh)), None)
+                              put_batch(xy[1], batch_sharding(mesh)))
         losses.append(float(metrics["loss"]))
     return losses, state
 
@@ -141,7 +132,7 @@ def test_eight_devices_match_one(corpus, tmp_path):
     # differs between programs.
     one = tiny(corpus, tmp_path, bias=False)
     runs = {n: _run_steps(config, 5) for n, config in (
-        (1, one), (8, dataclasses.replace(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)))}
+        (1, one), (8, tc.override(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)))}
     np.testing.assert_allclose(runs[8][0], runs[1][0], rtol=2e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  runs[8][1]["params"], runs[1][1]["params"])
@@ -156,7 +147,7 @@ def test_eight_devices_match_one(corpus, tmp_path):
 
 def test_accumulation_averages_the_statistics(corpus, tmp_path):
     big = tiny(corpus, tmp_path, bias=False)  # see test_eight_devices_match_one
-    small = dataclasses.replace(big, batch_size=4, grad_accum=2)
+    small = tc.override(big, batch_size=4, grad_accum=2)
     (l_big, s_big), (l_small, s_small) = _run_steps(big, 3), _run_steps(small, 3)
     np.testing.assert_allclose(l_small, l_big, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
@@ -200,4 +191,4 @@ def test_kfac_options_are_checked(corpus, tmp_path):
         build_optimizer(tiny(corpus, tmp_path, kfac_interval=0))
     with pytest.raises(ValueError, match="kfac_warm_start"):
         build_optimizer(tiny(corpus, tmp_path, kfac_warm_start=-1))
-    assert not needs_curvature(tiny(corpus, tmp_path, optimizer="adamw"))
+    assert not build_optimizer(tiny(corpus, tmp_path, optimizer="adamw")).takes_curvature

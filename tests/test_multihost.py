@@ -8,7 +8,6 @@ written checkpoint must restore into a 1-device run that continues the same traj
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -34,13 +33,13 @@ def _losses(history) -> dict[int, float]:
 
 
 def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path):
-    config = dataclasses.replace(
+    config = tc.override(
         tc.TrainConfig(), n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
         dtype="float32", optimizer="adamw", learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
         max_iters=4, lr_decay_iters=8, eval_interval=4, eval_iters=1, log_interval=1,
         checkpoint_every=4, mesh_data=-1, num_samples=0, progress=False, data=str(corpus),
         out_dir=str(tmp_path / "multi"))
-    argv = [f"--{k}={v}" for k, v in tc.config_to_dict(config).items()
+    argv = [f"--{k}={v}" for k, v in tc.flat_dict(config).items()
             if v is not None and k != "sample_start"]
     flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
     env = {**os.environ, "XLA_FLAGS": flags,
@@ -51,7 +50,7 @@ def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path):
          "--num_processes=2", f"--process_id={i}"], env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True) for i in range(2)]
     # Meanwhile, the reference: one process, all 8 devices, 8 steps.
-    reference = train.run(dataclasses.replace(config, out_dir=str(tmp_path / "one"),
+    reference = train.run(tc.override(config, out_dir=str(tmp_path / "one"),
                                               max_iters=8)).history
     for i, proc in enumerate(procs):
         output, _ = proc.communicate(timeout=600)
@@ -63,6 +62,6 @@ def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path):
     assert Checkpointer(tmp_path / "multi" / "checkpoints").steps() == [4]
 
     # The 8-device, 2-process checkpoint restores on one device and continues the run.
-    resumed = train.run(dataclasses.replace(config, mesh_data=1, resume=True, max_iters=8))
+    resumed = train.run(tc.override(config, mesh_data=1, resume=True, max_iters=8))
     np.testing.assert_allclose([_losses(resumed.history)[s] for s in range(5, 9)],
                                [_losses(reference)[s] for s in range(5, 9)], rtol=1e-4)

@@ -1,4 +1,4 @@
-"""The record's schedule and stack (SPEC §2.5, §1, §2)."""
+"""The record's schedule and stack (modded-nanogpt PR #128: stable cooldown, Snoo, Muon)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import optax_snoo
+from optax_snoo import recipes
 from optax_snoo.recipes import modded_nanogpt, stable_cooldown_schedule
 
 
@@ -85,9 +86,9 @@ def test_adam_group_without_match_is_an_error():
 
 @pytest.mark.parametrize("use_snoo", [False, True])
 def test_record_weight_decay_is_doubled_on_mlp_weights(use_snoo):
-    """SPEC §2.2: the record's wd 0.01 with wd_mul 2.0 on MLP weights, times the scheduled
+    """The record's wd 0.01 with wd_mul 2.0 on MLP weights, times the scheduled
     Muon lr. Zero gradients isolate the decay (NS(0) = 0, Adam's step is 0); with Snoo the
-    first update is the inner one times η(1 + μ) (SPEC §1, t = 0 fires)."""
+    first update is the inner one times η(1 + μ) (Snoo syncs at t = 0)."""
     tx = modded_nanogpt(100, use_snoo=use_snoo)
     grads = jax.tree.map(jnp.zeros_like, PARAMS)
     updates, _ = jax.jit(tx.update)(grads, tx.init(PARAMS), PARAMS)
@@ -102,7 +103,7 @@ def test_record_weight_decay_is_doubled_on_mlp_weights(use_snoo):
 
 # ---------------------------------------------------------------- the whole stack, float64
 MODDED = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
-          (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))  # SPEC §2.1, from the spec
+          (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))  # the record's NS coefficients
 
 
 def ref_ns(x):
@@ -116,7 +117,7 @@ def ref_ns(x):
     return np.swapaxes(X, -1, -2) if transposed else X
 
 
-# path -> (shape, group): "muon" or the record's Adam lr (SPEC §2.3).
+# path -> (shape, group): "muon" or the record's Adam lr.
 STACK = {
     "wte/embedding": ((16, 8), 0.3), "lm_head/kernel": ((8, 16), 1 / 320),
     "blocks/0/ln_1/scale": ((8,), 0.015), "blocks/0/attn/c_q/kernel": ((8, 8), "muon"),
@@ -137,7 +138,8 @@ def nest(flat):
 
 
 def reference_record(params, grads, T, k):
-    """SPEC §1 around §2.2 (Muon, record values) and Adam (0.8, 0.95, 1e-10), all on §2.5."""
+    """Snoo around Muon (record values) and Adam (0.8, 0.95, 1e-10), all on the stable
+    cooldown schedule."""
     p = {n: v.copy() for n, v in params.items()}
     slow, buf = {n: v.copy() for n, v in p.items()}, {n: np.zeros_like(v) for n, v in p.items()}
     m, v = {n: np.zeros_like(x) for n, x in p.items()}, {n: np.zeros_like(x) for n, x in p.items()}
@@ -188,3 +190,34 @@ def test_record_stack_matches_float64_reference():
         for n, want in ref[t].items():
             np.testing.assert_allclose(flat[n], want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"step {t}, {n}")
+
+
+def test_snoo_muon_with_one_adam_lr_is_snoo_around_muon():
+    """One Adam learning rate: the same updates as `snoo(optax_snoo.muon(...))` with an
+    undecayed AdamW group (the trainer's stack before it used this builder)."""
+    params = {"h": {"kernel": jnp.linspace(-1, 1, 24).reshape(4, 6)},
+              "wte": {"embedding": jnp.linspace(0, 1, 12).reshape(6, 2)}}
+    grads = [jax.tree.map(lambda p, i=i: jnp.cos(p * (i + 1)), params) for i in range(4)]
+    beta = optax_snoo.muon_momentum_warmup(0.85, 0.95, 3)
+    ours = recipes.snoo_muon(0.02, 3e-3, muon_momentum=beta, muon_weight_decay=0.1,
+                             adam_b1=0.8, adam_b2=0.95, snoo_k=2)
+    theirs = optax_snoo.snoo(optax_snoo.muon(
+        0.02, beta=beta, weight_decay=0.1, adam_learning_rate=3e-3, adam_b1=0.8, adam_b2=0.95,
+        adam_weight_decay=0.0), k=2)
+    states = [ours.init(params), theirs.init(params)]
+    for g in grads:
+        (u1, states[0]), (u2, states[1]) = (tx.update(g, s, params) for tx, s in
+                                            zip((ours, theirs), states, strict=True))
+        jax.tree.map(np.testing.assert_array_equal, u1, u2)
+        params = optax.apply_updates(params, u1)
+    assert "adam" in states[0].inner_state.inner_states
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"muon_learning_rate": -1.0}, "muon_learning_rate must be >= 0, got -1.0"),
+    ({"adam_learning_rate": ()}, "at least one"),
+    ({"adam_learning_rate": ((".*", -0.1),)}, r"adam_learning_rate\[0\] must be >= 0"),
+])
+def test_snoo_muon_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        recipes.snoo_muon(**{"muon_learning_rate": 0.02, "adam_learning_rate": 3e-3, **kwargs})

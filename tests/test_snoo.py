@@ -1,4 +1,5 @@
-"""Snoo against a float64 numpy implementation of SPEC §1, plus properties and the matrix."""
+"""Snoo against a float64 numpy implementation (Kallusky et al., modded-nanogpt PR #128),
+plus properties and the optax matrix."""
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ class NumpyAdamW:
 
 
 def numpy_snoo(inner, params, grads, lr, mom, k):
-    """SPEC §1, written out: inner step, then at t % k == 0 Nesterov SGD on slow - fast."""
+    """Snoo written out: inner step, then at t % k == 0 Nesterov SGD on slow - fast."""
     p = {kk: v.copy() for kk, v in params.items()}
     slow = {kk: v.copy() for kk, v in p.items()}
     buf = {kk: np.zeros_like(v) for kk, v in p.items()}
@@ -318,3 +319,37 @@ def test_inject_hyperparams():
     fresh.hyperparams["learning_rate"] = jnp.zeros([])
     u, _ = tx.update(m.random_grads(MATRIX_PARAMS, 0), fresh, MATRIX_PARAMS)
     m.assert_trees_close(u, jax.tree.map(jnp.zeros_like, MATRIX_PARAMS), 0, 1e-7)
+
+
+# ---------------------------------------------------------------- skipped updates
+def test_skip_update_advances_every_snoo_count_and_nothing_else():
+    params = {"a": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    inner = optax.partition({"x": snoo(optax.adam(0.1), k=2), "y": optax.sgd(0.1)},
+                            {"a": "x", "b": "y"})
+    tx = optax.chain(optax.clip_by_global_norm(1.0), snoo(inner, k=3))
+    state = tx.init(params)
+    state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)[1]
+    skipped = optax_snoo.skip_update(state)
+    outer, nested = skipped[1], skipped[1].inner_state.inner_states["x"].inner_state
+    assert int(outer.count) == 2 and int(nested.count) == 2  # both were 1
+    # Every leaf but the two Snoo counts is unchanged (Adam's own count included).
+    changed = [jax.tree_util.keystr(p) for (p, new), old in zip(
+        jax.tree_util.tree_flatten_with_path(skipped)[0], jax.tree.leaves(state), strict=True)
+        if not np.array_equal(new, old)]
+    assert len(changed) == 2 and all(c.endswith(".count") for c in changed), changed
+    assert jax.tree.structure(skipped) == jax.tree.structure(state)
+
+
+def test_a_skipped_update_keeps_its_slot_in_the_period():
+    """After a skip at t = 1 (k = 3), the next sync is at t = 3, as the host's hint says."""
+    params = {"w": jnp.ones(4)}
+    tx = snoo(optax.sgd(0.5), k=3)
+    grads = {"w": jnp.ones(4)}
+    state = tx.update(grads, tx.init(params), params, snoo_sync=True)[1]  # t = 0
+    state = optax_snoo.skip_update(state)  # t = 1 skipped
+    for t in (2, 3):
+        hinted = tx.update(grads, state, params, snoo_sync=optax_snoo.snoo_is_sync_step(t, 3))
+        decided = tx.update(grads, state, params)  # Snoo's own in-jit decision
+        jax.tree.map(np.testing.assert_array_equal, hinted, decided)
+        state = hinted[1]
+    assert int(state.count) == 4

@@ -15,6 +15,7 @@ from benchmarks.study import (
     steps_to_target,
     welch_one_sided,
 )
+from train import config as tc
 
 
 def _pair_with_t(t: float, n: int = 5):
@@ -79,17 +80,19 @@ def test_steps_to_target_interpolates_between_evaluations():
 def test_stack_config_applies_overrides_and_aliases(tmp_path):
     config = stack_config("shakespeare_char_cpu", "snoo_muon@snoo_k=7@snoo_lr=0.5", seed=3,
                           steps=40, eval_interval=10, out_dir=str(tmp_path))
-    assert (config.optimizer, config.snoo_k, config.snoo_lr) == ("snoo_muon", 7, 0.5)
-    assert (config.seed, config.max_iters, config.eval_interval) == (3, 40, 10)
+    flat = tc.flat_dict(config)
+    assert [flat[k] for k in ("optimizer", "snoo_k", "snoo_lr")] == ["snoo_muon", 7, 0.5]
+    assert [flat[k] for k in ("seed", "max_iters", "eval_interval")] == [3, 40, 10]
     smooth = stack_config("shakespeare_char_cpu", "snoo_muon_smooth", seed=0, steps=1,
                           eval_interval=1, out_dir=str(tmp_path))
     assert ALIASES["snoo_muon_smooth"].startswith("snoo_muon@")
-    assert (smooth.optimizer, smooth.muon_smoothing) == ("snoo_muon", 0.2)
+    assert (smooth.optimizer.name, smooth.muon.smoothing) == ("snoo_muon", 0.2)
     # Preset overrides apply to every stack; the cosine always ends at the run's last step.
     gpu = stack_config("gpt2_small@warmup_iters=20@eval_iters=10", "muon@muon_lr=0.03", seed=0,
                        steps=150, eval_interval=50, out_dir=str(tmp_path))
-    assert (gpu.n_layer, gpu.warmup_iters, gpu.eval_iters, gpu.muon_lr) == (12, 20, 10, 0.03)
-    assert gpu.lr_decay_iters is None  # the preset's 5000 would leave a 150-step run at peak
+    assert (gpu.model.n_layer, gpu.schedule.warmup_iters, gpu.run.eval_iters, gpu.muon.lr) == (
+        12, 20, 10, 0.03)
+    assert gpu.schedule.lr_decay_iters is None  # the preset's 5000: a 150-step run at peak
     with pytest.raises(ValueError, match="snoo_kk"):
         stack_config("shakespeare_char_cpu", "snoo_muon@snoo_kk=7", seed=0, steps=1,
                      eval_interval=1, out_dir=str(tmp_path))

@@ -45,7 +45,7 @@ def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
         max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
         checkpoint_every=4, mesh_data=1, num_samples=0, progress=False,
         data=str(corpus), out_dir=str(tmp_path / "run"))
-    return dataclasses.replace(tc.TrainConfig(), **{**base, **overrides})
+    return tc.override(tc.TrainConfig(), **{**base, **overrides})
 
 
 def train_losses(result) -> dict[int, float]:
@@ -72,7 +72,9 @@ def test_tiny_run_loss_falls_and_writes_outputs(reference):
     assert sorted(losses) == list(range(1, 9))
     assert losses[8] < losses[1]
     out = result.out_dir
-    assert json.loads((out / "config.json").read_text()) == tc.config_to_dict(config)
+    vocab_size = td.CharDataset.load(config.data.path).vocab_size  # set from the corpus
+    assert tc.config_from_dict(json.loads((out / "config.json").read_text())) == (
+        dataclasses.replace(config, model=tc.model_config(config, vocab_size)))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines == result.history
     assert {"loss", "grad_norm", "lr", "aux_loss", "tokens_per_sec", "mfu"} <= set(lines[1])
@@ -82,7 +84,7 @@ def test_tiny_run_loss_falls_and_writes_outputs(reference):
 
 def test_sample_cli_restores_the_final_model(reference, capsys):
     config, result = reference
-    assert sample_main(["--out", str(result.out_dir), "--seed", str(config.seed)]) == 0
+    assert sample_main(["--out", str(result.out_dir), "--seed", str(config.run.seed)]) == 0
     printed = capsys.readouterr().out
     assert printed.split("\n---------------\n")[0] == (
         result.out_dir / "samples.txt").read_text()[:-1]
@@ -100,14 +102,14 @@ def test_evaluate_cli_is_the_mean_loss_over_every_val_window(reference, corpus, 
     config, result = reference
     model, _, _ = load_model(result.out_dir)
     ids = td.CharDataset.load(corpus).val_ids
-    inputs, targets = split_windows(ids, config.block_size)
+    inputs, targets = split_windows(ids, config.model.block_size)
     logits = np.asarray(models.forward(model, jnp.asarray(inputs))[0], np.float64)
     log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     expected = float(np.mean(log_z - np.take_along_axis(logits, targets[..., None], -1)[..., 0]))
     for batch_size in (7, len(inputs), 1000):  # a remainder batch; one batch; fewer windows
         r = evaluate_split(result.out_dir, batch_size=batch_size)
-        assert r["windows"] == len(inputs) == (len(ids) - 1) // config.block_size
-        assert r["step"] == config.max_iters
+        assert r["windows"] == len(inputs) == (len(ids) - 1) // config.model.block_size
+        assert r["step"] == config.run.max_iters
         np.testing.assert_allclose(r["loss"], expected, rtol=1e-5)
     assert evaluate_main(["--out", str(result.out_dir), "--split=train"]) == 0
     assert capsys.readouterr().out.startswith("train loss ")
@@ -127,37 +129,36 @@ def test_evaluate_refuses_a_corpus_with_another_vocabulary(reference, tmp_path):
 
 def test_resume_continues_exactly(reference, corpus, tmp_path):
     config, result = reference
-    first = dataclasses.replace(config, out_dir=str(tmp_path / "run"), max_iters=4)
+    first = tc.override(config, out_dir=str(tmp_path / "run"), max_iters=4)
     half = train.run(first)  # checkpoint at 4, mid Snoo period (k=3)
     assert train_losses(half) == {s: v for s, v in train_losses(result).items() if s <= 4}
-    resumed = train.run(dataclasses.replace(first, max_iters=8, resume=True))
+    resumed = train.run(tc.override(first, max_iters=8, resume=True))
     expected = {s: v for s, v in train_losses(result).items() if s > 4}
     assert train_losses(resumed) == expected  # exact: the same batches, state and program
     assert resumed.final["val_loss"] == result.final["val_loss"]
 
     # A config that changes the model or optimizer cannot resume; the error names it.
     with pytest.raises(ValueError, match=r"n_embd: checkpoint has 32, this run has 64"):
-        train.run(dataclasses.replace(first, max_iters=8, resume=True, n_embd=64))
+        train.run(tc.override(first, max_iters=8, resume=True, n_embd=64))
     # A fresh run never writes over existing checkpoints.
     with pytest.raises(FileExistsError, match="--resume"):
-        train.run(dataclasses.replace(first, max_iters=8))
+        train.run(tc.override(first, max_iters=8))
 
 
 def _step_setup(config):
     """The jitted step the loop would build for `config` (same program: cached compiles)."""
-    vocab_size = td.CharDataset.load(config.data).vocab_size
-    tx, snoo_k = build_optimizer(config)
+    vocab_size = td.CharDataset.load(config.data.path).vocab_size
+    spec = build_optimizer(config)
     mesh = make_mesh(config)
-    model, state = create_train_state(tc.model_config(config, vocab_size), tx, seed=0,
+    model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
                                       mesh=mesh)
-    step = make_train_step(model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
-                           lr_schedule=learning_rate_schedule(config), snoo=snoo_k is not None)
-    return mesh, state, step, snoo_k, vocab_size
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
+    return mesh, state, step, spec, vocab_size
 
 
 def _batches(config, steps, vocab_size):
     rng = np.random.default_rng(0)
-    shape = (config.grad_accum, config.batch_size, config.block_size)
+    shape = (config.data.grad_accum, config.data.batch_size, config.model.block_size)
     return [rng.integers(0, vocab_size, (2, *shape)).astype(np.int32) for _ in range(steps)]
 
 
@@ -166,12 +167,13 @@ def test_snoo_static_hint_matches_in_jit_decision(corpus, tmp_path):
     config = tiny(corpus, tmp_path)  # the reference run's config: Snoo k=3 around AdamW
     runs = {}
     for hint in (True, False):
-        mesh, state, step, snoo_k, vocab_size = _step_setup(config)
+        mesh, state, step, spec, vocab_size = _step_setup(config)
+        assert spec.sync_period == 3
         losses = []
         for t, xy in enumerate(_batches(config, 7, vocab_size)):
-            sync = (t % snoo_k == 0) if hint else None
+            hints = spec.update_kwargs(t) if hint else {}
             state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
-                                  put_batch(xy[1], batch_sharding(mesh)), sync)
+                                  put_batch(xy[1], batch_sharding(mesh)), **hints)
             losses.append(float(metrics["loss"]))
         runs[hint] = (losses, state)
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
@@ -182,17 +184,18 @@ def test_snoo_static_hint_matches_in_jit_decision(corpus, tmp_path):
 
 def test_gradient_accumulation_equals_big_batch(corpus, tmp_path):
     big = tiny(corpus, tmp_path, batch_size=8, grad_accum=1)
-    small = dataclasses.replace(big, batch_size=4, grad_accum=2)
+    small = tc.override(big, batch_size=4, grad_accum=2)
     results = {}
     for config in (big, small):
         mesh, state, step, _, vocab_size = _step_setup(config)
         losses = []
         for xy in _batches(big, 4, vocab_size):
-            xy = xy.reshape(2, config.grad_accum, config.batch_size, config.block_size)
+            xy = xy.reshape(2, config.data.grad_accum, config.data.batch_size,
+                            config.model.block_size)
             state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
-                                  put_batch(xy[1], batch_sharding(mesh)), None)
+                                  put_batch(xy[1], batch_sharding(mesh)))
             losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
-        results[config.grad_accum] = (losses, state["params"])
+        results[config.data.grad_accum] = (losses, state["params"])
     np.testing.assert_allclose(results[2][0], results[1][0], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  results[2][1], results[1][1])
@@ -203,12 +206,12 @@ def test_eight_devices_match_one_and_stay_sharded(corpus, tmp_path):
     assert len(jax.devices()) == 8
     one = tiny(corpus, tmp_path)
     runs = {}
-    for config in (one, dataclasses.replace(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)):
+    for config in (one, tc.override(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)):
         mesh, state, step, _, vocab_size = _step_setup(config)
         losses = []
         for xy in _batches(config, 4, vocab_size):
             state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
-                                  put_batch(xy[1], batch_sharding(mesh)), None)
+                                  put_batch(xy[1], batch_sharding(mesh)))
             losses.append(float(metrics["loss"]))
         runs[mesh.size] = (losses, state)
     np.testing.assert_allclose(runs[8][0], runs[1][0], rtol=2e-5)
@@ -241,8 +244,9 @@ def test_every_registered_optimizer_updates(corpus, tmp_path):
     grads = jax.tree.map(lambda p: 0.01 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape),
                          params)
     for name in OPTIMIZERS:
-        tx, snoo_k = build_optimizer(tiny(corpus, tmp_path, optimizer=name, snoo_k=2))
-        assert (snoo_k == 2) == name.startswith("snoo"), name
+        spec = build_optimizer(tiny(corpus, tmp_path, optimizer=name, snoo_k=2))
+        assert (spec.sync_period == 2) == name.startswith("snoo"), name
+        tx = spec.tx
         state = tx.init(params)
         updates, state = tx.update(grads, state, params)
         assert jax.tree.structure(updates) == jax.tree.structure(params), name
@@ -263,7 +267,7 @@ def nanogpt_lr(it, lr, min_lr, warmup, decay):
 
 
 def test_cosine_schedule_is_nanogpts_get_lr():
-    config = dataclasses.replace(tc.TrainConfig(), learning_rate=1e-3, min_lr=1e-4,
+    config = tc.override(tc.TrainConfig(), learning_rate=1e-3, min_lr=1e-4,
                                  warmup_iters=100, max_iters=2000)
     schedule = learning_rate_schedule(config)
     for it in [0, 1, 50, 99, 100, 101, 700, 1999, 2000, 2500]:
@@ -271,13 +275,13 @@ def test_cosine_schedule_is_nanogpts_get_lr():
                                                     rel=1e-5), it
     muon = learning_rate_schedule(config, peak=0.02)
     assert float(muon(2000)) == pytest.approx(0.002, rel=1e-5)
-    short = learning_rate_schedule(dataclasses.replace(config, max_iters=50))
+    short = learning_rate_schedule(tc.override(config, max_iters=50))
     assert float(short(10)) == pytest.approx(1e-3 * 11 / 101, rel=1e-5)
     assert float(short(200)) == pytest.approx(1e-4, rel=1e-5)
 
 
 def test_stable_cooldown_schedule_is_the_records():
-    config = dataclasses.replace(tc.TrainConfig(), schedule="stable_cooldown", max_iters=100,
+    config = tc.override(tc.TrainConfig(), schedule="stable_cooldown", max_iters=100,
                                  cooldown_frac=0.7, final_lr_scale=0.01, learning_rate=2e-3)
     schedule = learning_rate_schedule(config)
     for t in [0, 10, 29, 30, 65, 99, 100]:
@@ -292,22 +296,29 @@ def test_stable_cooldown_schedule_is_the_records():
 def test_presets_and_overrides():
     default = tc.parse_args([])
     assert default == tc.get_preset("shakespeare_char_cpu")
-    assert (default.n_layer, default.n_head, default.n_embd, default.block_size,
-            default.batch_size, default.max_iters, default.learning_rate, default.min_lr,
-            default.warmup_iters, default.beta2, default.dropout) == (
-                4, 4, 128, 64, 12, 2000, 1e-3, 1e-4, 100, 0.99, 0.0)
+    flat = tc.flat_dict(default)
+    assert [flat[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
+                              "max_iters", "learning_rate", "min_lr", "warmup_iters", "beta2",
+                              "dropout")] == [4, 4, 128, 64, 12, 2000, 1e-3, 1e-4, 100, 0.99, 0.0]
     gpu = tc.get_preset("shakespeare_char")
-    assert (gpu.n_layer, gpu.n_embd, gpu.block_size, gpu.batch_size, gpu.dropout,
-            gpu.max_iters) == (6, 384, 256, 64, 0.2, 5000)
-    assert tc.get_preset("moe_tiny").moe_every == 2
-    assert tc.get_preset("gpt2_small").n_embd == 768
+    assert (gpu.model.n_layer, gpu.model.n_embd, gpu.model.block_size, gpu.data.batch_size,
+            gpu.model.dropout, gpu.run.max_iters) == (6, 384, 256, 64, 0.2, 5000)
+    assert tc.get_preset("moe_tiny").model.moe_every == 2
+    assert tc.get_preset("gpt2_small").model.n_embd == 768
     config = tc.parse_args(["--optimizer", "adamw", "--max_iters=7", "--preset=moe_tiny",
                             "--resume", "--lr_decay_iters=None", "--sample_start=a\\nb",
                             "--learning-rate=3e-4", "--bias=true"])
-    assert (config.optimizer, config.max_iters, config.moe_every, config.resume,
-            config.lr_decay_iters, config.sample_start, config.learning_rate, config.bias) == (
+    assert (config.optimizer.name, config.run.max_iters, config.model.moe_every,
+            config.run.resume, config.schedule.lr_decay_iters, config.sample.start,
+            config.adamw.learning_rate, config.model.bias) == (
                 "adamw", 7, 2, True, None, "a\nb", 3e-4, True)
     assert tc.config_from_dict(tc.config_to_dict(config)) == config
+    assert tc.config_from_dict(tc.flat_dict(config)) == config  # older checkpoints: flat
+    # Every flat key names one field; the model's are GPTConfig's (no second copy).
+    assert len(tc.KEYS) == len(set(tc.KEYS.values())) == 82
+    assert {name for g, name in tc.KEYS.values() if g == "model"} == {
+        f.name for f in dataclasses.fields(models.GPTConfig)} - {"vocab_size"}
+    assert tc.parse_args(["--dtype=float16"]).model.dtype == "float16"  # as GPTConfig says
     gpt = tc.model_config(config, 65)
     assert gpt.vocab_size == 72 and gpt.moe_every == 2
     assert tc.model_config(default, 65).vocab_size == 65  # nanoGPT's CPU recipe: no padding
@@ -319,7 +330,6 @@ def test_presets_and_overrides():
     (["--n_layer=three"], r"--n_layer='three': expected int"),
     (["--dropout=high"], r"--dropout='high': expected float"),
     (["--resume=maybe"], r"--resume='maybe': expected bool"),
-    (["--optimizer=adamx"], r"optimizer='adamx': unknown; registered optimizers are \["),
     (["--preset=tiny_gpu"], r"unknown preset 'tiny_gpu'.*Presets: \["),
     (["--schedule=linear"], r"schedule='linear': expected one of \['cosine'"),
     (["--mesh_data=0"], r"mesh_data=0"),
@@ -330,11 +340,32 @@ def test_cli_errors(argv, message):
         tc.parse_args(argv)
 
 
+@pytest.mark.parametrize("values, message", [
+    ({"n_layer": 0}, r"GPTConfig.n_layer must be a positive int, got 0"),
+    ({"bias": "yes"}, r"bias='yes': expected bool"),
+    ({"snoo_k": 0}, r"snoo_k=0: expected a positive integer"),
+    ({"kfac_mode": "exact"}, r"kfac_mode='exact': expected one of \['pi', 'eigen'\]"),
+    ({"nope": 1}, r"unknown config key 'nope'"),
+])
+def test_override_validates_each_group(values, message):
+    with pytest.raises(ValueError, match=message):
+        tc.override(tc.TrainConfig(), **values)
+
+
+def test_unknown_optimizer_fails_before_any_work(tmp_path, capsys):
+    message = r"optimizer='adamx': unknown \(did you mean adamw.*registered optimizers are \["
+    with pytest.raises(ValueError, match=message):
+        train.run(tc.override(tc.TrainConfig(), optimizer="adamx", out_dir=str(tmp_path / "x")))
+    assert not (tmp_path / "x").exists()
+    assert main(["--optimizer=adamx"]) == 2
+    assert "optimizer='adamx': unknown" in capsys.readouterr().err
+
+
 def test_main_help_and_error_exit(capsys):
     assert main(["--help", "--preset=gpt2_small"]) == 0
     text = capsys.readouterr().out
-    for field in dataclasses.fields(tc.TrainConfig):
-        assert f"--{field.name} " in text
+    for key in tc.KEYS:
+        assert f"--{key} " in text
     assert "default 768" in text and "adamw" in text and "snoo_muon" in text
     assert main(["--n_embed=64"]) == 2
     assert "did you mean n_embd" in capsys.readouterr().err
@@ -358,7 +389,7 @@ def test_async_checkpoint_is_safe_from_donation(tmp_path):
 
 
 def test_config_mismatch_message():
-    saved = tc.config_to_dict(tc.TrainConfig())
+    saved = tc.flat_dict(tc.TrainConfig())
     check_compatible(saved, {**saved, "max_iters": 5, "out_dir": "x"})  # run fields may change
     with pytest.raises(ValueError, match=r"(?s)2 field\(s\).*n_layer: checkpoint has 4, this run "
                                          r"has 6.*optimizer: checkpoint has 'snoo_muon'"):
@@ -419,7 +450,7 @@ def test_corpus_not_found_says_where_to_put_it(tmp_path):
 
 
 def test_mesh_shape_fill_and_errors():
-    cfg = tc.TrainConfig
+    cfg = lambda **values: tc.override(tc.TrainConfig(), **values)
     assert mesh_shape(cfg(mesh_data=-1, mesh_fsdp=2, mesh_tensor=1), 8) == (4, 2, 1)
     assert mesh_shape(cfg(mesh_data=1, mesh_fsdp=1, mesh_tensor=1), 8) == (1, 1, 1)
     with pytest.raises(ValueError, match="needs 16 devices"):

@@ -3,8 +3,6 @@ bf16 params with the rounding transforms, and the per-role state the run actuall
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,7 @@ from optax_snoo.labels import path_to_str
 from optax_snoo.memory import skew_adam_state_bytes_by_role, state_bytes_by_group
 from train import config as tc
 from train import data as td
-from train.optimizers import build_optimizer, learning_rate_schedule
+from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
 
@@ -43,26 +41,26 @@ def tiny_moe(corpus, tmp_path, **overrides) -> tc.TrainConfig:
         min_lr=1e-3, warmup_iters=2, max_iters=10, lr_decay_iters=10, eval_interval=5,
         eval_iters=2, log_interval=1, checkpoint_every=10, mesh_data=1, num_samples=0,
         progress=False, snoo_k=3, data=str(corpus), out_dir=str(tmp_path / "run"))
-    return dataclasses.replace(tc.TrainConfig(), **{**base, **overrides})
+    return tc.override(tc.TrainConfig(), **{**base, **overrides})
 
 
 def setup(config):
     """The state and jitted step that `train.run` builds for `config`, and the data."""
-    data = td.CharDataset.load(config.data)
-    tx, snoo_k = build_optimizer(config)
+    data = td.CharDataset.load(config.data.path)
+    spec = build_optimizer(config)
     mesh = make_mesh(config)
-    model, state = create_train_state(tc.model_config(config, data.vocab_size), tx,
-                                      seed=config.seed, mesh=mesh)
-    step = make_train_step(model, tx, mesh=mesh, state_shardings=tree_shardings(state, mesh),
-                           lr_schedule=learning_rate_schedule(config), snoo=snoo_k is not None)
+    model, state = create_train_state(tc.model_config(config, data.vocab_size), spec.tx,
+                                      seed=config.run.seed, mesh=mesh)
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
     put = lambda x: put_batch(x, batch_sharding(mesh))
 
     def batch(t):
-        x, y = data.batch("train", t, batch_size=config.batch_size,
-                          block_size=config.block_size, grad_accum=1, seed=config.seed)
+        x, y = data.batch("train", t, batch_size=config.data.batch_size,
+                          block_size=config.model.block_size, grad_accum=1,
+                          seed=config.run.seed)
         return put(x), put(y)
 
-    return state, step, snoo_k, batch
+    return state, step, spec, batch
 
 
 def test_skewadam_bf16_moe_run_loss_falls(corpus, tmp_path):
@@ -101,7 +99,7 @@ def test_bf16_params_stay_bf16_and_state_has_the_roles(corpus, tmp_path):
     assert router.shape == (32, 4)                                    # full, not factored
 
     for t in range(3):
-        state, _ = step(state, *batch(t), None)
+        state, _ = step(state, *batch(t))
     params = state["params"]
     same = jax.tree.map(lambda a, b: a.dtype == b.dtype, params, params0)
     assert all(jax.tree.leaves(same))
@@ -122,7 +120,7 @@ def test_stochastic_rounding_keeps_steps_below_half_a_bf16_unit(corpus, tmp_path
         kernel = lambda s: np.asarray(s["params"]["blocks"][0]["mlp"]["c_fc"]["kernel"],
                                       np.float64)
         w0 = kernel(state)
-        state, _ = step(state, *batch(0), None)
+        state, _ = step(state, *batch(0))
         moved[dtype, rounding] = float(np.sum(np.abs(kernel(state) - w0)))
     exact = moved["float32", "none"]
     assert moved["bfloat16", "none"] < 0.5 * exact, moved
@@ -142,12 +140,12 @@ def test_rounding_acts_on_the_float32_update(rounding):
     p32 = jax.tree.map(lambda x: x.astype(jnp.float32), p16)  # the same values
     grads = [jax.tree.map(lambda x, t=t: jnp.asarray(
         np.random.default_rng(t).normal(size=x.shape), jnp.float32), p32) for t in range(3)]
-    config = dataclasses.replace(tc.TrainConfig(), optimizer="skewadam", skew_lr=3e-2,
+    config = tc.override(tc.TrainConfig(), optimizer="skewadam", skew_lr=3e-2,
                                  warmup_iters=0, max_iters=10, seed=3)
-    tx, _ = build_optimizer(dataclasses.replace(config, rounding=rounding))
-    ref_tx, _ = build_optimizer(dataclasses.replace(config, rounding="none"))
+    tx = build_optimizer(tc.override(config, rounding=rounding)).tx
+    ref_tx = build_optimizer(tc.override(config, rounding="none")).tx
     rounder = {"stochastic": optax_snoo.stochastic_rounding,
-               "dithered": optax_snoo.dithered_rounding}[rounding](key=config.seed)
+               "dithered": optax_snoo.dithered_rounding}[rounding](key=config.run.seed)
     state, ref_state, rounder_state = tx.init(p16), ref_tx.init(p32), rounder.init(p16)
     params = p16
     for g in grads:
@@ -170,12 +168,11 @@ def test_snoo_skewadam_fast_path_matches_in_jit_decision(corpus, tmp_path):
                       rounding="none")
     runs = {}
     for hint in (True, False):
-        state, step, snoo_k, batch = setup(config)
-        assert snoo_k == 3
+        state, step, spec, batch = setup(config)
+        assert spec.sync_period == 3
         losses = []
         for t in range(7):
-            sync = (t % snoo_k == 0) if hint else None
-            state, metrics = step(state, *batch(t), sync)
+            state, metrics = step(state, *batch(t), **(spec.update_kwargs(t) if hint else {}))
             losses.append(float(metrics["loss"]))
         runs[hint] = (losses, state)
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
@@ -188,10 +185,12 @@ def test_config_choices_and_errors():
     assert set(tc.CHOICES["skew_policies"]) == set(POLICY_PRESETS)
     config = tc.parse_args(["--optimizer=skewadam", "--skew_policies=expert_momentum",
                             "--param_dtype=bfloat16", "--rounding=dithered"])
-    assert (config.skew_policies, config.rounding) == ("expert_momentum", "dithered")
+    assert (config.skewadam.policies, config.optimizer.rounding) == ("expert_momentum",
+                                                                      "dithered")
     with pytest.raises(ValueError, match="rounding='nearest'"):
         tc.parse_args(["--rounding=nearest"])
     with pytest.raises(ValueError, match="skew_policies='tiered'"):
         tc.parse_args(["--skew_policies=tiered"])
     with pytest.raises(ValueError, match="weight_decay must be >= 0"):
-        build_optimizer(tc.TrainConfig(optimizer="skewadam", skew_weight_decay=-1.0))
+        build_optimizer(tc.override(tc.TrainConfig(), optimizer="skewadam",
+                                    skew_weight_decay=-1.0))

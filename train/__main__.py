@@ -24,6 +24,7 @@ import jax
 
 from train.config import TrainConfig, config_help, parse_args
 from train.loop import run
+from train.optimizers import OPTIMIZERS, get_builder
 
 DISTRIBUTED = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
                "process_id": "JAX_PROCESS_ID"}
@@ -89,11 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             shown = parse_args(split_distributed([a for a in argv if a not in ("-h", "--help")])[1])
         except ValueError:
             shown = TrainConfig()
-        print(config_help(shown))
+        print(config_help(shown, optimizers=list(OPTIMIZERS)))
         return 0
     try:
         settings, argv = split_distributed(argv)
         config = parse_args(argv)
+        get_builder(config.optimizer.name)  # an unknown optimizer: the same clear exit
         init_distributed(settings)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,14 +1,22 @@
-"""The trainer's configuration: one typed dataclass, named presets, `--key=value` overrides.
+"""The trainer's configuration: nested frozen dataclasses, named presets, flat `--key=value`.
 
-`TrainConfig` is flat (every field is one command-line key) and grouped by the `group`
-entry of each field's metadata: `model` (becomes a `models.GPTConfig`), `optimizer`,
-`schedule`, `data`, `run`, `mesh` and `sample`. The model and optimizer groups must match
-when a run resumes from a checkpoint (see `train.checkpoint`).
+`TrainConfig` holds one small dataclass per group: `model` (a `models.GPTConfig`, whose
+`__post_init__` is the one validation of the model's fields; its `vocab_size` is set from
+the corpus by `train.run`), `optimizer` (the registered name, clipping, rounding), one per
+optimizer family (`adamw`, `muon`, `snoo`, `skewadam`, `kfac`), and `schedule`, `data`,
+`run`, `mesh`, `sample`. Each group validates its own fields on construction.
+
+The command line keeps one flat key per field (`--n_layer`, `--muon_lr`, `--kfac_damping`,
+`--snoo_k`...): `KEYS` maps each flat key to its `(group, field)`; `override(config,
+**flat)` is the same from Python. This module knows no optimizer: the registry
+(`train.optimizers`) checks `optimizer` names.
 
 Example:
   >>> config = parse_args(["--preset=shakespeare_char_cpu", "--max_iters=100"])
-  >>> config.max_iters, config.n_layer
+  >>> config.run.max_iters, config.model.n_layer
   (100, 4)
+  >>> override(config, muon_lr=0.01, n_layer=2).muon.lr
+  0.01
 
 References:
   Karpathy, "nanoGPT" (train.py, configurator.py, config/train_shakespeare_char.py),
@@ -26,186 +34,366 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from models import GPTConfig
+from models.config import FLOAT_DTYPES, MLP_KINDS
+
 __all__ = [
     "CHOICES",
     "GROUPS",
+    "KEYS",
     "PRESETS",
+    "AdamWConfig",
+    "DataConfig",
+    "KfacConfig",
+    "MeshConfig",
+    "MuonConfig",
+    "OptimizerConfig",
+    "RunConfig",
+    "SampleConfig",
+    "ScheduleConfig",
+    "SkewAdamConfig",
+    "SnooConfig",
     "TrainConfig",
     "config_from_dict",
     "config_help",
     "config_to_dict",
+    "flat_dict",
     "get_preset",
     "group_fields",
     "model_config",
+    "override",
     "parse_args",
 ]
 
-GROUPS = ("model", "optimizer", "schedule", "data", "run", "mesh", "sample")
+
+def _field(default: Any, help: str, *, key: str | None = None,
+           choices: tuple[str, ...] | None = None) -> Any:
+    """A group field: its help, its flat command-line key (default: the field's name)
+    and, for strings, the allowed values."""
+    return dataclasses.field(default=default,
+                             metadata={"help": help, "key": key, "choices": choices})
 
 
-def _field(default: Any, group: str, help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"group": group, "help": help})
+def _key(group: Any, name: str) -> str:
+    return next(f.metadata.get("key") or f.name for f in dataclasses.fields(group)
+                if f.name == name)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _validate(group: Any, *, positive: Sequence[str] = (), non_negative: Sequence[str] = ()
+              ) -> None:
+    """Types and choices of every field of `group`, then the integer ranges; errors name
+    the flat key."""
+    for f in dataclasses.fields(group):
+        value = getattr(group, f.name)
+        _check_type(_key(group, f.name), _hints(type(group))[f.name], value)
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"{_key(group, f.name)}={value!r}: expected one of {list(choices)}")
+    for name in positive:
+        if getattr(group, name) < 1:
+            raise ValueError(f"{_key(group, name)}={getattr(group, name)!r}: expected a "
+                             "positive integer")
+    for name in non_negative:
+        if getattr(group, name) < 0:
+            raise ValueError(f"{_key(group, name)}={getattr(group, name)!r}: expected an "
+                             "integer >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Which registered optimizer (`train.optimizers.OPTIMIZERS`), and what wraps any."""
+
+    name: str = _field("snoo_muon", "name in train.optimizers.OPTIMIZERS", key="optimizer")
+    grad_clip: float = _field(1.0, "global-norm clipping (0 = off)")
+    rounding: str = _field("none", "rounding of bf16 params after each update (any "
+                           "optimizer; float32 params pass through)",
+                           choices=("none", "stochastic", "dithered"))
+
+    def __post_init__(self):
+        _validate(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW (Loshchilov & Hutter), the `adamw` stacks and every Adam group."""
+
+    learning_rate: float = _field(1e-3, "peak lr of AdamW (the Adam group of Muon and K-FAC)")
+    beta1: float = _field(0.9, "Adam beta1 (every Adam-like group; SkewAdam's too)")
+    beta2: float = _field(0.99, "Adam beta2 (every Adam-like group; SkewAdam's too)")
+    eps: float = _field(1e-8, "Adam epsilon (SkewAdam's clamp on squared statistics)")
+    weight_decay: float = _field(0.1, "AdamW weight decay on >= 2-D params (adamw stacks "
+                                 "and K-FAC's; Muon's Adam group has none)")
+
+    def __post_init__(self):
+        _validate(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    """Muon on hidden matrices (Jordan et al. 2024)."""
+
+    lr: float = _field(0.02, "peak lr of the Muon group", key="muon_lr")
+    beta: float = _field(0.95, "Muon momentum", key="muon_beta")
+    beta_warmup: int = _field(300, "steps warming Muon's momentum up from 0.85 (0 = "
+                              "constant)", key="muon_beta_warmup")
+    weight_decay: float = _field(0.0, "Muon decoupled weight decay", key="muon_weight_decay")
+    smoothing: float | None = _field(None, "Muon update smoothing sigma (modded-nanogpt "
+                                     "PR #137, EMA form; None = off)", key="muon_smoothing")
+
+    def __post_init__(self):
+        _validate(self, non_negative=("beta_warmup",))
+
+
+@dataclasses.dataclass(frozen=True)
+class SnooConfig:
+    """Snoo, the sparse Nesterov outer optimizer (modded-nanogpt PR #128)."""
+
+    lr: float = _field(0.68, "Snoo outer learning rate", key="snoo_lr")
+    momentum: float = _field(0.37, "Snoo outer Nesterov momentum", key="snoo_momentum")
+    k: int = _field(28, "Snoo sync period in steps", key="snoo_k")
+
+    def __post_init__(self):
+        _validate(self, positive=("k",))
+
+
+@dataclasses.dataclass(frozen=True)
+class SkewAdamConfig:
+    """SkewAdam (and the Adafactor baseline, which shares its lr and decay)."""
+
+    lr: float = _field(1e-3, "peak lr of SkewAdam and Adafactor (the paper's 3e-4 is for "
+                       "its 6.8B model; 1e-3 is AdamW's lr for the CPU presets)", key="skew_lr")
+    weight_decay: float = _field(0.05, "SkewAdam decoupled weight decay (backbone and "
+                                 "experts; never the router)", key="skew_weight_decay")
+    clip: float = _field(1.0, "SkewAdam per-tensor RMS clip (0 = off)", key="skew_clip")
+    policies: str = _field("skew_adam", "SkewAdam per-role state table", key="skew_policies",
+                           choices=("skew_adam", "expert_momentum", "factored_router",
+                                    "uniform"))
+
+    def __post_init__(self):
+        _validate(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class KfacConfig:
+    """K-FAC on hidden Dense kernels (+ biases); AdamW on the rest."""
+
+    lr: float | None = _field(None, "peak lr of the K-FAC group (None = learning_rate)",
+                              key="kfac_lr")
+    damping: float = _field(1e-3, "K-FAC damping lambda", key="kfac_damping")
+    ema: float = _field(0.95, "K-FAC factor EMA decay rho", key="kfac_ema")
+    momentum: float = _field(0.9, "K-FAC group heavy-ball momentum", key="kfac_momentum")
+    mode: str = _field("pi", "K-FAC damping: factored (pi) or exact (eigen)", key="kfac_mode",
+                       choices=("pi", "eigen"))
+    graft: str = _field("adam", "per-layer update norm of the K-FAC group", key="kfac_graft",
+                        choices=("adam", "sgd", "none"))
+    refresh: str = _field("every", "K-FAC inverse refresh policy", key="kfac_refresh",
+                          choices=("every", "by_lr_phase", "lr_ratio"))
+    interval: int = _field(100, "every: steps between refreshes; lr_ratio: the max interval",
+                           key="kfac_interval")
+    first: int | None = _field(None, "every: first refresh step (None = kfac_interval)",
+                               key="kfac_first")
+    phases: str = _field("none,150,300,600", "by_lr_phase: intervals for warmup,peak,decay,"
+                         "tail (an int, none or once)", key="kfac_phases")
+    tau: float = _field(0.15, "lr_ratio: relative lr change that refreshes", key="kfac_tau")
+    min_interval: int = _field(10, "lr_ratio: fewest steps between refreshes",
+                               key="kfac_min_interval")
+    skip_warmup: bool = _field(False, "lr_ratio: no refresh in the warmup",
+                               key="kfac_skip_warmup")
+    warm_start: int = _field(0, "batches estimating the factors before step 0 (0 = none)",
+                             key="kfac_warm_start")
+    stats_stride: int = _field(1, "factors from every n-th position of each sequence "
+                               "(rotating; 1 = all tokens)", key="kfac_stats_stride")
+
+    def __post_init__(self):
+        _validate(self, positive=("stats_stride",), non_negative=("warm_start",))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """The learning-rate schedule every group's peak follows."""
+
+    kind: str = _field("cosine", "learning-rate schedule", key="schedule",
+                       choices=("cosine", "stable_cooldown"))
+    warmup_iters: int = _field(100, "linear warmup steps (cosine)")
+    lr_decay_iters: int | None = _field(None, "cosine end step (None = max_iters)")
+    min_lr: float = _field(1e-4, "cosine final lr (scaled for the other groups' peaks)")
+    cooldown_frac: float = _field(0.7, "stable_cooldown: fraction spent decaying")
+    final_lr_scale: float = _field(0.0, "stable_cooldown: final lr multiplier")
+
+    def __post_init__(self):
+        _validate(self, non_negative=("warmup_iters",))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The corpus and the batch."""
+
+    path: str | None = _field(None, "corpus text file (None = tiny shakespeare)", key="data")
+    batch_size: int = _field(12, "sequences per micro-batch (global)")
+    grad_accum: int = _field(1, "micro-batches per optimizer step")
+    vocab_multiple: int = _field(8, "pad the vocabulary size to a multiple of this (the "
+                                 "vocab axis is sharded over mesh_tensor)")
+
+    def __post_init__(self):
+        _validate(self, positive=("batch_size", "grad_accum", "vocab_multiple"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Length, evaluation, logging, checkpoints and outputs of a run."""
+
+    max_iters: int = _field(2000, "optimizer steps")
+    eval_interval: int = _field(250, "evaluate every this many steps")
+    eval_iters: int = _field(20, "batches per split in an evaluation")
+    log_interval: int = _field(10, "log train metrics every this many steps")
+    checkpoint_every: int = _field(1000, "save a checkpoint every this many steps")
+    seed: int = _field(1337, "seed of the init, the data windows and dropout")
+    out_dir: str = _field("out/shakespeare_char_cpu", "where the run's outputs go")
+    resume: bool = _field(False, "continue from the latest checkpoint in out_dir")
+    progress: bool = _field(True, "show a progress bar")
+    max_bad_steps: int = _field(10, "stop after this many consecutive steps with a "
+                                "non-finite loss or gradient (each is skipped)")
+
+    def __post_init__(self):
+        _validate(self, positive=("eval_interval", "eval_iters", "log_interval",
+                                  "checkpoint_every", "max_bad_steps"),
+                  non_negative=("max_iters",))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes (-1 = fill with the remaining devices)."""
+
+    data: int = _field(-1, "data-parallel axis size", key="mesh_data")
+    fsdp: int = _field(1, "fully-sharded data-parallel axis size", key="mesh_fsdp")
+    tensor: int = _field(1, "tensor-parallel axis size", key="mesh_tensor")
+
+    def __post_init__(self):
+        _validate(self)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == 0 or value < -1:
+                raise ValueError(f"{_key(self, f.name)}={value}: expected a size >= 1 or "
+                                 "-1 (fill)")
+        if [self.data, self.fsdp, self.tensor].count(-1) > 1:
+            raise ValueError("at most one of mesh_data, mesh_fsdp, mesh_tensor may be -1")
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """`(data, fsdp, tensor)`."""
+        return self.data, self.fsdp, self.tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """Text generated at the end of a run (`samples.txt`)."""
+
+    num_samples: int = _field(3, "samples generated at the end (0 = none)")
+    tokens: int = _field(300, "new tokens per sample", key="sample_tokens")
+    temperature: float = _field(0.8, "sampling temperature")
+    top_k: int | None = _field(200, "keep the k most likely tokens", key="sample_top_k")
+    start: str = _field("\n", "prompt", key="sample_start")
+
+    def __post_init__(self):
+        _validate(self, non_negative=("num_samples", "tokens"))
+
+
+# Help of the model's keys (the fields of models.GPTConfig but vocab_size).
+MODEL_HELP: dict[str, str] = {
+    "block_size": "context length T in tokens",
+    "n_layer": "transformer blocks L",
+    "n_head": "attention heads H",
+    "n_kv_head": "key/value heads (None = n_head)",
+    "n_embd": "residual width D",
+    "mlp": "MLP kind",
+    "mlp_hidden": "MLP hidden width (None = model default)",
+    "bias": "biases in linear layers and norms",
+    "dropout": "dropout rate while training",
+    "tie_embeddings": "share the token embedding with the LM head",
+    "dtype": "compute dtype (params stay in param_dtype)",
+    "param_dtype": "parameter dtype",
+    "moe_every": "every k-th block is mixture-of-experts (0 = dense)",
+    "n_experts": "experts per MoE block",
+    "top_k": "experts per token",
+    "expert_hidden": "expert MLP width (None = default)",
+    "capacity_factor": "MoE expert capacity factor",
+    "aux_loss_coef": "MoE load-balancing loss coefficient",
+    "z_loss_coef": "MoE router z-loss coefficient",
+}
+_MODEL_CHOICES = {"mlp": MLP_KINDS, "dtype": FLOAT_DTYPES, "param_dtype": FLOAT_DTYPES}
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Every setting of a training run. Defaults are the `shakespeare_char_cpu` preset,
-    except `vocab_multiple` (8 here, so a tensor-parallel mesh divides the vocabulary)."""
+    """Every setting of a training run, by group. Defaults are the `shakespeare_char_cpu`
+    preset, except `data.vocab_multiple` (8 here, so a tensor-parallel mesh divides the
+    vocabulary)."""
 
-    # model (fields named as in models.GPTConfig; the vocabulary comes from the data)
-    block_size: int = _field(64, "model", "context length T in tokens")
-    n_layer: int = _field(4, "model", "transformer blocks L")
-    n_head: int = _field(4, "model", "attention heads H")
-    n_kv_head: int | None = _field(None, "model", "key/value heads (None = n_head)")
-    n_embd: int = _field(128, "model", "residual width D")
-    mlp: str = _field("gelu", "model", "MLP kind")
-    mlp_hidden: int | None = _field(None, "model", "MLP hidden width (None = model default)")
-    bias: bool = _field(False, "model", "biases in linear layers and norms")
-    dropout: float = _field(0.0, "model", "dropout rate while training")
-    tie_embeddings: bool = _field(True, "model", "share the token embedding with the LM head")
-    dtype: str = _field("bfloat16", "model", "compute dtype (params stay in param_dtype)")
-    param_dtype: str = _field("float32", "model", "parameter dtype")
-    moe_every: int = _field(0, "model", "every k-th block is mixture-of-experts (0 = dense)")
-    n_experts: int = _field(8, "model", "experts per MoE block")
-    top_k: int = _field(2, "model", "experts per token")
-    expert_hidden: int | None = _field(None, "model", "expert MLP width (None = default)")
-    capacity_factor: float = _field(1.25, "model", "MoE expert capacity factor")
-    aux_loss_coef: float = _field(0.01, "model", "MoE load-balancing loss coefficient")
-    z_loss_coef: float = _field(0.0, "model", "MoE router z-loss coefficient")
-    vocab_multiple: int = _field(8, "model", "pad the vocabulary size to a multiple of this "
-                                 "(the vocab axis is sharded over mesh_tensor)")
-
-    # optimizer
-    optimizer: str = _field("snoo_muon", "optimizer", "name in train.optimizers.OPTIMIZERS")
-    learning_rate: float = _field(1e-3, "optimizer", "peak lr of AdamW (Adam group for Muon)")
-    beta1: float = _field(0.9, "optimizer", "Adam beta1")
-    beta2: float = _field(0.99, "optimizer", "Adam beta2")
-    eps: float = _field(1e-8, "optimizer", "Adam epsilon")
-    weight_decay: float = _field(0.1, "optimizer", "AdamW weight decay on >= 2-D params "
-                                 "(adamw stacks; Muon's Adam group has none)")
-    grad_clip: float = _field(1.0, "optimizer", "global-norm clipping (0 = off)")
-    # K-FAC (kfac, snoo_kfac): hidden Dense kernels (+ biases); AdamW on the rest
-    kfac_lr: float | None = _field(None, "optimizer", "peak lr of the K-FAC group "
-                                   "(None = learning_rate)")
-    kfac_damping: float = _field(1e-3, "optimizer", "K-FAC damping lambda")
-    kfac_ema: float = _field(0.95, "optimizer", "K-FAC factor EMA decay rho")
-    kfac_momentum: float = _field(0.9, "optimizer", "K-FAC group heavy-ball momentum")
-    kfac_mode: str = _field("pi", "optimizer", "K-FAC damping: factored (pi) or exact (eigen)")
-    kfac_graft: str = _field("adam", "optimizer", "per-layer update norm of the K-FAC group")
-    kfac_refresh: str = _field("every", "optimizer", "K-FAC inverse refresh policy")
-    kfac_interval: int = _field(100, "optimizer", "every: steps between refreshes; "
-                                "lr_ratio: the max interval")
-    kfac_first: int | None = _field(None, "optimizer", "every: first refresh step "
-                                    "(None = kfac_interval)")
-    kfac_phases: str = _field("none,150,300,600", "optimizer", "by_lr_phase: intervals for "
-                              "warmup,peak,decay,tail (an int, none or once)")
-    kfac_tau: float = _field(0.15, "optimizer", "lr_ratio: relative lr change that refreshes")
-    kfac_min_interval: int = _field(10, "optimizer", "lr_ratio: fewest steps between refreshes")
-    kfac_skip_warmup: bool = _field(False, "optimizer", "lr_ratio: no refresh in the warmup")
-    kfac_warm_start: int = _field(0, "optimizer", "batches estimating the factors before "
-                                  "step 0 (0 = none)")
-    kfac_stats_stride: int = _field(1, "optimizer", "factors from every n-th position of "
-                                    "each sequence (rotating; 1 = all tokens)")
-    muon_lr: float = _field(0.02, "optimizer", "peak lr of the Muon group")
-    muon_beta: float = _field(0.95, "optimizer", "Muon momentum")
-    muon_beta_warmup: int = _field(300, "optimizer", "steps warming Muon's momentum up from "
-                                   "0.85 (0 = constant)")
-    muon_weight_decay: float = _field(0.0, "optimizer", "Muon decoupled weight decay")
-    muon_smoothing: float | None = _field(None, "optimizer", "Muon update smoothing sigma "
-                                          "(SPEC §2.4, PR #137 EMA form; None = off)")
-    snoo_lr: float = _field(0.68, "optimizer", "Snoo outer learning rate")
-    snoo_momentum: float = _field(0.37, "optimizer", "Snoo outer Nesterov momentum")
-    snoo_k: int = _field(28, "optimizer", "Snoo sync period in steps")
-    skew_lr: float = _field(1e-3, "optimizer", "peak lr of SkewAdam (SPEC's 3e-4 is for its "
-                            "6.8B model; 1e-3 is AdamW's lr for the CPU presets)")
-    skew_weight_decay: float = _field(0.05, "optimizer", "SkewAdam decoupled weight decay "
-                                      "(backbone and experts; never the router)")
-    skew_clip: float = _field(1.0, "optimizer", "SkewAdam per-tensor RMS clip (0 = off)")
-    skew_policies: str = _field("skew_adam", "optimizer", "SkewAdam per-role state table")
-    rounding: str = _field("none", "optimizer", "rounding of bf16 params after each update "
-                           "(any optimizer; float32 params pass through)")
-
-    # schedule
-    schedule: str = _field("cosine", "schedule", "learning-rate schedule")
-    warmup_iters: int = _field(100, "schedule", "linear warmup steps (cosine)")
-    lr_decay_iters: int | None = _field(None, "schedule", "cosine end step (None = max_iters)")
-    min_lr: float = _field(1e-4, "schedule", "cosine final lr (scaled for the Muon group)")
-    cooldown_frac: float = _field(0.7, "schedule", "stable_cooldown: fraction spent decaying")
-    final_lr_scale: float = _field(0.0, "schedule", "stable_cooldown: final lr multiplier")
-
-    # data
-    data: str | None = _field(None, "data", "corpus text file (None = tiny shakespeare)")
-    batch_size: int = _field(12, "data", "sequences per micro-batch (global)")
-    grad_accum: int = _field(1, "data", "micro-batches per optimizer step")
-
-    # run
-    max_iters: int = _field(2000, "run", "optimizer steps")
-    eval_interval: int = _field(250, "run", "evaluate every this many steps")
-    eval_iters: int = _field(20, "run", "batches per split in an evaluation")
-    log_interval: int = _field(10, "run", "log train metrics every this many steps")
-    checkpoint_every: int = _field(1000, "run", "save a checkpoint every this many steps")
-    seed: int = _field(1337, "run", "seed of the init, the data windows and dropout")
-    out_dir: str = _field("out/shakespeare_char_cpu", "run", "where the run's outputs go")
-    resume: bool = _field(False, "run", "continue from the latest checkpoint in out_dir")
-    progress: bool = _field(True, "run", "show a progress bar")
-    max_bad_steps: int = _field(10, "run", "stop after this many consecutive steps with a "
-                                "non-finite loss or gradient (each is skipped)")
-
-    # mesh (-1 = fill with the remaining devices)
-    mesh_data: int = _field(-1, "mesh", "data-parallel axis size")
-    mesh_fsdp: int = _field(1, "mesh", "fully-sharded data-parallel axis size")
-    mesh_tensor: int = _field(1, "mesh", "tensor-parallel axis size")
-
-    # sample (written to samples.txt at the end)
-    num_samples: int = _field(3, "sample", "samples generated at the end (0 = none)")
-    sample_tokens: int = _field(300, "sample", "new tokens per sample")
-    temperature: float = _field(0.8, "sample", "sampling temperature")
-    sample_top_k: int | None = _field(200, "sample", "keep the k most likely tokens")
-    sample_start: str = _field("\n", "sample", "prompt")
+    model: GPTConfig = dataclasses.field(default_factory=GPTConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    adamw: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
+    muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)
+    snoo: SnooConfig = dataclasses.field(default_factory=SnooConfig)
+    skewadam: SkewAdamConfig = dataclasses.field(default_factory=SkewAdamConfig)
+    kfac: KfacConfig = dataclasses.field(default_factory=KfacConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
 
     def __post_init__(self):
-        for name, value in dataclasses.asdict(self).items():
-            _check_type(name, value)
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {list(allowed)}")
-        from train.optimizers import OPTIMIZERS  # late: optimizers imports this module
-
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r}: unknown; registered optimizers "
-                             f"are {sorted(OPTIMIZERS)}")
-        positive = ("block_size", "n_layer", "n_head", "n_embd", "batch_size", "grad_accum",
-                    "eval_interval", "eval_iters", "log_interval", "checkpoint_every",
-                    "snoo_k", "vocab_multiple", "n_experts", "top_k", "max_bad_steps")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected a positive integer")
-        for name in ("max_iters", "warmup_iters", "moe_every", "muon_beta_warmup",
-                     "num_samples", "sample_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 0")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout}: expected a value in [0, 1)")
-        for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
-            if getattr(self, name) == 0 or getattr(self, name) < -1:
-                raise ValueError(f"{name}={getattr(self, name)}: expected a size >= 1 or -1 (fill)")
-        if [self.mesh_data, self.mesh_fsdp, self.mesh_tensor].count(-1) > 1:
-            raise ValueError("at most one of mesh_data, mesh_fsdp, mesh_tensor may be -1")
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), _GROUP_TYPES[f.name]):
+                raise ValueError(f"TrainConfig.{f.name}: expected a {_GROUP_TYPES[f.name].__name__}"
+                                 f", got {getattr(self, f.name)!r}")
 
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "mlp": ("gelu", "swiglu"),
-    "dtype": ("bfloat16", "float32"),
-    "param_dtype": ("bfloat16", "float32"),
-    "schedule": ("cosine", "stable_cooldown"),
-    "skew_policies": ("skew_adam", "expert_momentum", "factored_router", "uniform"),
-    "rounding": ("none", "stochastic", "dithered"),
-    "kfac_mode": ("pi", "eigen"),
-    "kfac_graft": ("adam", "sgd", "none"),
-    "kfac_refresh": ("every", "by_lr_phase", "lr_ratio"),
-}
+_GROUP_TYPES: dict[str, type] = {
+    "model": GPTConfig, "optimizer": OptimizerConfig, "adamw": AdamWConfig,
+    "muon": MuonConfig, "snoo": SnooConfig, "skewadam": SkewAdamConfig, "kfac": KfacConfig,
+    "schedule": ScheduleConfig, "data": DataConfig, "run": RunConfig, "mesh": MeshConfig,
+    "sample": SampleConfig}
+GROUPS: tuple[str, ...] = tuple(_GROUP_TYPES)
+#: The optimizer families: a checkpoint's config must match in these and `optimizer`.
+OPTIMIZER_GROUPS = ("optimizer", "adamw", "muon", "snoo", "skewadam", "kfac")
+
+
+def _keys() -> dict[str, tuple[str, str]]:
+    keys = {}
+    for group, cls in _GROUP_TYPES.items():
+        for f in dataclasses.fields(cls):
+            if group == "model" and f.name == "vocab_size":
+                continue  # from the corpus
+            keys[f.metadata.get("key") or f.name] = (group, f.name)
+    return keys
+
+
+#: Every flat key -> `(group, field)`: `--muon_lr` is `config.muon.lr`.
+KEYS: dict[str, tuple[str, str]] = _keys()
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    choices = {}
+    for key, (group, name) in KEYS.items():
+        if group == "model":
+            allowed = _MODEL_CHOICES.get(name)
+        else:
+            allowed = next(f.metadata["choices"] for f in dataclasses.fields(_GROUP_TYPES[group])
+                           if f.name == name)
+        if allowed:
+            choices[key] = allowed
+    return choices
+
+
+#: The allowed values of every string key that has a fixed set.
+CHOICES: dict[str, tuple[str, ...]] = _choices()
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's CPU recipe (README: --device=cpu --eval_iters=20 --block_size=64 ...).
@@ -213,10 +401,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (AMX / AVX512-BF16; see models.layers.matmul), and a train step took 0.7-0.8x the CPU
     # time of float32 on the project's Xeon (benchmarks/throughput.py). A CPU without
     # bf16 units emulates them: pass --dtype=float32 there.
-    # No vocabulary padding, as nanoGPT: step-0 loss ln 65 = 4.17 (SPEC §5: 4.1649), not
-    # ln 72; the same speed on CPU (one device, so nothing to shard the vocab over).
+    # No vocabulary padding, as nanoGPT: step-0 loss ln 65 = 4.17, not ln 72; the same
+    # speed on CPU (one device, so nothing to shard the vocab over).
     "shakespeare_char_cpu": dict(vocab_multiple=1),
-    # nanoGPT's config/train_shakespeare_char.py (one GPU); SPEC §5: best val 1.4697.
+    # nanoGPT's config/train_shakespeare_char.py (one GPU); its README: best val 1.4697.
     "shakespeare_char": dict(
         n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2,
         max_iters=5000, lr_decay_iters=5000, eval_iters=200, checkpoint_every=1000,
@@ -233,6 +421,27 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def override(config: TrainConfig, **values: Any) -> TrainConfig:
+    """`config` with flat keys replaced: `override(config, max_iters=100, n_layer=2)`.
+
+    Every changed group is rebuilt, so its validation runs (the model's is
+    `models.GPTConfig`'s).
+
+    Raises:
+      ValueError: an unknown key (with close matches), a wrong type or a bad value.
+    """
+    by_group: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        _check_known(key)
+        group, name = KEYS[key]
+        if group == "model":  # GPTConfig validates values, not every type
+            _check_type(key, _hints(GPTConfig)[name], value)
+        by_group.setdefault(group, {})[name] = value
+    return dataclasses.replace(config, **{
+        group: dataclasses.replace(getattr(config, group), **fields)
+        for group, fields in by_group.items()})
+
+
 def get_preset(name: str) -> TrainConfig:
     """Return the named preset (see `PRESETS`).
 
@@ -243,44 +452,70 @@ def get_preset(name: str) -> TrainConfig:
         close = difflib.get_close_matches(name, PRESETS, n=3)
         hint = f"; did you mean {close}?" if close else ""
         raise ValueError(f"unknown preset {name!r}{hint} Presets: {sorted(PRESETS)}")
-    return TrainConfig(**PRESETS[name])
+    return override(TrainConfig(), **PRESETS[name])
 
 
 def group_fields(group: str) -> tuple[str, ...]:
-    """Names of the config fields in `group` (one of `GROUPS`)."""
+    """The flat keys a checkpoint's config must match in, for `group`.
+
+    `"model"`: the GPT's keys plus `vocab_multiple` (it sets the padded vocabulary);
+    `"optimizer"`: the optimizer's name, clipping and rounding plus every optimizer family
+    (`OPTIMIZER_GROUPS`); any other group of `GROUPS`: its own keys.
+    """
     if group not in GROUPS:
         raise ValueError(f"unknown group {group!r}; expected one of {GROUPS}")
-    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["group"] == group)
+    groups = OPTIMIZER_GROUPS if group == "optimizer" else (group,)
+    keys = tuple(key for key, (g, _) in KEYS.items() if g in groups)
+    return (*keys, "vocab_multiple") if group == "model" else keys
 
 
-def model_config(config: TrainConfig, vocab_size: int):
-    """The `models.GPTConfig` of `config`, with `vocab_size` padded to `vocab_multiple`."""
-    from models import GPTConfig
-
-    padded = -(-vocab_size // config.vocab_multiple) * config.vocab_multiple
-    kwargs = {name: getattr(config, name) for name in group_fields("model")}
-    kwargs.pop("vocab_multiple")
-    return GPTConfig(vocab_size=padded, **kwargs)
+def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
+    """`config.model` with `vocab_size` padded to `data.vocab_multiple`."""
+    multiple = config.data.vocab_multiple
+    return dataclasses.replace(config.model, vocab_size=-(-vocab_size // multiple) * multiple)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:
-    """A JSON-ready dict of every field."""
+    """A JSON-ready nested dict, `{group: {field: value}}`."""
     return dataclasses.asdict(config)
 
 
+def flat_dict(config: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """Every flat key with its value, from a config or a dict of `config_to_dict` (a flat
+    dict, as older checkpoints stored, passes through): what `train.checkpoint.
+    check_compatible` compares."""
+    if isinstance(config, TrainConfig):
+        config = config_to_dict(config)
+    if not any(isinstance(v, Mapping) for v in config.values()):
+        return dict(config)
+    return {key: config[group][name] for key, (group, name) in KEYS.items()
+            if name in config.get(group, {})}
+
+
 def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
-    """Inverse of `config_to_dict`; unknown keys and wrong types raise ValueError."""
-    for key in values:
-        _check_known(key)
-    return TrainConfig(**values)
+    """Inverse of `config_to_dict` (a flat dict of keys also works); unknown keys and
+    wrong types raise ValueError."""
+    if not any(isinstance(v, Mapping) for v in values.values()):
+        return override(TrainConfig(), **values)
+    groups = {}
+    for group, fields in values.items():
+        if group not in _GROUP_TYPES:
+            raise ValueError(f"unknown config group {group!r}; expected one of {GROUPS}")
+        cls = _GROUP_TYPES[group]
+        names = [f.name for f in dataclasses.fields(cls)]
+        for name in fields:
+            if name not in names:
+                raise ValueError(f"unknown field {group}.{name}; {group} has {names}")
+        groups[group] = cls(**fields)
+    return TrainConfig(**groups)
 
 
 # ----------------------------------------------------------------------------- parsing
 
 
-@functools.cache
-def _hints() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
+def _key_type(key: str) -> Any:
+    group, name = KEYS[key]
+    return _hints(_GROUP_TYPES[group])[name]
 
 
 def _type_name(tp: Any) -> str:
@@ -290,15 +525,13 @@ def _type_name(tp: Any) -> str:
 
 
 def _check_known(key: str) -> None:
-    names = [f.name for f in dataclasses.fields(TrainConfig)]
-    if key not in names:
-        close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    if key not in KEYS:
+        close = difflib.get_close_matches(key, KEYS, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise ValueError(f"unknown config key {key!r}{hint} (see --help for all keys)")
 
 
-def _check_type(name: str, value: Any) -> None:
-    tp = _hints()[name]
+def _check_type(key: str, tp: Any, value: Any) -> None:
     allowed = typing.get_args(tp) if typing.get_origin(tp) in (
         typing.Union, types.UnionType) else (tp,)
     for a in allowed:
@@ -310,11 +543,11 @@ def _check_type(name: str, value: Any) -> None:
             return
         if a in (bool, str) and isinstance(value, a):
             return
-    raise ValueError(f"{name}={value!r}: expected {_type_name(tp)}")
+    raise ValueError(f"{key}={value!r}: expected {_type_name(tp)}")
 
 
-def _parse_value(name: str, text: str) -> Any:
-    tp = _hints()[name]
+def _parse_value(key: str, text: str) -> Any:
+    tp = _key_type(key)
     allowed = typing.get_args(tp) if typing.get_origin(tp) in (
         typing.Union, types.UnionType) else (tp,)
     if type(None) in allowed and text.lower() in ("none", "null"):
@@ -333,19 +566,20 @@ def _parse_value(name: str, text: str) -> Any:
             except ValueError:
                 pass
         if a is str:
-            return text.encode().decode("unicode_escape") if name == "sample_start" else text
-    raise ValueError(f"--{name}={text!r}: expected {_type_name(tp)}")
+            return text.encode().decode("unicode_escape") if key == "sample_start" else text
+    raise ValueError(f"--{key}={text!r}: expected {_type_name(tp)}")
 
 
 def parse_args(argv: Sequence[str]) -> TrainConfig:
-    """Build a config from `--preset=NAME` and `--key=value` (or `--key value`) arguments.
+    """Build a config from `--preset=NAME` and flat `--key=value` (or `--key value`).
 
     The preset (default `shakespeare_char_cpu`) applies first, whatever its position; a
-    bare `--flag` sets a bool field to true. Values are type-checked against the field.
+    bare `--flag` sets a bool key to true. Values are type-checked against the field.
+    (The optimizer's name is checked by `train.optimizers.get_builder`.)
 
     Raises:
       ValueError: naming the key for an unknown key (with close matches), a value of the
-        wrong type, or an unknown preset/optimizer.
+        wrong type or out of range, or an unknown preset.
     """
     preset, overrides, args = "shakespeare_char_cpu", {}, list(argv)
     while args:
@@ -355,7 +589,7 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
         key, eq, text = arg[2:].partition("=")
         key = key.replace("-", "_")
         if not eq:
-            is_flag = key != "preset" and key in _hints() and _hints()[key] is bool and (
+            is_flag = key in KEYS and _key_type(key) is bool and (
                 not args or args[0].startswith("--"))
             if is_flag:
                 text = "true"
@@ -370,27 +604,36 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
             continue
         _check_known(key)
         overrides[key] = _parse_value(key, text)
-    base = get_preset(preset)
-    return dataclasses.replace(base, **overrides)
+    return override(get_preset(preset), **overrides)
 
 
-def config_help(config: TrainConfig | None = None) -> str:
-    """The `--help` text: every key with its type and (preset) default, by group."""
-    from train.optimizers import OPTIMIZERS
+def config_help(config: TrainConfig | None = None, optimizers: Sequence[str] = ()) -> str:
+    """The `--help` text: every flat key with its type and (preset) default, by group.
 
+    Args:
+      config: whose values are shown as defaults (default `TrainConfig()`).
+      optimizers: the registered names to list (`train.optimizers.OPTIMIZERS`).
+    """
     config = config or TrainConfig()
-    hints = _hints()
+    values = flat_dict(config)
     lines = ["usage: python -m train [--preset=NAME] [--key=value ...]", "",
-             f"presets: {', '.join(PRESETS)} (default shakespeare_char_cpu)",
-             f"optimizers: {', '.join(OPTIMIZERS)}"]
-    for group in GROUPS:
-        lines += ["", f"{group}:"]
-        for f in dataclasses.fields(TrainConfig):
-            if f.metadata["group"] != group:
+             f"presets: {', '.join(PRESETS)} (default shakespeare_char_cpu)"]
+    if optimizers:
+        lines.append(f"optimizers: {', '.join(optimizers)}")
+    for group, cls in _GROUP_TYPES.items():
+        lines += ["", f"{group}:" + (f" {cls.__doc__.splitlines()[0]}" if group != "model"
+                                      else " models.GPTConfig")]
+        for key, (g, name) in KEYS.items():
+            if g != group:
                 continue
-            choices = f" {{{', '.join(CHOICES[f.name])}}}" if f.name in CHOICES else ""
-            value = getattr(config, f.name)
+            if group == "model":
+                help_text = MODEL_HELP.get(name, "see models.GPTConfig")
+            else:
+                help_text = next(f.metadata["help"] for f in dataclasses.fields(cls)
+                                 if f.name == name)
+            shown = f" {{{', '.join(CHOICES[key])}}}" if key in CHOICES else ""
+            value = values[key]
             default = "None" if value is None else json.dumps(value)
-            lines.append(f"  --{f.name:<18} {_type_name(hints[f.name]):<12} "
-                         f"default {default:<14} {f.metadata['help']}{choices}")
+            lines.append(f"  --{key:<18} {_type_name(_key_type(key)):<12} "
+                         f"default {default:<14} {help_text}{shown}")
     return "\n".join(lines)

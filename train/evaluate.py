@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from train.config import config_from_dict
+from train.config import config_from_dict, override
 from train.data import CharDataset
 from train.sample import load_params
 from train.sharding import make_mesh, tree_shardings
@@ -61,25 +60,26 @@ def evaluate_split(out_dir: str | Path, *, split: str = "val", step: int | None 
     CharDataset.check_split(split)  # before the checkpoint is read
     model_def, params, vocab, meta = load_params(out_dir, step)
     config = config_from_dict(meta["config"])
-    dataset = CharDataset.load(config.data if data is None else data)
+    dataset = CharDataset.load(config.data.path if data is None else data)
     if dataset.chars != vocab.chars:
         raise ValueError(f"the corpus has a vocabulary of {dataset.vocab_size} characters "
                          f"that differs from the checkpoint's {vocab.vocab_size}; pass the "
                          f"run's corpus with --data")
     ids = dataset.split_ids(split)
-    inputs, targets = split_windows(ids, config.block_size)
-    mesh = make_mesh(dataclasses.replace(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
+    block_size = config.model.block_size
+    inputs, targets = split_windows(ids, block_size)
+    mesh = make_mesh(override(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
     eval_step = make_eval_step(model_def, mesh=mesh, params_shardings=tree_shardings(params, mesh))
     total, n = 0.0, len(inputs)
     full = n // batch_size * batch_size
     # Whole batches in one scan, the rest as one smaller batch; weighted by window count.
     for lo, hi, b in ((0, full, batch_size), (full, n, n - full)):
         if hi > lo:
-            x = inputs[lo:hi].reshape(-1, b, config.block_size)
-            y = targets[lo:hi].reshape(-1, b, config.block_size)
+            x = inputs[lo:hi].reshape(-1, b, block_size)
+            y = targets[lo:hi].reshape(-1, b, block_size)
             total += float(jax.device_get(eval_step(params, x, y))) * (hi - lo)
-    return {"loss": total / n, "windows": n, "tokens": n * config.block_size,
-            "split_tokens": len(ids), "block_size": config.block_size,
+    return {"loss": total / n, "windows": n, "tokens": n * block_size,
+            "split_tokens": len(ids), "block_size": block_size,
             "step": meta["checkpoint_step"]}
 
 

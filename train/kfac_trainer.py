@@ -1,50 +1,245 @@
-"""K-FAC in the trainer: its train step, the warm start and the refresh event log.
+"""K-FAC in the trainer: the `kfac` and `snoo_kfac` builders and all their train-step glue.
 
-`setup` builds what `train.loop.run` needs for optimizers that take curvature (SPEC §4.3,
-strategies 4 and 5): `train.step.make_train_step` with a `curvature_fn`, the warm-started
-state and a `RefreshLog`. The curvature train step returns the K-FAC state's latest
-`KfacRefreshEvent` with its metrics every step. `RefreshLog` keeps those device scalars
-without reading them, and on the trainer's logging steps fetches them in one transfer and
-writes one row to `refresh_events.jsonl` per new refresh (new: the event's counter grew).
-`plot_refresh_events` draws the refreshes over the learning-rate curve.
+Hidden Dense kernels and their biases go to K-FAC; embeddings, the head, norms, routers
+and expert stacks (3-D) to AdamW (`KFAC_RULES`). The builders return a `TrainOptimizer`
+whose hooks carry everything else, so `train.step` and `train.loop` know nothing of
+K-FAC:
+
+- `grad_fn`: the gradient and the batch Kronecker factors from one backward pass
+  (`models.value_grad_and_stats`, called in `_grad_and_curvature_fn` only), handed to
+  `tx.update` as `curvature=`;
+- `prepare`: the warm start (`kfac_warm_start` batches estimate the factors before step
+  0, `optax_snoo.kfac.warm_start`);
+- `observe` + `monitor`: every step the K-FAC state's latest refresh event stays on the
+  device; on logging steps `RefreshLog` fetches the kept events in one transfer and
+  writes one row to `refresh_events.jsonl` per new refresh, in the rows of
+  `optax_snoo.kfac.refresh_events`; at the end `refresh_events.png` draws the refreshes
+  over the learning-rate curve.
 
 Example:
-  >>> log = RefreshLog("out/refresh_events.jsonl")  # doctest: +SKIP
-  >>> log.add(metrics.pop("kfac_event"))  # every step, no host sync  # doctest: +SKIP
-  >>> log.flush()  # on logging steps  # doctest: +SKIP
+  >>> from train.config import TrainConfig, override
+  >>> from train.optimizers import build_optimizer
+  >>> spec = build_optimizer(override(TrainConfig(), optimizer="kfac"))
+  >>> spec.takes_curvature, spec.sync_period
+  (True, None)
+
+References:
+  Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored Approximate
+  Curvature", https://arxiv.org/abs/1503.05671, 2015.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
+import models
+import optax_snoo.labels
 from optax_snoo import kfac as kfac_lib
-from train.config import TrainConfig
-from train.data import CharDataset
-from train.optimizers import kfac_curvature_fn, kfac_schedule
-from train.step import make_curvature_estimate, make_train_step
+from train.optimizers import (
+    Monitor,
+    TrainOptimizer,
+    adamw_group,
+    clipping,
+    decay_mask,
+    learning_rate_schedule,
+    register,
+    with_snoo,
+)
+from train.sharding import batch_sharding, replicated
+from train.step import cross_entropy
 
-__all__ = ["RefreshLog", "finish", "plot_refresh_events", "setup", "warm_start_state"]
+if TYPE_CHECKING:
+    from train.config import TrainConfig
+
+__all__ = [
+    "KFAC_RULES",
+    "RefreshLog",
+    "kfac_curvature_fn",
+    "kfac_refresh_policy",
+    "kfac_schedule",
+    "make_curvature_estimate",
+    "plot_refresh_events",
+    "warm_start_state",
+]
+
+KFAC_RULES: tuple = (
+    (r"(^|/)(wte|wpe|lm_head|router|experts)(/|$)", "adamw"),
+    (r"(^|/)(ln\w*|\w*norm\w*)(/|$)", "adamw"),
+    (r"(^|/)(kernel|bias)$", "kfac"),
+    (r".*", "adamw"),
+)
 
 
-class RefreshLog:
-    """Rows of `refresh_events.jsonl`: step, lr, eigenvalue range of A and G, clipped count.
+def kfac_refresh_policy(config: TrainConfig) -> kfac_lib.RefreshPolicy:
+    """The refresh policy of `kfac_refresh`.
+
+    - `every`: `every(kfac_interval, first=kfac_first)`;
+    - `by_lr_phase`: `kfac_phases` (warmup, peak, decay, tail), peak at `kfac_lr`;
+    - `lr_ratio`: `lr_ratio(kfac_tau, max_interval=kfac_interval, min_interval=
+      kfac_min_interval)`, skipping the warmup when `kfac_skip_warmup`.
+    """
+    k, warmup = config.kfac, config.schedule.warmup_iters
+    if k.refresh == "every":
+        return kfac_lib.every(k.interval, first=k.first)
+    if k.refresh == "lr_ratio":
+        return kfac_lib.lr_ratio(k.tau, max_interval=k.interval, min_interval=k.min_interval,
+                                 warmup_steps=warmup if k.skip_warmup else 0)
+    values = [v.strip().lower() for v in k.phases.split(",")]
+    if len(values) != len(kfac_lib.PHASES):
+        raise ValueError(f"kfac_phases={k.phases!r}: expected {len(kfac_lib.PHASES)}"
+                         f" comma-separated intervals for {', '.join(kfac_lib.PHASES)}")
+    parse = lambda v: None if v == "none" else v if v == "once" else int(v) if v.isdigit() else v
+    intervals = dict(zip(kfac_lib.PHASES, map(parse, values), strict=True))
+    peak = config.adamw.learning_rate if k.lr is None else k.lr
+    return kfac_lib.by_lr_phase(peak, warmup_steps=warmup, intervals=intervals)
+
+
+def kfac_schedule(config: TrainConfig) -> optax.Schedule:
+    """The learning rate of the K-FAC group (logged as `lr`; LR-aware policies read it)."""
+    return learning_rate_schedule(config, config.kfac.lr)
+
+
+def _kfac_group(config: TrainConfig) -> optax.GradientTransformation:
+    k, a = config.kfac, config.adamw
+    hidden = kfac_lib.kfac(
+        kfac_schedule(config), damping=k.damping, momentum=k.momentum,
+        weight_decay=a.weight_decay, weight_decay_mask=decay_mask, ema_decay=k.ema,
+        refresh=kfac_refresh_policy(config), mode=k.mode,
+        graft=None if k.graft == "none" else k.graft, b2=a.beta2, eps=a.eps)
+    return optax_snoo.labels.partition({"kfac": hidden, "adamw": adamw_group(config)},
+                                       optax_snoo.labels.label_by_rules(KFAC_RULES))
+
+
+def kfac_curvature_fn(params: optax.Params, stride: int = 1
+                      ) -> Callable[[dict, jax.Array], dict]:
+    """`(stats, step) -> curvature` for the K-FAC group of `params` (see `KFAC_RULES`).
+
+    `stats` is the dict of `models.value_grad_and_stats` (`path -> (inputs, out_grads)`,
+    `(B, T, ·)`); the result maps each K-FAC kernel path to its `layer_factors` (with the
+    bias coordinate when the layer has a bias), the `curvature=` argument of `kfac`.
+    With `stride > 1` the factors come from every `stride`-th position of each sequence
+    (positions `step % stride`, `+ stride`, ...: all positions over `stride` steps), which
+    divides their cost by `stride`; `g = M·dy` keeps `M` the number of tokens of the loss.
+    """
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"kfac_stats_stride={stride!r}: expected an int >= 1")
+    labels = optax_snoo.labels.label_by_rules(KFAC_RULES)(params)
+    paths = {optax_snoo.labels.path_to_str(p): label for p, label in
+             jax.tree_util.tree_flatten_with_path(labels)[0]}
+    layers = {path: path[:-len("kernel")] + "bias" in paths for path, label in paths.items()
+              if label == "kfac" and path.endswith("/kernel")}
+
+    def positions(x_BTD: jax.Array, offset: jax.Array) -> jax.Array:
+        B, T, D = x_BTD.shape
+        if T % stride:
+            raise ValueError(f"kfac_stats_stride={stride} must divide the sequence length {T}")
+        return jax.lax.dynamic_index_in_dim(x_BTD.reshape(B, T // stride, stride, D), offset,
+                                            axis=2, keepdims=False)
+
+    def curvature(stats: dict, step: jax.Array) -> dict:
+        missing = sorted(set(layers) - set(stats))
+        if missing:
+            raise ValueError(f"the model captured no K-FAC statistics for {missing}")
+        out = {}
+        for path, has_bias in layers.items():
+            x, dy = stats[path]
+            num_tokens = math.prod(x.shape[:-1])
+            if stride > 1:
+                offset = jnp.asarray(step, jnp.int32) % stride
+                x, dy = positions(x, offset), positions(dy, offset)
+            out[path] = kfac_lib.layer_factors(x, dy, has_bias, num_tokens=num_tokens)
+        return out
+
+    return curvature
+
+
+def _grad_and_curvature_fn(model: Any, curvature_fn: Callable[[dict, jax.Array], Any]):
+    """`(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux)), (grads,
+    {"curvature": ...}))`: the gradient and the K-FAC batch factors
+    `curvature_fn(stats, step)` from one backward pass (`models.value_grad_and_stats`, the
+    one capture call of the trainer)."""
+
+    def loss_fn(logits_BTV, aux_loss, targets_BT):
+        ce = cross_entropy(logits_BTV, targets_BT)
+        return ce + aux_loss, (ce, aux_loss)
+
+    def grad_fn(params, inputs_BT, targets_BT, key, step):
+        out, grads, stats = models.value_grad_and_stats(
+            loss_fn, model.merge(params), inputs_BT, targets_BT, dropout_key=key,
+            has_aux=True)
+        return out, (nnx.to_pure_dict(grads), {"curvature": curvature_fn(stats, step)})
+
+    return grad_fn
+
+
+def make_curvature_estimate(model: Any, *, mesh: Any, params_shardings: Any,
+                            curvature_fn: Callable[[dict, jax.Array], Any]
+                            ) -> Callable[[Any, jax.Array, jax.Array, int], Any]:
+    """`estimate(params, inputs_ABT, targets_ABT, index) -> curvature`: the batch factors
+    averaged over the `A` micro-batches (no update, no dropout; `index` plays the step for
+    `curvature_fn`), one batch of a K-FAC warm start (`optax_snoo.kfac.warm_start`)."""
+    grad_fn = _grad_and_curvature_fn(model, curvature_fn)
+
+    def estimate(params, inputs_ABT, targets_ABT, index):
+        A = inputs_ABT.shape[0]
+        total = [grad_fn(params, inputs_ABT[a], targets_ABT[a], None, index)[1][1]["curvature"]
+                 for a in range(A)]
+        return jax.tree.map(lambda *c: sum(c) / A, *total)
+
+    data = batch_sharding(mesh)
+    return jax.jit(estimate, in_shardings=(params_shardings, data, data, replicated(mesh)),
+                   out_shardings=replicated(mesh))
+
+
+def warm_start_state(state: dict, estimate: Callable[[Any, Any, Any, Any], Any],
+                     batches: Sequence[tuple[Any, Any]], shardings: Any) -> dict:
+    """`state` with its K-FAC factors seeded from `batches` (`optax_snoo.kfac.warm_start`).
+
+    Args:
+      state: the train state (step 0).
+      estimate: `estimate(params, inputs_ABT, targets_ABT, index) -> curvature` (from
+        `make_curvature_estimate`).
+      batches: `(inputs_ABT, targets_ABT)` pairs already placed on the mesh.
+      shardings: the train state's shardings (the result is put back on them).
+    """
+    curvatures = [estimate(state["params"], x, y, jnp.int32(i))
+                  for i, (x, y) in enumerate(batches)]
+    opt_state = kfac_lib.warm_start(state["opt_state"], curvatures)
+    return jax.device_put({**state, "opt_state": opt_state}, shardings)
+
+
+def _observe(opt_state: Any) -> Any:
+    """`opt_state` cut down to its K-FAC states' scalars (the refresh event and counts),
+    a pytree `optax_snoo.kfac.refresh_events` reads; every other leaf becomes `None`."""
+    is_state = lambda x: isinstance(x, kfac_lib.ScaleByKfacState)
+    return jax.tree.map(lambda x: x._replace(factors={}, inverses={}) if is_state(x) else None,
+                        opt_state, is_leaf=is_state)
+
+
+class RefreshLog(Monitor):
+    """Rows of `refresh_events.jsonl` (`optax_snoo.kfac.refresh_events`' rows: refresh
+    count, step, lr, eigenvalue range of A and G, clipped count) and `refresh_events.png`.
 
     Args:
       path: the JSONL file.
       start: the step training starts from; a resumed run (``start > 0``) keeps the
         existing rows of earlier steps (later ones are redone) and continues their counter.
+      plot: `rows -> None`, drawing the figure at `finish` (`None`: no figure).
     """
 
-    def __init__(self, path: str | os.PathLike, *, start: int = 0):
+    def __init__(self, path: str | os.PathLike, *, start: int = 0,
+                 plot: Callable[[list[dict[str, Any]]], None] | None = None):
         self.path = Path(path)
         self.rows: list[dict[str, Any]] = []
         if start > 0 and self.path.exists():
@@ -54,50 +249,38 @@ class RefreshLog:
         self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
         self._count = self.rows[-1]["refresh"] if self.rows else 0
         self._pending: list[Any] = []
+        self._plot = plot
 
-    def add(self, event: Any) -> None:
-        """Keep one step's `KfacRefreshEvent` (device arrays; nothing is read yet)."""
-        self._pending.append(event)
+    def add(self, observed: Any) -> None:
+        """Keep one step's K-FAC scalars (`_observe`; device arrays, nothing is read)."""
+        self._pending.append(observed)
 
     def flush(self) -> list[dict[str, Any]]:
         """Fetch the kept events (one transfer) and write a row per new refresh.
 
         Refreshes are at most one per step, so a counter that grew since the previous kept
-        event marks that step's refresh. Returns the new rows.
+        event marks that step's refresh (of the first K-FAC transform). Returns the new
+        rows.
         """
-        events, self._pending = jax.device_get(self._pending), []
+        observed, self._pending = jax.device_get(self._pending), []
         new = []
-        for e in events:
-            count = int(e.count)
-            if count <= self._count:
-                continue
-            self._count = count
-            new.append({"refresh": count, "step": int(e.step), "lr": float(e.learning_rate),
-                        "a_eig_max": float(e.a_max), "a_eig_min": float(e.a_min),
-                        "g_eig_max": float(e.g_max), "g_eig_min": float(e.g_min),
-                        "num_clipped": int(e.num_clipped)})
+        for rows in map(kfac_lib.refresh_events, observed):
+            if not rows:
+                raise ValueError("the optimizer takes curvature= but has no K-FAC state")
+            if rows[0]["refresh"] > self._count:
+                self._count = rows[0]["refresh"]
+                new.append(rows[0])
         if new:
             with self.path.open("a") as f:
                 f.writelines(json.dumps(row) + "\n" for row in new)
             self.rows += new
         return new
 
-
-def warm_start_state(state: dict, estimate: Callable[[Any, Any, Any], Any],
-                     batches: Sequence[tuple[Any, Any]], shardings: Any) -> dict:
-    """`state` with its K-FAC factors seeded from `batches` (`optax_snoo.kfac.warm_start`).
-
-    Args:
-      state: the train state (step 0).
-      estimate: `estimate(params, inputs_ABT, targets_ABT, index) -> curvature` (from
-        `train.step.make_curvature_estimate`).
-      batches: `(inputs_ABT, targets_ABT)` pairs already placed on the mesh.
-      shardings: the train state's shardings (the result is put back on them).
-    """
-    curvatures = [estimate(state["params"], x, y, jnp.int32(i))
-                  for i, (x, y) in enumerate(batches)]
-    opt_state = kfac_lib.warm_start(state["opt_state"], curvatures)
-    return jax.device_put({**state, "opt_state": opt_state}, shardings)
+    def finish(self) -> None:
+        """Write the last rows, then the figure."""
+        self.flush()
+        if self._plot is not None:
+            self._plot(self.rows)
 
 
 def plot_refresh_events(rows: Sequence[dict[str, Any]], schedule: Callable[[Any], Any],
@@ -121,37 +304,50 @@ def plot_refresh_events(rows: Sequence[dict[str, Any]], schedule: Callable[[Any]
     fig.savefig(path, dpi=120)
 
 
-def setup(config: TrainConfig, model: Any, tx: Any, state: dict, data: CharDataset, *,
-          start: int, put: Callable[[Any], Any], out: Path, **step_kwargs: Any
-          ) -> tuple[Callable[..., Any], dict, RefreshLog]:
-    """The K-FAC train step, the state (warm-started at step 0 when `kfac_warm_start`)
-    and the refresh log, for `train.loop.run`.
+def _hooks(config: TrainConfig) -> dict[str, Any]:
+    """The `TrainOptimizer` hooks of the K-FAC stacks."""
+    stride = config.kfac.stats_stride
 
-    Warm-start batches are the train windows of steps `max_iters, max_iters + 1, ...`
-    (never used by the run's own steps), one micro-batch of `batch_size` each.
-    """
-    curvature_fn = kfac_curvature_fn(state["params"], config.kfac_stats_stride)
-    train_step = make_train_step(model, tx, curvature_fn=curvature_fn, **step_kwargs)
-    if start == 0 and config.kfac_warm_start > 0:
-        shardings = step_kwargs["state_shardings"]
-        estimate = make_curvature_estimate(model, mesh=step_kwargs["mesh"],
-                                           params_shardings=shardings["params"],
-                                           curvature_fn=curvature_fn)
+    def grad_fn(model, params):
+        return _grad_and_curvature_fn(model, kfac_curvature_fn(params, stride))
+
+    def prepare(state, *, model, mesh, shardings, data, put, start):
+        """Warm-start batches are the train windows of steps `max_iters, max_iters + 1,
+        ...` (never used by the run's own steps), one micro-batch of `batch_size` each."""
+        if start > 0 or config.kfac.warm_start == 0:
+            return state
+        estimate = make_curvature_estimate(
+            model, mesh=mesh, params_shardings=shardings["params"],
+            curvature_fn=kfac_curvature_fn(state["params"], stride))
         batches = []
-        for i in range(config.kfac_warm_start):
-            x, y = data.batch("train", config.max_iters + i, batch_size=config.batch_size,
-                              block_size=config.block_size, seed=config.seed)
+        for i in range(config.kfac.warm_start):
+            x, y = data.batch("train", config.run.max_iters + i,
+                              batch_size=config.data.batch_size,
+                              block_size=config.model.block_size, seed=config.run.seed)
             batches.append((put(x), put(y)))
-        state = warm_start_state(state, estimate, batches, shardings)
-    lead = jax.process_index() == 0  # in a multi-process run, process 0 writes the log
-    return train_step, state, RefreshLog(out / "refresh_events.jsonl" if lead else os.devnull,
-                                         start=start)
+        return warm_start_state(state, estimate, batches, shardings)
+
+    def monitor(out, start):
+        if jax.process_index() != 0:  # in a multi-process run, process 0 writes the log
+            return RefreshLog(os.devnull, start=start)
+        plot = lambda rows: plot_refresh_events(rows, kfac_schedule(config),
+                                                config.run.max_iters,
+                                                Path(out) / "refresh_events.png")
+        return RefreshLog(Path(out) / "refresh_events.jsonl", start=start, plot=plot)
+
+    return dict(grad_fn=grad_fn, prepare=prepare, observe=_observe, monitor=monitor)
 
 
-def finish(config: TrainConfig, events: RefreshLog, out: Path) -> None:
-    """Write the last refresh rows and `refresh_events.png`."""
-    events.flush()
-    if jax.process_index() != 0:
-        return
-    plot_refresh_events(events.rows, kfac_schedule(config), config.max_iters,
-                        out / "refresh_events.png")
+@register("kfac")
+def kfac(config: TrainConfig) -> TrainOptimizer:
+    """K-FAC on hidden Dense kernels and biases, grafted to Adam's norm by default
+    (`kfac_*` options), AdamW on embeddings, head and norms. Logs the K-FAC group's lr."""
+    return TrainOptimizer(optax.chain(clipping(config), _kfac_group(config)),
+                          kfac_schedule(config), **_hooks(config))
+
+
+@register("snoo_kfac")
+def snoo_kfac(config: TrainConfig) -> TrainOptimizer:
+    """`kfac` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
+    return TrainOptimizer(optax.chain(clipping(config), with_snoo(config, _kfac_group(config))),
+                          kfac_schedule(config), sync_period=config.snoo.k, **_hooks(config))

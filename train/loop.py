@@ -9,9 +9,8 @@ same loop on the global mesh and feeds only its own rows of each batch; checkpoi
 written collectively; process 0 alone writes the other outputs and shows progress.
 
 Example:
-  >>> from train.config import get_preset
-  >>> import dataclasses
-  >>> config = dataclasses.replace(get_preset("shakespeare_char_cpu"), max_iters=20)
+  >>> from train.config import get_preset, override
+  >>> config = override(get_preset("shakespeare_char_cpu"), max_iters=20)
   >>> result = run(config)  # doctest: +SKIP
   >>> result.final["val_loss"]  # doctest: +SKIP
 
@@ -33,14 +32,12 @@ import jax
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from optax_snoo import snoo_is_sync_step
-from train import kfac_trainer
 from train.checkpoint import Checkpointer, check_compatible
-from train.config import TrainConfig, config_to_dict, model_config
+from train.config import TrainConfig, config_to_dict, flat_dict, model_config
 from train.data import CharDataset
 from train.metrics import MetricsLog, flops_per_token, peak_flops_per_device, plot_losses
 from train.nonfinite import check_bad_steps
-from train.optimizers import build_optimizer, learning_rate_schedule, needs_curvature
+from train.optimizers import build_optimizer
 from train.sample import generate_text
 from train.sharding import batch_sharding, make_mesh, process_rows, put_batch, tree_shardings
 from train.step import create_train_state, make_eval_step, make_train_step
@@ -64,7 +61,7 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDatase
     the metrics log is cut back to the restored step, so it reads as one run.
     """
     latest = ckpt.latest_step()
-    if not config.resume:
+    if not config.run.resume:
         if latest is not None:
             raise FileExistsError(f"{ckpt.directory} already holds checkpoints (latest step "
                                   f"{latest}); pass --resume to continue or choose another "
@@ -74,13 +71,13 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDatase
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
 
     def check(meta):
-        check_compatible(meta["config"], config_to_dict(config), where=str(ckpt.directory))
+        check_compatible(flat_dict(meta["config"]), flat_dict(config), where=str(ckpt.directory))
         if meta["vocab"] != data.chars:
             raise ValueError(f"cannot resume from {ckpt.directory}: the corpus vocabulary "
                              f"differs ({len(meta['vocab'])} vs {len(data.chars)} characters)")
 
     state, _, step = ckpt.restore_latest(like=state, check=check)
-    log = Path(config.out_dir) / "metrics.jsonl"
+    log = Path(config.run.out_dir) / "metrics.jsonl"
     if log.exists() and jax.process_index() == 0:  # drop what a killed run logged after it
         lines = log.read_text().splitlines()
         log.write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= step))
@@ -102,51 +99,46 @@ def _check_writable(out: Path) -> None:
 
 def run(config: TrainConfig) -> RunResult:
     """Train `config` and return the final metrics and the logged history."""
-    t_start, out = time.perf_counter(), Path(config.out_dir)
+    t_start, out = time.perf_counter(), Path(config.run.out_dir)
+    optimizer = build_optimizer(config)  # an unknown name or bad values: before any work
     _check_writable(out)
-    data = CharDataset.load(config.data)
-    gpt_config = model_config(config, data.vocab_size)
-    tx, snoo_k = build_optimizer(config)
+    data = CharDataset.load(config.data.path)
+    config = dataclasses.replace(config, model=model_config(config, data.vocab_size))
+    d, r = config.data, config.run
     mesh = make_mesh(config)
-    model, state = create_train_state(gpt_config, tx, seed=config.seed, mesh=mesh)
+    model, state = create_train_state(config.model, optimizer.tx, seed=r.seed, mesh=mesh)
     shardings = tree_shardings(state, mesh)
     ckpt = Checkpointer(out / "checkpoints")
     state, start = _start(config, ckpt, state, data)
     lead = jax.process_index() == 0
     if lead:
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
-    rows = process_rows(batch_sharding(mesh), config.batch_size)  # this process's slice
-    put = lambda x: put_batch(x, batch_sharding(mesh), config.batch_size)
-    step_kwargs = dict(mesh=mesh, state_shardings=shardings,
-                       lr_schedule=learning_rate_schedule(config), snoo=snoo_k is not None,
-                       max_bad_steps=config.max_bad_steps)
-    events = None
-    if needs_curvature(config):  # K-FAC: statistics from the step, refresh events
-        train_step, state, events = kfac_trainer.setup(config, model, tx, state, data,
-                                                       start=start, put=put, out=out,
-                                                       **step_kwargs)
-    else:
-        train_step = make_train_step(model, tx, **step_kwargs)
+    rows = process_rows(batch_sharding(mesh), d.batch_size)  # this process's slice
+    put = lambda x: put_batch(x, batch_sharding(mesh), d.batch_size)
+    state = optimizer.prepare(state, model=model, mesh=mesh, shardings=shardings, data=data,
+                              put=put, start=start)
+    monitor = optimizer.monitor(out, start)
+    train_step = make_train_step(model, optimizer, mesh=mesh, state_shardings=shardings,
+                                 max_bad_steps=r.max_bad_steps)
     eval_step = make_eval_step(model, mesh=mesh, params_shardings=shardings["params"])
     evals = {split: [put(a) for a in data.eval_batches(
-        split, num_batches=config.eval_iters, batch_size=config.batch_size,
-        block_size=config.block_size, seed=config.seed, rows=rows)]
+        split, num_batches=r.eval_iters, batch_size=d.batch_size,
+        block_size=config.model.block_size, seed=r.seed, rows=rows)]
         for split in ("train", "val")}
-    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=config.resume)
-    tokens_per_step = config.batch_size * config.grad_accum * config.block_size
+    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=r.resume)
+    tokens_per_step = d.batch_size * d.grad_accum * config.model.block_size
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
-    flops = flops_per_token(state["params"], gpt_config) * tokens_per_step
-    meta = {"config": config_to_dict(config), "vocab": data.chars, "seed": config.seed}
-    bar = tqdm(total=config.max_iters, initial=start, disable=not (config.progress and lead),
+    flops = flops_per_token(state["params"], config.model) * tokens_per_step
+    meta = {"config": config_to_dict(config), "vocab": data.chars, "seed": r.seed}
+    bar = tqdm(total=r.max_iters, initial=start, disable=not (r.progress and lead),
                dynamic_ncols=True)
     rates, mfu, best_val, t_last, steps_since = [], None, float("inf"), time.perf_counter(), 0
     skipped = float(state["skipped_steps"])
-    for step in range(start, config.max_iters + 1):
-        last = step == config.max_iters
+    for step in range(start, r.max_iters + 1):
+        last = step == r.max_iters
         # evaluate and checkpoint (not again at the step a resumed run starts from)
-        save = step > start and (step % config.checkpoint_every == 0 or last)
-        if (step > start or not config.resume) and (step % config.eval_interval == 0 or save
-                                                    or last):
+        save = step > start and (step % r.checkpoint_every == 0 or last)
+        if (step > start or not r.resume) and (step % r.eval_interval == 0 or save or last):
             losses = {s: float(eval_step(state["params"], *evals[s])) for s in evals}
             best_val = min(best_val, losses["val"])
             log.write(step=step, train_loss=losses["train"], val_loss=losses["val"])
@@ -162,21 +154,17 @@ def run(config: TrainConfig) -> RunResult:
         if last:
             break
         # forward/backward over grad_accum micro-batches -> clip -> update (one jitted call)
-        inputs_ABT, targets_ABT = data.batch("train", step, batch_size=config.batch_size,
-                                             block_size=config.block_size,
-                                             grad_accum=config.grad_accum, seed=config.seed,
-                                             rows=rows)
-        # Snoo's count is the step: a skipped step keeps its slot (train.nonfinite).
-        sync = None if snoo_k is None else snoo_is_sync_step(step, snoo_k)
-        state, metrics = train_step(state, put(inputs_ABT), put(targets_ABT), sync)
+        inputs_ABT, targets_ABT = data.batch("train", step, batch_size=d.batch_size,
+                                             block_size=config.model.block_size,
+                                             grad_accum=d.grad_accum, seed=r.seed, rows=rows)
+        state, metrics = train_step(state, put(inputs_ABT), put(targets_ABT),
+                                    **optimizer.update_kwargs(step))
         steps_since += 1
         bar.update()
-        if events is not None:  # K-FAC refresh events: kept on device, read when logging
-            events.add(metrics.pop("kfac_event"))
+        monitor.add(metrics.pop("observed"))  # kept on device, read when logging
         # log (the only host sync outside evaluations)
-        if (step + 1) % config.log_interval == 0 or step + 1 == config.max_iters:
-            if events is not None:
-                events.flush()
+        if (step + 1) % r.log_interval == 0 or step + 1 == r.max_iters:
+            monitor.flush()
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             now = time.perf_counter()
             rate = steps_since * tokens_per_step / (now - t_last)
@@ -193,8 +181,7 @@ def run(config: TrainConfig) -> RunResult:
             t_last, steps_since = now, 0
     bar.close()
     ckpt.close()
-    if events is not None:
-        kfac_trainer.finish(config, events, out)
+    monitor.finish()
     result = _finish(config, model, state, data, log, rates, best_val, out)
     result.final["wall_s"] = time.perf_counter() - t_start
     return result
@@ -202,9 +189,9 @@ def run(config: TrainConfig) -> RunResult:
 
 def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Checkpointer):
     """Stop (pending checkpoint writes finished first) after too many bad steps in a row."""
-    if bad_steps >= config.max_bad_steps:
+    if bad_steps >= config.run.max_bad_steps:
         ckpt.close()
-        check_bad_steps(bad_steps, max_bad_steps=config.max_bad_steps, step=step,
+        check_bad_steps(bad_steps, max_bad_steps=config.run.max_bad_steps, step=step,
                         checkpoints=ckpt.steps())
 
 
@@ -213,19 +200,17 @@ def _finish(config, model, state, data, log, rates, best_val, out) -> RunResult:
     lead = jax.process_index() == 0
     if lead:
         plot_losses(log.history, out / "loss.png")
-    params = state["params"]
-    if config.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
+    params, s = state["params"], config.sample
+    if s.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
         params = multihost_utils.process_allgather(params, tiled=True)
-    if config.num_samples > 0 and lead:
-        texts = generate_text(model.merge(params), data, start=config.sample_start,
-                              num_samples=config.num_samples,
-                              max_new_tokens=config.sample_tokens,
-                              temperature=config.temperature, top_k=config.sample_top_k,
-                              seed=config.seed)
+    if s.num_samples > 0 and lead:
+        texts = generate_text(model.merge(params), data, start=s.start,
+                              num_samples=s.num_samples, max_new_tokens=s.tokens,
+                              temperature=s.temperature, top_k=s.top_k, seed=config.run.seed)
         (out / "samples.txt").write_text("\n---------------\n".join(texts) + "\n")
     evals = [h for h in log.history if "val_loss" in h]
     steady = rates[1:] or rates  # the first interval includes compilation
-    final = {"step": config.max_iters, "best_val_loss": best_val,
+    final = {"step": config.run.max_iters, "best_val_loss": best_val,
              "train_loss": evals[-1]["train_loss"] if evals else None,
              "val_loss": evals[-1]["val_loss"] if evals else None,
              "tokens_per_sec": statistics.median(steady) if steady else None}

@@ -4,10 +4,11 @@ A step is *bad* when its loss or the global norm of its gradients is NaN or Inf 
 is Inf/NaN as soon as one gradient entry is). A bad step leaves the whole train state
 (params, optimizer state including Snoo's slow copy and momentum, step, RNG) unchanged;
 only three counters move: `bad_steps` (consecutive bad steps, reset by a good one),
-`skipped_steps` (all skipped steps of the run) and Snoo's `count`. A skipped step keeps
-its slot in Snoo's period (a sync that falls on it is dropped, the next comes k steps
-later), so Snoo's count is always the trainer's step and the host knows every sync step
-without reading the device (`snoo_is_sync_step(step, k)`). Once `bad_steps` reaches
+`skipped_steps` (all skipped steps of the run) and what the optimizer's own skip rule
+moves (`optax_snoo.skip_update`: Snoo's `count`). A skipped step keeps its slot in Snoo's
+period (a sync that falls on it is dropped, the next comes k steps later), so Snoo's
+count is always the trainer's step and the host knows every sync step without reading
+the device (`TrainOptimizer.update_kwargs(step)`). Once `bad_steps` reaches
 `max_bad_steps` every later step is skipped too (latched), and the host raises
 `NonFiniteError` at its next sync point (a log line or a checkpoint), before saving, so
 the last good checkpoint stays the latest.
@@ -16,11 +17,12 @@ The optimizer update runs under `lax.cond(ok, update, keep)`: a good step comput
 new state once, with no select over its leaves, and a bad one returns the old state. (A
 per-leaf `jnp.where(ok, new, old)` fuses into elementwise updates, but not into values
 that come out of a conditional, such as K-FAC's cached inverses: there it cost an extra
-pass and copies of that state, measured in README.md, "Reliability".)
+pass and copies of that state; see README.md, "Reliability".)
 
 Example:
-  >>> state = {"w": jnp.ones(2), **counters()}
-  >>> update = lambda s: {"w": s["w"] * jnp.nan}
+  >>> import jax.numpy as jnp
+  >>> state = {"w": jnp.ones(2), "opt_state": (), **counters()}
+  >>> update = lambda s: {**s, "w": s["w"] * jnp.nan}
   >>> kept, _ = update_if_finite(state, update, jnp.float32(jnp.nan), jnp.float32(1.0),
   ...                            max_bad_steps=3)
   >>> kept["w"].tolist(), int(kept["bad_steps"]), int(kept["skipped_steps"])
@@ -38,9 +40,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from optax_snoo import SnooState
+import optax_snoo
 
 __all__ = ["COUNTERS", "NonFiniteError", "check_bad_steps", "counters", "update_if_finite"]
 
@@ -61,7 +62,7 @@ def update_if_finite(state: Mapping[str, Any], update: Callable[[dict], dict], l
     """`update(state)` if `loss` and `grad_norm` are finite (and not latched), else `state`.
 
     Args:
-      state: the train state before the update (with `counters()`).
+      state: the train state before the update (with `counters()` and `opt_state`).
       update: maps the state without its counters to the updated one (same structure and
         dtypes); it runs inside `lax.cond`, only on a good step.
       loss: the step's scalar loss.
@@ -84,15 +85,10 @@ def update_if_finite(state: Mapping[str, Any], update: Callable[[dict], dict], l
     return kept, flags
 
 
-def _is_snoo(x: Any) -> bool:
-    return isinstance(x, SnooState)
-
-
 def _keep(state: dict) -> dict:
-    """The state of a skipped step: unchanged but for Snoo's count (its period goes on)."""
-    return jax.tree.map(
-        lambda x: x._replace(count=optax.safe_increment(x.count)) if _is_snoo(x) else x,
-        state, is_leaf=_is_snoo)
+    """The state of a skipped step: unchanged but for what `optax_snoo.skip_update` moves
+    in the optimizer state (Snoo's counts: its period goes on)."""
+    return {**state, "opt_state": optax_snoo.skip_update(state["opt_state"])}
 
 
 def check_bad_steps(bad_steps: int, *, max_bad_steps: int, step: int,

@@ -1,15 +1,19 @@
-"""The optimizer registry: `--optimizer NAME` -> an optax stack built from a `TrainConfig`.
+"""The optimizer registry: `--optimizer NAME` -> a `TrainOptimizer` built from a `TrainConfig`.
 
-A builder takes the config and returns `(tx, snoo_k)`: the gradient transformation and,
-when the stack is wrapped in `optax_snoo.snoo`, its sync period (the trainer then compiles
-a sync and a no-sync step and picks one on the host), else `None`. Every stack starts with
-global-norm clipping (`grad_clip`, 0 = off). Later work adds entries with `register`.
+A builder (`@register("name")`) takes the config and returns a `TrainOptimizer`: the
+gradient transformation plus everything the train step and loop need to know about it
+(the learning rate to log, Snoo's sync period, whether it rounds the params itself, and
+hooks for optimizers that need more than the gradient, such as K-FAC's curvature). The
+step and the loop read only that object, so they hold no optimizer-specific code. Every
+stack starts with global-norm clipping (`grad_clip`, 0 = off). The K-FAC builders
+(`kfac`, `snoo_kfac`) live with their glue in `train.kfac_trainer`, which `train`'s
+`__init__` imports, so the registry is complete whenever `train` is imported.
 
 Example:
-  >>> from train.config import TrainConfig
-  >>> tx, snoo_k = build_optimizer(TrainConfig(optimizer="snoo_adamw", snoo_k=4))
-  >>> snoo_k
-  4
+  >>> from train.config import TrainConfig, override
+  >>> spec = build_optimizer(override(TrainConfig(), optimizer="snoo_adamw", snoo_k=4))
+  >>> spec.sync_period, spec.update_kwargs(0), spec.update_kwargs(1)
+  (4, {'snoo_sync': True}, {'snoo_sync': False})
 
 References:
   Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
@@ -22,36 +26,129 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import math
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 import optax_snoo
-import optax_snoo.labels
-from optax_snoo import kfac as kfac_lib
-from optax_snoo import muon as muon_tx
-from optax_snoo import muon_momentum_warmup
+from optax_snoo import muon_momentum_warmup, snoo_is_sync_step
+from optax_snoo.recipes import snoo_muon as snoo_muon_stack
 from optax_snoo.recipes import stable_cooldown_schedule
-from train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
 
 __all__ = [
     "OPTIMIZERS",
     "Builder",
+    "Monitor",
+    "TrainOptimizer",
     "build_optimizer",
+    "get_builder",
     "learning_rate_schedule",
     "register",
 ]
 
-Builder = Callable[[TrainConfig], tuple[optax.GradientTransformationExtraArgs, int | None]]
+
+class Monitor:
+    """Host-side log of what `TrainOptimizer.observe` reads from the state every step.
+
+    The loop calls `add` after every step (device values: nothing is read), `flush` on
+    its logging steps (one transfer) and `finish` at the end. This base does nothing.
+    """
+
+    def add(self, observed: Any) -> None:
+        """Keep one step's observation (device arrays)."""
+
+    def flush(self) -> None:
+        """Read the kept observations and write them out."""
+
+    def finish(self) -> None:
+        """The last flush, and any summary of the run (plots)."""
+
+
+def _no_observation(opt_state: Any) -> tuple:
+    return ()
+
+
+def _no_monitor(out: Path, start: int) -> Monitor:
+    return Monitor()
+
+
+def _unprepared(state: dict, **context: Any) -> dict:
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptimizer:
+    """Everything the train step and loop need from an optimizer.
+
+    Attributes:
+      tx: the transformation (its chain clips first), with extra-args support.
+      learning_rate: the schedule of the main group's applied lr, logged as `lr`
+        (Muon's for the Muon stacks, SkewAdam's, K-FAC's...).
+      sync_period: Snoo's `k` when the stack is Snoo-wrapped, else `None`; then
+        `update_kwargs(step)` gives the static sync hint.
+      rounds_itself: the stack applies `--rounding` itself (`build_optimizer` then does
+        not append it).
+      grad_fn: `None` for plain gradients; else `grad_fn(model, params) -> fn` with
+        `fn(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux_loss)),
+        (grads, update_args))`: the gradient and the extra keyword arguments of
+        `tx.update` from the same backward pass (K-FAC: `{"curvature": ...}`), averaged
+        over the micro-batches by the step.
+      observe: `opt_state -> pytree` of device scalars read after every update (for
+        the `Monitor`); `()` by default.
+      monitor: `(out_dir, start_step) -> Monitor`, the host log of the observations.
+      prepare: `prepare(state, *, model, mesh, shardings, data, put, start) -> state`,
+        run once before the first step (K-FAC: the warm start); identity by default.
+    """
+
+    tx: optax.GradientTransformationExtraArgs
+    learning_rate: optax.Schedule
+    sync_period: int | None = None
+    rounds_itself: bool = False
+    grad_fn: Callable[[Any, Any], Callable[..., Any]] | None = None
+    observe: Callable[[Any], Any] = _no_observation
+    monitor: Callable[[Path, int], Monitor] = _no_monitor
+    prepare: Callable[..., dict] = _unprepared
+
+    @property
+    def takes_curvature(self) -> bool:
+        """Whether `tx.update` takes per-batch arguments besides the gradient (`grad_fn`)."""
+        return self.grad_fn is not None
+
+    def update_kwargs(self, step: int) -> dict[str, Any]:
+        """Static keyword arguments of `tx.update` at update number `step` (host side).
+
+        With Snoo, `{"snoo_sync": step % k == 0}`: a skipped step keeps its slot in the
+        period (`optax_snoo.skip_update`), so the hint is a function of the step alone.
+        """
+        if self.sync_period is None:
+            return {}
+        return {"snoo_sync": snoo_is_sync_step(step, self.sync_period)}
+
+
+Builder = Callable[["TrainConfig"], TrainOptimizer]
 OPTIMIZERS: dict[str, Builder] = {}
 
 
 def register(name: str) -> Callable[[Builder], Builder]:
-    """Decorator adding a builder to `OPTIMIZERS` under `name` (names are unique)."""
+    """Decorator adding a builder to `OPTIMIZERS` under `name` (names are unique).
+
+    Example:
+      >>> @register("sgd_example")
+      ... def sgd(config):
+      ...     lr = learning_rate_schedule(config)
+      ...     return TrainOptimizer(optax.chain(clipping(config), optax.sgd(lr)), lr)
+      >>> "sgd_example" in OPTIMIZERS
+      True
+      >>> del OPTIMIZERS["sgd_example"]
+    """
 
     def add(builder: Builder) -> Builder:
         if name in OPTIMIZERS:
@@ -62,23 +159,38 @@ def register(name: str) -> Callable[[Builder], Builder]:
     return add
 
 
+def get_builder(name: str) -> Builder:
+    """The builder registered as `name`.
+
+    Raises:
+      ValueError: for an unknown name, with close matches and the registry.
+    """
+    if name not in OPTIMIZERS:
+        close = difflib.get_close_matches(name, OPTIMIZERS, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"optimizer={name!r}: unknown{hint}; registered optimizers are "
+                         f"{sorted(OPTIMIZERS)}")
+    return OPTIMIZERS[name]
+
+
 def learning_rate_schedule(config: TrainConfig, peak: float | None = None) -> optax.Schedule:
-    """The learning rate of `config.schedule` peaking at `peak` (default `learning_rate`).
+    """The learning rate of `config.schedule` peaking at `peak` (default AdamW's).
 
     - `"cosine"` (nanoGPT's `get_lr`): `peak*(t+1)/(warmup+1)` for `t < warmup_iters`, then
       cosine down to `min_lr` at `lr_decay_iters` (default `max_iters`), then `min_lr`.
       For another `peak`, `min_lr` is scaled by `peak / learning_rate`.
-    - `"stable_cooldown"` (SPEC §2.5): `peak` until `1 - cooldown_frac` of `max_iters`,
-      then linear down to `peak * final_lr_scale`.
+    - `"stable_cooldown"` (the modded-nanogpt record's): `peak` until `1 - cooldown_frac`
+      of `max_iters`, then linear down to `peak * final_lr_scale`.
     """
-    peak = config.learning_rate if peak is None else peak
-    if config.schedule == "stable_cooldown":
-        return stable_cooldown_schedule(
-            peak, max(config.max_iters, 1), cooldown_frac=config.cooldown_frac,
-            final_lr_scale=config.final_lr_scale)
-    decay_iters = config.max_iters if config.lr_decay_iters is None else config.lr_decay_iters
-    warmup = config.warmup_iters
-    end = config.min_lr * peak / config.learning_rate if config.learning_rate else 0.0
+    s, base = config.schedule, config.adamw.learning_rate
+    peak = base if peak is None else peak
+    max_iters = config.run.max_iters
+    if s.kind == "stable_cooldown":
+        return stable_cooldown_schedule(peak, max(max_iters, 1), cooldown_frac=s.cooldown_frac,
+                                        final_lr_scale=s.final_lr_scale)
+    decay_iters = max_iters if s.lr_decay_iters is None else s.lr_decay_iters
+    warmup = s.warmup_iters
+    end = s.min_lr * peak / base if base else 0.0
     if decay_iters <= warmup:  # nanoGPT: warmup, then min_lr
         return optax.join_schedules([optax.linear_schedule(peak / (warmup + 1), peak, warmup),
                                      optax.constant_schedule(end)], [warmup])
@@ -88,251 +200,142 @@ def learning_rate_schedule(config: TrainConfig, peak: float | None = None) -> op
         decay_steps=decay_iters, end_value=end)
 
 
-def _clip(config: TrainConfig) -> optax.GradientTransformation:
-    return optax.clip_by_global_norm(config.grad_clip) if config.grad_clip > 0 else (
-        optax.identity())
+# ------------------------------------------------------------------ parts of the stacks
 
 
-def _decay_matrices(params: optax.Params) -> optax.Params:
+def clipping(config: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping at `grad_clip` (identity for 0), the first link of a stack."""
+    clip = config.optimizer.grad_clip
+    return optax.clip_by_global_norm(clip) if clip > 0 else optax.identity()
+
+
+def decay_mask(params: optax.Params) -> optax.Params:
+    """nanoGPT's decay mask: True on leaves with >= 2 axes (matrices, embeddings)."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def _adamw(config: TrainConfig) -> optax.GradientTransformation:
-    return optax.adamw(learning_rate_schedule(config), b1=config.beta1, b2=config.beta2,
-                       eps=config.eps, weight_decay=config.weight_decay, mask=_decay_matrices)
+def adamw_group(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW at `learning_rate` on the schedule, decay on `decay_mask` leaves only."""
+    a = config.adamw
+    return optax.adamw(learning_rate_schedule(config), b1=a.beta1, b2=a.beta2, eps=a.eps,
+                       weight_decay=a.weight_decay, mask=decay_mask)
 
 
-def _muon(config: TrainConfig) -> optax.GradientTransformation:
-    beta = config.muon_beta if config.muon_beta_warmup == 0 else muon_momentum_warmup(
-        min(0.85, config.muon_beta), config.muon_beta, config.muon_beta_warmup)
-    return muon_tx(
-        learning_rate_schedule(config, config.muon_lr), beta=beta,
-        weight_decay=config.muon_weight_decay, smoothing=config.muon_smoothing,
-        adam_learning_rate=learning_rate_schedule(config), adam_b1=config.beta1,
-        adam_b2=config.beta2, adam_eps=config.eps, adam_weight_decay=0.0)
+def with_snoo(config: TrainConfig, inner: optax.GradientTransformation
+              ) -> optax.GradientTransformationExtraArgs:
+    """`inner` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
+    s = config.snoo
+    return optax_snoo.snoo(inner, learning_rate=s.lr, momentum=s.momentum, k=s.k)
 
 
-def _snoo(config: TrainConfig, inner: optax.GradientTransformation):
-    return optax_snoo.snoo(inner, learning_rate=config.snoo_lr, momentum=config.snoo_momentum,
-                           k=config.snoo_k)
+def rounding(config: TrainConfig) -> optax.GradientTransformation | None:
+    """`--rounding`: the transform that puts low-precision params on rounded values."""
+    name = config.optimizer.rounding
+    return None if name == "none" else optax_snoo.rounding.by_name(name, key=config.run.seed)
+
+
+# ------------------------------------------------------------------ the registered stacks
 
 
 @register("adamw")
-def adamw(config: TrainConfig):
+def adamw(config: TrainConfig) -> TrainOptimizer:
     """nanoGPT's AdamW: decay on >= 2-D params only, warmup + cosine by default."""
-    return optax.chain(_clip(config), _adamw(config)), None
-
-
-@register("muon")
-def muon(config: TrainConfig):
-    """Muon on hidden matrices (`muon_lr`, momentum warmed up from 0.85 to `muon_beta` over
-    `muon_beta_warmup` steps); Adam without decay (`learning_rate`) on embeddings, head,
-    norms and biases."""
-    return optax.chain(_clip(config), _muon(config)), None
+    return TrainOptimizer(optax.chain(clipping(config), adamw_group(config)),
+                          learning_rate_schedule(config))
 
 
 @register("snoo_adamw")
-def snoo_adamw(config: TrainConfig):
+def snoo_adamw(config: TrainConfig) -> TrainOptimizer:
     """`adamw` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
-    return optax.chain(_clip(config), _snoo(config, _adamw(config))), config.snoo_k
+    return TrainOptimizer(optax.chain(clipping(config), with_snoo(config, adamw_group(config))),
+                          learning_rate_schedule(config), sync_period=config.snoo.k)
+
+
+def _muon_stack(config: TrainConfig, snoo_k: int | None) -> TrainOptimizer:
+    m, a = config.muon, config.adamw
+    beta = m.beta if m.beta_warmup == 0 else muon_momentum_warmup(
+        min(0.85, m.beta), m.beta, m.beta_warmup)
+    lr = learning_rate_schedule(config, m.lr)
+    stack = snoo_muon_stack(
+        lr, learning_rate_schedule(config), muon_momentum=beta, muon_weight_decay=m.weight_decay,
+        smoothing=m.smoothing, adam_b1=a.beta1, adam_b2=a.beta2, adam_eps=a.eps,
+        snoo_k=snoo_k, snoo_learning_rate=config.snoo.lr, snoo_momentum=config.snoo.momentum)
+    return TrainOptimizer(optax.chain(clipping(config), stack), lr, sync_period=snoo_k)
+
+
+@register("muon")
+def muon(config: TrainConfig) -> TrainOptimizer:
+    """Muon on hidden matrices (`muon_lr`, momentum warmed up from 0.85 to `muon_beta` over
+    `muon_beta_warmup` steps); Adam without decay (`learning_rate`) on embeddings, head,
+    norms and biases. Logs Muon's lr."""
+    return _muon_stack(config, None)
 
 
 @register("snoo_muon")
-def snoo_muon(config: TrainConfig):
-    """The modded-nanogpt record's stack adapted: Snoo around Muon (hidden matrices) and
-    Adam (embeddings, head, norms); use `--schedule=stable_cooldown` for the record's lr."""
-    return optax.chain(_clip(config), _snoo(config, _muon(config))), config.snoo_k
+def snoo_muon(config: TrainConfig) -> TrainOptimizer:
+    """The modded-nanogpt record's stack adapted (`optax_snoo.recipes.snoo_muon`): Snoo
+    around Muon (hidden matrices) and Adam (embeddings, head, norms); use
+    `--schedule=stable_cooldown` for the record's lr. Logs Muon's lr."""
+    return _muon_stack(config, config.snoo.k)
 
 
-def _skew_adam(config: TrainConfig, rounding: optax.GradientTransformation | None = None
+def _skew_adam(config: TrainConfig, rounding_tx: optax.GradientTransformation | None = None
                ) -> optax.GradientTransformation:
+    s, a = config.skewadam, config.adamw
     return optax_snoo.skew_adam(
-        learning_rate_schedule(config, config.skew_lr), b1=config.beta1, b2=config.beta2,
-        eps=config.eps, weight_decay=config.skew_weight_decay, policies=config.skew_policies,
-        clip_threshold=config.skew_clip if config.skew_clip > 0 else None, rounding=rounding)
+        learning_rate_schedule(config, s.lr), b1=a.beta1, b2=a.beta2, eps=a.eps,
+        weight_decay=s.weight_decay, policies=s.policies,
+        clip_threshold=s.clip if s.clip > 0 else None, rounding=rounding_tx)
 
 
 @register("skewadam")
-def skewadam(config: TrainConfig):
-    """SkewAdam (SPEC §3): roles from param paths (`experts`, `router`, else backbone),
-    momentum for the backbone only, factored second moments, no decay on the router;
-    `skew_lr` on the trainer's schedule, `beta1`/`beta2`/`eps` shared with AdamW (eps is
-    SkewAdam's clamp on the squared statistics), `skew_policies` picks the paper's
-    ablations. `--rounding` goes inside SkewAdam, so it rounds `p + u` from the float32
-    update (SPEC §3 step 5) rather than from an update already cast to bf16."""
-    return optax.chain(_clip(config), _skew_adam(config, _rounding(config))), None
+def skewadam(config: TrainConfig) -> TrainOptimizer:
+    """SkewAdam: roles from param paths (`experts`, `router`, else backbone), momentum for
+    the backbone only, factored second moments, no decay on the router; `skew_lr` on the
+    trainer's schedule, `beta1`/`beta2`/`eps` shared with AdamW (eps is SkewAdam's clamp
+    on the squared statistics), `skew_policies` picks the paper's ablations. `--rounding`
+    goes inside SkewAdam, so it rounds `p + u` from the float32 update rather than from an
+    update already cast to bf16."""
+    return TrainOptimizer(optax.chain(clipping(config), _skew_adam(config, rounding(config))),
+                          learning_rate_schedule(config, config.skewadam.lr),
+                          rounds_itself=True)
 
 
 @register("snoo_skewadam")
-def snoo_skewadam(config: TrainConfig):
+def snoo_skewadam(config: TrainConfig) -> TrainOptimizer:
     """`skewadam` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
-    return optax.chain(_clip(config), _snoo(config, _skew_adam(config))), config.snoo_k
+    return TrainOptimizer(optax.chain(clipping(config), with_snoo(config, _skew_adam(config))),
+                          learning_rate_schedule(config, config.skewadam.lr),
+                          sync_period=config.snoo.k)
 
 
 @register("adafactor")
-def adafactor(config: TrainConfig):
+def adafactor(config: TrainConfig) -> TrainOptimizer:
     """optax's Adafactor as SkewAdam's baseline: factored second moment (dims >= 128), no
     momentum, its own beta2 schedule (decay 0.8), update clipping 1.0, absolute steps
     (no parameter scaling) at `skew_lr` and decoupled decay `skew_weight_decay` (optax adds
     its `weight_decay_rate` after the lr, so it gets `skew_weight_decay · lr(t)`)."""
-    lr = learning_rate_schedule(config, config.skew_lr)
-    return optax.chain(_clip(config), optax.adafactor(
-        lr, multiply_by_parameter_scale=False,
-        weight_decay_rate=lambda t: config.skew_weight_decay * lr(t))), None
+    lr = learning_rate_schedule(config, config.skewadam.lr)
+    wd = config.skewadam.weight_decay
+    return TrainOptimizer(optax.chain(clipping(config), optax.adafactor(
+        lr, multiply_by_parameter_scale=False, weight_decay_rate=lambda t: wd * lr(t))), lr)
 
 
-#: Stacks that apply `--rounding` themselves (build_optimizer does not append it).
-ROUNDING_INSIDE = {"skewadam"}
-
-
-def _rounding(config: TrainConfig) -> optax.GradientTransformation | None:
-    """`--rounding`: the transform that puts low-precision params on rounded values."""
-    makers = {"stochastic": optax_snoo.stochastic_rounding,
-              "dithered": optax_snoo.dithered_rounding}
-    return makers[config.rounding](key=config.seed) if config.rounding in makers else None
-# ------------------------------------------------------------------------------ K-FAC
-# Hidden Dense kernels and their biases go to K-FAC; embeddings, the head, norms, routers
-# and expert stacks (3-D) to AdamW. The trainer passes their curvature from the step.
-KFAC_RULES: tuple = (
-    (r"(^|/)(wte|wpe|lm_head|router|experts)(/|$)", "adamw"),
-    (r"(^|/)(ln\w*|\w*norm\w*)(/|$)", "adamw"),
-    (r"(^|/)(kernel|bias)$", "kfac"),
-    (r".*", "adamw"),
-)
-CURVATURE_OPTIMIZERS: set[str] = set()
-
-
-def needs_curvature(config: TrainConfig) -> bool:
-    """Whether `config.optimizer` takes the batch K-FAC statistics (`curvature=`)."""
-    return config.optimizer in CURVATURE_OPTIMIZERS
-
-
-def kfac_refresh_policy(config: TrainConfig) -> kfac_lib.RefreshPolicy:
-    """The refresh policy of `config.kfac_refresh` (SPEC §4.3).
-
-    - `every`: `every(kfac_interval, first=kfac_first)`;
-    - `by_lr_phase`: `kfac_phases` (warmup, peak, decay, tail), peak at `kfac_lr`;
-    - `lr_ratio`: `lr_ratio(kfac_tau, max_interval=kfac_interval, min_interval=
-      kfac_min_interval)`, skipping the warmup when `kfac_skip_warmup`.
-    """
-    if config.kfac_refresh == "every":
-        return kfac_lib.every(config.kfac_interval, first=config.kfac_first)
-    if config.kfac_refresh == "lr_ratio":
-        return kfac_lib.lr_ratio(
-            config.kfac_tau, max_interval=config.kfac_interval,
-            min_interval=config.kfac_min_interval,
-            warmup_steps=config.warmup_iters if config.kfac_skip_warmup else 0)
-    values = [v.strip().lower() for v in config.kfac_phases.split(",")]
-    if len(values) != len(kfac_lib.PHASES):
-        raise ValueError(f"kfac_phases={config.kfac_phases!r}: expected {len(kfac_lib.PHASES)}"
-                         f" comma-separated intervals for {', '.join(kfac_lib.PHASES)}")
-    parse = lambda v: None if v == "none" else v if v == "once" else int(v) if v.isdigit() else v
-    intervals = dict(zip(kfac_lib.PHASES, map(parse, values), strict=True))
-    peak = config.learning_rate if config.kfac_lr is None else config.kfac_lr
-    return kfac_lib.by_lr_phase(peak, warmup_steps=config.warmup_iters, intervals=intervals)
-
-
-def kfac_schedule(config: TrainConfig) -> optax.Schedule:
-    """The learning rate of the K-FAC group (what LR-aware refresh policies read)."""
-    return learning_rate_schedule(config, config.kfac_lr)
-
-
-def _kfac(config: TrainConfig) -> optax.GradientTransformation:
-    if config.kfac_warm_start < 0:
-        raise ValueError(f"kfac_warm_start={config.kfac_warm_start}: expected batches >= 0")
-    hidden = kfac_lib.kfac(
-        kfac_schedule(config), damping=config.kfac_damping, momentum=config.kfac_momentum,
-        weight_decay=config.weight_decay, weight_decay_mask=_decay_matrices,
-        ema_decay=config.kfac_ema, refresh=kfac_refresh_policy(config), mode=config.kfac_mode,
-        graft=None if config.kfac_graft == "none" else config.kfac_graft, b2=config.beta2,
-        eps=config.eps)
-    return optax_snoo.labels.partition({"kfac": hidden, "adamw": _adamw(config)},
-                                       optax_snoo.labels.label_by_rules(KFAC_RULES))
-
-
-def kfac_curvature_fn(params: optax.Params, stride: int = 1
-                      ) -> Callable[[dict, jax.Array], dict]:
-    """`(stats, step) -> curvature` for the K-FAC group of `params` (see `KFAC_RULES`).
-
-    `stats` is the dict of `models.value_grad_and_stats` (`path -> (inputs, out_grads)`,
-    `(B, T, ·)`); the result maps each K-FAC kernel path to its `layer_factors` (with the
-    bias coordinate when the layer has a bias), the `curvature=` argument of `kfac`.
-    With `stride > 1` the factors come from every `stride`-th position of each sequence
-    (positions `step % stride`, `+ stride`, ...: all positions over `stride` steps), which
-    divides their cost by `stride`; `g = M·dy` keeps `M` the number of tokens of the loss.
-    """
-    if not isinstance(stride, int) or stride < 1:
-        raise ValueError(f"kfac_stats_stride={stride!r}: expected an int >= 1")
-    labels = optax_snoo.labels.label_by_rules(KFAC_RULES)(params)
-    paths = {optax_snoo.labels.path_to_str(p): label for p, label in
-             jax.tree_util.tree_flatten_with_path(labels)[0]}
-    layers = {path: path[:-len("kernel")] + "bias" in paths for path, label in paths.items()
-              if label == "kfac" and path.endswith("/kernel")}
-
-    def positions(x_BTD: jax.Array, offset: jax.Array) -> jax.Array:
-        B, T, D = x_BTD.shape
-        if T % stride:
-            raise ValueError(f"kfac_stats_stride={stride} must divide the sequence length {T}")
-        return jax.lax.dynamic_index_in_dim(x_BTD.reshape(B, T // stride, stride, D), offset,
-                                            axis=2, keepdims=False)
-
-    def curvature(stats: dict, step: jax.Array) -> dict:
-        missing = sorted(set(layers) - set(stats))
-        if missing:
-            raise ValueError(f"the model captured no K-FAC statistics for {missing}")
-        out = {}
-        for path, has_bias in layers.items():
-            x, dy = stats[path]
-            num_tokens = math.prod(x.shape[:-1])
-            if stride > 1:
-                offset = jnp.asarray(step, jnp.int32) % stride
-                x, dy = positions(x, offset), positions(dy, offset)
-            out[path] = kfac_lib.layer_factors(x, dy, has_bias, num_tokens=num_tokens)
-        return out
-
-    return curvature
-
-
-def _register_kfac(name: str) -> Callable[[Builder], Builder]:
-    CURVATURE_OPTIMIZERS.add(name)
-    return register(name)
-
-
-@_register_kfac("kfac")
-def kfac(config: TrainConfig):
-    """K-FAC (SPEC §4) on hidden Dense kernels and biases, grafted to Adam's norm by default
-    (`kfac_*` options), AdamW on embeddings, head and norms; needs `curvature=`."""
-    return optax.chain(_clip(config), _kfac(config)), None
-
-
-@_register_kfac("snoo_kfac")
-def snoo_kfac(config: TrainConfig):
-    """`kfac` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
-    return optax.chain(_clip(config), _snoo(config, _kfac(config))), config.snoo_k
-
-
-def build_optimizer(config: TrainConfig) -> tuple[optax.GradientTransformationExtraArgs,
-                                                  int | None]:
-    """Build `config.optimizer` from `OPTIMIZERS`.
+def build_optimizer(config: TrainConfig) -> TrainOptimizer:
+    """Build `config.optimizer.name` from `OPTIMIZERS`.
 
     With `rounding` other than "none", the stack is followed by that rounding transform
-    (seeded with `seed`; stacks in `ROUNDING_INSIDE` place it themselves), so bf16 params
+    (seeded with `seed`; stacks that round themselves place it inside), so bf16 params
     land on stochastically (or dithered-) rounded values; float32 params pass through it
     unchanged.
 
-    Returns:
-      `(tx, snoo_k)`; `snoo_k` is the Snoo sync period or `None` for stacks without Snoo.
-
     Raises:
-      ValueError: for an unknown name, listing the registry.
+      ValueError: for an unknown name, listing the registry; for bad optimizer values.
     """
-    if config.optimizer not in OPTIMIZERS:
-        close = difflib.get_close_matches(config.optimizer, OPTIMIZERS, n=3)
-        hint = f"; did you mean {close}?" if close else ""
-        raise ValueError(f"unknown optimizer {config.optimizer!r}{hint} Registered: "
-                         f"{sorted(OPTIMIZERS)}")
-    tx, snoo_k = OPTIMIZERS[config.optimizer](config)
-    rounding = _rounding(config)
-    if rounding is not None and config.optimizer not in ROUNDING_INSIDE:
-        tx = optax.chain(tx, rounding)
-    return optax.with_extra_args_support(tx), snoo_k
+    spec = get_builder(config.optimizer.name)(config)
+    rounding_tx = rounding(config)
+    tx = spec.tx
+    if rounding_tx is not None and not spec.rounds_itself:
+        tx = optax.chain(tx, rounding_tx)
+    return dataclasses.replace(spec, tx=optax.with_extra_args_support(tx))
+

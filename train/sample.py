@@ -14,7 +14,6 @@ References:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 
 import models
 from train.checkpoint import Checkpointer
-from train.config import config_from_dict, model_config
+from train.config import config_from_dict, flat_dict, model_config, override
 from train.data import CharDataset
 from train.optimizers import build_optimizer
 from train.sharding import make_mesh
@@ -69,10 +68,10 @@ def load_params(out_dir: str | Path, step: int | None = None
     meta = ckpt.restore_meta(step)
     config = config_from_dict(meta["config"])
     vocab = CharDataset(meta["vocab"], np.zeros(0, np.uint16), np.zeros(0, np.uint16))
-    tx, _ = build_optimizer(config)
-    mesh = make_mesh(dataclasses.replace(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
+    tx = build_optimizer(config).tx
+    mesh = make_mesh(override(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
     model_def, like = create_train_state(model_config(config, vocab.vocab_size), tx,
-                                         seed=config.seed, mesh=mesh)
+                                         seed=config.run.seed, mesh=mesh)
     state, _ = ckpt.restore(step, like=like)
     ckpt.close()
     return model_def, state["params"], vocab, {**meta, "checkpoint_step": step}
@@ -92,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     model, vocab, meta = load_model(args.out, args.step)
-    cfg = meta["config"]
+    cfg = flat_dict(meta["config"])
     start = cfg["sample_start"] if args.start is None else args.start
     if start.startswith("FILE:"):
         start = Path(start[5:]).read_text(encoding="utf-8")

@@ -6,8 +6,8 @@ sharded parameters inherit those shardings; every other leaf (counts, scalars, R
 replicated. Batches `(A, B, T)` split their batch axis over `("data", "fsdp")`.
 
 Example:
-  >>> from train.config import TrainConfig
-  >>> mesh = make_mesh(TrainConfig(mesh_data=1))
+  >>> from train.config import TrainConfig, override
+  >>> mesh = make_mesh(override(TrainConfig(), mesh_data=1))
   >>> mesh.axis_names
   ('data', 'fsdp', 'tensor')
 
@@ -46,13 +46,14 @@ BATCH_AXES = ("data", "fsdp")
 
 
 def mesh_shape(config: TrainConfig, num_devices: int) -> tuple[int, int, int]:
-    """Axis sizes from `mesh_data/fsdp/tensor`; a -1 takes the devices the others leave.
+    """Axis sizes from `config.mesh` (`--mesh_data/fsdp/tensor`); a -1 takes the devices
+    the others leave.
 
     Raises:
       ValueError: if the sizes need more devices than `num_devices`, or -1 cannot fill
         evenly.
     """
-    sizes = [config.mesh_data, config.mesh_fsdp, config.mesh_tensor]
+    sizes = list(config.mesh.sizes)
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % fixed:

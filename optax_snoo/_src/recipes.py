@@ -1,14 +1,14 @@
 """Ready optimizer stacks: the modded-nanogpt GPT-2 Medium record's Snoo + Muon + Adam.
 
-`stable_cooldown_schedule` is the record's learning-rate multiplier (SPEC §2.5);
-`modded_nanogpt` wires Snoo around a partition of Muon (hidden matrices) and Adam groups
-with their own learning rates (embeddings, head, everything else), all scaled by that
-schedule. Every value can be overridden; the defaults are the record's (PR #128).
+`stable_cooldown_schedule` is the record's learning-rate multiplier; `snoo_muon` builds
+Snoo around a partition of Muon (hidden matrices) and one or more Adam groups, the one
+implementation of that stack; `modded_nanogpt` is `snoo_muon` with the record's values
+(PR #128), every one overridable, all learning rates scaled by that schedule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,13 +23,14 @@ from optax_snoo._src.muon import (
     scale_by_muon,
 )
 from optax_snoo._src.snoo import snoo
-from optax_snoo._src.utils import path_to_str
+from optax_snoo._src.utils import is_real, path_to_str
 
 __all__ = [
     "RECORD_ADAM_GROUPS",
     "RECORD_WEIGHT_DECAY_MULTIPLIERS",
     "modded_nanogpt",
     "record_weight_decay_multiplier",
+    "snoo_muon",
     "stable_cooldown_schedule",
 ]
 
@@ -84,7 +85,7 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
     """Constant, then a linear cooldown over the last `cooldown_frac` of training.
 
     The multiplier at step `t` of `T` is 1 while `t/T < 1 - cooldown_frac`, then
-    `(1 - t/T) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale` (SPEC §2.5).
+    `(1 - t/T) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale`.
 
     Args:
       peak_value: the learning rate before the cooldown.
@@ -97,7 +98,7 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
 
     Example:
       >>> sched = stable_cooldown_schedule(0.03, 1000)
-      >>> float(sched(0)), float(sched(1000))
+      >>> round(float(sched(0)), 6), float(sched(1000))
       (0.03, 0.0)
 
     References:
@@ -138,6 +139,106 @@ def _labels_with_adam_groups(groups: tuple[tuple[str, float], ...]) -> Callable[
     return labels
 
 
+def snoo_muon(
+    muon_learning_rate: optax.ScalarOrSchedule,
+    adam_learning_rate: optax.ScalarOrSchedule | Sequence[tuple[str, optax.ScalarOrSchedule]],
+    *,
+    muon_momentum: float | optax.Schedule = 0.95,
+    muon_weight_decay: float = 0.0,
+    weight_decay_multiplier: Any = None,
+    coefficients: Coefficients = "modded",
+    ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
+    smoothing: float | optax.Schedule | None = None,
+    smoothing_form: str = "ema",
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
+    adam_eps: float = 1e-8,
+    snoo_k: int | None = 28,
+    snoo_learning_rate: float = 0.68,
+    snoo_momentum: float = 0.37,
+) -> optax.GradientTransformationExtraArgs:
+    """`snoo(partition({muon, adam...}))`: Snoo around Muon on hidden matrices and Adam.
+
+    - ``"muon"`` (leaves `optax_snoo.labels.muon_adam_labels` gives to Muon):
+      ``chain(scale_by_muon, add_decoupled_weight_decay, scale_by_learning_rate)``, i.e.
+      ``p <- p (1 - lr·wd·wd_mul) - lr·sqrt(max(1, fan_out/fan_in))·O``;
+    - Adam without weight decay (``chain(scale_by_adam, scale_by_learning_rate)``) on
+      every other leaf: one group ``"adam"`` for a single learning rate, or one group
+      ``"adam_i"`` per ``(path pattern, learning rate)`` pair (first match wins);
+    - Snoo (outer lr ``snoo_learning_rate``, momentum ``snoo_momentum``, period
+      ``snoo_k``) around both, unless ``snoo_k`` is ``None``.
+
+    Args:
+      muon_learning_rate: Muon learning rate (float or schedule).
+      adam_learning_rate: the Adam learning rate (float or schedule), or ordered
+        ``(path pattern, learning rate)`` groups for the non-Muon leaves.
+      muon_momentum: Muon momentum (float or schedule, e.g. `muon_momentum_warmup`).
+      muon_weight_decay: Muon decoupled weight decay.
+      weight_decay_multiplier: per-leaf multiplier tree or callable; ``None`` = 1.
+      coefficients: Newton-Schulz preset or triples.
+      ns_dtype: dtype of the Newton-Schulz iteration.
+      smoothing: Muon update smoothing σ (float or schedule) or ``None``.
+      smoothing_form: ``"ema"`` or ``"nesterov"``.
+      adam_b1: Adam beta1.
+      adam_b2: Adam beta2.
+      adam_eps: Adam epsilon.
+      snoo_k: Snoo sync period, or ``None`` for the inner partition alone.
+      snoo_learning_rate: Snoo outer lr η.
+      snoo_momentum: Snoo outer momentum μ.
+
+    Returns:
+      A `GradientTransformationExtraArgs`; `update` needs `params`.
+
+    Raises:
+      ValueError: a negative learning rate or weight decay, or no Adam group.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from optax_snoo.recipes import snoo_muon
+      >>> params = {"h": {"kernel": jnp.ones((4, 4))}, "wte": {"embedding": jnp.ones((8, 4))}}
+      >>> tx = snoo_muon(0.02, 3e-3, snoo_k=4)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(params, state, params, snoo_sync=True)
+      >>> sorted(state.inner_state.inner_states)
+      ['adam', 'muon']
+
+    References:
+      Jordan et al, `modded-nanogpt GPT-2 Medium records #128, #129, #137
+      <https://github.com/KellerJordan/modded-nanogpt>`_, 2025.
+    """
+    groups = None if callable(adam_learning_rate) or is_real(adam_learning_rate) else tuple(
+        adam_learning_rate)
+    rates = {"muon_learning_rate": muon_learning_rate, "muon_weight_decay": muon_weight_decay,
+             **({"adam_learning_rate": adam_learning_rate} if groups is None else
+                {f"adam_learning_rate[{i}]": lr for i, (_, lr) in enumerate(groups)})}
+    for name, value in rates.items():
+        if is_real(value) and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if groups is not None and not groups:
+        raise ValueError("adam_learning_rate: expected a learning rate or at least one "
+                         "(pattern, learning rate) group, got no group")
+    transforms: dict[str, optax.GradientTransformation] = {
+        "muon": optax.chain(
+            scale_by_muon(muon_momentum, coefficients=coefficients, ns_dtype=ns_dtype,
+                          smoothing=smoothing, smoothing_form=smoothing_form),
+            add_decoupled_weight_decay(muon_weight_decay, weight_decay_multiplier),
+            optax.scale_by_learning_rate(muon_learning_rate),
+        ),
+    }
+    adam = lambda lr: optax.chain(optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps),
+                                  optax.scale_by_learning_rate(lr))
+    if groups is None:
+        transforms["adam"] = adam(adam_learning_rate)
+        inner = partition(transforms, muon_adam_labels)
+    else:
+        for i, (_, lr) in enumerate(groups):
+            transforms[f"adam_{i}"] = adam(lr)
+        inner = partition(transforms, _labels_with_adam_groups(groups))
+    if snoo_k is None:
+        return optax.with_extra_args_support(inner)
+    return snoo(inner, snoo_learning_rate, snoo_momentum, snoo_k)
+
+
 def modded_nanogpt(
     total_steps: int,
     *,
@@ -160,7 +261,7 @@ def modded_nanogpt(
     snoo_momentum: float = 0.37,
     snoo_k: int = 28,
 ) -> optax.GradientTransformationExtraArgs:
-    """The GPT-2 Medium record's optimizer: `snoo(partition({muon, adam groups}))`.
+    """The GPT-2 Medium record's optimizer: `snoo_muon` with the record's values.
 
     - Muon on hidden matrices (`optax_snoo.labels.muon_adam_labels`): modded Newton-Schulz
       coefficients, momentum warmed up 0.85 -> 0.95 over 300 steps, decoupled weight decay
@@ -198,8 +299,13 @@ def modded_nanogpt(
       A `GradientTransformationExtraArgs`; `update` needs `params`.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.recipes import modded_nanogpt
+      >>> params = {"h": {"kernel": jnp.ones((4, 4))}, "lm_head": {"kernel": jnp.ones((4, 8))}}
       >>> tx = modded_nanogpt(5640)
       >>> state = tx.init(params)
+      >>> sorted(state.inner_state.inner_states)
+      ['adam_0', 'adam_1', 'adam_2', 'muon']
 
     References:
       Jordan et al, `modded-nanogpt GPT-2 Medium records #128, #129, #137
@@ -209,21 +315,13 @@ def modded_nanogpt(
         raise ValueError("adam_groups must name at least one (pattern, lr) group")
     schedule = lambda peak: stable_cooldown_schedule(peak, total_steps, cooldown_frac,
                                                      final_lr_scale)
-    beta = muon_momentum_warmup(0.85, 0.95, 300) if muon_momentum is None else muon_momentum
-    transforms: dict[str, optax.GradientTransformation] = {
-        "muon": optax.chain(
-            scale_by_muon(beta, coefficients=coefficients, ns_dtype=ns_dtype, smoothing=smoothing,
-                          smoothing_form=smoothing_form),
-            add_decoupled_weight_decay(muon_weight_decay, weight_decay_multiplier),
-            optax.scale_by_learning_rate(schedule(muon_learning_rate)),
-        ),
-    }
-    for i, (_, lr) in enumerate(adam_groups):
-        transforms[f"adam_{i}"] = optax.chain(
-            optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps),
-            optax.scale_by_learning_rate(schedule(lr)),
-        )
-    inner = partition(transforms, _labels_with_adam_groups(tuple(adam_groups)))
-    if not use_snoo:
-        return optax.with_extra_args_support(inner)
-    return snoo(inner, snoo_learning_rate, snoo_momentum, snoo_k)
+    return snoo_muon(
+        schedule(muon_learning_rate),
+        tuple((pattern, schedule(lr)) for pattern, lr in adam_groups),
+        muon_momentum=(muon_momentum_warmup(0.85, 0.95, 300) if muon_momentum is None
+                       else muon_momentum),
+        muon_weight_decay=muon_weight_decay, weight_decay_multiplier=weight_decay_multiplier,
+        coefficients=coefficients, ns_dtype=ns_dtype, smoothing=smoothing,
+        smoothing_form=smoothing_form, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
+        snoo_k=snoo_k if use_snoo else None, snoo_learning_rate=snoo_learning_rate,
+        snoo_momentum=snoo_momentum)

@@ -3,12 +3,15 @@
 Every `k` steps (at t = 0, k, 2k, ...) the inner optimizer's displacement since the last
 sync, `slow - fast`, is taken as a pseudo-gradient for Nesterov SGD on a slow copy of the
 params kept in the optimizer state; the params jump to the new slow weights. In between,
-the inner optimizer runs alone. See SPEC §1.
+the inner optimizer runs alone.
+
+References:
+  Kallusky et al, `Snoo: sparse Nesterov outer optimizer, modded-nanogpt GPT-2 Medium
+  record <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,9 +19,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_snoo._src.utils import is_integer, is_real
+
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
-__all__ = ["SnooState", "snoo", "snoo_is_sync_step"]
+__all__ = ["SnooState", "skip_update", "snoo", "snoo_is_sync_step"]
 
 
 class SnooState(NamedTuple):
@@ -42,8 +47,49 @@ def snoo_is_sync_step(step: int, k: int) -> bool:
     return step % k == 0
 
 
-def _is_concrete_number(x: Any) -> bool:
-    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+def _is_snoo_state(x: Any) -> bool:
+    return isinstance(x, SnooState)
+
+
+def skip_update(opt_state: optax.OptState) -> optax.OptState:
+    """The optimizer state after an update that was skipped (e.g. a non-finite gradient).
+
+    A trainer that drops an update keeps the params and the optimizer state as they were,
+    except that every `SnooState` in `opt_state` (at any depth: inside a chain, a
+    partition, or wrapping another Snoo) advances its `count` by one. The skipped update
+    thus keeps its slot in Snoo's period: a sync that falls on it is dropped and the next
+    one comes `k` updates later, so `count` stays equal to the trainer's step and the host
+    can compute every sync hint as `snoo_is_sync_step(step, k)` without reading the
+    device. Other states (Adam's moments and counts included) are returned unchanged.
+
+    Args:
+      opt_state: any optimizer state.
+
+    Returns:
+      A state of the same structure, dtypes and shapes, jit-compatible (e.g. the
+      "skip" branch of a `jax.lax.cond`).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = optax.chain(optax.clip_by_global_norm(1.0),
+      ...                  optax_snoo.snoo(optax.sgd(0.1), k=4))
+      >>> state = optax_snoo.skip_update(tx.init(params))
+      >>> int(state[1].count)
+      1
+
+    References:
+      Optax, `optax.apply_if_finite
+      <https://optax.readthedocs.io/en/latest/api/optimizer_wrappers.html>`_ (which
+      instead leaves every count unchanged), 2024.
+    """
+    def advance(x):
+        if not _is_snoo_state(x):
+            return x
+        return x._replace(count=optax.safe_increment(x.count),
+                          inner_state=skip_update(x.inner_state))
+
+    return jax.tree.map(advance, opt_state, is_leaf=_is_snoo_state)
 
 
 def _validate(inner: Any, learning_rate: Any, momentum: Any, k: Any) -> None:
@@ -51,11 +97,11 @@ def _validate(inner: Any, learning_rate: Any, momentum: Any, k: Any) -> None:
         raise ValueError(
             f"snoo: inner must be an optax.GradientTransformation (with init and update), "
             f"got {type(inner).__name__}: {inner!r}")
-    if isinstance(k, bool) or (_is_concrete_number(k) and (k < 1 or int(k) != k)):
+    if not is_integer(k) or k < 1:
         raise ValueError(f"snoo: k must be an integer >= 1, got {k!r}")
-    if _is_concrete_number(learning_rate) and learning_rate < 0:
+    if is_real(learning_rate) and learning_rate < 0:
         raise ValueError(f"snoo: learning_rate must be >= 0, got {learning_rate!r}")
-    if _is_concrete_number(momentum) and not 0 <= momentum < 1:
+    if is_real(momentum) and not 0 <= momentum < 1:
         raise ValueError(f"snoo: momentum must be in [0, 1), got {momentum!r}")
 
 
@@ -67,7 +113,7 @@ def snoo(
     *,
     slow_dtype: Any = "float32",
 ) -> optax.GradientTransformationExtraArgs:
-    """Wrap `inner` in Snoo, the sparse Nesterov outer optimizer (SPEC §1).
+    """Wrap `inner` in Snoo, the sparse Nesterov outer optimizer.
 
     Each update first runs `inner` (`u`; fast weights `f = p + u`). On sync steps
     (`count % k == 0`, so the very first update syncs) the pseudo-gradient `d = slow - f`
@@ -102,10 +148,16 @@ def snoo(
       `params`.
 
     Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from optax_snoo import snoo
+      >>> params = {"w": jnp.ones((2, 3))}
       >>> tx = snoo(optax.adamw(3e-4), learning_rate=0.68, momentum=0.37, k=28)
       >>> state = tx.init(params)
-      >>> updates, state = tx.update(grads, state, params)
+      >>> grads = {"w": jnp.full((2, 3), 0.5)}
+      >>> updates, state = tx.update(grads, state, params, snoo_sync=True)
       >>> params = optax.apply_updates(params, updates)
+      >>> int(state.count), params["w"].shape
+      (1, (2, 3))
 
     References:
       Kallusky et al, `Snoo: sparse Nesterov outer optimizer, modded-nanogpt GPT-2 Medium
