@@ -40,9 +40,6 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build", "_generated/*.txt", "Thumbs.db", ".DS_Store"]
 myst_enable_extensions = ["dollarmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
-# Links between the repository's markdown files (README, benchmarks/README.md) point at
-# files outside the docs tree; they stay plain links.
-suppress_warnings = ["myst.xref_missing"]
 
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

@@ -17,7 +17,8 @@ TRAIN_EXTRA_MODULES = ("flax", "orbax", "tqdm", "matplotlib")
 
 def _blocking(modules, statement):
     """Python source that makes `modules` unimportable, then runs `statement`."""
-    return f"import sys\nfor name in {tuple(modules)!r}:\n    sys.modules[name] = None\n{statement}\n"
+    return (f"import sys\nfor name in {tuple(modules)!r}:\n    sys.modules[name] = None\n"
+            f"{statement}\n")
 
 
 def _python(source, cwd=ROOT):
