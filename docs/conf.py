@@ -83,9 +83,18 @@ def _directive(module, name: str) -> str | None:
     obj = getattr(module, name)
     target = f"{module.__name__}.{name}"
     if module.__name__ != "optax_snoo" and getattr(optax_snoo, name, None) is obj:
-        # Re-exported by the package: described once, on its page.
-        role = "class" if inspect.isclass(obj) else "func" if callable(obj) else "data"
-        return f"``{name}``: the same object as :{role}:`optax_snoo.{name}`.\n"
+        # Re-exported by the package: described once, on its page; named here too, so
+        # that references to either name resolve.
+        kind, role = (("class", "class") if inspect.isclass(obj)
+                      else ("function", "func") if callable(obj) else ("data", "data"))
+        signature = ""
+        if callable(obj):
+            try:
+                signature = re.sub(r"\s+", " ", str(inspect.signature(obj)).split(" -> ")[0])
+            except (TypeError, ValueError):
+                signature = "(...)"
+        return (f".. py:{kind}:: {name}{signature}\n   :module: {module.__name__}\n\n"
+                f"   The same object as :{role}:`optax_snoo.{name}`.\n")
     if inspect.ismodule(obj):
         return None  # documented on its own page
     if inspect.isclass(obj):
