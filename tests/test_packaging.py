@@ -88,6 +88,12 @@ def test_train_without_its_extra_names_the_extra(module):
     assert module in last and "pip install -e '.[train]'" in last, last
 
 
+def test_train_with_its_extra_exports_its_api():
+    result = _python("import train\nprint(all(hasattr(train, n) for n in train.__all__))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+
+
 def test_license_file_matches_pyproject():
     assert PYPROJECT["project"]["license"] == "Apache-2.0"
     assert PYPROJECT["project"]["license-files"] == ["LICENSE"]

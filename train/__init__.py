@@ -32,7 +32,7 @@ if _missing := _missing_train_extra():
         name=_missing[0],
     )
 
-from train.config import PRESETS  # noqa: E402, TrainConfig, get_preset, parse_args
+from train.config import PRESETS, TrainConfig, get_preset, parse_args  # noqa: E402
 from train.loop import RunResult, run  # noqa: E402
 from train.optimizers import OPTIMIZERS, build_optimizer, register  # noqa: E402
 
