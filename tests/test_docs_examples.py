@@ -1,0 +1,25 @@
+"""Every ```python block of the README and of the docs pages runs as it is written."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```python\n(.*?)^```$", re.DOTALL | re.MULTILINE)
+
+
+def _blocks():
+    for page in PAGES:
+        for number, match in enumerate(BLOCK.finditer(page.read_text())):
+            yield pytest.param(match[1], id=f"{page.relative_to(ROOT)}:{number}")
+
+
+def test_readme_opens_with_a_python_example():
+    assert BLOCK.search((ROOT / "README.md").read_text()), "README.md has no ```python block"
+
+
+@pytest.mark.parametrize("code", list(_blocks()))
+def test_example_runs(code, capsys):
+    exec(compile(code, "<example>", "exec"), {"__name__": "__example__"})
