@@ -9,7 +9,9 @@ A checkpoint is a `Composite` of two items:
 Saving is asynchronous; a step already on disk is never overwritten, and Orbax writes
 each step into a temporary folder renamed only when complete, so a killed process leaves
 the earlier steps whole (its temporary folder is removed at the next start). The two
-latest steps are kept besides the best, so a damaged latest step has a fallback:
+latest steps are kept besides the best (lowest val loss), also across resumes: each
+step's val loss is written with it (Orbax's `metrics` item), so a later run's manager
+ranks the steps an earlier run wrote. Two latest, so a damaged latest step has a fallback:
 `restore_latest` warns, moves the damaged folder to `<directory>_damaged/`, and restores
 the newest step that reads back. A failed write (e.g. a full disk) raises
 `CheckpointSaveError` naming the steps still on disk. Before restoring, the saved
@@ -64,7 +66,7 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], *,
       where: the checkpoint's location, for the message.
 
     Raises:
-      ValueError: listing every differing key with both values.
+      ValueError: listing every differing key with both values (on one line).
     """
     diffs = [f"{key}: checkpoint has {saved.get(key, '<missing>')!r}, this run has "
              f"{current.get(key)!r}"
@@ -73,8 +75,24 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], *,
     if diffs:
         location = f" in {where}" if where else ""
         raise ValueError(f"cannot resume from the checkpoint{location}: its config differs "
-                         f"in {len(diffs)} field(s):\n  " + "\n  ".join(diffs) +
-                         "\nRun with the checkpoint's values or choose another --out_dir.")
+                         f"in {len(diffs)} field(s): " + "; ".join(diffs) +
+                         ". Run with the checkpoint's values or choose another --out_dir.")
+
+
+def _val_loss(metrics: Mapping[str, float]) -> float:
+    return metrics["val_loss"]
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Hide Orbax's known, harmless warnings (repeated at every manager and restore)."""
+    with warnings.catch_warnings():
+        for message in _HARMLESS:
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+_HARMLESS: tuple[str, ...] = ()
 
 
 class Checkpointer:
@@ -83,20 +101,33 @@ class Checkpointer:
     Args:
       directory: where the step folders live (created on first save).
       async_save: write in a background thread (`wait` blocks until done).
+      read_only: only read (sampling, evaluation): `directory` must exist and nothing
+        is created, cleaned up or deleted in it.
+
+    Raises:
+      FileNotFoundError: `read_only` and `directory` is not a folder.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, async_save: bool = True,
+                 read_only: bool = False):
         self.directory = Path(directory).absolute()
+        if read_only and not self.directory.is_dir():
+            raise FileNotFoundError(f"no checkpoints folder {self.directory}")
         policy = ocp.checkpoint_managers.AnyPreservationPolicy([
             ocp.checkpoint_managers.LatestN(2),  # a fallback if the newest is damaged
             # BestN keeps the LARGEST metric unless reverse=True.
-            ocp.checkpoint_managers.BestN(get_metric_fn=lambda m: m["val_loss"],
-                                          reverse=True, n=1),
+            ocp.checkpoint_managers.BestN(get_metric_fn=_val_loss, reverse=True, n=1),
         ])
-        options = ocp.CheckpointManagerOptions(preservation_policy=policy,
-                                               enable_async_checkpointing=async_save,
-                                               cleanup_tmp_directories=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        # `best_fn` makes Orbax write each step's metrics to disk (without it they live
+        # only in memory, and a resumed run's policy sees the earlier steps as metric-less
+        # and keeps them all); the preservation policy above still decides what is kept.
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy, best_fn=_val_loss, best_mode="min",
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
+            create=not read_only)  # (Orbax's own read_only logs a warning at every open)
+        self.read_only = read_only
+        with _quiet_orbax():
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: list[int] = []  # saves started and not yet confirmed on disk
 
     def steps(self) -> list[int]:
@@ -114,6 +145,8 @@ class Checkpointer:
         Raises:
           FileExistsError: if `step` is already saved (checkpoints are never overwritten).
         """
+        if self.read_only:
+            raise PermissionError(f"{self.directory} was opened read-only")
         if step in self.manager.all_steps():
             raise FileExistsError(f"checkpoint step {step} already exists in {self.directory}")
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}

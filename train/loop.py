@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -38,10 +39,16 @@ from train import kfac_trainer
 from train.checkpoint import Checkpointer, check_compatible
 from train.config import TrainConfig, config_to_dict, model_config
 from train.data import CharDataset
-from train.metrics import MetricsLog, flops_per_token, peak_flops_per_device, plot_losses
+from train.metrics import (
+    MetricsLog,
+    check_memory,
+    flops_per_token,
+    peak_flops_per_device,
+    plot_losses,
+    restart_clock,
+)
 from train.nonfinite import check_bad_steps
 from train.optimizers import build_optimizer, learning_rate_schedule, needs_curvature
-from train.sample import generate_text
 from train.sharding import batch_sharding, make_mesh, process_rows, put_batch, tree_shardings
 from train.step import create_train_state, make_eval_step, make_train_step
 
@@ -66,12 +73,14 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDatase
     latest = ckpt.latest_step()
     if not config.resume:
         if latest is not None:
-            raise FileExistsError(f"{ckpt.directory} already holds checkpoints (latest step "
-                                  f"{latest}); pass --resume to continue or choose another "
-                                  "--out_dir")
+            raise FileExistsError(f"--out_dir={config.out_dir!r} already holds a run "
+                                  f"(checkpoints up to step {latest} in {ckpt.directory}); "
+                                  "pass --resume to continue it or choose another --out_dir")
         return state, 0
     if latest is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory} "
+                                f"(--out_dir={config.out_dir!r}); run without --resume to "
+                                "start")
 
     def check(meta):
         check_compatible(meta["config"], config_to_dict(config), where=str(ckpt.directory))
@@ -108,12 +117,14 @@ def run(config: TrainConfig) -> RunResult:
     gpt_config = model_config(config, data.vocab_size)
     tx, snoo_k = build_optimizer(config)
     mesh = make_mesh(config)
+    check_memory(config, gpt_config, tx, list(mesh.devices.flat))  # before any compile
     model, state = create_train_state(gpt_config, tx, seed=config.seed, mesh=mesh)
     shardings = tree_shardings(state, mesh)
     ckpt = Checkpointer(out / "checkpoints")
     state, start = _start(config, ckpt, state, data)
     lead = jax.process_index() == 0
     if lead:
+        print(_startup_line(config, state, mesh, start), flush=True)
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     rows = process_rows(batch_sharding(mesh), config.batch_size)  # this process's slice
     put = lambda x: put_batch(x, batch_sharding(mesh), config.batch_size)
@@ -137,21 +148,24 @@ def run(config: TrainConfig) -> RunResult:
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
     flops = flops_per_token(state["params"], gpt_config) * tokens_per_step
     meta = {"config": config_to_dict(config), "vocab": data.chars, "seed": config.seed}
+    # The bar's rate and ETA count from the end of compilation (restart_clock).
     bar = tqdm(total=config.max_iters, initial=start, disable=not (config.progress and lead),
-               dynamic_ncols=True)
-    rates, mfu, best_val, t_last, steps_since = [], None, float("inf"), time.perf_counter(), 0
+               dynamic_ncols=True, desc="compiling")
+    compiled = set()  # the train-step variants called so far (Snoo: sync and no-sync)
+    rates, mfu, t_last, steps_since = [], None, time.perf_counter(), 0
     skipped = float(state["skipped_steps"])
     for step in range(start, config.max_iters + 1):
         last = step == config.max_iters
         # evaluate and checkpoint (not again at the step a resumed run starts from)
-        save = step > start and (step % config.checkpoint_every == 0 or last)
+        # (the last step always; also step 0 of a fresh run with max_iters=0)
+        save = (step > start or (last and not config.resume)) and (
+            step % config.checkpoint_every == 0 or last)
         if (step > start or not config.resume) and (step % config.eval_interval == 0 or save
                                                     or last):
             losses = {s: float(eval_step(state["params"], *evals[s])) for s in evals}
-            best_val = min(best_val, losses["val"])
             log.write(step=step, train_loss=losses["train"], val_loss=losses["val"])
-            speed = "" if not rates else (
-                f", {rates[-1]:,.0f} tokens/s, MFU " + (f"{mfu:.1%}" if mfu else "n/a"))
+            speed = "" if not rates else f", {rates[-1]:,.0f} tokens/s" + (
+                f", MFU {mfu:.1%}" if mfu is not None else "")
             bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss "
                       f"{losses['val']:.4f}{speed}")
             if save:  # never after max_bad_steps bad steps in a row
@@ -171,6 +185,9 @@ def run(config: TrainConfig) -> RunResult:
         state, metrics = train_step(state, put(inputs_ABT), put(targets_ABT), sync)
         steps_since += 1
         bar.update()
+        if sync not in compiled:  # this call compiled its variant: time from now on
+            compiled.add(sync)
+            restart_clock(bar)
         if events is not None:  # K-FAC refresh events: kept on device, read when logging
             events.add(metrics.pop("kfac_event"))
         # log (the only host sync outside evaluations)
@@ -182,7 +199,8 @@ def run(config: TrainConfig) -> RunResult:
             rate = steps_since * tokens_per_step / (now - t_last)
             rates.append(rate)
             mfu = rate * flops / tokens_per_step / (peak * mesh.size) if peak else None
-            log.write(step=step + 1, **metrics, tokens_per_sec=rate, mfu=mfu)
+            log.write(step=step + 1, **metrics, tokens_per_sec=rate,
+                      **({} if mfu is None else {"mfu": mfu}))
             if metrics["skipped_steps"] > skipped:
                 skipped = metrics["skipped_steps"]
                 bar.write(f"step {step + 1}: skipped {skipped:.0f} step(s) with a non-finite "
@@ -195,7 +213,7 @@ def run(config: TrainConfig) -> RunResult:
     ckpt.close()
     if events is not None:
         kfac_trainer.finish(config, events, out)
-    result = _finish(config, model, state, data, log, rates, best_val, out)
+    result = _finish(config, model, state, data, log, rates, out)
     result.final["wall_s"] = time.perf_counter() - t_start
     return result
 
@@ -208,11 +226,27 @@ def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Check
                         checkpoints=ckpt.steps())
 
 
-def _finish(config, model, state, data, log, rates, best_val, out) -> RunResult:
-    """Write loss.png and samples.txt (process 0); summarise the run."""
+def _startup_line(config: TrainConfig, state: Any, mesh: Any, start: int) -> str:
+    """One line: model size, optimizer, devices and mesh, out_dir (and the resumed step)."""
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+    devices = mesh.devices.flat[0]
+    axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    resumed = f"; resuming at step {start}" if config.resume else ""
+    return (f"train: {n / 1e6:.2f}M parameters (n_layer={config.n_layer}, n_embd="
+            f"{config.n_embd}, block_size={config.block_size}), optimizer {config.optimizer}, "
+            f"{mesh.size} {devices.platform} device(s) ({devices.device_kind}), mesh {axes}, "
+            f"out_dir {config.out_dir}{resumed}")
+
+
+def _finish(config, model, state, data, log, rates, out) -> RunResult:
+    """Write loss.png and samples.txt (process 0); summarise the run (all of it, across
+    resumes: the metrics log's earlier lines count too)."""
+    from train.sample import generate_text  # here: `python -m train.sample` runs cleanly
+
     lead = jax.process_index() == 0
+    whole = log.whole_run
     if lead:
-        plot_losses(log.history, out / "loss.png")
+        plot_losses(whole, out / "loss.png")
     params = state["params"]
     if config.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
         params = multihost_utils.process_allgather(params, tiled=True)
@@ -223,12 +257,13 @@ def _finish(config, model, state, data, log, rates, best_val, out) -> RunResult:
                               temperature=config.temperature, top_k=config.sample_top_k,
                               seed=config.seed)
         (out / "samples.txt").write_text("\n---------------\n".join(texts) + "\n")
-    evals = [h for h in log.history if "val_loss" in h]
+    evals = [h for h in whole if "val_loss" in h]
     steady = rates[1:] or rates  # the first interval includes compilation
-    final = {"step": config.max_iters, "best_val_loss": best_val,
+    final = {"step": config.max_iters,
+             "best_val_loss": min((h["val_loss"] for h in evals), default=None),
              "train_loss": evals[-1]["train_loss"] if evals else None,
              "val_loss": evals[-1]["val_loss"] if evals else None,
              "tokens_per_sec": statistics.median(steady) if steady else None}
     mfus = [h["mfu"] for h in log.history if h.get("mfu") is not None]
-    final["mfu"] = statistics.median(mfus[1:] or mfus) if mfus else "n/a"
+    final["mfu"] = statistics.median(mfus[1:] or mfus) if mfus else None
     return RunResult(final, log.history, out)
