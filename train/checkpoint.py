@@ -30,8 +30,10 @@ References:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -83,16 +85,35 @@ def _val_loss(metrics: Mapping[str, float]) -> float:
     return metrics["val_loss"]
 
 
+def _orbax_leftover(unraisable: Any) -> bool:
+    """An unfinished Orbax read coroutine, or its callback after the event loop closed."""
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+        return True
+    err = unraisable.exc_value
+    return isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+
+
 @contextlib.contextmanager
-def _quiet_orbax():
-    """Hide Orbax's known, harmless warnings (repeated at every manager and restore)."""
-    with warnings.catch_warnings():
-        for message in _HARMLESS:
-            warnings.filterwarnings("ignore", message=message)
+def _quiet_failed_reads():
+    """Drop the reports of a failed read's leftovers (each with TensorStore's whole spec).
+
+    A damaged step makes Orbax abandon one read coroutine per array; when collected, each
+    would print an "Exception ignored in" traceback. The failure itself is reported once,
+    as a `CheckpointWarning`; the leftovers are collected here, under this hook.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _orbax_leftover(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
         yield
-
-
-_HARMLESS: tuple[str, ...] = ()
+    finally:
+        gc.collect()
+        sys.unraisablehook = previous
 
 
 class Checkpointer:
@@ -126,8 +147,7 @@ class Checkpointer:
             enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
             create=not read_only)  # (Orbax's own read_only logs a warning at every open)
         self.read_only = read_only
-        with _quiet_orbax():
-            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: list[int] = []  # saves started and not yet confirmed on disk
 
     def steps(self) -> list[int]:
@@ -194,6 +214,14 @@ class Checkpointer:
           FileNotFoundError: no step could be read; lists every step's error.
         """
         failures = []
+        with _quiet_failed_reads():
+            found = self._restore_newest(like, check, failures)
+        if found is not None:
+            return found
+        raise FileNotFoundError(f"no checkpoint in {self.directory} could be restored:\n  "
+                                + "\n  ".join(failures or ["(there are none)"]))
+
+    def _restore_newest(self, like, check, failures):
         for step in reversed(self.steps()):
             try:
                 meta = self.restore_meta(step)
@@ -207,8 +235,7 @@ class Checkpointer:
                 failures.append(self._set_aside(step, err))
                 continue
             return state, meta, step
-        raise FileNotFoundError(f"no checkpoint in {self.directory} could be restored:\n  "
-                                + "\n  ".join(failures or ["(there are none)"]))
+        return None
 
     def _set_aside(self, step: int, err: Exception) -> str:
         """Warn about a damaged step and move its folder out of the manager's way."""
@@ -224,7 +251,7 @@ class Checkpointer:
         reason = (str(err).splitlines() or [""])[0][:200]
         message = f"step {step} ({source}): {type(err).__name__}: {reason}"
         warnings.warn(f"checkpoint {message}; it cannot be restored and was moved to "
-                      f"{target}; trying an earlier step", CheckpointWarning, stacklevel=3)
+                      f"{target}; trying an earlier step", CheckpointWarning, stacklevel=4)
         return message
 
     def restore_meta(self, step: int) -> dict[str, Any]:
