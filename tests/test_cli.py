@@ -134,3 +134,35 @@ def test_user_message_is_for_the_projects_own_errors():
         "out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 1.0T bytes.); "
         "lower --block_size=4096")
     assert user_message(RuntimeError("RESOURCE_EXHAUSTED")) is None  # not XLA's
+
+
+class FakeDevice:
+    """An accelerator as `check_memory` sees it: platform, kind, process, memory limit."""
+
+    platform, device_kind, process_index = "gpu", "Fake GPU", 0
+
+    def __init__(self, gib: float):
+        self.limit = int(gib * 2**30)
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_check_memory_refuses_what_cannot_fit_and_passes_the_presets():
+    import dataclasses
+
+    from train import config as tc
+    from train.metrics import check_memory
+    from train.optimizers import build_optimizer
+
+    for name, gib in (("shakespeare_char", 16), ("gpt2_small", 80)):
+        config = tc.get_preset(name)
+        tx, _ = build_optimizer(config)
+        check_memory(config, tc.model_config(config, 65), tx, [FakeDevice(gib)])
+    config = dataclasses.replace(tc.get_preset("gpt2_small"), block_size=16384)
+    tx, _ = build_optimizer(config)
+    gpt = tc.model_config(config, 65)
+    with pytest.raises(ValueError, match=r"--block_size=16384 with --batch_size=32: a train step "
+                                         r"needs at least .* more than the 80.0 GiB on 1 Fake"):
+        check_memory(config, gpt, tx, [FakeDevice(80)])
+    check_memory(config, gpt, tx, [FakeDevice(80)] * 8)  # eight of them: enough

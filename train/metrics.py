@@ -207,19 +207,25 @@ def _host_available() -> int:
 def available_memory(devices: Sequence[Any]) -> tuple[int, str] | None:
     """`(bytes, where)`: the memory `devices` can use together, or `None` when unknown.
 
-    Accelerators: the sum of each device's `bytes_limit`. CPUs share the host's memory:
-    its available physical memory (`MemAvailable`), once however many CPU devices there
-    are.
+    Accelerators: each device's `bytes_limit`, summed. CPUs share their host's memory:
+    its available physical memory (`MemAvailable`), once per host however many CPU
+    devices it holds. With several processes, this process's devices stand for the rest
+    (the same hardware on every host).
     """
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    hosts = len({d.process_index for d in devices})
     if all(d.platform == "cpu" for d in devices):
-        return _host_available(), "available on this host"
+        per_host = _host_available()
+        where = "available on this host" if hosts == 1 else f"available on {hosts} hosts"
+        return per_host * hosts, where
     limits = []
-    for d in devices:
+    for d in local:
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None
         if not stats or "bytes_limit" not in stats:
             return None
         limits.append(int(stats["bytes_limit"]))
-    return sum(limits), f"on {len(limits)} {devices[0].device_kind} device(s)"
+    total = sum(limits) * len(devices) // len(local)
+    return total, f"on {len(devices)} {local[0].device_kind} device(s)"
 
 
 def check_memory(config: Any, gpt_config: Any, tx: Any, devices: Sequence[Any]) -> None:
