@@ -16,24 +16,36 @@ def sample_token(
     key: jax.Array,
     temperature: float | jax.Array,
     top_k: int | jax.Array | None = None,
+    valid_vocab: int | jax.Array | None = None,
 ) -> jax.Array:
     """Draw one token per row from ``softmax(logits / temperature)`` over the top-k logits.
 
     As nanoGPT: logits below the k-th largest are removed (ties with it are kept).
-    ``temperature == 0`` is greedy (argmax). ``temperature`` and ``top_k`` may be traced
-    values, so changing them does not recompile.
+    ``temperature == 0`` is greedy (argmax). Ids ``>= valid_vocab`` (vocabulary padding)
+    are removed first, so they are never drawn. ``temperature``, ``top_k`` and
+    ``valid_vocab`` may be traced values, so changing them does not recompile.
 
     Args:
       logits_BV: logits of the next token.
       key: PRNG key.
       temperature: softmax temperature ``> 0``, or ``0`` for argmax.
       top_k: number of logits to keep, or ``None`` for all.
+      valid_vocab: number of real token ids, or ``None`` for all ``V``.
 
     Returns:
       ``(B,)`` int32 tokens.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from models.generate import sample_token
+      >>> logits = jnp.array([[0.0, 1.0, 9.0]])  # id 2 is padding
+      >>> int(sample_token(logits, jax.random.key(0), 0.0, valid_vocab=2)[0])
+      1
     """
     logits_BV = logits_BV.astype(jnp.float32)
     V = logits_BV.shape[-1]
+    if valid_vocab is not None:
+        logits_BV = jnp.where(jnp.arange(V) < valid_vocab, logits_BV, -jnp.inf)
     if top_k is not None:
         kth_B1 = jax.lax.dynamic_index_in_dim(jnp.sort(logits_BV, axis=-1), V - top_k, axis=-1)
         logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
@@ -44,7 +56,8 @@ def sample_token(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "use_cache"))
-def _generate(graphdef, state, tokens_BT, rng, temperature, top_k, *, max_new_tokens, use_cache):
+def _generate(graphdef, state, tokens_BT, rng, temperature, top_k, valid_vocab, *,
+              max_new_tokens, use_cache):
     model = nnx.merge(graphdef, state)
     B, T0 = tokens_BT.shape
     S = model.config.block_size
@@ -52,7 +65,8 @@ def _generate(graphdef, state, tokens_BT, rng, temperature, top_k, *, max_new_to
     buf_BL = jnp.zeros((B, total), jnp.int32).at[:, :T0].set(tokens_BT.astype(jnp.int32))
 
     def sample(logits_BV, i):
-        return sample_token(logits_BV, jax.random.fold_in(rng, i), temperature, top_k)
+        return sample_token(logits_BV, jax.random.fold_in(rng, i), temperature, top_k,
+                            valid_vocab)
 
     # New token i is predicted from the T0 + i tokens before it; a cache of absolute
     # positions serves it while T0 + i <= block_size, later steps re-run a window.
@@ -100,6 +114,7 @@ def generate(
     top_k: int | None = None,
     rng: jax.Array,
     use_cache: bool = True,
+    valid_vocab: int | None = None,
 ) -> jax.Array:
     """Sample ``max_new_tokens`` tokens after ``tokens_BT`` (nanoGPT's ``generate``).
 
@@ -112,7 +127,9 @@ def generate(
     run dropless so a token's output never depends on the rest of the batch; hence the
     result equals ``use_cache=False`` up to floating-point rounding of the logits.
     Compiled once per model structure, shapes, ``max_new_tokens`` and ``use_cache``
-    (``temperature`` and ``top_k`` are traced).
+    (``temperature``, ``top_k`` and ``valid_vocab`` are traced). A vocabulary padded to a
+    multiple (``vocab_size > valid_vocab``) never yields a padding id: those logits are
+    masked before sampling.
 
     Args:
       model: the GPT.
@@ -122,6 +139,8 @@ def generate(
       top_k: keep only the ``top_k`` largest logits (``None``: all).
       rng: PRNG key; step ``i`` uses ``jax.random.fold_in(rng, i)``.
       use_cache: use the key/value cache.
+      valid_vocab: number of real token ids (the unpadded vocabulary); ids
+        ``>= valid_vocab`` are never sampled. ``None``: ``model.config.vocab_size``.
 
     Returns:
       ``(B, T + max_new_tokens)`` int32 tokens: the prompt followed by the samples.
@@ -143,12 +162,18 @@ def generate(
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}.")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature!r}.")
-    vocab = model.config.vocab_size
-    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= vocab):
-        raise ValueError(f"top_k must be None or an int in [1, vocab_size={vocab}], got {top_k!r}.")
+    padded = model.config.vocab_size
+    if valid_vocab is None:
+        valid_vocab = padded
+    if type(valid_vocab) is not int or not 1 <= valid_vocab <= padded:
+        raise ValueError(f"valid_vocab must be None or an int in [1, vocab_size={padded}], "
+                         f"got {valid_vocab!r}.")
+    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= valid_vocab):
+        raise ValueError(f"top_k must be None or an int in [1, {valid_vocab}] (the real "
+                         f"vocabulary), got {top_k!r}.")
     graphdef, state = nnx.split(model)
     return _generate(
         graphdef, state, tokens_BT, rng,
-        jnp.float32(temperature), jnp.int32(vocab if top_k is None else top_k),
-        max_new_tokens=max_new_tokens, use_cache=use_cache,
+        jnp.float32(temperature), jnp.int32(padded if top_k is None else top_k),
+        jnp.int32(valid_vocab), max_new_tokens=max_new_tokens, use_cache=use_cache,
     )

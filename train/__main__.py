@@ -2,6 +2,10 @@
 
 `--help` lists every key with its type and default (of the chosen preset). The resolved
 config is written to `out_dir/config.json`; see `train.loop` for the other outputs.
+A mistake (a bad key or value, a missing `--data` file, an existing run without
+`--resume`, a checkpoint of another config, a mesh the devices cannot form, a step that
+cannot fit in memory) ends with one `error: ...` line on stderr and a non-zero exit
+status (2 for the command line itself, 1 after it; see `train.errors`).
 
 Several processes (one per host) form one run through `jax.distributed.initialize`: pass
 `--coordinator=HOST:PORT --num_processes=N --process_id=I` (or set
@@ -23,6 +27,7 @@ from collections.abc import Sequence
 import jax
 
 from train.config import TrainConfig, config_help, parse_args
+from train.errors import run_cli
 from train.loop import run
 from train.optimizers import OPTIMIZERS, get_builder
 
@@ -100,16 +105,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    hint = lambda: (f"lower --block_size={config.block_size} or --batch_size="
+                    f"{config.batch_size} (--grad_accum keeps the tokens per step)")
+    return run_cli(lambda: _train(config), hint)
+
+
+def _train(config: TrainConfig) -> int:
     result = run(config)
-    final = result.final
-    if jax.process_index() != 0:
-        return 0
-    fmt = lambda value, spec: "n/a" if not isinstance(value, float) else format(value, spec)
-    print(f"done: step {final['step']}, val loss {fmt(final['val_loss'], '.4f')} (best "
-          f"{fmt(final['best_val_loss'], '.4f')}), {fmt(final['tokens_per_sec'], ',.0f')} "
-          f"tokens/s, MFU {fmt(final['mfu'], '.1%')}, {final['wall_s']:.0f} s; outputs in "
-          f"{result.out_dir}")
+    if jax.process_index() == 0:
+        print(done_line(result.final, result.out_dir))
     return 0
+
+
+def done_line(final: dict, out_dir: object) -> str:
+    """The closing line: losses, throughput (and MFU where the devices' peak is known)."""
+    parts = [f"done: step {final['step']}"]
+    if isinstance(final.get("val_loss"), float):
+        parts.append(f"val loss {final['val_loss']:.4f} (best {final['best_val_loss']:.4f})")
+    if isinstance(final.get("tokens_per_sec"), float):
+        parts.append(f"{final['tokens_per_sec']:,.0f} tokens/s")
+    if isinstance(final.get("mfu"), float):
+        parts.append(f"MFU {final['mfu']:.1%}")
+    return ", ".join(parts) + f", {final['wall_s']:.0f} s; outputs in {out_dir}"
 
 
 if __name__ == "__main__":

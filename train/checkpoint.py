@@ -9,7 +9,9 @@ A checkpoint is a `Composite` of two items:
 Saving is asynchronous; a step already on disk is never overwritten, and Orbax writes
 each step into a temporary folder renamed only when complete, so a killed process leaves
 the earlier steps whole (its temporary folder is removed at the next start). The two
-latest steps are kept besides the best, so a damaged latest step has a fallback:
+latest steps are kept besides the best (lowest val loss), also across resumes: each
+step's val loss is written with it (Orbax's `metrics` item), so a later run's manager
+ranks the steps an earlier run wrote. Two latest, so a damaged latest step has a fallback:
 `restore_latest` warns, moves the damaged folder to `<directory>_damaged/`, and restores
 the newest step that reads back. A failed write (e.g. a full disk) raises
 `CheckpointSaveError` naming the steps still on disk. Before restoring, the saved
@@ -28,8 +30,10 @@ References:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -64,7 +68,7 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], *,
       where: the checkpoint's location, for the message.
 
     Raises:
-      ValueError: listing every differing key with both values.
+      ValueError: listing every differing key with both values (on one line).
     """
     diffs = [f"{key}: checkpoint has {saved.get(key, '<missing>')!r}, this run has "
              f"{current.get(key)!r}"
@@ -73,8 +77,43 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], *,
     if diffs:
         location = f" in {where}" if where else ""
         raise ValueError(f"cannot resume from the checkpoint{location}: its config differs "
-                         f"in {len(diffs)} field(s):\n  " + "\n  ".join(diffs) +
-                         "\nRun with the checkpoint's values or choose another --out_dir.")
+                         f"in {len(diffs)} field(s): " + "; ".join(diffs) +
+                         ". Run with the checkpoint's values or choose another --out_dir.")
+
+
+def _val_loss(metrics: Mapping[str, float]) -> float:
+    return metrics["val_loss"]
+
+
+def _orbax_leftover(unraisable: Any) -> bool:
+    """An unfinished Orbax read coroutine, or its callback after the event loop closed."""
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+        return True
+    err = unraisable.exc_value
+    return isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads():
+    """Drop the reports of a failed read's leftovers (each with TensorStore's whole spec).
+
+    A damaged step makes Orbax abandon one read coroutine per array; when collected, each
+    would print an "Exception ignored in" traceback. The failure itself is reported once,
+    as a `CheckpointWarning`; the leftovers are collected here, under this hook.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _orbax_leftover(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = previous
 
 
 class Checkpointer:
@@ -83,19 +122,31 @@ class Checkpointer:
     Args:
       directory: where the step folders live (created on first save).
       async_save: write in a background thread (`wait` blocks until done).
+      read_only: only read (sampling, evaluation): `directory` must exist and nothing
+        is created, cleaned up or deleted in it.
+
+    Raises:
+      FileNotFoundError: `read_only` and `directory` is not a folder.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, async_save: bool = True,
+                 read_only: bool = False):
         self.directory = Path(directory).absolute()
+        if read_only and not self.directory.is_dir():
+            raise FileNotFoundError(f"no checkpoints folder {self.directory}")
         policy = ocp.checkpoint_managers.AnyPreservationPolicy([
             ocp.checkpoint_managers.LatestN(2),  # a fallback if the newest is damaged
             # BestN keeps the LARGEST metric unless reverse=True.
-            ocp.checkpoint_managers.BestN(get_metric_fn=lambda m: m["val_loss"],
-                                          reverse=True, n=1),
+            ocp.checkpoint_managers.BestN(get_metric_fn=_val_loss, reverse=True, n=1),
         ])
-        options = ocp.CheckpointManagerOptions(preservation_policy=policy,
-                                               enable_async_checkpointing=async_save,
-                                               cleanup_tmp_directories=True)
+        # `best_fn` makes Orbax write each step's metrics to disk (without it they live
+        # only in memory, and a resumed run's policy sees the earlier steps as metric-less
+        # and keeps them all); the preservation policy above still decides what is kept.
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy, best_fn=_val_loss, best_mode="min",
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
+            create=not read_only)  # (Orbax's own read_only logs a warning at every open)
+        self.read_only = read_only
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: list[int] = []  # saves started and not yet confirmed on disk
 
@@ -114,6 +165,8 @@ class Checkpointer:
         Raises:
           FileExistsError: if `step` is already saved (checkpoints are never overwritten).
         """
+        if self.read_only:
+            raise PermissionError(f"{self.directory} was opened read-only")
         if step in self.manager.all_steps():
             raise FileExistsError(f"checkpoint step {step} already exists in {self.directory}")
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
@@ -161,6 +214,14 @@ class Checkpointer:
           FileNotFoundError: no step could be read; lists every step's error.
         """
         failures = []
+        with _quiet_failed_reads():
+            found = self._restore_newest(like, check, failures)
+        if found is not None:
+            return found
+        raise FileNotFoundError(f"no checkpoint in {self.directory} could be restored:\n  "
+                                + "\n  ".join(failures or ["(there are none)"]))
+
+    def _restore_newest(self, like, check, failures):
         for step in reversed(self.steps()):
             try:
                 meta = self.restore_meta(step)
@@ -174,8 +235,7 @@ class Checkpointer:
                 failures.append(self._set_aside(step, err))
                 continue
             return state, meta, step
-        raise FileNotFoundError(f"no checkpoint in {self.directory} could be restored:\n  "
-                                + "\n  ".join(failures or ["(there are none)"]))
+        return None
 
     def _set_aside(self, step: int, err: Exception) -> str:
         """Warn about a damaged step and move its folder out of the manager's way."""
@@ -191,7 +251,7 @@ class Checkpointer:
         reason = (str(err).splitlines() or [""])[0][:200]
         message = f"step {step} ({source}): {type(err).__name__}: {reason}"
         warnings.warn(f"checkpoint {message}; it cannot be restored and was moved to "
-                      f"{target}; trying an earlier step", CheckpointWarning, stacklevel=3)
+                      f"{target}; trying an earlier step", CheckpointWarning, stacklevel=4)
         return message
 
     def restore_meta(self, step: int) -> dict[str, Any]:

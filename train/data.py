@@ -1,5 +1,9 @@
 """Character-level data: the corpus, its vocabulary, a 90/10 split and random windows.
 
+The tiny-shakespeare corpus ships with the repository (`data/tinyshakespeare/input.txt`,
+its origin and checksums in `SOURCE`), found relative to this file, so training works
+offline from any directory; `--data=PATH` trains on another text file.
+
 Batches are a pure function of `(seed, step)`, like nanoGPT's random offsets but with a
 seeded generator, so a resumed run draws exactly the batches the uninterrupted run drew;
 there is no iterator state to save beyond the step.
@@ -29,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
+    "SHIPPED_CORPUS",
     "TINYSHAKESPEARE_SHA256",
     "TINYSHAKESPEARE_URL",
     "CharDataset",
@@ -39,7 +44,7 @@ __all__ = [
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt")
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-_RELATIVE = Path("..") / "shared" / "data" / "tinyshakespeare" / "input.txt"
+SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare" / "input.txt"
 _SPLITS = {"train": 0, "val": 1}
 
 
@@ -49,9 +54,9 @@ def _cache_dir() -> Path:
 
 
 def corpus_search_paths() -> list[Path]:
-    """Where the tiny-shakespeare corpus is looked for, in order, before downloading."""
-    repo_root = Path(__file__).resolve().parents[1]
-    return [repo_root / _RELATIVE, Path.cwd() / _RELATIVE, _cache_dir() / "input.txt"]
+    """Where the tiny-shakespeare corpus is looked for, in order, before downloading: the
+    copy shipped in the repository, then the download cache (independent of the cwd)."""
+    return [SHIPPED_CORPUS, _cache_dir() / "input.txt"]
 
 
 def find_corpus(path: str | os.PathLike | None = None, *,
@@ -93,7 +98,7 @@ def find_corpus(path: str | os.PathLike | None = None, *,
         with opener(url, timeout=30) as response:
             payload = response.read()
     except (urllib.error.URLError, OSError, ValueError) as err:
-        where = "\n  ".join(str(c) for c in [*candidates, target])
+        where = "\n  ".join(dict.fromkeys(str(c) for c in [*candidates, target]))
         raise FileNotFoundError(
             f"tiny shakespeare corpus not found and the download from {url} failed ({err}). "
             f"Put input.txt (sha256 {sha256}) at one of:\n  {where}\nor pass --data=PATH."

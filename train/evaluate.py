@@ -1,4 +1,4 @@
-"""Loss of a checkpoint on a whole split: `python -m train.evaluate --out=DIR [options]`.
+"""Loss of a checkpoint on a whole split: `python -m train.evaluate --out_dir=DIR [options]`.
 
 The trainer's own evaluation averages `eval_iters` random batches (nanoGPT's estimate; 20
 batches of the CPU recipe move by about ±0.03 with the seed). This one reads every
@@ -6,11 +6,12 @@ non-overlapping `block_size` window of the split once, so two runs compare on th
 tokens: the mean cross-entropy over all of them (each window's targets are its inputs
 shifted by one; the split's last partial window is left out).
 
-Options: `--split` (val), `--step` (latest checkpoint), `--batch_size` (windows per forward
-pass, 64), `--data` (the corpus; default: the run's own `data` setting).
+`--out_dir` is the trainer's (`--out` is an alias). Options: `--split` (val), `--step`
+(latest checkpoint), `--batch_size` (windows per forward pass, 64), `--data` (the corpus;
+default: the run's own `data` setting).
 
 Example:
-  $ python -m train.evaluate --out=out/shakespeare_char_cpu
+  $ python -m train.evaluate --out_dir=out/shakespeare_char_cpu
   val loss 1.9013 over 1,742 windows of 64 tokens (111,488 of 111,540 tokens), step 2000
 """
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from train.config import config_from_dict, override
 from train.data import CharDataset
+from train.errors import run_cli
 from train.sample import load_params
 from train.sharding import make_mesh, tree_shardings
 from train.step import make_eval_step
@@ -87,13 +89,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m train.evaluate`; prints the loss."""
     parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="run directory (holds checkpoints/)")
+    parser.add_argument("--out_dir", "--out", dest="out_dir", required=True,
+                        help="the run's --out_dir (holds checkpoints/)")
     parser.add_argument("--split", default="val", choices=("train", "val"))
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (latest)")
     parser.add_argument("--batch_size", type=int, default=64, help="windows per forward pass")
     parser.add_argument("--data", default=None, help="corpus path (default: the run's)")
     args = parser.parse_args(argv)
-    r = evaluate_split(args.out, split=args.split, step=args.step,
+    return run_cli(lambda: _evaluate(args))
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    r = evaluate_split(args.out_dir, split=args.split, step=args.step,
                        batch_size=args.batch_size, data=args.data)
     print(f"{args.split} loss {r['loss']:.4f} over {r['windows']:,} windows of "
           f"{r['block_size']} tokens ({r['tokens']:,} of {r['split_tokens']:,} tokens), "

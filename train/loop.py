@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -35,10 +36,16 @@ from tqdm.auto import tqdm
 from train.checkpoint import Checkpointer, check_compatible
 from train.config import TrainConfig, config_to_dict, flat_dict, model_config
 from train.data import CharDataset
-from train.metrics import MetricsLog, flops_per_token, peak_flops_per_device, plot_losses
+from train.metrics import (
+    MetricsLog,
+    check_memory,
+    flops_per_token,
+    peak_flops_per_device,
+    plot_losses,
+    restart_clock,
+)
 from train.nonfinite import check_bad_steps
 from train.optimizers import build_optimizer
-from train.sample import generate_text
 from train.sharding import batch_sharding, make_mesh, process_rows, put_batch, tree_shardings
 from train.step import create_train_state, make_eval_step, make_train_step
 
@@ -63,12 +70,14 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDatase
     latest = ckpt.latest_step()
     if not config.run.resume:
         if latest is not None:
-            raise FileExistsError(f"{ckpt.directory} already holds checkpoints (latest step "
-                                  f"{latest}); pass --resume to continue or choose another "
-                                  "--out_dir")
+            raise FileExistsError(f"--out_dir={config.run.out_dir!r} already holds a run "
+                                  f"(checkpoints up to step {latest} in {ckpt.directory}); "
+                                  "pass --resume to continue it or choose another --out_dir")
         return state, 0
     if latest is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory}")
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt.directory} "
+                                f"(--out_dir={config.run.out_dir!r}); run without --resume to "
+                                "start")
 
     def check(meta):
         check_compatible(flat_dict(meta["config"]), flat_dict(config), where=str(ckpt.directory))
@@ -106,12 +115,14 @@ def run(config: TrainConfig) -> RunResult:
     config = dataclasses.replace(config, model=model_config(config, data.vocab_size))
     d, r = config.data, config.run
     mesh = make_mesh(config)
+    check_memory(config, config.model, optimizer.tx, list(mesh.devices.flat))  # before any compile
     model, state = create_train_state(config.model, optimizer.tx, seed=r.seed, mesh=mesh)
     shardings = tree_shardings(state, mesh)
     ckpt = Checkpointer(out / "checkpoints")
     state, start = _start(config, ckpt, state, data)
     lead = jax.process_index() == 0
     if lead:
+        print(_startup_line(config, state, mesh, start), flush=True)
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     rows = process_rows(batch_sharding(mesh), d.batch_size)  # this process's slice
     put = lambda x: put_batch(x, batch_sharding(mesh), d.batch_size)
@@ -130,20 +141,23 @@ def run(config: TrainConfig) -> RunResult:
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
     flops = flops_per_token(state["params"], config.model) * tokens_per_step
     meta = {"config": config_to_dict(config), "vocab": data.chars, "seed": r.seed}
+    # The bar's rate and ETA count from the end of compilation (restart_clock).
     bar = tqdm(total=r.max_iters, initial=start, disable=not (r.progress and lead),
-               dynamic_ncols=True)
-    rates, mfu, best_val, t_last, steps_since = [], None, float("inf"), time.perf_counter(), 0
+               dynamic_ncols=True, desc="compiling")
+    compiled = set()  # the train-step variants called so far (Snoo: sync and no-sync)
+    rates, mfu, t_last, steps_since = [], None, time.perf_counter(), 0
     skipped = float(state["skipped_steps"])
     for step in range(start, r.max_iters + 1):
         last = step == r.max_iters
         # evaluate and checkpoint (not again at the step a resumed run starts from)
-        save = step > start and (step % r.checkpoint_every == 0 or last)
+        # (the last step always; also step 0 of a fresh run with max_iters=0)
+        save = (step > start or (last and not r.resume)) and (
+            step % r.checkpoint_every == 0 or last)
         if (step > start or not r.resume) and (step % r.eval_interval == 0 or save or last):
             losses = {s: float(eval_step(state["params"], *evals[s])) for s in evals}
-            best_val = min(best_val, losses["val"])
             log.write(step=step, train_loss=losses["train"], val_loss=losses["val"])
-            speed = "" if not rates else (
-                f", {rates[-1]:,.0f} tokens/s, MFU " + (f"{mfu:.1%}" if mfu else "n/a"))
+            speed = "" if not rates else f", {rates[-1]:,.0f} tokens/s" + (
+                f", MFU {mfu:.1%}" if mfu is not None else "")
             bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss "
                       f"{losses['val']:.4f}{speed}")
             if save:  # never after max_bad_steps bad steps in a row
@@ -161,6 +175,10 @@ def run(config: TrainConfig) -> RunResult:
                                     **optimizer.update_kwargs(step))
         steps_since += 1
         bar.update()
+        variant = tuple(sorted(optimizer.update_kwargs(step).items()))
+        if variant not in compiled:  # this call compiled its variant: time from now on
+            compiled.add(variant)
+            restart_clock(bar)
         monitor.add(metrics.pop("observed"))  # kept on device, read when logging
         # log (the only host sync outside evaluations)
         if (step + 1) % r.log_interval == 0 or step + 1 == r.max_iters:
@@ -170,7 +188,8 @@ def run(config: TrainConfig) -> RunResult:
             rate = steps_since * tokens_per_step / (now - t_last)
             rates.append(rate)
             mfu = rate * flops / tokens_per_step / (peak * mesh.size) if peak else None
-            log.write(step=step + 1, **metrics, tokens_per_sec=rate, mfu=mfu)
+            log.write(step=step + 1, **metrics, tokens_per_sec=rate,
+                      **({} if mfu is None else {"mfu": mfu}))
             if metrics["skipped_steps"] > skipped:
                 skipped = metrics["skipped_steps"]
                 bar.write(f"step {step + 1}: skipped {skipped:.0f} step(s) with a non-finite "
@@ -182,7 +201,7 @@ def run(config: TrainConfig) -> RunResult:
     bar.close()
     ckpt.close()
     monitor.finish()
-    result = _finish(config, model, state, data, log, rates, best_val, out)
+    result = _finish(config, model, state, data, log, rates, out)
     result.final["wall_s"] = time.perf_counter() - t_start
     return result
 
@@ -195,11 +214,28 @@ def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Check
                         checkpoints=ckpt.steps())
 
 
-def _finish(config, model, state, data, log, rates, best_val, out) -> RunResult:
-    """Write loss.png and samples.txt (process 0); summarise the run."""
+def _startup_line(config: TrainConfig, state: Any, mesh: Any, start: int) -> str:
+    """One line: model size, optimizer, devices and mesh, out_dir (and the resumed step)."""
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+    devices = mesh.devices.flat[0]
+    axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    resumed = f"; resuming at step {start}" if config.run.resume else ""
+    m = config.model
+    return (f"train: {n / 1e6:.2f}M parameters (n_layer={m.n_layer}, n_embd={m.n_embd}, "
+            f"block_size={m.block_size}), optimizer {config.optimizer.name}, "
+            f"{mesh.size} {devices.platform} device(s) ({devices.device_kind}), mesh {axes}, "
+            f"out_dir {config.run.out_dir}{resumed}")
+
+
+def _finish(config, model, state, data, log, rates, out) -> RunResult:
+    """Write loss.png and samples.txt (process 0); summarise the run (all of it, across
+    resumes: the metrics log's earlier lines count too)."""
+    from train.sample import generate_text  # here: `python -m train.sample` runs cleanly
+
     lead = jax.process_index() == 0
+    whole = log.whole_run
     if lead:
-        plot_losses(log.history, out / "loss.png")
+        plot_losses(whole, out / "loss.png")
     params, s = state["params"], config.sample
     if s.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
         params = multihost_utils.process_allgather(params, tiled=True)
@@ -208,12 +244,13 @@ def _finish(config, model, state, data, log, rates, best_val, out) -> RunResult:
                               num_samples=s.num_samples, max_new_tokens=s.tokens,
                               temperature=s.temperature, top_k=s.top_k, seed=config.run.seed)
         (out / "samples.txt").write_text("\n---------------\n".join(texts) + "\n")
-    evals = [h for h in log.history if "val_loss" in h]
+    evals = [h for h in whole if "val_loss" in h]
     steady = rates[1:] or rates  # the first interval includes compilation
-    final = {"step": config.run.max_iters, "best_val_loss": best_val,
+    final = {"step": config.run.max_iters,
+             "best_val_loss": min((h["val_loss"] for h in evals), default=None),
              "train_loss": evals[-1]["train_loss"] if evals else None,
              "val_loss": evals[-1]["val_loss"] if evals else None,
              "tokens_per_sec": statistics.median(steady) if steady else None}
     mfus = [h["mfu"] for h in log.history if h.get("mfu") is not None]
-    final["mfu"] = statistics.median(mfus[1:] or mfus) if mfus else "n/a"
+    final["mfu"] = statistics.median(mfus[1:] or mfus) if mfus else None
     return RunResult(final, log.history, out)

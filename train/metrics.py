@@ -1,8 +1,13 @@
-"""Run metrics: the JSON-lines log, throughput and MFU, and the loss plot.
+"""Run metrics: the JSON-lines log, throughput and MFU, the loss plot, a memory check.
 
 MFU follows nanoGPT: FLOPs per token `6N + 12·L·H·Q·T` (N = parameters without the
 position table, MoE experts counted at `top_k / n_experts`), divided by the peak bf16
-FLOP/s of the devices (a small table by device kind; none for CPUs).
+FLOP/s of the devices (a small table by device kind; none for CPUs, where MFU is left
+out of the log and the output).
+
+`check_memory` refuses, before anything is compiled, a step whose memory cannot fit:
+a lower bound (parameters, optimizer state, gradients, the residual stream saved for the
+backward pass, one attention-score and one logits tensor) against the devices' memory.
 
 Example:
   >>> peak_flops_per_device("NVIDIA H100 80GB HBM3")
@@ -30,9 +35,13 @@ import jax
 __all__ = [
     "PEAK_FLOPS",
     "MetricsLog",
+    "available_memory",
+    "check_memory",
     "flops_per_token",
     "peak_flops_per_device",
     "plot_losses",
+    "restart_clock",
+    "step_memory_bytes",
 ]
 
 # Dense bf16 tensor-core peaks per device (vendor data sheets); matched as substrings of
@@ -71,13 +80,32 @@ def flops_per_token(params: Any, config: Any) -> float:
 
 
 class MetricsLog:
-    """Append-only `metrics.jsonl` (one JSON object per line) plus the in-memory history."""
+    """Append-only `metrics.jsonl` (one JSON object per line) plus the in-memory history.
+
+    Args:
+      path: the log file.
+      append: continue the file (a resumed run); its lines become `earlier`. Otherwise
+        the file starts empty.
+
+    Attributes:
+      history: the entries written through this object (this invocation).
+      earlier: the entries the file held when it was opened with `append`.
+    """
 
     def __init__(self, path: str | os.PathLike, *, append: bool = False):
         self.path = Path(path)
         self.history: list[dict[str, Any]] = []
+        self.earlier: list[dict[str, Any]] = []
         if not append:
             self.path.write_text("")
+        elif self.path.is_file():
+            self.earlier = [json.loads(x) for x in self.path.read_text().splitlines()
+                            if x.strip()]
+
+    @property
+    def whole_run(self) -> list[dict[str, Any]]:
+        """Every entry of the run, across resumes: `earlier + history`."""
+        return self.earlier + self.history
 
     def write(self, **entry: Any) -> dict[str, Any]:
         """Record `entry` (JSON-serialisable values) and return it."""
@@ -85,6 +113,17 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
         return entry
+
+
+def restart_clock(bar: Any) -> None:
+    """Count a `tqdm` bar's rate and ETA from now, its count kept and its description
+    ("compiling") cleared: the time before was compilation, not steps."""
+    if bar.disable:
+        return
+    n = bar.n
+    bar.reset(total=bar.total)
+    bar.n = bar.last_print_n = bar.initial = n
+    bar.set_description_str("")
 
 
 def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
@@ -110,3 +149,111 @@ def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike) -
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def step_memory_bytes(gpt_config: Any, tx: Any, *, batch_size: int) -> dict[str, int]:
+    """A lower bound on the memory of one train step, by part, in bytes (no compilation).
+
+    Parameters and optimizer state come from abstract shapes (`jax.eval_shape`);
+    gradients are one parameter-sized float32 tree; activations are the residual stream
+    saved per layer, `L·B·T·D` in the compute dtype, plus the larger of one attention-score
+    tensor `B·H·T·T` (compute dtype) and the float32 logits `B·T·V`.
+
+    Args:
+      gpt_config: the `models.GPTConfig`.
+      tx: the optax transformation (its state is sized with `eval_shape`).
+      batch_size: sequences per micro-batch `B`.
+
+    Returns:
+      `{"params", "opt_state", "grads", "activations"}` in bytes.
+    """
+    from flax import nnx
+
+    import models
+
+    def init():
+        model = models.GPT(gpt_config, rngs=nnx.Rngs(0))
+        return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
+
+    params = jax.eval_shape(init)
+    try:
+        opt_state = _nbytes(jax.eval_shape(tx.init, params))
+    except Exception:  # an optimizer that cannot be traced abstractly: state not counted
+        opt_state = 0
+    c = gpt_config
+    compute = jax.numpy.dtype(c.dtype).itemsize
+    B, T = batch_size, c.block_size
+    activations = (c.n_layer * B * T * c.n_embd * compute
+                   + max(B * c.n_head * T * T * compute, B * T * c.vocab_size * 4))
+    return {"params": _nbytes(params), "opt_state": opt_state,
+            "grads": sum(math.prod(x.shape) * 4 for x in jax.tree.leaves(params)),
+            "activations": activations}
+
+
+def _host_available() -> int:
+    """The host's available physical memory in bytes (`MemAvailable`, else free pages)."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def available_memory(devices: Sequence[Any]) -> tuple[int, str] | None:
+    """`(bytes, where)`: the memory `devices` can use together, or `None` when unknown.
+
+    Accelerators: each device's `bytes_limit`, summed. CPUs share their host's memory:
+    its available physical memory (`MemAvailable`), once per host however many CPU
+    devices it holds. With several processes, this process's devices stand for the rest
+    (the same hardware on every host).
+    """
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    hosts = len({d.process_index for d in devices})
+    if all(d.platform == "cpu" for d in devices):
+        per_host = _host_available()
+        where = "available on this host" if hosts == 1 else f"available on {hosts} hosts"
+        return per_host * hosts, where
+    limits = []
+    for d in local:
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append(int(stats["bytes_limit"]))
+    total = sum(limits) * len(devices) // len(local)
+    return total, f"on {len(devices)} {local[0].device_kind} device(s)"
+
+
+def check_memory(config: Any, gpt_config: Any, tx: Any, devices: Sequence[Any]) -> None:
+    """Raise before compiling when a train step surely cannot fit in `devices`' memory.
+
+    Args:
+      config: the `TrainConfig` (for `batch_size` and the message).
+      gpt_config: its `models.GPTConfig`.
+      tx: the optimizer.
+      devices: the devices of the mesh.
+
+    Raises:
+      ValueError: naming `--block_size` and `--batch_size`, with the estimate by part and
+        the memory available.
+    """
+    available = available_memory(devices)
+    if available is None or available[0] <= 0:
+        return
+    limit, where = available
+    parts = step_memory_bytes(gpt_config, tx, batch_size=config.data.batch_size)
+    need = sum(parts.values())
+    if need <= limit:
+        return
+    gib = lambda n: f"{n / 2**30:,.1f} GiB"
+    detail = ", ".join(f"{name} {gib(n)}" for name, n in parts.items())
+    raise ValueError(
+        f"--block_size={gpt_config.block_size} with --batch_size={config.data.batch_size}: a "
+        "train "
+        f"step needs at least {gib(need)} ({detail}), more than the {gib(limit)} {where}; "
+        "lower --block_size or --batch_size (--grad_accum keeps the tokens per step), or "
+        "shrink the model")

@@ -1,11 +1,15 @@
-"""Sample text from a trained GPT: `python -m train.sample --out=DIR [options]`.
+"""Sample text from a trained GPT: `python -m train.sample --out_dir=DIR [options]`.
 
-Options (defaults from the run's config): `--num_samples`, `--max_new_tokens`,
-`--temperature`, `--top_k`, `--start` (a prompt, or `FILE:path`), `--seed`, `--step`
-(default: the latest checkpoint).
+`--out_dir` is the trainer's (`--out` is an alias). Options (defaults from the run's
+config): `--num_samples`, `--max_new_tokens`, `--temperature`, `--top_k`, `--start` (a
+prompt, or `FILE:path`), `--seed`, `--step` (default: the latest checkpoint; an unknown
+step lists the saved ones). Only the run's real characters are sampled (a padded
+vocabulary's extra ids are masked), so each sample has exactly `--max_new_tokens`
+characters after the prompt. Nothing is written: a missing `--out_dir` is an error, not
+a new folder. A mistake ends with one `error: ...` line and exit status 1.
 
 Example:
-  $ python -m train.sample --out=out/adamw --num_samples=2 --start="ROMEO:"
+  $ python -m train.sample --out_dir=out/adamw --num_samples=2 --start="ROMEO:"
 
 References:
   Karpathy, "nanoGPT" (sample.py), https://github.com/karpathy/nanoGPT, 2023.
@@ -26,6 +30,7 @@ import models
 from train.checkpoint import Checkpointer
 from train.config import config_from_dict, flat_dict, model_config, override
 from train.data import CharDataset
+from train.errors import run_cli
 from train.optimizers import build_optimizer
 from train.sharding import make_mesh
 from train.step import ModelDef, create_train_state
@@ -39,9 +44,10 @@ def generate_text(model: models.GPT, vocab: CharDataset, *, start: str, num_samp
     """`num_samples` continuations of `start` (decoded, prompt included)."""
     prompt = vocab.encode(start) if start else np.zeros(1, np.int32)
     tokens_BT = jnp.asarray(np.tile(prompt[None], (num_samples, 1)))
-    top_k = None if top_k is None else min(top_k, model.config.vocab_size)
+    top_k = None if top_k is None else min(top_k, vocab.vocab_size)
     out_BT = models.generate(model, tokens_BT, max_new_tokens, temperature=temperature,
-                             top_k=top_k, rng=jax.random.key(seed))
+                             top_k=top_k, rng=jax.random.key(seed),
+                             valid_vocab=vocab.vocab_size)
     return [vocab.decode(row) for row in np.asarray(out_BT)]
 
 
@@ -60,11 +66,29 @@ def load_params(out_dir: str | Path, step: int | None = None
                 ) -> tuple[ModelDef, dict, CharDataset, dict]:
     """`(model_def, params, vocab, meta)` of a checkpoint in `out_dir/checkpoints` (latest
     step by default), restored on one device; `vocab` holds the characters only and
-    `meta` the saved JSON item plus `"checkpoint_step"`."""
-    ckpt = Checkpointer(Path(out_dir) / "checkpoints", async_save=False)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
+    `meta` the saved JSON item plus `"checkpoint_step"`. Nothing is created or changed in
+    `out_dir`.
+
+    Raises:
+      FileNotFoundError: `out_dir` holds no checkpoint, or none at `step` (the message
+        lists the saved steps).
+    """
+    if not Path(out_dir).is_dir():
+        raise FileNotFoundError(f"--out_dir={str(out_dir)!r}: no such folder (a run's "
+                                "--out_dir holds checkpoints/)")
+    try:
+        ckpt = Checkpointer(Path(out_dir) / "checkpoints", async_save=False, read_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--out_dir={str(out_dir)!r} holds no checkpoints/ folder: "
+                                "not a training run's output") from None
+    saved = ckpt.steps()
+    if not saved:
+        raise FileNotFoundError(f"--out_dir={str(out_dir)!r}: no checkpoint in "
+                                f"{ckpt.directory}")
+    step = saved[-1] if step is None else step
+    if step not in saved:
+        raise FileNotFoundError(f"--step={step}: no such checkpoint in {ckpt.directory}; "
+                                f"saved steps: {', '.join(map(str, saved))}")
     meta = ckpt.restore_meta(step)
     config = config_from_dict(meta["config"])
     vocab = CharDataset(meta["vocab"], np.zeros(0, np.uint16), np.zeros(0, np.uint16))
@@ -81,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m train.sample`; prints the samples."""
     parser = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="run directory (holds checkpoints/)")
+    parser.add_argument("--out_dir", "--out", dest="out_dir", required=True,
+                        help="the run's --out_dir (holds checkpoints/)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (latest)")
     parser.add_argument("--num_samples", type=int, default=None)
     parser.add_argument("--max_new_tokens", type=int, default=None)
@@ -90,7 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--start", default=None, help="prompt, or FILE:path")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    model, vocab, meta = load_model(args.out, args.step)
+    return run_cli(lambda: _sample(args))
+
+
+def _sample(args: argparse.Namespace) -> int:
+    model, vocab, meta = load_model(args.out_dir, args.step)
     cfg = flat_dict(meta["config"])
     start = cfg["sample_start"] if args.start is None else args.start
     if start.startswith("FILE:"):

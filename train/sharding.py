@@ -54,15 +54,16 @@ def mesh_shape(config: TrainConfig, num_devices: int) -> tuple[int, int, int]:
         evenly.
     """
     sizes = list(config.mesh.sizes)
+    flags = " ".join(f"--mesh_{axis}={size}" for axis, size in zip(MESH_AXES, sizes, strict=True))
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % fixed:
-            raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes, strict=True))}: {num_devices} "
-                             f"devices are not divisible by the fixed axes' product {fixed}")
+            raise ValueError(f"{flags}: {num_devices} devices are not divisible by the "
+                             f"fixed axes' product {fixed}")
         sizes[sizes.index(-1)] = num_devices // fixed
     if math.prod(sizes) > num_devices:
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs "
-                         f"{math.prod(sizes)} devices; {num_devices} are available")
+        raise ValueError(f"{flags}: the mesh needs {math.prod(sizes)} devices; "
+                         f"{num_devices} available")
     return tuple(sizes)
 
 

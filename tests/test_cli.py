@@ -1,0 +1,166 @@
+"""`python -m train` as a user meets it: the start-up line, the output, one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tqdm import tqdm
+
+from train import data as td
+from train.errors import one_line, user_message
+from train.metrics import restart_clock
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=8",
+        "--dtype=float32", "--optimizer=adamw", "--max_iters=6", "--eval_interval=3",
+        "--eval_iters=1", "--log_interval=2", "--checkpoint_every=3", "--mesh_data=1",
+        "--num_samples=0", "--progress=false"]
+
+
+def cli(*argv: str, module: str = "train") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", module, *argv], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def finished(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    proc = cli(*TINY, f"--data={corpus}", f"--out_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_start_up_line_and_no_mfu_where_no_peak_is_known(finished):
+    out, proc = finished
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("train: ") and sum(x.startswith("train: ") for x in lines) == 1
+    for part in ("M parameters (n_layer=1, n_embd=32, block_size=16)", "optimizer adamw",
+                 "1 cpu device(s)", "mesh data=1 fsdp=1 tensor=1", f"out_dir {out}"):
+        assert part in lines[0], part
+    assert lines[-1].startswith("done: step 6, val loss ") and "tokens/s" in lines[-1]
+    assert "MFU" not in proc.stdout + proc.stderr  # CPUs have no peak FLOP/s
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in rows if "loss" in h] == [2, 4, 6]
+    assert all("mfu" not in h for h in rows)
+
+
+@pytest.mark.parametrize("case", ["rerun", "other_config", "mesh", "data", "memory"])
+def test_errors_are_one_line_and_a_non_zero_exit(finished, corpus, tmp_path, case):
+    out, _ = finished
+    argv, named = {
+        "rerun": ([f"--out_dir={out}"], f"--out_dir='{out}' already holds a run"),
+        "other_config": ([f"--out_dir={out}", "--resume", "--n_embd=64"],
+                         "n_embd: checkpoint has 32, this run has 64"),
+        "mesh": ([f"--out_dir={tmp_path}/m", "--mesh_data=4", "--mesh_fsdp=4"],
+                 "--mesh_data=4 --mesh_fsdp=4 --mesh_tensor=1: the mesh needs 16 devices"),
+        "data": ([f"--out_dir={tmp_path}/d", f"--data={tmp_path}/missing.txt"],
+                 f"--data='{tmp_path}/missing.txt': no such file"),
+        "memory": ([f"--out_dir={tmp_path}/b", "--block_size=1000000"],
+                   "--block_size=1000000 with --batch_size=8: a train step needs at least"),
+    }[case]
+    data = [] if case == "data" else [f"--data={corpus}"]
+    proc = cli(*TINY, *data, *argv)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
+
+
+def test_corpus_ships_with_the_code_and_is_found_from_any_directory(tmp_path, monkeypatch):
+    import hashlib
+
+    shipped = ROOT / "data" / "tinyshakespeare" / "input.txt"
+    assert shipped == td.SHIPPED_CORPUS and (shipped.parent / "SOURCE").is_file()
+    assert hashlib.sha256(shipped.read_bytes()).hexdigest() == td.TINYSHAKESPEARE_SHA256
+
+    def offline(url, timeout):
+        raise OSError("no network")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OPTAX_SNOO_CACHE", str(tmp_path / "cache"))
+    assert td.find_corpus(None, opener=offline) == shipped
+    assert td.corpus_search_paths() == [shipped, tmp_path / "cache" / "tinyshakespeare" /
+                                        "input.txt"]
+
+
+def test_corpus_not_found_lists_each_path_once(tmp_path):
+    def offline(url, timeout):
+        raise OSError("no network")
+
+    search = [tmp_path / "a" / "input.txt", tmp_path / "cache" / "input.txt"]
+    with pytest.raises(FileNotFoundError) as err:
+        td.find_corpus(None, search=search, cache_dir=tmp_path / "cache", opener=offline)
+    message = str(err.value)
+    assert [message.count(str(p)) for p in search] == [1, 1], message
+
+
+def test_restart_clock_counts_the_rate_from_after_compilation():
+    now = [0.0]
+    bar = tqdm(total=100, initial=10, desc="compiling", file=io.StringIO(), mininterval=0)
+    bar._time = lambda: now[0]
+    bar.start_t = bar.last_print_t = 0.0
+    now[0] = 30.0  # a 30 s compilation, then one step
+    bar.update()
+    restart_clock(bar)
+    assert bar.n == 11 and bar.desc == ""
+    now[0] = 31.0
+    bar.update(10)  # 10 steps in 1 s: 10 it/s, so 79 steps to go is about 8 s
+    d = bar.format_dict
+    assert d["elapsed"] == pytest.approx(1.0)
+    assert (d["n"] - d["initial"]) / d["elapsed"] == pytest.approx(10.0)
+    bar.close()
+
+
+def test_user_message_is_for_the_projects_own_errors():
+    assert one_line("cannot resume:\n  a: 1\n  b: 2\nRun again.") == (
+        "cannot resume: a: 1; b: 2; Run again.")
+    assert user_message(ValueError("raised outside the project")) is None
+    with pytest.raises(ValueError) as err:
+        td.CharDataset.check_split("test")
+    assert user_message(err.value) == "split='test': expected 'train' or 'val'"
+
+    class JaxRuntimeError(RuntimeError):  # the name XLA's errors carry
+        pass
+
+    oom = JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1.0T bytes.")
+    assert user_message(oom, "lower --block_size=4096") == (
+        "out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 1.0T bytes.); "
+        "lower --block_size=4096")
+    assert user_message(RuntimeError("RESOURCE_EXHAUSTED")) is None  # not XLA's
+
+
+class FakeDevice:
+    """An accelerator as `check_memory` sees it: platform, kind, process, memory limit."""
+
+    platform, device_kind, process_index = "gpu", "Fake GPU", 0
+
+    def __init__(self, gib: float):
+        self.limit = int(gib * 2**30)
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_check_memory_refuses_what_cannot_fit_and_passes_the_presets():
+    from train import config as tc
+    from train.metrics import check_memory
+    from train.optimizers import build_optimizer
+
+    for name, gib in (("shakespeare_char", 16), ("gpt2_small", 80)):
+        config = tc.get_preset(name)
+        tx = build_optimizer(config).tx
+        check_memory(config, tc.model_config(config, 65), tx, [FakeDevice(gib)])
+    config = tc.override(tc.get_preset("gpt2_small"), block_size=16384)
+    tx = build_optimizer(config).tx
+    gpt = tc.model_config(config, 65)
+    with pytest.raises(ValueError, match=r"--block_size=16384 with --batch_size=32: a train step "
+                                         r"needs at least .* more than the 80.0 GiB on 1 Fake"):
+        check_memory(config, gpt, tx, [FakeDevice(80)])
+    check_memory(config, gpt, tx, [FakeDevice(80)] * 8)  # eight of them: enough

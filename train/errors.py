@@ -1,0 +1,73 @@
+"""How the command lines (`python -m train`, `train.sample`, `train.evaluate`) end on a
+user's mistake: one line on stderr naming the value, exit status 1, no traceback.
+
+A mistake is an error the trainer raises on purpose with a message for the user: a
+`ValueError` or `OSError` raised in this project's own code (a bad mesh, a missing
+`--data` file, an existing run without `--resume`, a checkpoint of another config, a
+step that cannot fit in memory), a `NonFiniteError` or `CheckpointSaveError`, or the
+device running out of memory (XLA's `RESOURCE_EXHAUSTED`). Anything else (a bug) keeps
+its traceback.
+
+Example:
+  >>> line = user_message(ValueError("bad\\n  a\\n  b"))  # not raised by the project
+  >>> line is None
+  True
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["one_line", "run_cli", "user_message"]
+
+_OWN = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in
+             ("train", "models", "optax_snoo"))
+
+
+def one_line(message: str) -> str:
+    """`message` on one line: its lines stripped and joined (`: ` ends need no `;`)."""
+    out = ""
+    for line in (x.strip() for x in message.splitlines()):
+        if line:
+            out += line if not out else (" " if out.endswith(":") else "; ") + line
+    return out
+
+
+def _raised_here(err: BaseException) -> bool:
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(_OWN)
+
+
+def user_message(err: BaseException, hint: str = "") -> str | None:
+    """The one-line message for a user's mistake `err`, or `None` when it is not one.
+
+    Args:
+      err: the exception.
+      hint: what to lower when the device ran out of memory (e.g. the flags' values).
+    """
+    from train.checkpoint import CheckpointSaveError
+    from train.nonfinite import NonFiniteError
+
+    if isinstance(err, NonFiniteError | CheckpointSaveError) or (
+            isinstance(err, ValueError | OSError) and _raised_here(err)):
+        return one_line(str(err))
+    if type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and (
+            "RESOURCE_EXHAUSTED" in str(err)):
+        first = one_line(str(err))[:300]
+        return f"out of device memory ({first}){'; ' + hint if hint else ''}"
+    return None
+
+
+def run_cli(body: Callable[[], int], hint: Callable[[], str] = lambda: "") -> int:
+    """`body()`, with a user's mistake printed as `error: <one line>` and exit status 1."""
+    try:
+        return body()
+    except Exception as err:
+        line = user_message(err, hint())
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 1
