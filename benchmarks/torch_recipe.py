@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare/input.txt"
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "data/tinyshakespeare/input.txt"
 
 
 class Block(nn.Module):
