@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import train
 from train import config as tc
@@ -32,13 +33,20 @@ def _losses(history) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
 
-def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path):
+# adamw data-parallel; snoo_muon and kfac with the params sharded over fsdp (8 devices),
+# so Muon's whole-matrix Newton-Schulz and K-FAC's distributed refresh run across hosts.
+@pytest.mark.parametrize("optimizer,mesh", [
+    ("adamw", dict(mesh_data=-1)),
+    ("snoo_muon", dict(mesh_data=1, mesh_fsdp=-1)),
+    ("kfac", dict(mesh_data=1, mesh_fsdp=-1)),
+])
+def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path, optimizer, mesh):
     config = tc.override(
         tc.TrainConfig(), n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
-        dtype="float32", optimizer="adamw", learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
-        max_iters=4, lr_decay_iters=8, eval_interval=4, eval_iters=1, log_interval=1,
-        checkpoint_every=4, mesh_data=-1, num_samples=0, progress=False, data=str(corpus),
-        out_dir=str(tmp_path / "multi"))
+        dtype="float32", optimizer=optimizer, learning_rate=1e-2, min_lr=1e-3,
+        warmup_iters=2, max_iters=4, lr_decay_iters=8, eval_interval=4, eval_iters=1,
+        log_interval=1, checkpoint_every=4, snoo_k=2, kfac_interval=2, num_samples=0,
+        progress=False, data=str(corpus), out_dir=str(tmp_path / "multi"), **mesh)
     argv = [f"--{k}={v}" for k, v in tc.flat_dict(config).items()
             if v is not None and k != "sample_start"]
     flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
@@ -62,6 +70,7 @@ def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path):
     assert Checkpointer(tmp_path / "multi" / "checkpoints").steps() == [4]
 
     # The 8-device, 2-process checkpoint restores on one device and continues the run.
-    resumed = train.run(tc.override(config, mesh_data=1, resume=True, max_iters=8))
+    resumed = train.run(tc.override(config, mesh_data=1, mesh_fsdp=1, resume=True,
+                                    max_iters=8))
     np.testing.assert_allclose([_losses(resumed.history)[s] for s in range(5, 9)],
                                [_losses(reference)[s] for s in range(5, 9)], rtol=1e-4)

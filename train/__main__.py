@@ -105,8 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    hint = lambda: (f"lower --block_size={config.block_size} or --batch_size="
-                    f"{config.batch_size} (--grad_accum keeps the tokens per step)")
+    hint = lambda: (f"lower --block_size={config.model.block_size} or --batch_size="
+                    f"{config.data.batch_size} (--grad_accum keeps the tokens per step)")
     return run_cli(lambda: _train(config), hint)
 
 
