@@ -267,3 +267,18 @@ def test_plan_assigns_whole_matrices_evenly():
 
 def test_exports():
     assert optax_snoo.COEFFICIENT_PRESETS["polar_express"] == optax_snoo.POLAR_EXPRESS_COEFFICIENTS
+
+
+def test_one_instance_on_sharded_then_unsharded_params():
+    """The shardings seen by the latest init (or carried by concrete arrays) decide: the
+    same transform then runs on single-device params, eagerly and jitted."""
+    mesh = mesh_of((1, 8, 1))
+    params = tree({"row": SHAPES["row"]})
+    tx = scale_by_muon(0.9, ns_dtype=F32)
+    dist, _ = run(tx, place(params, mesh, {"row": P("fsdp", None)}), 1)
+    single_dev = {k: jax.device_put(v, jax.devices()[0]) for k, v in params.items()}
+    eager, _ = run(tx, single_dev, 1, update=tx.update)
+    jitted, _ = run(tx, single_dev, 1)
+    for out in (eager, jitted):
+        assert relative_error(out[0]["row"], dist[0]["row"]) < 1e-6
+        assert out[0]["row"].sharding.device_set == {jax.devices()[0]}

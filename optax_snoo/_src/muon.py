@@ -477,10 +477,12 @@ def scale_by_muon(
         for p in leaves:
             fans(jnp.shape(p))
         warn_convolutions(params)
-        if shard_newton_schulz:
+        if shard_newton_schulz:  # the latest init of a tree structure decides
             shardings = tuple(concrete_sharding(p) for p in leaves)
             if any(s is not None for s in shardings):
                 seen_shardings[key(leaves, treedef)] = shardings
+            else:
+                seen_shardings.pop(key(leaves, treedef), None)
         mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), params)
         smooth = (optax.EmptyState() if smoothing is None
                   else jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params))
@@ -511,7 +513,9 @@ def scale_by_muon(
         out = []
         for g, m, s in zip(grads, mus, seen, strict=True):
             own = concrete_sharding(m) or concrete_sharding(g)
-            out.append(own if own is not None else s)
+            # Concrete (eager) arrays say where they are; tracers fall back to init's.
+            traced = isinstance(m, jax.core.Tracer) or isinstance(g, jax.core.Tracer)
+            out.append(own if own is not None or not traced else s)
         meshes = [s.mesh for s in out if s is not None]
         # One mesh for the whole plan; leaves on another mesh take the per-leaf path.
         return [s if s is not None and s.mesh == meshes[0] else None for s in out]
