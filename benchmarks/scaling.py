@@ -230,11 +230,17 @@ def check_targets(rows: list[dict]) -> list[str]:
     """One line per target and (tree, mesh): 'ok' or what failed."""
     out = []
     single = {(r["tree"], r["step"]): r["flops"] for r in rows if r["n"] == 1}
+    whole = {r["tree"]: r["muon_share_bytes"] for r in rows if r["n"] == 1}
     by = {(r["tree"], r["mesh"], r["step"]): r for r in rows}
     for r in rows:
         if r["step"] != "muon":
             continue
         n, key = r["n"], (r["tree"], r["mesh"])
+        if n > 1 and r["muon_share_bytes"] == whole.get(r["tree"]):
+            out.append(f"{r['tree']} {r['mesh']}: params unsharded (replicated): the "
+                       f"per-leaf path, {r['collective_bytes']:.0f} B, "
+                       f"{r['flops'] / 1e9:.2f} GFLOP per device (not a target)")
+            continue
         ratio = r["collective_bytes"] / r["muon_share_bytes"]
         total = single.get((r["tree"], "muon"))
         flops_ok = total is None or r["flops"] <= 1.1 * total / n + r["largest_matrix_flops"]

@@ -248,13 +248,14 @@ def test_unknown_sharding_takes_the_per_leaf_path_and_is_right():
 
 def test_plan_assigns_whole_matrices_evenly():
     mesh = mesh_of((2, 4, 1))
-    shapes = [(768, 768)] * 5 + [(768, 3072), (3072, 768), (3, 128, 256), (40, 8)]
+    shapes = [(768, 768)] * 5 + [(768, 3072), (3072, 768), (3, 128, 256), (40, 8), (8, 8)]
     specs = [P("fsdp", "tensor")] * 4 + [P("tensor", "fsdp"), P("fsdp", "tensor"),
-                                         P("tensor", "fsdp"), P(None, "fsdp"), P()]
+                                         P("tensor", "fsdp"), P(None, "fsdp"), P(),
+                                         P("tensor", None)]  # tensor has size 1
     shardings = [NamedSharding(mesh, s) for s in specs]
     axes = [(len(s) - 2, len(s) - 1) for s in shapes]
     groups, local = plan_groups(shapes, axes, shardings, 8)
-    assert local == [8]  # the replicated leaf keeps the per-leaf path
+    assert local == [8, 9]  # replicated leaves (size-1 axes too) keep the per-leaf path
     by_shape = {(g.rows, g.cols): g for g in groups}
     # Square (tensor, fsdp) matrices are transposed to join the (fsdp, tensor) ones.
     assert by_shape[(768, 768)].count == 5 and by_shape[(768, 768)].size == 8

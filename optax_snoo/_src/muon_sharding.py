@@ -71,8 +71,11 @@ def _spec_entries(sharding: NamedSharding, ndim: int) -> tuple[Any, ...]:
     return spec + (None,) * (ndim - len(spec))
 
 
-def _is_sharded(entries: Sequence[Any]) -> bool:
-    return any(e is not None and e != () for e in entries)
+def _is_sharded(entries: Sequence[Any], mesh: Any) -> bool:
+    """Whether some axis of the spec splits the leaf (a mesh axis of size > 1)."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return any(sizes[a] > 1 for e in entries if e is not None
+               for a in (e if isinstance(e, tuple) else (e,)))
 
 
 class Leaf(NamedTuple):
@@ -143,7 +146,7 @@ def plan_groups(shapes: Sequence[tuple[int, ...]], axes: Sequence[tuple[int, int
     local = []
     for i, (shape, ax, sharding) in enumerate(zip(shapes, axes, shardings, strict=True)):
         entries = None if sharding is None else _spec_entries(sharding, len(shape))
-        if entries is None or not _is_sharded(entries):
+        if entries is None or not _is_sharded(entries, sharding.mesh):
             local.append(i)
             continue
         leaf = _describe(i, tuple(shape), ax, entries)
