@@ -274,28 +274,35 @@ def markdown(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     trees = sorted({r["tree"] for r in rows})
     fig, axes = plt.subplots(2, len(trees), figsize=(6 * len(trees), 8), squeeze=False)
+    styles = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 2))]
+    markers = "osv^Dx*+"
     for col, tree in enumerate(trees):
-        for name in STACKS:
+        for i, name in enumerate(STACKS):
             pts = sorted((r["n"], r) for r in rows
                          if r["tree"] == tree and r["step"] == name and r["mesh"].startswith("1x"))
             if not pts:
                 continue
             ns = [n for n, _ in pts]
             ratio = [max(r["collective_bytes"] / r["share_bytes"], 1e-3) for _, r in pts]
-            axes[0, col].plot(ns, ratio, marker="o", label=name)
-            axes[1, col].plot(ns, [r["flops"] / 1e9 for _, r in pts], marker="o", label=name)
-        axes[0, col].set(title=f"{tree}: collective bytes / param share (fsdp mesh)",
+            style = dict(ls=styles[i % len(styles)], marker=markers[i % len(markers)],
+                         label=name, alpha=0.8)
+            axes[0, col].plot(ns, ratio, **style)
+            axes[1, col].plot(ns, [r["flops"] / 1e9 for _, r in pts], **style)
+        axes[0, col].set(title=f"{tree}: collective bytes / param share\n"
+                               "(fsdp mesh 1xNx1; 0 drawn at 1e-3)",
                          xscale="log", yscale="log", xlabel="devices N")
         axes[1, col].set(title=f"{tree}: GFLOP per device and step", xscale="log",
                          yscale="log", xlabel="devices N")
         for ax in axes[:, col]:
             ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.grid(True, which="both", alpha=0.3)
         axes[0, col].axhline(2.0, color="k", ls="--", lw=0.8)
         axes[0, col].legend(fontsize=7)
@@ -346,7 +353,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--out", default="", help="folder for scaling.{json,md,png}")
+    parser.add_argument("--replot", default="", help="only redraw the plot from this json")
     args = parser.parse_args(argv)
+    if args.replot:
+        rows = json.loads(Path(args.replot).read_text())["rows"]
+        plot(rows, Path(args.replot).with_suffix(".png"))
+        return rows
 
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices")
     meshes = [tuple(int(v) for v in m.split("x")) for m in args.meshes.split(",")]
