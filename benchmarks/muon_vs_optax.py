@@ -26,7 +26,8 @@ import optax.contrib
 from optax_snoo import COEFFICIENT_PRESETS, muon
 
 OPTAX_PRESET = {"keller": COEFFICIENT_PRESETS["keller"][0],
-                "modded": list(COEFFICIENT_PRESETS["modded"])}
+                "modded": list(COEFFICIENT_PRESETS["modded"]),
+                "polar_express": list(COEFFICIENT_PRESETS["polar_express"])}
 
 
 def transformer_matrices(d: int, layers: int, dtype) -> dict:
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"jax {jax.__version__}, optax {optax.__version__}, backend "
           f"{jax.default_backend()}, {jax.device_count()} device(s)")
-    cases = [("keller", jnp.float32), ("modded", jnp.float32), ("modded", jnp.bfloat16)]
-    print(f"{'coefficients':<13}{'dtype':<10}{'ours ms':>9}{'optax ms':>10}"
+    cases = [("keller", jnp.float32), ("modded", jnp.float32), ("modded", jnp.bfloat16),
+             ("polar_express", jnp.float32)]
+    print(f"{'coefficients':<15}{'dtype':<10}{'ours ms':>9}{'optax ms':>10}"
           f"{'wall ratio':>12}{'cpu ratio':>11}{'compile s ours/optax':>23}")
     for preset, dtype in cases:
         params = transformer_matrices(args.d, args.layers, dtype)
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         wall = {k: statistics.median(r[k][0] for r in rounds) for k in fns}
         cpu = {k: statistics.median(r[k][1] for r in rounds) for k in fns}
         wall_ratio = statistics.median(r["ours"][0] / r["optax"][0] for r in rounds)
-        print(f"{preset:<13}{jnp.dtype(dtype).name:<10}{1e3 * wall['ours']:>9.1f}"
+        print(f"{preset:<15}{jnp.dtype(dtype).name:<10}{1e3 * wall['ours']:>9.1f}"
               f"{1e3 * wall['optax']:>10.1f}{wall_ratio:>12.3f}"
               f"{cpu['ours'] / cpu['optax']:>11.3f}"
               f"{compiles['ours']:>13.2f} / {compiles['optax']:.2f}")

@@ -10,6 +10,7 @@ from optax_snoo import kfac, labels, memory, recipes, rounding
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
 from optax_snoo._src.muon import (
     COEFFICIENT_PRESETS,
+    POLAR_EXPRESS_COEFFICIENTS,
     MuonState,
     add_decoupled_weight_decay,
     muon,
@@ -41,6 +42,7 @@ __all__ = [
     "COEFFICIENT_PRESETS",
     "DEFAULT_POLICIES",
     "DEFAULT_ROLE_RULES",
+    "POLAR_EXPRESS_COEFFICIENTS",
     "POLICY_PRESETS",
     "MuonState",
     "RolePolicy",

@@ -1,4 +1,5 @@
-"""Muon (optax_snoo.muon) against a float64 numpy implementation written from SPEC §2.
+"""Muon (optax_snoo.muon) against a float64 numpy implementation written from SPEC §2
+(and, for the Polar Express preset, from the paper's Algorithm 1).
 
 The reference below is independent of the library: its own coefficient tables, its own
 Newton-Schulz, momentum, smoothing, shape scale, weight decay and AdamW. Trajectories run
@@ -33,7 +34,40 @@ MODDED = (
     (2.8769, -3.1427, 1.2046),
     (2.8366, -3.0525, 1.2012),
 )
-PRESETS = {"keller": KELLER, "modded": MODDED}
+# Amsel et al. 2025 (arXiv 2505.16932), Algorithm 1, copied from the paper: the degree-5
+# polynomials for l = 1e-3, safety factor 1.01 on all but the last, input normalised by
+# 1.01 ||X||_F + 1e-7.
+PAPER_POLAR_EXPRESS = [
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+]
+PAPER_POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5)
+                       for a, b, c in PAPER_POLAR_EXPRESS[:-1]] + [PAPER_POLAR_EXPRESS[-1]]
+
+
+def ref_polar_express(x, steps=5):
+    """The paper's Algorithm 1 in float64 (its own normalisation, no folding)."""
+    X = np.asarray(x, np.float64)
+    transposed = X.shape[-2] > X.shape[-1]
+    if transposed:
+        X = np.swapaxes(X, -1, -2)
+    X = X / (np.linalg.norm(X, axis=(-2, -1), keepdims=True) * 1.01 + 1e-7)
+    for a, b, c in PAPER_POLAR_EXPRESS[:steps]:
+        A = X @ np.swapaxes(X, -1, -2)
+        X = a * X + (b * A + c * A @ A) @ X
+    return np.swapaxes(X, -1, -2) if transposed else X
+
+
+# The same as triples on the plain ||X||_F normalisation: p1(x / 1.01).
+PE_FOLDED = ((PAPER_POLAR_EXPRESS[0][0] / 1.01, PAPER_POLAR_EXPRESS[0][1] / 1.01**3,
+              PAPER_POLAR_EXPRESS[0][2] / 1.01**5), *PAPER_POLAR_EXPRESS[1:5])
+PRESETS = {"keller": KELLER, "modded": MODDED, "polar_express": PE_FOLDED}
 F32 = jnp.float32
 # Jitted once per (shape, coefficients, dtype): eager lax.scan would compile op by op.
 ortho = jax.jit(orthogonalize, static_argnums=(1, 2, 3))
@@ -72,7 +106,8 @@ class RefMuon:
 
     def __init__(self, params, labels, *, lr, beta, triples, nesterov=True,
                  bias_correction=False, wd=0.0, wd_mul=None, smoothing=None,
-                 smoothing_form="ema", adam_lr=None, b1=0.9, b2=0.999, eps=1e-8, adam_wd=0.0):
+                 smoothing_form="ema", adam_lr=None, b1=0.9, b2=0.999, eps=1e-8, adam_wd=0.0,
+                 shape_scale="modded"):
         self.p = {k: np.asarray(v, np.float64) for k, v in params.items()}
         self.labels, self.triples = labels, triples
         self.lr, self.beta = const(lr), const(beta)
@@ -81,6 +116,7 @@ class RefMuon:
         self.nesterov, self.bc, self.form = nesterov, bias_correction, smoothing_form
         self.wd, self.wd_mul = wd, wd_mul or {}
         self.b1, self.b2, self.eps, self.adam_wd = b1, b2, eps, adam_wd
+        self.shape_scale = shape_scale
         self.m = {k: np.zeros_like(v) for k, v in self.p.items()}
         self.v = {k: np.zeros_like(v) for k, v in self.p.items()}
         self.s = {k: np.zeros_like(v) for k, v in self.p.items()}
@@ -107,7 +143,9 @@ class RefMuon:
                     o = self.s[k] if self.form == "ema" else sigma * self.s[k] + (1 - sigma) * o
                 fan_in, fan_out = p.shape[-2], p.shape[-1]
                 lr, wd = self.lr(t), self.wd * self.wd_mul.get(k, 1.0)
-                new = p * (1 - lr * wd) - lr * np.sqrt(max(1.0, fan_out / fan_in)) * o
+                scale = (np.sqrt(max(1.0, fan_out / fan_in)) if self.shape_scale == "modded"
+                         else 0.2 * np.sqrt(max(fan_in, fan_out)))  # Moonlight's
+                new = p * (1 - lr * wd) - lr * scale * o
             else:
                 self.m[k] = self.b1 * self.m[k] + (1 - self.b1) * g
                 self.v[k] = self.b2 * self.v[k] + (1 - self.b2) * g * g
@@ -184,6 +222,11 @@ CONFIGS = {
                  beta=lambda t: 0.85 + 0.10 * min(t / 300, 1), triples=MODDED, wd=0.01,
                  wd_mul=WD_MUL, smoothing=lambda t: 0.5 - 0.3 * min(t / 60, 1),
                  smoothing_form="nesterov")),
+    "polar_express_consistent_rms": dict(
+        ours=dict(learning_rate=0.01, beta=0.9, coefficients="polar_express",
+                  shape_scale="consistent_rms", weight_decay=0.05),
+        ref=dict(lr=0.01, beta=0.9, triples=PE_FOLDED, shape_scale="consistent_rms",
+                 wd=0.05)),
     "keller_bias_corrected": dict(
         ours=dict(learning_rate=0.02, beta=0.9, coefficients="keller", bias_correction=True),
         ref=dict(lr=0.02, beta=0.9, triples=KELLER, bias_correction=True)),
@@ -284,6 +327,91 @@ def test_bf16_singular_values_in_the_band_the_coefficients_produce(preset):
     assert abs(s_bf16.min() - lo) < tol and abs(s_bf16.max() - hi) < tol
     expected_band = {"keller": (0.68, 1.13), "modded": (0.98, 1.03)}[preset]
     np.testing.assert_allclose((lo, hi), expected_band, atol=0.01)
+
+
+def test_polar_express_is_the_papers_algorithm_and_its_band():
+    """The preset runs Amsel et al.'s Algorithm 1 (five steps): equal to the paper's code
+    in float64; and the band it promises: every normalised singular value in [1e-3, 1]
+    is mapped by the composed polynomials into [lo, hi] (computed here from the paper's
+    list: [0.840, 1.124]), which float32 and bfloat16 outputs must land in."""
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(shape).astype(np.float32)
+          for shape in [(32, 64), (64, 32), (3, 24, 48), (16, 16)]]
+    for x in xs:
+        out = ortho(jnp.asarray(x), "polar_express", F32)
+        np.testing.assert_allclose(np.asarray(out), ref_polar_express(x), atol=5e-6)
+    grid = np.linspace(1e-3, 1.0, 200001) / 1.01
+    for a, b, c in PAPER_POLAR_EXPRESS[:5]:
+        grid = a * grid + b * grid**3 + c * grid**5
+    lo, hi = grid.min(), grid.max()
+    np.testing.assert_allclose((lo, hi), (0.840, 1.124), atol=1e-3)
+    for x in xs[:3]:  # non-square: normalised singular values above 1e-3
+        s_in = np.linalg.svd(x / np.linalg.norm(x, axis=(-2, -1), keepdims=True),
+                             compute_uv=False)
+        assert s_in.min() > 1e-3
+        for dtype, tol in ((F32, 1e-5), (jnp.bfloat16, 0.02)):
+            out = np.asarray(ortho(jnp.asarray(x), "polar_express", dtype), np.float64)
+            s = np.linalg.svd(out, compute_uv=False)
+            assert lo - tol <= s.min() and s.max() <= hi + tol, (dtype, s.min(), s.max())
+
+
+def test_shape_scale_options():
+    w = normal((8, 32), seed=9)
+    base, _ = first_update(scale_by_muon(ns_dtype=F32, shape_scale=None), w)
+    for value, factor in (("modded", 2.0), (True, 2.0), (False, 1.0), (None, 1.0),
+                          ("consistent_rms", 0.2 * np.sqrt(32))):
+        u, _ = first_update(scale_by_muon(ns_dtype=F32, shape_scale=value), w)
+        np.testing.assert_allclose(np.asarray(u), factor * np.asarray(base), rtol=1e-6)
+    # An orthogonal O of shape (m, n) has ||O||_F^2 = min(m, n), so RMS(O) =
+    # 1/sqrt(max(m, n)) and 0.2 sqrt(max(m, n)) O has RMS 0.2, AdamW's typical update
+    # RMS (up to the Newton-Schulz band).
+    u, _ = first_update(scale_by_muon(ns_dtype=F32, shape_scale="consistent_rms",
+                                      coefficients="polar_express"), w)
+    assert abs(float(jnp.sqrt(jnp.mean(jnp.square(u)))) - 0.2) < 0.02
+    with pytest.raises(ValueError, match="shape_scale.*'rms'"):
+        scale_by_muon(shape_scale="rms")
+
+
+def test_consistent_rms_and_adam_nesterov_match_optax_contrib():
+    """optax.contrib.muon(consistent_rms=0.2, nesterov=True) uses Nesterov in its AdamW
+    group too: ours matches it with adam_nesterov=True (and differs without)."""
+    params = {"w": PARAMS["wq"], "v": PARAMS["mlp_proj"], "norm": PARAMS["norm"]}
+    theirs = optax.contrib.muon(0.02, beta=0.9, eps=1e-7, consistent_rms=0.2, nesterov=True,
+                                adam_learning_rate=3e-3)
+    kw = dict(beta=0.9, coefficients="keller", ns_dtype=F32, bias_correction=True,
+              shape_scale="consistent_rms", adam_learning_rate=3e-3, adam_eps=1e-7,
+              labels=ndim_labels)
+    ours, plain = muon(0.02, adam_nesterov=True, **kw), muon(0.02, **kw)
+    p = {k: params for k in ("ours", "plain", "theirs")}
+    txs = {"ours": ours, "plain": plain, "theirs": theirs}
+    states = {k: tx.init(params) for k, tx in txs.items()}
+    updates = {k: jax.jit(tx.update) for k, tx in txs.items()}
+    for t in range(6):
+        g = normal_tree(params, t)
+        for k in txs:
+            u, states[k] = updates[k](g, states[k], p[k])
+            p[k] = optax.apply_updates(p[k], u)
+    m.assert_trees_close(p["ours"], p["theirs"], rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(p["plain"]["norm"] - p["theirs"]["norm"]))) > 1e-4
+    m.assert_trees_close({k: p["plain"][k] for k in "wv"}, {k: p["theirs"][k] for k in "wv"},
+                         rtol=1e-5, atol=1e-6)
+
+
+def test_convolution_kernels_warn_once_per_leaf():
+    import warnings
+
+    params = {"conv": normal((3, 3, 4, 8), seed=1), "conv2": normal((3, 3, 8, 8), seed=2),
+              "experts": normal((2, 6, 12), seed=3)}
+    tx = scale_by_muon(ns_dtype=F32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = tx.init(params)
+        jax.jit(tx.update)(params, state)
+        tx.update(params, state)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 2, messages
+    assert "'conv'" in messages[0] and "(3, 3, 4, 8)" in messages[0]
+    assert "9 separate 4x8 matrices" in messages[0] and "'conv2'" in messages[1]
 
 
 def test_stacks_equal_per_matrix_results():
@@ -514,5 +642,22 @@ def test_matrix_muon_alias(tmp_path):
         static_args=("labels", "ns_dtype", "weight_decay_multiplier"))
     m.check_multisteps(tx, MIXED)
     m.check_nnx_optimizer(muon(0.02, weight_decay=0.01, ns_dtype=F32, labels=ndim_labels))
+    m.check_sharded_state(tx, MIXED)
+    m.check_orbax_roundtrip(tx, MIXED, tmp_path)
+
+
+def test_matrix_new_options(tmp_path):
+    """The optax matrix for consistent_rms, polar_express and adam_nesterov together."""
+    kw = dict(learning_rate=0.02, beta=0.9, coefficients="polar_express",
+              shape_scale="consistent_rms", adam_nesterov=True, adam_learning_rate=3e-3,
+              weight_decay=0.01, labels=ndim_labels)
+    tx = muon(ns_dtype=F32, **kw)
+    m.check_state_stable(tx, MIXED)
+    m.check_jit_matches_eager(tx, MIXED)
+    m.check_dtype_preserved(muon(**kw), MIXED)
+    m.check_inject_hyperparams(
+        muon, MIXED, dict(kw, ns_dtype=F32),
+        static_args=("labels", "ns_dtype", "coefficients", "shape_scale", "adam_nesterov"))
+    m.check_multisteps(tx, MIXED)
     m.check_sharded_state(tx, MIXED)
     m.check_orbax_roundtrip(tx, MIXED, tmp_path)

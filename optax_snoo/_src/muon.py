@@ -1,9 +1,11 @@
 """Muon: momentum orthogonalised by Newton-Schulz, as in modded-nanogpt's GPT-2 Medium track.
 
-`orthogonalize` is the Newton-Schulz iteration (SPEC §2.1), `scale_by_muon` the direction
-(momentum, orthogonalisation, shape scale, optional update smoothing; SPEC §2.2 and §2.4),
-`muon` the whole-tree optimizer (Muon on matrices and matrix stacks, AdamW on the rest;
-SPEC §2.3) and `muon_momentum_warmup` the record's momentum warm-up.
+`orthogonalize` is the Newton-Schulz iteration, `scale_by_muon` the direction (momentum,
+orthogonalisation, shape scale, optional update smoothing), `muon` the whole-tree
+optimizer (Muon on matrices and matrix stacks, AdamW on the rest) and
+`muon_momentum_warmup` the record's momentum warm-up. On sharded params the iteration
+runs on whole matrices assigned to devices (see `scale_by_muon`'s
+``shard_newton_schulz``).
 
 Differences from `optax.contrib.muon` (optax 0.2.8), all deliberate:
 
@@ -14,7 +16,25 @@ Differences from `optax.contrib.muon` (optax 0.2.8), all deliberate:
 - leaves with more than two axes are stacks of matrices (`matrix_axes` names the two
   matrix axes), so MoE expert weights `(E, in, out)` get Muon instead of silently going
   to Adam;
-- weight decay takes a per-leaf multiplier (the record's `wd_mul`).
+- weight decay takes a per-leaf multiplier (the record's `wd_mul`);
+- the AdamW group does not use Nesterov momentum unless `adam_nesterov=True` (optax's
+  `muon(nesterov=True)` applies Nesterov to both groups; ours keeps AdamW plain, as the
+  record does);
+- on sharded params each device orthogonalises whole matrices of its own
+  (`shard_newton_schulz`); optax leaves the iteration to the partitioner.
+
+References:
+  Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+  <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+  Jordan et al., `modded-nanogpt: Speedrunning the NanoGPT baseline
+  <https://github.com/KellerJordan/modded-nanogpt>`_ (records), 2024-2025
+
+  Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_,
+  2025 (Moonlight; the consistent-RMS shape scale)
+
+  Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their Application to
+  the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025
 """
 
 from __future__ import annotations
@@ -22,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from optax_snoo._src.muon_sharding import concrete_sharding, orthogonalize_sharded, plan_groups
+from optax_snoo._src.utils import path_to_str
 
 Triples = tuple[tuple[float, float, float], ...]
 Coefficients = str | Sequence[Sequence[float]]
@@ -41,11 +65,38 @@ MODDED_COEFFICIENTS: Triples = (
     (2.8769, -3.1427, 1.2046),
     (2.8366, -3.0525, 1.2012),
 )
+# Amsel et al. (2025), Algorithm 1: the degree-5 Polar Express polynomials for
+# l = 1e-3, each but the last divided by 1.01 at x (a/1.01, b/1.01^3, c/1.01^5), and the
+# input normalised by 1.01 ||X||_F. That extra 1.01 is folded into the first triple here
+# (p(x / 1.01)), so the preset runs on the usual ||X||_F normalisation.
+_POLAR_EXPRESS_PAPER: Triples = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+
+def _polar_express(steps: int = 5, safety: float = 1.01) -> Triples:
+    scaled = [(a / safety, b / safety**3, c / safety**5) for a, b, c in _POLAR_EXPRESS_PAPER[:-1]]
+    scaled.append(_POLAR_EXPRESS_PAPER[-1])
+    triples = scaled[:steps] + [scaled[-1]] * (steps - len(scaled))
+    (a, b, c), rest = triples[0], triples[1:]
+    return ((a / safety, b / safety**3, c / safety**5), *rest)
+
+
+POLAR_EXPRESS_COEFFICIENTS: Triples = _polar_express(5)
 COEFFICIENT_PRESETS: dict[str, Triples] = {
     "keller": KELLER_COEFFICIENTS,
     "modded": MODDED_COEFFICIENTS,
+    "polar_express": POLAR_EXPRESS_COEFFICIENTS,
 }
 SMOOTHING_FORMS = ("ema", "nesterov")
+SHAPE_SCALES = ("modded", "consistent_rms")
 
 
 def _is_number(x: Any) -> bool:
@@ -122,13 +173,15 @@ def orthogonalize(
 ) -> jax.Array:
     r"""Approximately orthogonalise a matrix (or each matrix of a stack) by Newton-Schulz.
 
-    The iteration of modded-nanogpt (SPEC §2.1): cast to ``ns_dtype``, transpose when
-    rows > cols, divide by ``‖X‖_F + eps``, then for each triple ``(a, b, c)``:
+    The iteration of Jordan's Muon and modded-nanogpt: cast to ``ns_dtype``, transpose
+    when rows > cols, divide by ``‖X‖_F + eps``, then for each triple ``(a, b, c)``:
     ``A = X Xᵀ; B = b A + c A A; X = a X + B X``, and transpose back. It maps each singular
     value ``σ/‖X‖_F`` through the composed odd polynomial, so ``X = U S Vᵀ`` comes out as
     ``U S' Vᵀ`` with ``S'`` in a band around 1, not exactly 1: on Gaussian matrices of
     aspect ratio 2, about [0.68, 1.13] for ``"keller"`` and [0.98, 1.03] for ``"modded"``
-    (very small input singular values, as in near-square matrices, come out lower).
+    (very small input singular values, as in near-square matrices, come out lower);
+    ``"polar_express"`` maps every normalised singular value in [1e-3, 1] into
+    [0.84, 1.124].
 
     The last two axes are the matrix; leading axes are a batch (each matrix is normalised
     and orthogonalised on its own, by batched matmuls). Matmuls run in ``ns_dtype``; the
@@ -145,8 +198,10 @@ def orthogonalize(
       x: an array of shape ``(..., rows, cols)``, any float dtype.
       coefficients: ``"modded"`` (the five per-iteration triples of modded-nanogpt's
         GPT-2 Medium track, optax's ``"dion"``), ``"keller"`` ((3.4445, -4.7750, 2.0315)
-        five times, optax.contrib.muon's default), or a sequence of ``(a, b, c)`` triples,
-        one per iteration.
+        five times, optax.contrib.muon's default), ``"polar_express"`` (the first five
+        polynomials of Amsel et al.'s Algorithm 1, with its 1.01 safety factors and its
+        ``1.01 ‖X‖_F`` normalisation folded into the first), or a sequence of
+        ``(a, b, c)`` triples, one per iteration.
       ns_dtype: dtype of the iteration (bfloat16 as in the record; float32 for accuracy).
       eps: added to the Frobenius norm before dividing.
 
@@ -171,6 +226,9 @@ def orthogonalize(
 
       Jordan et al., `Muon: An optimizer for hidden layers in neural networks
       <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+      Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their Application
+      to the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025
     """
     triples = _resolve_coefficients(coefficients)
     _check_float_dtype("ns_dtype", ns_dtype)
@@ -182,8 +240,8 @@ def orthogonalize(
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
                    eps: jax.typing.ArrayLike) -> jax.Array:
-    """SPEC §2.1 on the last two axes. Jitted so that eager callers compile it once per
-    shape instead of op by op; inside an outer jit it is simply inlined."""
+    """The iteration on the last two axes. Jitted so that eager callers compile it once
+    per shape instead of op by op; inside an outer jit it is simply inlined."""
     out_dtype = jnp.promote_types(ns_dtype, jnp.float32)
     transposed = x.shape[-2] > x.shape[-1]
     X = jnp.swapaxes(x, -1, -2) if transposed else x
@@ -255,6 +313,27 @@ def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
     return schedule
 
 
+def _resolve_shape_scale(shape_scale: Any) -> str | None:
+    """``True``/``"modded"`` -> "modded", ``"consistent_rms"``, ``False``/``None`` -> None."""
+    if shape_scale is True:
+        return "modded"
+    if shape_scale is False or shape_scale is None:
+        return None
+    if isinstance(shape_scale, str) and shape_scale in SHAPE_SCALES:
+        return shape_scale
+    raise ValueError(
+        f"shape_scale must be one of {SHAPE_SCALES}, True (= 'modded'), False or None "
+        f"(no scale); got {shape_scale!r}.")
+
+
+def _shape_factor(kind: str | None, fan_in: int, fan_out: int) -> float:
+    if kind == "modded":
+        return math.sqrt(max(1.0, fan_out / fan_in))
+    if kind == "consistent_rms":
+        return 0.2 * math.sqrt(max(fan_in, fan_out))
+    return 1.0
+
+
 def scale_by_muon(
     beta: float | optax.Schedule = 0.95,
     *,
@@ -263,21 +342,27 @@ def scale_by_muon(
     nesterov: bool = True,
     bias_correction: bool = False,
     matrix_axes: tuple[int, int] = (-2, -1),
-    shape_scale: bool = True,
+    shape_scale: bool | str | None = "modded",
     smoothing: float | optax.Schedule | None = None,
     smoothing_form: str = "ema",
     mu_dtype: jax.typing.DTypeLike | None = jnp.float32,
+    shard_newton_schulz: bool = True,
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
 
     For each leaf (a matrix, or a stack of matrices whose two matrix axes are
-    ``matrix_axes``), with gradient ``g`` and ``t`` the update count (SPEC §2.2, §2.4)::
+    ``matrix_axes``), with gradient ``g`` and ``t`` the update count::
 
         m = β m + (1-β) g                                 # float32 buffer
         v = β m + (1-β) g   if nesterov else   m          # EMA form of Nesterov
         O = orthogonalize(v)                              # each matrix on its own
         S = σ S + (1-σ) O;  O = S (ema) or σ S + (1-σ) O (nesterov)   # if smoothing
-        update = sqrt(max(1, fan_out / fan_in)) * O       # if shape_scale
+        update = s(fan_in, fan_out) * O                   # shape scale
+
+    with ``s = sqrt(max(1, fan_out / fan_in))`` (``shape_scale="modded"``, the record's)
+    or ``s = 0.2 sqrt(max(fan_in, fan_out))`` (``"consistent_rms"``, Moonlight's: the
+    update's RMS matches AdamW's, about 0.2, so AdamW's learning rate and weight decay
+    carry over).
 
     With ``bias_correction=True`` the momentum is bias-corrected exactly as
     ``optax.contrib.scale_by_muon`` does: ``v = β m/(1-β^(t+2)) + (1-β) g/(1-β^(t+1))``
@@ -285,40 +370,59 @@ def scale_by_muon(
     dtype; no learning rate and no sign are applied (chain with
     ``optax.scale_by_learning_rate``, or use `muon`).
 
+    Sharded params (``shard_newton_schulz=True``): when a leaf carries a
+    ``NamedSharding`` that splits it over a multi-device mesh (seen on the concrete
+    params given to ``init``, or on the arrays themselves), same-shape matrices are
+    stacked, the stack is split over all devices of the mesh so that each device holds
+    whole matrices, each device runs the iteration on its own, and the results return
+    to the leaves' shardings: no collective inside the iteration, one redistribution in
+    and one out per step. The result equals the single-device one (float32 iteration:
+    to ~1e-6 relative). Unsharded leaves, and leaves whose sharding is unknown (e.g. an
+    ``init`` under ``jax.jit`` or ``optax.inject_hyperparams``, which rebuilds the
+    transform), take the per-leaf path, where the partitioner decides.
+
     Args:
       beta: momentum in [0, 1), or a schedule of the update count (e.g.
         `muon_momentum_warmup`).
-      coefficients: Newton-Schulz preset (``"modded"``, ``"keller"``) or a sequence of
-        ``(a, b, c)`` triples, one per iteration; see `orthogonalize`.
+      coefficients: Newton-Schulz preset (``"modded"``, ``"keller"``,
+        ``"polar_express"``) or a sequence of ``(a, b, c)`` triples, one per iteration;
+        see `orthogonalize`.
       ns_dtype: dtype of the Newton-Schulz iteration.
       nesterov: orthogonalise ``β m + (1-β) g`` instead of ``m``.
       bias_correction: bias-correct the momentum like optax.contrib.muon (the record does
         not).
       matrix_axes: ``(fan_in axis, fan_out axis)`` of every leaf; the other axes are batch
         axes. ``(-2, -1)`` fits Flax ``(in, out)`` kernels and ``(E, in, out)`` stacks;
-        ``(1, 0)`` fits PyTorch ``(out, in)`` weights.
-      shape_scale: multiply by ``sqrt(max(1, fan_out / fan_in))``.
+        ``(1, 0)`` fits PyTorch ``(out, in)`` weights. A 4-D leaf (a convolution kernel)
+        is treated as a stack of matrices, with a warning.
+      shape_scale: ``"modded"`` (or ``True``), ``"consistent_rms"``, or ``None`` (or
+        ``False``) for no scale.
       smoothing: update-smoothing coefficient σ in [0, 1) or a schedule of the count;
         ``None`` turns smoothing off (record PR #137 used 0.2).
       smoothing_form: ``"ema"`` (use ``S``, PR #137) or ``"nesterov"`` (use
         ``σ S + (1-σ) O``, PR #129).
       mu_dtype: dtype of the momentum buffer (``None``: the gradient dtype).
+      shard_newton_schulz: on sharded params, give each device whole matrices to
+        orthogonalise (above); ``False`` leaves the iteration to the partitioner.
 
     Returns:
       An ``optax.GradientTransformation`` with state `MuonState`.
 
     Raises:
       ValueError: for bad coefficients, ``beta`` or ``smoothing`` outside [0, 1), bad
-        ``matrix_axes`` or ``smoothing_form``; at init/trace time for 0-D/1-D leaves
-        (those belong to Adam) and axes that do not fit a leaf.
+        ``matrix_axes``, ``shape_scale`` or ``smoothing_form``; at init/trace time for
+        0-D/1-D leaves (those belong to Adam) and axes that do not fit a leaf.
 
     Example:
       >>> import jax.numpy as jnp, optax
       >>> from optax_snoo import scale_by_muon
       >>> params = {"w": jnp.ones((4, 8)), "experts": jnp.ones((2, 8, 4))}
-      >>> tx = optax.chain(scale_by_muon(), optax.scale_by_learning_rate(0.02))
+      >>> tx = optax.chain(scale_by_muon(shape_scale="consistent_rms"),
+      ...                  optax.scale_by_learning_rate(0.02))
       >>> state = tx.init(params)
       >>> updates, state = tx.update(params, state)
+      >>> updates["w"].shape
+      (4, 8)
 
     References:
       Jordan, `modded-nanogpt: Speedrunning the NanoGPT baseline
@@ -326,33 +430,67 @@ def scale_by_muon(
 
       Jordan et al., `Muon: An optimizer for hidden layers in neural networks
       <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+      Liu et al., `Muon is Scalable for LLM Training
+      <https://arxiv.org/abs/2502.16982>`_, 2025
     """
-    _resolve_coefficients(coefficients)
+    triples = _resolve_coefficients(coefficients)
     _check_float_dtype("ns_dtype", ns_dtype)
     _check_unit_interval("beta", beta)
     axes = _check_matrix_axes(matrix_axes)
+    scale_kind = _resolve_shape_scale(shape_scale)
     if smoothing is not None:
         _check_unit_interval("smoothing", smoothing)
     if smoothing_form not in SMOOTHING_FORMS:
         raise ValueError(
             f"smoothing_form must be one of {SMOOTHING_FORMS}, got {smoothing_form!r}.")
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+    ns_dt = jnp.dtype(ns_dtype)
+    # Shardings of the params given to init, by tree structure and shapes: under
+    # jax.jit the update sees tracers, whose type carries no spec on Auto mesh axes.
+    seen_shardings: dict[Any, tuple[Any, ...]] = {}
+    warned: set[str] = set()
 
     def fans(shape: tuple[int, ...]) -> tuple[int, int]:
         fan_in_axis, fan_out_axis = _normalized_axes(shape, axes)
         return shape[fan_in_axis], shape[fan_out_axis]
 
+    def warn_convolutions(tree: Any) -> None:
+        for path, p in jax.tree_util.tree_leaves_with_path(tree):
+            shape = jnp.shape(p)
+            name = path_to_str(path)
+            if len(shape) == 4 and name not in warned:
+                warned.add(name)
+                fan_in, fan_out = fans(shape)
+                warnings.warn(
+                    f"Muon: leaf {name!r} of shape {shape} is 4-D (a convolution kernel?); "
+                    f"it is orthogonalised as a stack of {math.prod(shape) // (fan_in * fan_out)}"
+                    f" separate {fan_in}x{fan_out} matrices (matrix_axes={matrix_axes}). To "
+                    "orthogonalise it as one matrix, reshape it to (kh*kw*in, out); or label "
+                    "it for Adam.", UserWarning, stacklevel=3)
+
+    def key(leaves: list[Any], treedef: Any) -> Any:
+        return treedef, tuple(tuple(jnp.shape(x)) for x in leaves)
+
     def init_fn(params: optax.Params) -> MuonState:
-        for p in jax.tree.leaves(params):
+        leaves, treedef = jax.tree.flatten(params)
+        for p in leaves:
             fans(jnp.shape(p))
+        warn_convolutions(params)
+        if shard_newton_schulz:  # the latest init of a tree structure decides
+            shardings = tuple(concrete_sharding(p) for p in leaves)
+            if any(s is not None for s in shardings):
+                seen_shardings[key(leaves, treedef)] = shardings
+            else:
+                seen_shardings.pop(key(leaves, treedef), None)
         mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), params)
         smooth = (optax.EmptyState() if smoothing is None
                   else jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params))
         return MuonState(count=jnp.zeros([], jnp.int32), mu=mu, smooth=smooth)
 
-    def direction(g: jax.Array, m: jax.Array, beta_t: jax.Array,
-                  count: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(orthogonalised float32 direction, new momentum) of one leaf."""
+    def momentum(g: jax.Array, m: jax.Array, beta_t: jax.Array,
+                 count: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(float32 input of the iteration, new momentum) of one leaf."""
         g32 = g.astype(jnp.float32)
         m = beta_t * m.astype(jnp.float32) + (1 - beta_t) * g32
         if bias_correction:
@@ -362,11 +500,40 @@ def scale_by_muon(
                 v = beta_t * v + (1 - beta_t) * (g32 / bc_g)
         else:
             v = beta_t * m + (1 - beta_t) * g32 if nesterov else m
-        fan_in_axis, fan_out_axis = _normalized_axes(g.shape, axes)
+        return v, m.astype(g.dtype if mu_dtype is None else mu_dtype)
+
+    def orthogonalize_leaf(v: jax.Array) -> jax.Array:
+        fan_in_axis, fan_out_axis = _normalized_axes(v.shape, axes)
         v = jnp.moveaxis(v, (fan_in_axis, fan_out_axis), (-2, -1))
-        o = orthogonalize(v, coefficients, ns_dtype)
-        o = jnp.moveaxis(o, (-2, -1), (fan_in_axis, fan_out_axis))
-        return o, m.astype(g.dtype if mu_dtype is None else mu_dtype)
+        o = _newton_schulz(v, triples, ns_dt, 1e-7)
+        return jnp.moveaxis(o, (-2, -1), (fan_in_axis, fan_out_axis))
+
+    def leaf_shardings(grads: list[Any], mus: list[Any], treedef: Any) -> list[Any]:
+        seen = seen_shardings.get(key(grads, treedef), (None,) * len(grads))
+        out = []
+        for g, m, s in zip(grads, mus, seen, strict=True):
+            own = concrete_sharding(m) or concrete_sharding(g)
+            # Concrete (eager) arrays say where they are; tracers fall back to init's.
+            traced = isinstance(m, jax.core.Tracer) or isinstance(g, jax.core.Tracer)
+            out.append(own if own is not None or not traced else s)
+        meshes = [s.mesh for s in out if s is not None]
+        # One mesh for the whole plan; leaves on another mesh take the per-leaf path.
+        return [s if s is not None and s.mesh == meshes[0] else None for s in out]
+
+    def orthogonalize_all(vs: list[jax.Array], shardings: list[Any]) -> list[jax.Array]:
+        groups, local = [], list(range(len(vs)))
+        if shard_newton_schulz and any(s is not None for s in shardings):
+            mesh = next(s.mesh for s in shardings if s is not None)
+            shapes = [v.shape for v in vs]
+            norm_axes = [_normalized_axes(v.shape, axes) for v in vs]
+            groups, local = plan_groups(shapes, norm_axes, shardings, mesh.size)
+        out: dict[int, jax.Array] = {i: orthogonalize_leaf(vs[i]) for i in local}
+        if groups:
+            def ns(x: jax.Array) -> jax.Array:
+                return _newton_schulz(x, triples, ns_dt, 1e-7)
+
+            out.update(orthogonalize_sharded(vs, groups, mesh, shardings, ns, ns_dt))
+        return [out[i] for i in range(len(vs))]
 
     def update_fn(updates: optax.Updates, state: MuonState,
                   params: optax.Params | None = None) -> tuple[optax.Updates, MuonState]:
@@ -374,11 +541,14 @@ def scale_by_muon(
         count = state.count
         beta_t = beta(count) if callable(beta) else beta
         grads, treedef = jax.tree.flatten(updates)
-        ortho, mu = [], []
-        for g, m in zip(grads, treedef.flatten_up_to(state.mu), strict=True):
-            o, m = direction(g, m, beta_t, count)
-            ortho.append(o)
+        warn_convolutions(updates)
+        mus = treedef.flatten_up_to(state.mu)
+        vs, mu = [], []
+        for g, m in zip(grads, mus, strict=True):
+            v, m = momentum(g, m, beta_t, count)
+            vs.append(v)
             mu.append(m)
+        ortho = orthogonalize_all(vs, leaf_shardings(grads, mus, treedef))
 
         smooth = state.smooth
         if smoothing is not None:
@@ -392,10 +562,8 @@ def scale_by_muon(
             smooth = treedef.unflatten(smooth)
 
         def finish(o: jax.Array, g: jax.Array) -> jax.Array:
-            if shape_scale:
-                fan_in, fan_out = fans(g.shape)
-                o = math.sqrt(max(1.0, fan_out / fan_in)) * o
-            return o.astype(g.dtype)
+            factor = _shape_factor(scale_kind, *fans(g.shape))
+            return (o if factor == 1.0 else factor * o).astype(g.dtype)
 
         new_updates = treedef.unflatten([finish(o, g) for o, g in zip(ortho, grads, strict=True)])
         new_state = MuonState(count=optax.safe_increment(count), mu=treedef.unflatten(mu),
@@ -413,7 +581,7 @@ def add_decoupled_weight_decay(
 
     Put it before ``optax.scale_by_learning_rate(lr)`` so that the decay is multiplied by
     the (scheduled) learning rate, as in modded-nanogpt's Muon:
-    ``p ← p (1 - lr·wd·wd_mul) - lr·u`` (SPEC §2.2). Unlike ``optax.add_decayed_weights``
+    ``p ← p (1 - lr·wd·wd_mul) - lr·u``. Unlike ``optax.add_decayed_weights``
     it takes a per-leaf factor (the record's ``wd_mul``: 2.0 on MLP weights) and skips
     ``optax.MaskedNode`` leaves, so it works inside ``optax.partition``/``optax.masked``.
     The sum is formed in float32 and cast back to the update dtype.
@@ -484,11 +652,14 @@ def muon(
     smoothing: float | optax.Schedule | None = None,
     smoothing_form: str = "ema",
     matrix_axes: tuple[int, int] = (-2, -1),
+    shape_scale: bool | str | None = "modded",
+    shard_newton_schulz: bool = True,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.999,
     adam_eps: float = 1e-8,
     adam_weight_decay: float = 0.0,
+    adam_nesterov: bool = False,
     labels: Any | Callable[[optax.Params], Any] | None = None,
 ) -> optax.GradientTransformation:
     r"""Muon on matrices and matrix stacks, AdamW on every other leaf.
@@ -496,17 +667,18 @@ def muon(
     An ``optax.partition`` of two groups, like ``optax.contrib.muon``:
 
     - ``"muon"``: ``chain(scale_by_muon(...), decoupled weight decay,
-      scale_by_learning_rate(learning_rate))``, i.e. (SPEC §2.2)
-      ``p ← p (1 - lr·wd·wd_mul) - lr·sqrt(max(1, fan_out/fan_in))·O``;
+      scale_by_learning_rate(learning_rate))``, i.e.
+      ``p ← p (1 - lr·wd·wd_mul) - lr·s(fan_in, fan_out)·O`` with the shape scale ``s``
+      of `scale_by_muon` (``sqrt(max(1, fan_out/fan_in))`` by default);
     - ``"adam"``: ``optax.adamw(adam_learning_rate, adam_b1, adam_b2, adam_eps,
-      weight_decay=adam_weight_decay)``.
+      weight_decay=adam_weight_decay, nesterov=adam_nesterov)``.
 
     Labels default to ``optax_snoo.labels.muon_adam_labels`` (hidden matrices and stacks to
     Muon; embeddings, head, norms, biases, scalars to Adam).
 
     Args:
       learning_rate: Muon learning rate (float >= 0 or schedule); record: 0.027-0.03 with
-        the SPEC §2.5 cooldown.
+        a linear cooldown over the last ~70% of training (`stable_cooldown_schedule`).
       beta: Muon momentum or schedule (record: `muon_momentum_warmup`).
       weight_decay: decoupled weight decay of the Muon group, multiplied by the learning
         rate (record: 0.01).
@@ -521,11 +693,18 @@ def muon(
       smoothing: update smoothing σ (float, schedule) or ``None``; see `scale_by_muon`.
       smoothing_form: ``"ema"`` or ``"nesterov"``.
       matrix_axes: the (fan_in, fan_out) axes of every Muon leaf.
+      shape_scale: ``"modded"`` (or ``True``), ``"consistent_rms"`` (Moonlight's
+        ``0.2 sqrt(max(fan_in, fan_out))``: with it AdamW's learning rate and weight decay
+        suit the Muon group too), or ``None``/``False``; see `scale_by_muon`.
+      shard_newton_schulz: on sharded params each device orthogonalises whole matrices;
+        see `scale_by_muon`.
       adam_learning_rate: AdamW learning rate (default: ``learning_rate``).
       adam_b1: AdamW first-moment decay.
       adam_b2: AdamW second-moment decay.
       adam_eps: AdamW epsilon.
       adam_weight_decay: AdamW decoupled weight decay.
+      adam_nesterov: Nesterov momentum in the AdamW group (``optax.adamw(nesterov=)``);
+        ``optax.contrib.muon(nesterov=True)`` does this, the record does not.
       labels: a tree of ``"muon"``/``"adam"`` strings with the params' structure, or a
         callable ``params -> tree``; overrides the default labelling.
 
@@ -565,11 +744,13 @@ def muon(
         scale_by_muon(
             beta, coefficients=coefficients, ns_dtype=ns_dtype, nesterov=nesterov,
             bias_correction=bias_correction, matrix_axes=matrix_axes, smoothing=smoothing,
-            smoothing_form=smoothing_form),
+            smoothing_form=smoothing_form, shape_scale=shape_scale,
+            shard_newton_schulz=shard_newton_schulz),
         add_decoupled_weight_decay(weight_decay, weight_decay_multiplier),
         optax.scale_by_learning_rate(learning_rate),
     )
     adam_tx = optax.adamw(
         learning_rate if adam_learning_rate is None else adam_learning_rate,
-        b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=adam_weight_decay)
+        b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=adam_weight_decay,
+        nesterov=adam_nesterov)
     return optax.partition({"muon": muon_tx, "adam": adam_tx}, labels)

@@ -1,0 +1,229 @@
+"""Per-device collective bytes and FLOPs of a compiled XLA program, loops counted.
+
+`compiled.cost_analysis()` and a plain text count of the HLO see a while (scan) body
+once. Here every computation is weighted by how often it runs: a while body (and its
+condition) by the loop's ``known_trip_count`` from its backend config, a conditional by
+its most expensive branch (one branch runs per step), fusions and calls once per call.
+
+Counted per device (an SPMD program is one device's program):
+
+- collectives: all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute
+  (and their async ``-start`` forms), each by the larger of its input and output buffers
+  (all-gather: the gathered result; reduce-scatter: the full input; a tuple all-to-all:
+  all its elements). The traffic that actually leaves the device is ``(g-1)/g`` of it
+  for a group of ``g`` devices;
+- FLOPs: ``2 * prod(result) * prod(contracted dims)`` per dot, one per output element of
+  elementwise arithmetic and one per input element of a reduce.
+
+Usage::
+
+    compiled = jax.jit(f).lower(*args).compile()
+    stats = analyze(compiled.as_text())
+    stats.collective_bytes, stats.by_kind, stats.flops, stats.in_loops
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections import Counter
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1,
+    "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+    "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16, "token": 0,
+}
+COLLECTIVES = {
+    "all-gather": "all-gather", "all-gather-start": "all-gather",
+    "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
+    "reduce-scatter": "reduce-scatter",
+    "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all",
+    "collective-permute": "collective-permute",
+    "collective-permute-start": "collective-permute",
+    "collective-broadcast": "collective-broadcast",
+}
+ELEMENTWISE = {
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "remainder",
+    "atan2", "negate", "abs", "sqrt", "rsqrt", "cbrt", "exponential",
+    "exponential-minus-one", "log", "log-plus-one", "logistic", "tanh", "sine", "cosine",
+    "tan", "erf", "sign", "floor", "ceil", "round-nearest-even", "round-nearest-afz",
+    "compare", "select", "clamp", "and", "or", "xor", "not",
+}
+
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\b(?:branch_computations|true_computation|false_computation)="
+                       r"(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for dtype, dims in _ARRAY.findall(type_str):
+        if dtype in DTYPE_BYTES:
+            out.append((dtype, tuple(int(d) for d in dims.split(",") if d)))
+    return out
+
+
+def _bytes(type_str: str) -> float:
+    return sum(DTYPE_BYTES[d] * math.prod(s) for d, s in _arrays(type_str))
+
+
+def _elements(type_str: str) -> int:
+    return sum(math.prod(s) for _, s in _arrays(type_str))
+
+
+def _split_type(rest: str) -> tuple[str, str, str]:
+    """``TYPE opcode(operands), attrs`` -> (type, opcode, remainder)."""
+    if rest.startswith("("):
+        depth, end = 0, len(rest) - 1
+        for pos, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                end = pos
+                break
+        type_str, tail = rest[:end + 1], rest[end + 1:].lstrip()
+    else:
+        type_str, _, tail = rest.partition(" ")
+    opcode, _, remainder = tail.partition("(")
+    return type_str, opcode.strip(), remainder
+
+
+@dataclasses.dataclass
+class Cost:
+    """Per-device totals of one computation (or the whole program)."""
+
+    flops: float = 0.0
+    by_kind: Counter = dataclasses.field(default_factory=Counter)      # bytes per kind
+    counts: Counter = dataclasses.field(default_factory=Counter)       # executions per kind
+    in_loops: Counter = dataclasses.field(default_factory=Counter)     # bytes inside loops
+
+    def add(self, other: Cost, times: float = 1.0, in_loop: bool = False) -> None:
+        self.flops += times * other.flops
+        for k, v in other.by_kind.items():
+            self.by_kind[k] += times * v
+            if in_loop:
+                self.in_loops[k] += times * v
+        for k, v in other.counts.items():
+            self.counts[k] += times * v
+        for k, v in other.in_loops.items():
+            if not in_loop:
+                self.in_loops[k] += times * v
+
+    @property
+    def collective_bytes(self) -> float:
+        return float(sum(self.by_kind.values()))
+
+    @property
+    def loop_collective_bytes(self) -> float:
+        return float(sum(self.in_loops.values()))
+
+
+def _parse(hlo_text: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], str]:
+    comps: dict[str, list[tuple[str, str, str, str]]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _COMP_HEADER.match(line)
+        if header:
+            current = header.group(2)
+            comps[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            type_str, opcode, remainder = _split_type(m.group(3))
+            comps[current].append((m.group(2), type_str, opcode, remainder))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _trip_count(remainder: str) -> int | None:
+    m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', remainder)
+    return int(m.group(1)) if m else None
+
+
+def analyze(hlo_text: str) -> Cost:
+    """Loop-aware per-device collective bytes and FLOPs of compiled HLO text.
+
+    Raises:
+      ValueError: for a while loop without a known trip count (its cost per step is
+        not determined by the program).
+    """
+    comps, entry = _parse(hlo_text)
+    types = {name: t for instrs in comps.values() for name, t, _, _ in instrs}
+    memo: dict[str, Cost] = {}
+
+    def operand_types(remainder: str) -> list[str]:
+        args = remainder.split(")", 1)[0]
+        return [types.get(a.strip().lstrip("%"), "") for a in args.split(",") if a.strip()]
+
+    def cost(name: str) -> Cost:
+        if name in memo:
+            return memo[name]
+        total = Cost()
+        for _, type_str, opcode, remainder in comps.get(name, []):
+            if opcode in COLLECTIVES:
+                operand_bytes = sum(_bytes(t) for t in operand_types(remainder))
+                kind = COLLECTIVES[opcode]
+                total.by_kind[kind] += max(_bytes(type_str), operand_bytes)
+                total.counts[kind] += 1
+            elif opcode == "dot":
+                lhs = operand_types(remainder)[0]
+                dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", remainder)
+                lhs_shape = _arrays(lhs)[0][1] if _arrays(lhs) else ()
+                contracted = math.prod(lhs_shape[int(d)] for d in dims.group(1).split(",")
+                                       if d) if dims and lhs_shape else 1
+                total.flops += 2.0 * _elements(type_str) * contracted
+            elif opcode in ELEMENTWISE:
+                total.flops += _elements(type_str)
+            elif opcode == "reduce":
+                ins = operand_types(remainder)
+                total.flops += sum(_elements(t) for t in ins[:len(ins) // 2 or 1])
+            if opcode == "while":
+                trips = _trip_count(remainder)
+                if trips is None:
+                    raise ValueError(f"while loop in {name} without a known trip count")
+                called = dict(_CALLS.findall(remainder))
+                total.add(cost(called["body"]), trips, in_loop=True)
+                total.add(cost(called["condition"]), trips + 1, in_loop=True)
+            elif opcode == "conditional":
+                m = _BRANCHES.findall(remainder)
+                branches = [b.strip().lstrip("%") for group in m
+                            for b in group.strip("{}").split(",") if b.strip()]
+                if branches:
+                    worst = max((cost(b) for b in branches),
+                                key=lambda c: (c.collective_bytes, c.flops))
+                    total.add(worst)
+            elif opcode != "reduce":
+                for attr, callee in _CALLS.findall(remainder):
+                    if attr in ("calls", "to_apply"):
+                        total.add(cost(callee))
+        memo[name] = total
+        return total
+
+    return cost(entry)
+
+
+def trip_counts(hlo_text: str) -> list[int | None]:
+    """The known trip count of every while loop in the program (None where unknown)."""
+    comps, _ = _parse(hlo_text)
+    return [_trip_count(rem) for instrs in comps.values() for _, _, op, rem in instrs
+            if op == "while"]
+
+
+def summary(cost: Cost) -> str:
+    """One line: bytes per collective kind (MiB) and GFLOPs."""
+    parts = [f"{k} {v / 2**20:.2f} MiB x{int(cost.counts[k])}" for k, v in
+             sorted(cost.by_kind.items())]
+    return json.dumps({"collectives": parts, "gflops": round(cost.flops / 1e9, 4)})

@@ -1,0 +1,88 @@
+"""benchmarks.hlo: collectives and FLOPs of compiled programs, with loops counted.
+
+Small programs whose counts are known by construction: a psum inside a 3-trip loop,
+a tuple all-to-all, an all-gather, a dot inside a scan, a conditional.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import hlo
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+
+
+def compiled_text(f, *args):
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_collective_in_a_loop_counts_trip_count_times(mesh):
+    def f(x):
+        def body(i, c):
+            return c + jax.lax.psum(c * 1.5, "x")
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    sm = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    x = jax.device_put(jnp.ones((8, 128), jnp.float32), NamedSharding(mesh, P("x")))
+    text = compiled_text(sm, x)
+    cost = hlo.analyze(text)
+    assert 3 in hlo.trip_counts(text)
+    assert cost.counts["all-reduce"] == 3
+    assert cost.by_kind["all-reduce"] == 3 * 128 * 4  # a (1, 128) f32 block per device
+    assert cost.loop_collective_bytes == cost.collective_bytes
+
+
+def test_all_to_all_tuple_and_all_gather_bytes(mesh):
+    def f(x):
+        y = jax.lax.all_to_all(x, "x", 0, 0, tiled=True)
+        return y, jax.lax.all_gather(x, "x", axis=0, tiled=True)
+
+    sm = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P()),
+                       check_vma=False)
+    x = jax.device_put(jnp.ones((64, 32), jnp.float32), NamedSharding(mesh, P("x")))
+    cost = hlo.analyze(compiled_text(sm, x))
+    local = 8 * 32 * 4
+    assert cost.by_kind["all-to-all"] == local  # every element of the tuple counted once
+    assert cost.by_kind["all-gather"] == 8 * local  # the gathered result
+    assert cost.loop_collective_bytes == 0
+
+
+def test_dot_flops_in_a_scan_and_against_cost_analysis():
+    a = jnp.ones((64, 96), jnp.float32)
+    b = jnp.ones((96, 96), jnp.float32)
+
+    def f(a, b):
+        return jax.lax.scan(lambda c, _: (c @ b, None), a, None, length=4)[0]
+
+    compiled = jax.jit(f).lower(a, b).compile()
+    cost = hlo.analyze(compiled.as_text())
+    dot = 2 * 64 * 96 * 96
+    assert 4 * dot <= cost.flops < 4 * dot * 1.01
+    # cost_analysis counts the loop body once.
+    assert compiled.cost_analysis()["flops"] < 1.5 * dot
+
+
+def test_conditional_counts_its_most_expensive_branch():
+    x = jnp.ones((32, 32), jnp.float32)
+
+    def f(p, x):
+        return jax.lax.cond(p, lambda x: x @ x @ x, lambda x: x + 1.0, x)
+
+    cost = hlo.analyze(compiled_text(f, True, x))
+    assert 2 * 2 * 32**3 <= cost.flops < 2 * 2 * 32**3 * 1.05
+
+
+def test_unknown_trip_count_is_an_error():
+    def f(x):
+        return jax.lax.while_loop(lambda c: c.sum() < 100.0, lambda c: c * 2.0, x)
+
+    with pytest.raises(ValueError, match="trip count"):
+        hlo.analyze(compiled_text(f, jnp.ones((4,))))
