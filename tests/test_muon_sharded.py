@@ -292,26 +292,26 @@ def test_trainer_snoo_muon_on_eight_devices(corpus, tmp_path):
     3e-6 relative over 3 steps). Structurally: Muon adds no collective inside a loop to
     the train step (snoo_adamw's step has the model's own; the partitioner's Newton-Schulz
     would add all-gathers in its loop)."""
-    import dataclasses
-
     from test_train import _batches, _step_setup, tiny
 
+    from train import config as tc
     from train.sharding import batch_sharding, put_batch
 
     def compiled(config, steps):
-        mesh, state, step, _, vocab_size = _step_setup(config)
+        mesh, state, step, spec, vocab_size = _step_setup(config)
         losses, text = [], None
-        for xy in _batches(config, steps, vocab_size):
+        for t, xy in enumerate(_batches(config, steps, vocab_size)):
             args = (put_batch(xy[0], batch_sharding(mesh)), put_batch(xy[1], batch_sharding(mesh)))
-            text = text or step.lower(state, *args, None).compile().as_text()
-            state, metrics = step(state, *args, None)
+            hints = spec.update_kwargs(t)
+            text = text or step.lower(state, *args, **hints).compile().as_text()
+            state, metrics = step(state, *args, **hints)
             losses.append(float(metrics["loss"]))
         return losses, hlo.analyze(text)
 
     eight = dict(mesh_data=2, mesh_fsdp=2, mesh_tensor=2)
     one = tiny(corpus, tmp_path, optimizer="snoo_muon")
     losses_1, _ = compiled(one, 3)
-    losses_8, muon_cost = compiled(dataclasses.replace(one, **eight), 3)
+    losses_8, muon_cost = compiled(tc.override(one, **eight), 3)
     np.testing.assert_allclose(losses_8, losses_1, rtol=1e-4)
     _, adamw_cost = compiled(tiny(corpus, tmp_path, optimizer="snoo_adamw", **eight), 1)
     assert muon_cost.loop_collective_bytes == adamw_cost.loop_collective_bytes
