@@ -1,4 +1,5 @@
-"""Muon (optax_snoo.muon) against a float64 numpy implementation written from SPEC §2
+"""Muon (optax_snoo.muon) against a float64 numpy implementation written from the formulas of
+Jordan's Muon post (2024) and the modded-nanogpt records
 (and, for the Polar Express preset, from the paper's Algorithm 1).
 
 The reference below is independent of the library: its own coefficient tables, its own
@@ -25,7 +26,7 @@ from optax_snoo import (
     scale_by_muon,
 )
 
-# SPEC §2.1 coefficient tables, copied from the spec (not from the library).
+# Newton-Schulz coefficient tables, copied from the modded-nanogpt records (not from the library).
 KELLER = ((3.4445, -4.7750, 2.0315),) * 5
 MODDED = (
     (4.0848, -6.8946, 2.9270),
@@ -74,10 +75,10 @@ ortho = jax.jit(orthogonalize, static_argnums=(1, 2, 3))
 
 
 # ----------------------------------------------------------------------------------------
-# float64 reference (SPEC §2)
+# float64 reference (the Muon update of modded-nanogpt)
 
 def ref_ns(x, triples, eps=1e-7):
-    """SPEC §2.1 in float64 on the last two axes."""
+    """Newton-Schulz (a, b, c iterations after Frobenius normalisation), float64, last two axes."""
     X = np.asarray(x, np.float64)
     transposed = X.shape[-2] > X.shape[-1]
     if transposed:
@@ -102,7 +103,8 @@ def const(v):
 
 
 class RefMuon:
-    """SPEC §2.2-2.4 for the Muon leaves, AdamW (decoupled wd times lr) for the others."""
+    """Muon momentum, Newton-Schulz, shape scale and smoothing for the Muon leaves, AdamW
+    (decoupled wd times lr) for the others."""
 
     def __init__(self, params, labels, *, lr, beta, triples, nesterov=True,
                  bias_correction=False, wd=0.0, wd_mul=None, smoothing=None,
@@ -192,7 +194,7 @@ def first_update(tx, grads, params=None):
 
 
 def cooldown(T, frac=0.7, final=0.01, xp=np):
-    """SPEC §2.5 learning-rate multiplier."""
+    """The record's stable-then-cooldown learning-rate multiplier."""
     def mult(t):
         x = t / T
         return xp.where(x < 1 - frac, 1.0, (1 - x) / frac * (1 - final) + final)

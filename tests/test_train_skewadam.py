@@ -1,5 +1,6 @@
-"""The trainer with SkewAdam (SPEC §3): `skewadam` and `snoo_skewadam` on a tiny MoE GPT,
-bf16 params with the rounding transforms, and the per-role state the run actually holds."""
+"""The trainer with SkewAdam (Malik, arXiv 2607.19058, 2026): `skewadam` and `snoo_skewadam`
+on a tiny MoE GPT, bf16 params with the rounding transforms, and the per-role state the run
+actually holds."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def test_bf16_params_stay_bf16_and_state_has_the_roles(corpus, tmp_path):
     assert {d for k, d in dtypes.items() if "router" not in k} == {jnp.dtype(jnp.bfloat16)}
 
     opt_state = state["opt_state"]
-    # Measured statistics equal SPEC §3's formula per role (float32 whatever the params).
+    # Measured statistics equal the paper's formula per role (float32 whatever the params).
     assert state_bytes_by_group(opt_state, statistics_only=True) == (
         skew_adam_state_bytes_by_role(params0))
     parts = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
@@ -129,8 +130,8 @@ def test_stochastic_rounding_keeps_steps_below_half_a_bf16_unit(corpus, tmp_path
 
 @pytest.mark.parametrize("rounding", ["stochastic", "dithered"])
 def test_rounding_acts_on_the_float32_update(rounding):
-    """`--rounding` with `skewadam` rounds p + u from SkewAdam's float32 update u (SPEC §3
-    step 5): the same as that rounding transform applied by hand to the update the float32
+    """`--rounding` with `skewadam` rounds p + u from SkewAdam's float32 update u (the
+    paper's step 5): the same as that rounding transform applied by hand to the update the float32
     stack computes for the same values. Appended after SkewAdam's cast it would round
     p + bf16(u) instead."""
     rng = np.random.default_rng(0)
