@@ -24,8 +24,8 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) ->
     ``dK = dSᵀ Q / sqrt(H)``, every product accumulated in float32; in bf16 it is as
     accurate as autodiff. Autodiff through the XLA implementation reduces ``dP ∘ P`` over
     an array with a unit axis (its ``vmap`` over the query groups), which XLA:CPU's
-    YNNPACK reductions ran 10x slower than the same reduction without that axis (jax
-    0.10.2); here the group axis only exists when ``K < N``.
+    YNNPACK reductions run much slower than the same reduction without that axis
+    (figures in benchmarks/README.md); here the group axis only exists when ``K < N``.
 
     Args:
       q_BTNH: queries ``(B, T, N, H)``.

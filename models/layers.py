@@ -165,13 +165,13 @@ def matmul(x: jax.Array, w_IO: jax.Array, *, transpose_w: bool = False,
     """``x @ w_IO`` (or ``x @ w_OI.T``) over the last axis of ``x``, as one 2-D product.
 
     Flattening the leading axes first matters on CPU: XLA lowers the weight gradient of
-    a 3-D ``x @ w`` (a contraction over two axes) to a kernel about 2x slower than the
-    2-D one (measured on the nanoGPT CPU recipe: 4 MLPs fwd+bwd 96 ms -> 49 ms).
+    a 3-D ``x @ w`` (a contraction over two axes) to a slower kernel than the 2-D one
+    (figures in benchmarks/README.md, "Trainer step throughput").
 
     bf16 on the CPU backend: XLA:CPU runs a bf16 dot on its bf16 kernels (AMX /
     AVX512-BF16 through YNNPACK) only when it accumulates in float32 and both operands are
     row-major, untransposed matrices; anything else it computes in float32 after
-    converting the operands (about 4x slower on the project's machine). Here the forward
+    converting the operands (several times slower). Here the forward
     and both backward products (a custom VJP) are written in that form, with the
     transposed operands copied out explicitly; the math is the usual mixed precision
     (bf16 inputs, float32 accumulation, the output gradient rounded to bf16).

@@ -398,9 +398,8 @@ CHOICES: dict[str, tuple[str, ...]] = _choices()
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's CPU recipe (README: --device=cpu --eval_iters=20 --block_size=64 ...).
     # bf16 compute, also on a CPU: XLA:CPU runs bf16 matmuls on the CPU's bf16 units
-    # (AMX / AVX512-BF16; see models.layers.matmul), and a train step took 0.7-0.8x the CPU
-    # time of float32 on the project's Xeon (benchmarks/throughput.py). A CPU without
-    # bf16 units emulates them: pass --dtype=float32 there.
+    # (AMX / AVX512-BF16; see models.layers.matmul; figures in benchmarks/README.md). A CPU
+    # without bf16 units emulates them: pass --dtype=float32 there.
     # No vocabulary padding, as nanoGPT: step-0 loss ln 65 = 4.17, not ln 72; the same
     # speed on CPU (one device, so nothing to shard the vocab over).
     "shakespeare_char_cpu": dict(vocab_multiple=1),
