@@ -1,14 +1,22 @@
-"""K-FAC as optax transformations, with learning-rate-aware refresh schedules (SPEC §4).
+"""K-FAC as optax transformations, with learning-rate-aware refresh schedules.
 
 - `layer_factors`: batch Kronecker factors ``(A, G)`` of a dense layer or expert stack;
 - `refresh_inverse` / `apply_inverse` / `precondition`: one layer's damped inverse;
 - `every`, `by_lr_phase`, `lr_ratio`, `refresh_steps`: when to refresh;
 - `scale_by_kfac`, `kfac`: the transformation and the optimizer alias;
-- `refresh_events`, `warm_start`, `estimate_factors`: host helpers for trainers.
+- `kfac_states`, `event_row`, `refresh_events`, `warm_start`, `estimate_factors`: host
+  helpers for trainers.
 """
 
 from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
 from optax_snoo._src.kfac.grafting import GraftState, graft
+from optax_snoo._src.kfac.host import (
+    estimate_factors,
+    event_row,
+    kfac_states,
+    refresh_events,
+    warm_start,
+)
 from optax_snoo._src.kfac.precondition import (
     EigenInverse,
     PiInverse,
@@ -35,11 +43,8 @@ from optax_snoo._src.kfac.refresh import (
 from optax_snoo._src.kfac.transform import (
     KfacRefreshEvent,
     ScaleByKfacState,
-    estimate_factors,
     kfac,
-    refresh_events,
     scale_by_kfac,
-    warm_start,
 )
 
 __all__ = [
@@ -59,10 +64,12 @@ __all__ = [
     "by_lr_phase",
     "clipped_eigh",
     "estimate_factors",
+    "event_row",
     "every",
     "graft",
     "identity_inverse",
     "kfac",
+    "kfac_states",
     "layer_factors",
     "lr_ratio",
     "pi_adjustment",

@@ -1,4 +1,4 @@
-"""`scale_by_kfac` step by step against a float64 numpy K-FAC written from SPEC §4, plus the
+"""`scale_by_kfac` step by step against a float64 numpy K-FAC (Martens & Grosse 2015), plus the
 refresh mechanics: eigh only inside `lax.cond`, executed only on refresh steps; plans from
 `refresh_steps` equal the transform's refreshes; events; warm start; bad trees."""
 
@@ -14,6 +14,7 @@ from optax_snoo.kfac import (
     ScaleByKfacState,
     by_lr_phase,
     every,
+    kfac,
     lr_ratio,
     refresh_events,
     refresh_steps,
@@ -63,7 +64,7 @@ TEMPLATE = curvature_at(0)
 
 # ------------------------------------------------------------------ float64 reference
 class ReferenceKfac:
-    """SPEC §4 in float64 numpy: weight-normalised factor EMA, refresh per the policy
+    """K-FAC in float64 numpy: weight-normalised factor EMA, refresh per the policy
     oracle (only once statistics exist), exact or pi damping on the refreshed snapshot,
     identity before the first refresh."""
 
@@ -275,10 +276,10 @@ def test_identity_before_first_refresh_and_without_statistics():
     tx = scale_by_kfac(refresh=every(5, first=0))
     state = tx.init(SMALL)
     update = jax.jit(tx.update)
-    # No curvature yet: no statistics, so no refresh even at step 0, and identity.
+    # No statistics yet (curvature=None): no refresh even at step 0, and identity.
     for t in range(2):
         grads = grads_at(t, SMALL)
-        updates, state = update(grads, state, SMALL)
+        updates, state = update(grads, state, SMALL, curvature=None)
         _assert_tree_close(updates, grads, 0, "identity")
     assert int(state.event.count) == 0 and float(state.factor_weight) == 0.0
     # Statistics from step 2 on: identity until every(5, first=0) fires at step 5.
@@ -289,6 +290,22 @@ def test_identity_before_first_refresh_and_without_statistics():
             _assert_tree_close(updates, grads, 0, "identity")
     assert int(state.event.count) == 1 and int(state.event.step) == 5
     assert not np.allclose(np.asarray(updates["d"]["kernel"]), grads["d"]["kernel"])
+
+
+def test_update_without_curvature_raises():
+    """A forgotten curvature= is an error (not a silent first-order step), for the
+    transform, the alias, and through optax.partition; curvature=None is the explicit skip."""
+    tx = scale_by_kfac(refresh=every(1, first=0))
+    with pytest.raises(ValueError, match="curvature="):
+        tx.update(SMALL, tx.init(SMALL), SMALL)
+    alias = kfac(0.1)
+    with pytest.raises(ValueError, match="curvature="):
+        alias.update(SMALL, alias.init(SMALL), SMALL)
+    part = optax.partition({"k": alias, "o": optax.sgd(0.1)}, {"d": "k", "s": "o"})
+    with pytest.raises(ValueError, match="curvature="):
+        part.update(SMALL, part.init(SMALL), SMALL)
+    _, state = jax.jit(tx.update)(SMALL, tx.init(SMALL), SMALL, curvature=None)
+    assert int(state.count) == 1 and float(state.factor_weight) == 0.0
 
 
 def test_warm_start_seeds_the_factors():
