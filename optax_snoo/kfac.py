@@ -1,5 +1,7 @@
 """K-FAC as optax transformations, with learning-rate-aware refresh schedules.
 
+- `value_grad_and_stats`, `curvature_from_stats`: layer statistics of any JAX model
+  (read from the loss's jaxpr) and the factors they give;
 - `layer_factors`: batch Kronecker factors ``(A, G)`` of a dense layer or expert stack;
 - `refresh_inverse` / `apply_inverse` / `precondition`: one layer's damped inverse;
 - `every`, `by_lr_phase`, `lr_ratio`, `refresh_steps`: when to refresh;
@@ -8,6 +10,7 @@
   helpers for trainers.
 """
 
+from optax_snoo._src.kfac.capture import LayerStats, curvature_from_stats, value_grad_and_stats
 from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
 from optax_snoo._src.kfac.grafting import GraftState, graft
 from optax_snoo._src.kfac.host import (
@@ -55,6 +58,7 @@ __all__ = [
     "GraftState",
     "KfacRefreshEvent",
     "LayerCurvature",
+    "LayerStats",
     "LrRatio",
     "PiInverse",
     "RefreshPolicy",
@@ -63,6 +67,7 @@ __all__ = [
     "apply_inverse",
     "by_lr_phase",
     "clipped_eigh",
+    "curvature_from_stats",
     "estimate_factors",
     "event_row",
     "every",
@@ -79,5 +84,6 @@ __all__ = [
     "refresh_inverse",
     "refresh_steps",
     "scale_by_kfac",
+    "value_grad_and_stats",
     "warm_start",
 ]
