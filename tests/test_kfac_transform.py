@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from optax_snoo._src.kfac import transform as kfac_transform
+from optax_snoo._src.kfac import distributed as kfac_distributed
 from optax_snoo.kfac import (
     LayerCurvature,
     ScaleByKfacState,
@@ -60,6 +60,8 @@ def grads_at(t, params):
 
 
 TEMPLATE = curvature_at(0)
+# The refresh decomposes the factors grouped by size: 5, 6 (l1), 6, 3 (l2), 4, 4 (experts).
+FACTOR_SIZES = {5, 6, 3, 4}
 
 
 # ------------------------------------------------------------------ float64 reference
@@ -216,7 +218,7 @@ def test_eigh_only_inside_cond(mode):
     jaxpr = jax.make_jaxpr(lambda g, s, c: tx.update(g, s, params, curvature=c))(
         grads_at(0, params), tx.init(params), curvature_at(0))
     total, inside = _walk_eigh(jaxpr.jaxpr)
-    assert total == 2 * len(LAYERS), total        # one per factor, A and G of each layer
+    assert total == len(FACTOR_SIZES), total      # one per factor size (a stacked group)
     assert inside == total
 
 
@@ -241,26 +243,26 @@ def test_stacked_factors_use_unbatched_eigh_on_cpu():
     params = make_params()
     jaxpr = jax.make_jaxpr(lambda g, s, c: tx.update(g, s, params, curvature=c))(
         grads_at(0, params), tx.init(params), curvature_at(0))
-    assert _eigh_operand_ranks(jaxpr.jaxpr) == [2] * (2 * len(LAYERS))
+    assert _eigh_operand_ranks(jaxpr.jaxpr) == [2] * len(FACTOR_SIZES)
 
 
 def test_refresh_branch_runs_only_on_refresh_steps(monkeypatch):
     """Count real executions of the refresh computation with a host callback."""
     calls = []
-    original = kfac_transform.refresh_inverse
+    original = kfac_distributed.refresh_group
 
-    def counting(a, g, *args, **kwargs):
+    def counting(*args, **kwargs):
         jax.debug.callback(lambda: calls.append(1))
-        return original(a, g, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(kfac_transform, "refresh_inverse", counting)
+    monkeypatch.setattr(kfac_distributed, "refresh_group", counting)
     tx = scale_by_kfac(refresh=every(4, first=1), layers=TEMPLATE)
     params = make_params()
     state, update = tx.init(params), jax.jit(tx.update)
     for t in range(11):
         _, state = update(grads_at(t, params), state, params, curvature=curvature_at(t))
     jax.effects_barrier()
-    assert len(calls) == 3 * len(LAYERS)           # steps 1, 5, 9
+    assert len(calls) == 3 * len(FACTOR_SIZES)     # steps 1, 5, 9
     assert int(state.event.count) == 3 and int(state.event.step) == 9
 
 

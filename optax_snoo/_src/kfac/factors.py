@@ -158,8 +158,11 @@ def _gram(x_NM: jax.Array) -> jax.Array:
     optimisation barriers keep XLA from folding the transpose back into the dot: the same
     exact products and float32 sums, measured 0.5-0.6x the time of the folded form for
     ``(768, 128)`` and ``(768, 512)`` (see `models.layers.matmul` for the same fact).
+    Not under a mesh (``jax.set_mesh``): flattening a token-sharded ``xᵀ`` would gather
+    it, where the plain product reduces ``(d, d)`` partial sums instead.
     """
-    if x_NM.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    if (x_NM.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+            and jax.sharding.get_abstract_mesh().empty):
         x_MN = jax.lax.optimization_barrier(x_NM.T.reshape(-1)).reshape(x_NM.shape[::-1])
         x_MN, x_NM = jax.lax.optimization_barrier((x_MN, x_NM))
         return jax.lax.optimization_barrier(

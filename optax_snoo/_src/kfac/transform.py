@@ -53,7 +53,13 @@ the ``learning_rate`` extra argument when given (the trainer's current LR), else
 **Sharding.** Factors and cached inverses are small and replicated: `init` places them
 replicated on the mesh of sharded (concrete) params, and inside ``jax.set_mesh(mesh)``
 every update constrains them to stay replicated (without a mesh context XLA chooses).
-Each device then runs the refresh ``eigh`` redundantly; gradients keep their sharding.
+Gradients keep their sharding. On a refresh step with a mesh (``jax.set_mesh`` around
+the update, or ``mesh=``) of ``N`` devices, the eigendecompositions are split: the
+factors of all layers (and experts) are grouped by size, each group's stack is split over
+all ``N`` devices, each device decomposes (and, in ``"pi"`` mode, inverts) only its
+``1/N`` share, and one ``all_gather`` per group replicates the results
+(`optax_snoo._src.kfac.distributed`; kfac-jax distributes its inverses likewise). Per
+device that is ``1/N`` of the work plus at most one padded matrix per factor size.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ from optax_snoo._src.kfac.blocks import (
     resolve_blocks,
     template_specs,
 )
+from optax_snoo._src.kfac.distributed import refresh_all
 from optax_snoo._src.kfac.factors import LayerCurvature
 from optax_snoo._src.kfac.grafting import graft as graft_transform
 from optax_snoo._src.kfac.precondition import (
@@ -83,7 +90,6 @@ from optax_snoo._src.kfac.precondition import (
     PiInverse,
     apply_inverse,
     identity_inverse,
-    refresh_inverse,
 )
 from optax_snoo._src.kfac.refresh import (
     RefreshPolicy,
@@ -179,6 +185,8 @@ def scale_by_kfac(
     eig_floor_rel: float = 1e-6,
     layers: Any = None,
     bias_name: str = "bias",
+    distributed_refresh: bool = True,
+    mesh: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC preconditioning direction (no learning rate, no sign).
 
@@ -210,6 +218,10 @@ def scale_by_kfac(
       layers: None (every 2-D ``"kernel"`` leaf, with its ``bias`` sibling) or a template
         tree of `LayerCurvature` shapes at the kernels to precondition.
       bias_name: key of a kernel's bias sibling.
+      distributed_refresh: split the refresh's eigendecompositions over the devices of
+        the mesh (see the module docstring); False: every device runs all of them.
+      mesh: the mesh to split the refresh over; default: the mesh set with
+        ``jax.set_mesh`` around the update, if any (else nothing is split).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state `ScaleByKfacState`.
@@ -256,6 +268,14 @@ def scale_by_kfac(
     if not isinstance(bias_name, str):
         raise ValueError(f"bias_name must be a string, got {bias_name!r}.")
     lr_schedule = learning_rate
+
+    def _refresh_mesh():
+        if not distributed_refresh:
+            return None
+        if mesh is not None:
+            return mesh
+        context = jax.sharding.get_abstract_mesh()
+        return None if context.empty else context
 
     def init_fn(params):
         entries, _ = flatten_params(params)
@@ -325,9 +345,8 @@ def scale_by_kfac(
 
         def recompute(operands):
             factors, _, event = operands
-            results = [refresh_inverse(f.a, f.g, lam, mode, eig_floor_abs, eig_floor_rel)
-                       for f in factors]
-            stats = [s for _, s in results]
+            new_inverses, stats = refresh_all(factors, lam, mode, eig_floor_abs,
+                                              eig_floor_rel, _refresh_mesh())
             extreme = lambda fn, name: (fn(jnp.stack([getattr(s, name) for s in stats]))
                                         if stats else jnp.zeros((), jnp.float32))
             new_event = KfacRefreshEvent(
@@ -335,7 +354,7 @@ def scale_by_kfac(
                 a_max=extreme(jnp.max, "a_max"), a_min=extreme(jnp.min, "a_min"),
                 g_max=extreme(jnp.max, "g_max"), g_min=extreme(jnp.min, "g_min"),
                 num_clipped=sum((s.num_clipped for s in stats), jnp.zeros((), jnp.int32)))
-            return [inv for inv, _ in results], new_event
+            return new_inverses, new_event
 
         def keep(operands):
             _, inverses, event = operands
@@ -390,6 +409,8 @@ def kfac(
     eig_floor_rel: float = 1e-6,
     layers: Any = None,
     bias_name: str = "bias",
+    distributed_refresh: bool = True,
+    mesh: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC optimizer: `scale_by_kfac`, optional grafting, momentum, weight decay, LR.
 
@@ -419,6 +440,10 @@ def kfac(
       eig_floor_rel: relative eigenvalue floor.
       layers: which kernels to precondition (see `scale_by_kfac`).
       bias_name: key of a kernel's bias sibling.
+      distributed_refresh: split the refresh's eigendecompositions over the devices of
+        the mesh (see the module docstring); False: every device runs all of them.
+      mesh: the mesh to split the refresh over; default: the mesh set with
+        ``jax.set_mesh`` around the update, if any (else nothing is split).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -447,7 +472,7 @@ def kfac(
     direction = scale_by_kfac(
         damping=damping, ema_decay=ema_decay, refresh=refresh, learning_rate=learning_rate,
         mode=mode, eig_floor_abs=eig_floor_abs, eig_floor_rel=eig_floor_rel, layers=layers,
-        bias_name=bias_name)
+        bias_name=bias_name, distributed_refresh=distributed_refresh, mesh=mesh)
     if graft == "adam":
         direction = graft_transform(optax.scale_by_adam(b1=0.0, b2=b2, eps=eps), direction)
     elif graft == "sgd":
