@@ -10,6 +10,7 @@
   helpers for trainers.
 """
 
+from optax_snoo._src.kfac.blocks import layers_from_params
 from optax_snoo._src.kfac.capture import LayerStats, curvature_from_stats, value_grad_and_stats
 from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
 from optax_snoo._src.kfac.grafting import GraftState, graft
@@ -76,6 +77,7 @@ __all__ = [
     "kfac",
     "kfac_states",
     "layer_factors",
+    "layers_from_params",
     "lr_ratio",
     "pi_adjustment",
     "policy_step",

@@ -345,3 +345,55 @@ def test_curvature_from_stats_token_stride():
     with pytest.raises(ValueError, match="token_stride"):
         kfac.curvature_from_stats(stats, token_stride=0)
 
+
+
+def test_moe_gpt_experts_preconditioned_per_expert():
+    """The MoE GPT's expert stacks go to K-FAC with the dense kernels (an optax.partition
+    next to AdamW, `layers` built from the params the group sees): per-expert factors
+    from the routed tokens, refreshed, and each expert's update is its own gradient
+    preconditioned by its own factors."""
+    from flax import nnx
+
+    import models
+
+    cfg = models.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=8, moe_every=2,
+                           n_experts=4, dtype="float32")
+    graphdef, params, rest = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
+
+    def loss_fn(p, x, y):
+        logits, aux, _ = models.forward(nnx.merge(graphdef, p, rest), x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + aux
+
+    from optax_snoo._src.utils import path_to_str
+    paths = [path_to_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    kernels = [p for p in paths if ("attn" in p or "experts" in p) and not p.endswith("bias")]
+    labels = jax.tree_util.tree_map_with_path(
+        lambda k, _: "kfac" if path_to_str(k) in kernels else "adamw", params)
+    group = kfac.kfac(0.1, damping=1e-2, refresh=kfac.every(1, first=0), momentum=None,
+                      layers=lambda p: kfac.layers_from_params(p, kernels))
+    tx = optax.partition({"kfac": group, "adamw": optax.adamw(1e-3)}, labels)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        _, grads, stats = kfac.value_grad_and_stats(loss_fn, params, tokens, tokens,
+                                                    layers=kernels)
+        curvature = kfac.curvature_from_stats(stats, num_tokens=16)
+        updates, state = tx.update(grads, state, params, curvature=curvature)
+        return grads, curvature, updates, state
+
+    grads, curvature, updates, state = step(params, state)
+    (k_state,) = kfac.kfac_states(state)
+    w = "blocks/1/moe/experts/w_fc"
+    assert curvature[w].a.shape == (4, 32, 32) and curvature[w].g.shape[0] == 4
+    assert kfac.event_row(k_state.event)["refresh"] == 1
+    # Expert e's update: its gradient through its own pi-damped inverses (lr 0.1).
+    inv = k_state.inverses["blocks"]["1"]["moe"]["experts"]["w_fc"]
+    g = grads["blocks"][1]["moe"]["experts"]["w_fc"]         # nnx.List: int keys
+    u = updates["blocks"][1]["moe"]["experts"]["w_fc"]
+    for e in range(4):
+        ref = kfac.precondition(g[e], curvature[w].a[e], curvature[w].g[e], 1e-2)
+        assert_close(inv.a_inv[e] @ g[e] @ inv.g_inv[e], ref, rtol=1e-3, atol=1e-6)
+        assert_close(u[e], -0.1 * ref, rtol=1e-3, atol=1e-7)

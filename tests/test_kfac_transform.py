@@ -447,3 +447,21 @@ def test_state_is_a_namedtuple_with_count():
     state = scale_by_kfac(layers=TEMPLATE).init(make_params())
     assert isinstance(state, ScaleByKfacState) and int(state.count) == 0
     assert int(state.event.step) == -1
+
+
+def test_layers_from_params_and_callable_layers():
+    from optax_snoo.kfac import layers_from_params
+
+    params = make_params()
+    template = layers_from_params(params, ["l1/kernel", "l2/kernel", "experts/kernel"])
+    for path, c in template.items():          # bias coordinates and expert stacks
+        expected = TEMPLATE[path.split("/")[0]]["kernel"]
+        assert (c.a.shape, c.g.shape) == (expected.a.shape, expected.g.shape), path
+    # A callable is evaluated at init on the params the transform sees.
+    tx = scale_by_kfac(layers=lambda p: layers_from_params(p, ["l1/kernel", "experts/kernel"]))
+    state = tx.init(params)
+    assert sorted(state.factors) == ["experts", "l1"]
+    with pytest.raises(ValueError, match="not a params leaf"):
+        layers_from_params(params, ["nope"])
+    with pytest.raises(ValueError, match="d_in, d_out"):
+        layers_from_params(params, ["scale"])

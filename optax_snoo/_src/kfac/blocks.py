@@ -180,3 +180,59 @@ def match_curvature(curvature: Any, blocks: list[Block],
                 f"expected {b.a_shape} and {b.g_shape}.")
         out.append(LayerCurvature(jnp.asarray(c.a, jnp.float32), jnp.asarray(c.g, jnp.float32)))
     return out
+
+
+def layers_from_params(params: Any, paths: Any = None, *, bias_name: str = "bias") -> dict:
+    """A `scale_by_kfac` ``layers`` template from the params' shapes.
+
+    Each named kernel is read as ``(*stack, d_in, d_out)``: its last two axes are the
+    layer, any leading axes a stack of independent layers (MoE experts ``(E, d_in,
+    d_out)``); a bias sibling of ``stack + (d_out,)`` elements adds the homogeneous
+    coordinate. (For kernels whose ``d_in`` or ``d_out`` spans several axes, e.g.
+    ``nnx.Einsum``, use ``jax.eval_shape(curvature_from_stats, stats)`` instead.)
+
+    Args:
+      params: the params (arrays or ``ShapeDtypeStruct``; masked leaves are skipped).
+      paths: kernel paths (``"blocks/0/moe/experts/w_fc"``) to include; default: every
+        leaf named ``"kernel"`` with at least two axes.
+      bias_name: key of a kernel's bias sibling.
+
+    Returns:
+      ``{path: LayerCurvature(a, g)}`` of ``jax.ShapeDtypeStruct`` (float32).
+
+    Raises:
+      ValueError: a path that is not a params leaf, or a leaf with fewer than two axes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.kfac import layers_from_params
+      >>> p = {"experts": {"w": jnp.zeros((4, 8, 16))}, "d": {"kernel": jnp.zeros((8, 3)),
+      ...      "bias": jnp.zeros(3)}}
+      >>> t = layers_from_params(p, ["experts/w", "d/kernel"])
+      >>> t["experts/w"].a.shape, t["experts/w"].g.shape, t["d/kernel"].a.shape
+      ((4, 8, 8), (4, 16, 16), (9, 9))
+    """
+    entries, _ = flatten_params(params)
+    shapes = {label(n): tuple(np.shape(leaf)) for n, leaf in entries if not is_masked(leaf)}
+    masked = {label(n) for n, leaf in entries if is_masked(leaf)}
+    if paths is None:
+        wanted = [p for p, s in shapes.items() if p.split("/")[-1] == "kernel" and len(s) >= 2]
+    else:
+        wanted = [p for p in paths if p not in masked]
+    out = {}
+    for path in wanted:
+        if path not in shapes:
+            raise ValueError(f"layers_from_params: {path} is not a params leaf.")
+        shape = shapes[path]
+        if len(shape) < 2:
+            raise ValueError(f"layers_from_params: {path} has shape {shape}; expected "
+                             "(*stack, d_in, d_out).")
+        *stack, d_in, d_out = shape
+        bias = shapes.get("/".join([*path.split("/")[:-1], bias_name]))
+        has_bias = (bias is not None and tuple(bias[:len(stack)]) == tuple(stack)
+                    and math.prod(bias[len(stack):]) == d_out)
+        a = d_in + int(has_bias)
+        f32 = jnp.float32
+        out[path] = LayerCurvature(jax.ShapeDtypeStruct((*stack, a, a), f32),
+                                   jax.ShapeDtypeStruct((*stack, d_out, d_out), f32))
+    return out

@@ -501,7 +501,8 @@ def curvature_from_stats(
         tokens the layer saw); required when ``stats`` holds a stacked layer.
       token_stride: use every ``token_stride``-th token only (cheaper factors; over
         ``token_stride`` steps with ``token_offset = step % token_stride`` every token is
-        used once). ``N`` must be divisible by it.
+        used once). ``N`` must be divisible by it. Stacked layers use all their slots
+        (each expert already sees a fraction of the tokens).
       token_offset: first token used (``0 <= offset < token_stride``), may be traced.
 
     Returns:
@@ -532,7 +533,7 @@ def curvature_from_stats(
                 "MoE experts): pass num_tokens, the number of tokens the mean loss averages "
                 "over, which the expert slots do not determine.")
         m = n if num_tokens is None else num_tokens
-        if token_stride > 1:
+        if token_stride > 1 and not stacked:
             if n % token_stride:
                 raise ValueError(f"token_stride={token_stride} must divide the token count "
                                  f"{n} of {path}.")

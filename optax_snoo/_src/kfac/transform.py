@@ -215,8 +215,10 @@ def scale_by_kfac(
         (exact damping ``(A⊗G + λI)⁻¹``, cached eigenbases and ``1/(s_A s_Gᵀ + λ)``).
       eig_floor_abs: absolute floor of the factor eigenvalues at refresh.
       eig_floor_rel: floor relative to each factor's largest eigenvalue.
-      layers: None (every 2-D ``"kernel"`` leaf, with its ``bias`` sibling) or a template
-        tree of `LayerCurvature` shapes at the kernels to precondition.
+      layers: None (every 2-D ``"kernel"`` leaf, with its ``bias`` sibling), a template
+        tree of `LayerCurvature` shapes at the kernels to precondition, or a callable
+        ``params -> template`` evaluated at init on the params this transform sees (e.g.
+        ``lambda p: layers_from_params(p, paths)`` for expert stacks).
       bias_name: key of a kernel's bias sibling.
       distributed_refresh: split the refresh's eigendecompositions over the devices of
         the mesh (see the module docstring); False: every device runs all of them.
@@ -282,7 +284,8 @@ def scale_by_kfac(
         if layers is None:
             specs = default_specs(entries, bias_name)
         else:
-            specs = template_specs(layers, entries)
+            template = layers(params) if callable(layers) else layers
+            specs = template_specs(template, entries)
         blocks = resolve_blocks(specs, entries, bias_name)
         factors, inverses = {}, {}
         for b in blocks:
