@@ -31,11 +31,10 @@ a pytree with a `LayerCurvature` (batch factors from `layer_factors`, float32) a
 path of every preconditioned kernel (``None`` or absent elsewhere): e.g.
 ``{"l1": {"kernel": layer_factors(x1, dy1, True)}, "l2": {"kernel": ...}}``, or a tree
 shaped like the params with ``None`` at the other leaves. Keys are split on "/", so a
-flat dict keyed by path strings works too: a trainer that captured
-``{"blocks/0/mlp/fc/kernel": (inputs, out_grads), ...}`` builds
-``{path: layer_factors(x, dy, has_bias) for path, (x, dy) in stats.items()}`` (expert
-stacks: ``stacked=True``, the mask of filled slots and ``num_tokens``), and can pass
-``layers=jax.eval_shape(<that function>, ...)`` to name exactly those kernels.
+flat dict keyed by path strings works too, which is what `curvature_from_stats` returns
+for the statistics of `value_grad_and_stats` (``{"blocks/0/mlp/fc/kernel": ...}``, any
+JAX model); ``layers=jax.eval_shape(curvature_from_stats, stats)`` then names exactly
+those kernels, and `layers_from_params` builds the template from the params' shapes.
 Entries for parameters of other ``optax.partition`` groups (masked here) are ignored;
 entries for parameters that do not exist or are not preconditioned, missing layers and
 wrong shapes raise ``ValueError`` at trace time. The argument is required: an update
