@@ -397,3 +397,35 @@ def test_moe_gpt_experts_preconditioned_per_expert():
         ref = kfac.precondition(g[e], curvature[w].a[e], curvature[w].g[e], 1e-2)
         assert_close(inv.a_inv[e] @ g[e] @ inv.g_inv[e], ref, rtol=1e-3, atol=1e-6)
         assert_close(u[e], -0.1 * ref, rtol=1e-3, atol=1e-7)
+
+
+def test_through_remat_and_custom_jvp_boundaries():
+    """Kernels used inside jax.checkpoint and inside a custom_jvp function (not a lone
+    matmul: inlined) are captured like top-level ones."""
+    p = {"a": {"kernel": _normal(4, 5)}, "b": {"kernel": _normal(5, 3)}}
+    x = _normal(6, 4)
+
+    @jax.custom_jvp
+    def layer_b(h, w):
+        return jnp.tanh(h @ w)
+
+    layer_b.defjvp(lambda primals, tangents: jax.jvp(
+        lambda h, w: jnp.tanh(h @ w), primals, tangents))
+
+    def f(p, perts):
+        h = jax.checkpoint(lambda x, w: jnp.sin(x @ w + perts[0]))(x, p["a"]["kernel"])
+        return jnp.sum(layer_b(h, p["b"]["kernel"]) ** 2), h
+
+    def g(p, perts):                      # the same with the perturbation inside layer_b
+        h = jnp.sin(x @ p["a"]["kernel"] + perts[0])
+        return jnp.sum(jnp.tanh(h @ p["b"]["kernel"] + perts[1]) ** 2), h
+
+    _, grads, stats = kfac.value_grad_and_stats(lambda p: f(p, [0.0])[0], p)
+    (_, h), dys = jax.value_and_grad(lambda pt: g(p, pt), has_aux=True)(
+        [jnp.zeros((6, 5)), jnp.zeros((6, 3))])
+    assert set(stats) == {"a/kernel", "b/kernel"}
+    assert_close(stats["a/kernel"].inputs, x)
+    assert_close(stats["a/kernel"].out_grads, dys[0])
+    assert_close(stats["b/kernel"].inputs, h)
+    assert_close(stats["b/kernel"].out_grads, dys[1])
+    assert_close(grads["b"]["kernel"], h.T @ dys[1], rtol=1e-5, atol=1e-6)
