@@ -1,6 +1,6 @@
 """Where K-FAC refreshes fall on the learning-rate curve: a study on tiny shakespeare.
 
-SPEC §4.3 compares refresh strategies at equal cost. This runs, for several seeds, the
+A refresh strategy is judged at equal cost. This runs, for several seeds, the
 trainer (`train.run`) on a CPU-sized character GPT with AdamW and with K-FAC under:
 
 - ``a_fixed_early``: every N steps, first refresh at step N;

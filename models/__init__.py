@@ -1,4 +1,4 @@
-"""Flax NNX GPT (dense and mixture-of-experts) with sharding annotations and K-FAC capture.
+"""Flax NNX GPT (dense and mixture-of-experts) with sharding annotations.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -12,8 +12,8 @@ from models.attention import CausalSelfAttention, KVCache, causal_attention
 from models.config import GPTConfig
 from models.generate import generate, sample_token
 from models.gpt import GPT, Block, forward
-from models.kfac_capture import kfac_perturbations, value_grad_and_stats
-from models.layers import MLP, Dense, KFACInput, KFACOutput, LayerNorm
+from models.kfac_capture import value_grad_and_stats  # deprecated
+from models.layers import MLP, Dense, LayerNorm
 from models.moe import Experts, MoE, Routing, load_balance_loss, route, router_z_loss
 from models.sharding import LOGICAL_AXES, logical_rules
 
@@ -26,8 +26,6 @@ __all__ = [
     "Dense",
     "Experts",
     "GPTConfig",
-    "KFACInput",
-    "KFACOutput",
     "KVCache",
     "LayerNorm",
     "MoE",
@@ -35,7 +33,6 @@ __all__ = [
     "causal_attention",
     "forward",
     "generate",
-    "kfac_perturbations",
     "load_balance_loss",
     "logical_rules",
     "route",

@@ -11,7 +11,7 @@ from flax import nnx
 
 from models.attention import CausalSelfAttention, KVCache
 from models.config import GPTConfig
-from models.layers import MLP, Dense, Embed, KFACInput, LayerNorm, dropout, matmul
+from models.layers import MLP, Dense, Embed, LayerNorm, dropout, matmul
 from models.moe import MoE
 
 
@@ -80,8 +80,8 @@ class GPT(nnx.Module):
     sharding, which would raise without a mesh, is skipped) and the logical names are
     kept as ``out_sharding`` metadata, for ``nnx.get_partition_spec`` later.
 
-    Calling ``model(tokens)`` is safe anywhere; to get the MoE auxiliary losses (and
-    K-FAC statistics) call it through :func:`forward`.
+    Calling ``model(tokens)`` is safe anywhere; to get the MoE auxiliary losses call it
+    through :func:`forward`.
 
     Args:
       config: the model configuration.
@@ -207,19 +207,13 @@ def _call(model: GPT, tokens_BT: jax.Array, dropout_key: jax.Array | None) -> ja
     return model(tokens_BT, dropout_key=dropout_key)
 
 
-def _path(path: tuple) -> str:
-    return "/".join(str(p) for p in path)
-
-
 def forward(
     model: GPT,
     tokens_BT: jax.Array,
     *,
     dropout_key: jax.Array | None = None,
-    capture_kfac: bool = False,
-    kfac_perturbations: nnx.State | None = None,
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array] | None]:
-    """Run the model through ``nnx.capture``: logits, MoE auxiliary loss, K-FAC inputs.
+) -> tuple[jax.Array, jax.Array, None]:
+    """Run the model through ``nnx.capture``: logits and the MoE auxiliary loss.
 
     The model is called only inside ``nnx.capture``, so its MoE blocks can sow their
     auxiliary losses without changing the model's state tree.
@@ -228,19 +222,13 @@ def forward(
       model: the GPT.
       tokens_BT: int token ids.
       dropout_key: PRNG key enabling dropout, or ``None``.
-      capture_kfac: also record the input of every matrix (dense kernels, the untied
-        head, routers and expert stacks).
-      kfac_perturbations: zero :class:`models.layers.KFACOutput` perturbations (from
-        :func:`models.kfac_capture.kfac_perturbations`) added to those matrices' outputs,
-        so that gradients with respect to them are the output gradients. ``None``: none.
 
     Returns:
-      ``(logits_BTV, aux_loss, kfac_inputs)``: float32 logits; the sum of every sown
-      auxiliary loss, already scaled by its coefficient (a float32 scalar, 0.0 for a
-      dense model); and, with ``capture_kfac``, a dict from parameter path
-      (``"blocks/0/attn/c_q/kernel"``, ``"blocks/1/moe/experts/w_fc"``) to that matrix's
-      input (``(B, T, d_in)``, or the dispatched ``(E, C, d_in)`` buffer for experts,
-      compute dtype), else ``None``.
+      ``(logits_BTV, aux_loss, None)``: float32 logits and the sum of every sown auxiliary
+      loss, already scaled by its coefficient (a float32 scalar, 0.0 for a dense model).
+      The third element is always ``None``, kept so that callers unpacking three values
+      keep working (it held per-layer inputs before layer statistics moved to
+      ``optax_snoo.kfac.value_grad_and_stats``, which needs no model support).
 
     Example:
       >>> import jax.numpy as jnp
@@ -252,18 +240,9 @@ def forward(
       >>> logits.shape, aux.shape
       ((2, 8, 65), ())
     """
-    # KFACInput subclasses nnx.Intermediate: it must come first to get its own State.
-    types = (KFACInput, nnx.Intermediate) if capture_kfac else (nnx.Intermediate,)
-    logits_BTV, *captured = nnx.capture(_call, *types, init=kfac_perturbations)(
-        model, tokens_BT, dropout_key
-    )
+    logits_BTV, captured = nnx.capture(_call, nnx.Intermediate)(model, tokens_BT, dropout_key)
     aux_loss = jnp.zeros((), jnp.float32)
-    for path, value in nnx.to_flat_state(captured[-1]):
+    for path, value in nnx.to_flat_state(captured):
         if path[-1] == "aux_loss":
             aux_loss = aux_loss + sum(jnp.asarray(v, jnp.float32) for v in value.get_value())
-    if not capture_kfac:
-        return logits_BTV, aux_loss, None
-    kfac_inputs = {
-        _path(path): value.get_value()[0] for path, value in nnx.to_flat_state(captured[0])
-    }
-    return logits_BTV, aux_loss, kfac_inputs
+    return logits_BTV, aux_loss, None

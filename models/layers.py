@@ -1,19 +1,12 @@
-"""Building blocks of the GPT: embedding, dense layer, LayerNorm, dropout, MLP, capture taps.
+"""Building blocks of the GPT: embedding, dense layer, LayerNorm, dropout, MLP.
 
 Every parameter is an ``nnx.Param`` with ``out_sharding`` logical axis names (see
 :mod:`models.sharding`). Matrices are stored ``(in, out)`` and named ``kernel``.
 
-Capture taps. Layers record values for :func:`nnx.capture` only while a capture is
-active (flax 0.12.8's ``Module.sow``/``perturb`` outside a capture would instead add new
-Variables to the module and change its state tree). Three kinds of value are recorded:
-
-- ``nnx.Intermediate`` ``"aux_loss"``: MoE auxiliary losses (see :mod:`models.moe`);
-- :class:`KFACInput` under the parameter's own name: the input of that matrix;
-- :class:`KFACOutput` (a perturbation) under the parameter's own name: added to the
-  matrix's output, so its gradient is ``dL/dy`` (see :mod:`models.kfac_capture`).
-
-Using the parameter's name makes the captured paths equal the parameter paths
-(``blocks/0/attn/c_q/kernel``).
+MoE blocks record their auxiliary losses (``nnx.Intermediate`` ``"aux_loss"``) for
+:func:`nnx.capture` only while a capture is active (:func:`sow`; flax 0.12.8's
+``Module.sow`` outside a capture would instead add new Variables to the module and change
+its state tree).
 """
 
 from __future__ import annotations
@@ -30,14 +23,6 @@ from models.config import GPTConfig
 INIT_STD = 0.02  # nanoGPT's std for every matrix and embedding
 
 
-class KFACInput(nnx.Intermediate):
-    """Captured input of a matrix (or expert stack), recorded for K-FAC."""
-
-
-class KFACOutput(nnx.Perturbation):
-    """Zero perturbation added to a matrix's output; its gradient is ``dL/d(output)``."""
-
-
 def _capturing(module: nnx.Module) -> bool:
     # `nnx.capture` sets `__captures__` on every module while the wrapped call runs.
     return hasattr(module, "__captures__")
@@ -47,18 +32,6 @@ def sow(module: nnx.Module, variable_type: type[nnx.Variable], name: str, value)
     """``module.sow(...)`` inside an ``nnx.capture``; a no-op outside one."""
     if _capturing(module):
         module.sow(variable_type, name, value)
-
-
-def tap_kfac(module: nnx.Module, name: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    """Record ``x`` (the input of parameter ``name``) and perturb ``y`` (its output).
-
-    Both only happen inside an ``nnx.capture`` that asks for them (:class:`KFACInput`,
-    or a :class:`KFACOutput` ``init`` state); otherwise ``y`` is returned unchanged.
-    """
-    if not _capturing(module):
-        return y
-    module.sow(KFACInput, name, x)
-    return module.perturb(name, y, variable_type=KFACOutput)
 
 
 def _eager_sharding() -> bool:
@@ -230,7 +203,7 @@ class Dense(nnx.Module):
         y = matmul(x, self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
-        return tap_kfac(self, "kernel", x, y)
+        return y
 
 
 class LayerNorm(nnx.Module):

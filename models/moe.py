@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import GPTConfig
-from models.layers import INIT_STD, Dense, gelu, param, residual_std, sow, tap_kfac
+from models.layers import INIT_STD, Dense, gelu, param, residual_std, sow
 
 
 class Routing(NamedTuple):
@@ -170,7 +170,7 @@ class Experts(nnx.Module):
     def _matmul(self, name: str, x_ECI: jax.Array) -> jax.Array:
         w_EIO = getattr(self, name)[...].astype(self.dtype)
         x_ECI = x_ECI.astype(self.dtype)
-        return tap_kfac(self, name, x_ECI, jnp.einsum("eci,eio->eco", x_ECI, w_EIO))
+        return jnp.einsum("eci,eio->eco", x_ECI, w_EIO)
 
     def __call__(self, x_ECD: jax.Array) -> jax.Array:
         h_ECF = self._matmul("w_fc", x_ECD)

@@ -1,14 +1,26 @@
-"""K-FAC as optax transformations, with learning-rate-aware refresh schedules (SPEC §4).
+"""K-FAC as optax transformations, with learning-rate-aware refresh schedules.
 
+- `value_grad_and_stats`, `curvature_from_stats`: layer statistics of any JAX model
+  (read from the loss's jaxpr) and the factors they give;
 - `layer_factors`: batch Kronecker factors ``(A, G)`` of a dense layer or expert stack;
 - `refresh_inverse` / `apply_inverse` / `precondition`: one layer's damped inverse;
 - `every`, `by_lr_phase`, `lr_ratio`, `refresh_steps`: when to refresh;
 - `scale_by_kfac`, `kfac`: the transformation and the optimizer alias;
-- `refresh_events`, `warm_start`, `estimate_factors`: host helpers for trainers.
+- `kfac_states`, `event_row`, `refresh_events`, `warm_start`, `estimate_factors`: host
+  helpers for trainers.
 """
 
+from optax_snoo._src.kfac.blocks import layers_from_params
+from optax_snoo._src.kfac.capture import LayerStats, curvature_from_stats, value_grad_and_stats
 from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
 from optax_snoo._src.kfac.grafting import GraftState, graft
+from optax_snoo._src.kfac.host import (
+    estimate_factors,
+    event_row,
+    kfac_states,
+    refresh_events,
+    warm_start,
+)
 from optax_snoo._src.kfac.precondition import (
     EigenInverse,
     PiInverse,
@@ -35,11 +47,8 @@ from optax_snoo._src.kfac.refresh import (
 from optax_snoo._src.kfac.transform import (
     KfacRefreshEvent,
     ScaleByKfacState,
-    estimate_factors,
     kfac,
-    refresh_events,
     scale_by_kfac,
-    warm_start,
 )
 
 __all__ = [
@@ -50,6 +59,7 @@ __all__ = [
     "GraftState",
     "KfacRefreshEvent",
     "LayerCurvature",
+    "LayerStats",
     "LrRatio",
     "PiInverse",
     "RefreshPolicy",
@@ -58,12 +68,16 @@ __all__ = [
     "apply_inverse",
     "by_lr_phase",
     "clipped_eigh",
+    "curvature_from_stats",
     "estimate_factors",
+    "event_row",
     "every",
     "graft",
     "identity_inverse",
     "kfac",
+    "kfac_states",
     "layer_factors",
+    "layers_from_params",
     "lr_ratio",
     "pi_adjustment",
     "policy_step",
@@ -72,5 +86,6 @@ __all__ = [
     "refresh_inverse",
     "refresh_steps",
     "scale_by_kfac",
+    "value_grad_and_stats",
     "warm_start",
 ]

@@ -1,4 +1,4 @@
-"""K-FAC pure functions against float64 numpy written from SPEC §4.1-4.2.
+"""K-FAC pure functions against float64 numpy (Martens & Grosse 2015, arXiv:1503.05671).
 
 Factors: `layer_factors` (dense with/without bias, masks, expert stacks). Preconditioning:
 eigen mode against the exact Kronecker solve, pi mode against the explicit pi-damped
@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optax_snoo._src.kfac import precondition as precondition_eager
 from optax_snoo.kfac import (
     EigenInverse,
     LayerCurvature,
@@ -24,6 +23,7 @@ from optax_snoo.kfac import (
     pi_adjustment,
 )
 from optax_snoo.kfac import layer_factors as layer_factors_eager
+from optax_snoo.kfac import precondition as precondition_eager
 from optax_snoo.kfac import refresh_inverse as refresh_inverse_eager
 
 RNG = np.random.default_rng(0)
@@ -34,7 +34,7 @@ refresh_inverse = jax.jit(refresh_inverse_eager, static_argnames=("mode",))
 
 
 def _np_factors(x, dy, has_bias, mask=None, num_tokens=None):
-    """SPEC §4.1 in float64: tokens = rows after flattening the leading axes."""
+    """The factors in float64: tokens = rows after flattening the leading axes."""
     x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
     dy = np.asarray(dy, np.float64).reshape(-1, dy.shape[-1])
     w = np.ones(len(x)) if mask is None else np.asarray(mask, np.float64).reshape(-1)
@@ -228,7 +228,7 @@ def test_pi_mode_is_the_explicit_pi_damped_formula(lam):
     grad, grad64 = _f32(RNG.normal(size=(5, 3)))
     out = precondition(grad, a, g, lam, mode="pi")
     assert_close(out, _pi_explicit(grad64, a64, g64, lam), rtol=2e-5)
-    # π from the traces (SPEC §4.2).
+    # π from the traces.
     pi = np.sqrt((np.trace(a64) / 5) / (np.trace(g64) / 3))
     np.testing.assert_allclose(float(pi_adjustment(a, g)), pi, rtol=1e-6)
 
@@ -320,3 +320,19 @@ def test_identity_inverse_and_cache_types():
 def test_layer_curvature_is_a_pytree():
     c = LayerCurvature(jnp.eye(2), jnp.eye(3))
     assert [x.shape for x in jax.tree.leaves(c)] == [(2, 2), (3, 3)]
+
+
+def test_eigenvalue_floor_is_per_matrix_of_a_stack():
+    """Each matrix of a stacked factor is floored relative to its own largest eigenvalue,
+    not the stack's: a small expert keeps its spectrum next to a large one."""
+    small = np.diag([1.0, 1e-3, 1e-7])          # floor 1e-6 · 1 = 1e-6: one clipped
+    large = np.diag([1e4, 1.0, 1e-3])           # floor 1e-6 · 1e4 = 1e-2: one clipped
+    stack = jnp.asarray(np.stack([small, large]), jnp.float32)
+    _, s, _, clipped = jax.jit(clipped_eigh)(stack, 1e-8, 1e-6)
+    np.testing.assert_allclose(np.sort(np.asarray(s[0])), [1e-6, 1e-3, 1.0], rtol=1e-5)
+    np.testing.assert_allclose(np.sort(np.asarray(s[1])), [1e-2, 1.0, 1e4], rtol=1e-5)
+    assert int(clipped) == 2
+    # The same through the refresh: the small expert's inverse is that of its own floor.
+    inv, _ = refresh_inverse(stack, jnp.ones((2, 1, 1)), 0.0, mode="eigen")
+    np.testing.assert_allclose(np.sort(np.asarray(inv.scale[0, :, 0])), [1.0, 1e3, 1e6],
+                               rtol=1e-4)

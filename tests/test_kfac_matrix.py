@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import optax_matrix as m
-from optax_snoo._src.kfac import (
+from optax_snoo.kfac import (
     LayerCurvature,
     every,
     kfac,
@@ -234,8 +234,8 @@ def test_graft_sgd_and_adam_norms():
 
 
 def test_curvature_reaches_kfac_through_snoo():
-    """optax_snoo.snoo forwards extra args: with k=1, η=1, μ=0 Snoo is its inner optimizer
-    (SPEC §1), here K-FAC in an optax.partition group next to AdamW."""
+    """optax_snoo.snoo forwards extra args: with k=1, η=1, μ=0 Snoo is its inner optimizer,
+    here K-FAC in an optax.partition group next to AdamW."""
     from optax_snoo import snoo
 
     labels = {"d1": {"kernel": "kfac", "bias": "kfac"}, "d2": {"kernel": "kfac"}, "s": "adam"}

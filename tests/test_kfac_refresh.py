@@ -1,4 +1,4 @@
-"""Refresh policies (SPEC §4.3) against plain-Python oracles on a warmup + cosine schedule.
+"""Refresh policies against plain-Python oracles on a warmup + cosine schedule.
 
 The schedule mirrors the source article's setting: 20k steps, 2000 warm-up steps, cosine
 decay to 0. `refresh_steps` (the same jitted policy code the transform runs) must list
@@ -85,7 +85,7 @@ def test_fixed_interval_first_zero_and_schedule_not_needed():
 
 
 @pytest.mark.parametrize("intervals", [
-    {"warmup": None, "peak": 150, "decay": 300, "tail": 600},       # SPEC §4.3 segmented
+    {"warmup": None, "peak": 150, "decay": 300, "tail": 600},       # segmented defaults
     {"warmup": "once", "peak": 100, "decay": 250, "tail": None},
     {"warmup": 500, "peak": 150, "decay": 300, "tail": 600},
 ])

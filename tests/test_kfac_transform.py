@@ -1,4 +1,4 @@
-"""`scale_by_kfac` step by step against a float64 numpy K-FAC written from SPEC §4, plus the
+"""`scale_by_kfac` step by step against a float64 numpy K-FAC (Martens & Grosse 2015), plus the
 refresh mechanics: eigh only inside `lax.cond`, executed only on refresh steps; plans from
 `refresh_steps` equal the transform's refreshes; events; warm start; bad trees."""
 
@@ -8,12 +8,13 @@ import numpy as np
 import optax
 import pytest
 
-from optax_snoo._src.kfac import transform as kfac_transform
+from optax_snoo._src.kfac import distributed as kfac_distributed
 from optax_snoo.kfac import (
     LayerCurvature,
     ScaleByKfacState,
     by_lr_phase,
     every,
+    kfac,
     lr_ratio,
     refresh_events,
     refresh_steps,
@@ -59,11 +60,13 @@ def grads_at(t, params):
 
 
 TEMPLATE = curvature_at(0)
+# The refresh decomposes the factors grouped by size: 5, 6 (l1), 6, 3 (l2), 4, 4 (experts).
+FACTOR_SIZES = {5, 6, 3, 4}
 
 
 # ------------------------------------------------------------------ float64 reference
 class ReferenceKfac:
-    """SPEC §4 in float64 numpy: weight-normalised factor EMA, refresh per the policy
+    """K-FAC in float64 numpy: weight-normalised factor EMA, refresh per the policy
     oracle (only once statistics exist), exact or pi damping on the refreshed snapshot,
     identity before the first refresh."""
 
@@ -215,7 +218,7 @@ def test_eigh_only_inside_cond(mode):
     jaxpr = jax.make_jaxpr(lambda g, s, c: tx.update(g, s, params, curvature=c))(
         grads_at(0, params), tx.init(params), curvature_at(0))
     total, inside = _walk_eigh(jaxpr.jaxpr)
-    assert total == 2 * len(LAYERS), total        # one per factor, A and G of each layer
+    assert total == len(FACTOR_SIZES), total      # one per factor size (a stacked group)
     assert inside == total
 
 
@@ -240,26 +243,26 @@ def test_stacked_factors_use_unbatched_eigh_on_cpu():
     params = make_params()
     jaxpr = jax.make_jaxpr(lambda g, s, c: tx.update(g, s, params, curvature=c))(
         grads_at(0, params), tx.init(params), curvature_at(0))
-    assert _eigh_operand_ranks(jaxpr.jaxpr) == [2] * (2 * len(LAYERS))
+    assert _eigh_operand_ranks(jaxpr.jaxpr) == [2] * len(FACTOR_SIZES)
 
 
 def test_refresh_branch_runs_only_on_refresh_steps(monkeypatch):
     """Count real executions of the refresh computation with a host callback."""
     calls = []
-    original = kfac_transform.refresh_inverse
+    original = kfac_distributed.refresh_group
 
-    def counting(a, g, *args, **kwargs):
+    def counting(*args, **kwargs):
         jax.debug.callback(lambda: calls.append(1))
-        return original(a, g, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(kfac_transform, "refresh_inverse", counting)
+    monkeypatch.setattr(kfac_distributed, "refresh_group", counting)
     tx = scale_by_kfac(refresh=every(4, first=1), layers=TEMPLATE)
     params = make_params()
     state, update = tx.init(params), jax.jit(tx.update)
     for t in range(11):
         _, state = update(grads_at(t, params), state, params, curvature=curvature_at(t))
     jax.effects_barrier()
-    assert len(calls) == 3 * len(LAYERS)           # steps 1, 5, 9
+    assert len(calls) == 3 * len(FACTOR_SIZES)     # steps 1, 5, 9
     assert int(state.event.count) == 3 and int(state.event.step) == 9
 
 
@@ -275,10 +278,10 @@ def test_identity_before_first_refresh_and_without_statistics():
     tx = scale_by_kfac(refresh=every(5, first=0))
     state = tx.init(SMALL)
     update = jax.jit(tx.update)
-    # No curvature yet: no statistics, so no refresh even at step 0, and identity.
+    # No statistics yet (curvature=None): no refresh even at step 0, and identity.
     for t in range(2):
         grads = grads_at(t, SMALL)
-        updates, state = update(grads, state, SMALL)
+        updates, state = update(grads, state, SMALL, curvature=None)
         _assert_tree_close(updates, grads, 0, "identity")
     assert int(state.event.count) == 0 and float(state.factor_weight) == 0.0
     # Statistics from step 2 on: identity until every(5, first=0) fires at step 5.
@@ -289,6 +292,22 @@ def test_identity_before_first_refresh_and_without_statistics():
             _assert_tree_close(updates, grads, 0, "identity")
     assert int(state.event.count) == 1 and int(state.event.step) == 5
     assert not np.allclose(np.asarray(updates["d"]["kernel"]), grads["d"]["kernel"])
+
+
+def test_update_without_curvature_raises():
+    """A forgotten curvature= is an error (not a silent first-order step), for the
+    transform, the alias, and through optax.partition; curvature=None is the explicit skip."""
+    tx = scale_by_kfac(refresh=every(1, first=0))
+    with pytest.raises(ValueError, match="curvature="):
+        tx.update(SMALL, tx.init(SMALL), SMALL)
+    alias = kfac(0.1)
+    with pytest.raises(ValueError, match="curvature="):
+        alias.update(SMALL, alias.init(SMALL), SMALL)
+    part = optax.partition({"k": alias, "o": optax.sgd(0.1)}, {"d": "k", "s": "o"})
+    with pytest.raises(ValueError, match="curvature="):
+        part.update(SMALL, part.init(SMALL), SMALL)
+    _, state = jax.jit(tx.update)(SMALL, tx.init(SMALL), SMALL, curvature=None)
+    assert int(state.count) == 1 and float(state.factor_weight) == 0.0
 
 
 def test_warm_start_seeds_the_factors():
@@ -428,3 +447,21 @@ def test_state_is_a_namedtuple_with_count():
     state = scale_by_kfac(layers=TEMPLATE).init(make_params())
     assert isinstance(state, ScaleByKfacState) and int(state.count) == 0
     assert int(state.event.step) == -1
+
+
+def test_layers_from_params_and_callable_layers():
+    from optax_snoo.kfac import layers_from_params
+
+    params = make_params()
+    template = layers_from_params(params, ["l1/kernel", "l2/kernel", "experts/kernel"])
+    for path, c in template.items():          # bias coordinates and expert stacks
+        expected = TEMPLATE[path.split("/")[0]]["kernel"]
+        assert (c.a.shape, c.g.shape) == (expected.a.shape, expected.g.shape), path
+    # A callable is evaluated at init on the params the transform sees.
+    tx = scale_by_kfac(layers=lambda p: layers_from_params(p, ["l1/kernel", "experts/kernel"]))
+    state = tx.init(params)
+    assert sorted(state.factors) == ["experts", "l1"]
+    with pytest.raises(ValueError, match="not a params leaf"):
+        layers_from_params(params, ["nope"])
+    with pytest.raises(ValueError, match="d_in, d_out"):
+        layers_from_params(params, ["scale"])

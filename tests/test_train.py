@@ -28,7 +28,12 @@ from train.checkpoint import Checkpointer, check_compatible
 from train.evaluate import evaluate_split, split_windows
 from train.evaluate import main as evaluate_main
 from train.metrics import flops_per_token
-from train.optimizers import OPTIMIZERS, build_optimizer, learning_rate_schedule
+from train.optimizers import (
+    CURVATURE_OPTIMIZERS,
+    OPTIMIZERS,
+    build_optimizer,
+    learning_rate_schedule,
+)
 from train.sample import load_model
 from train.sample import main as sample_main
 from train.sharding import batch_sharding, make_mesh, mesh_shape, put_batch, tree_shardings
@@ -254,7 +259,9 @@ def test_every_registered_optimizer_updates(corpus, tmp_path):
         assert (spec.sync_period == 2) == name.startswith("snoo"), name
         tx = spec.tx
         state = tx.init(params)
-        updates, state = tx.update(grads, state, params)
+        # K-FAC requires its curvature= argument; None: a step without statistics.
+        extra = {"curvature": None} if name in CURVATURE_OPTIMIZERS else {}
+        updates, state = tx.update(grads, state, params, **extra)
         assert jax.tree.structure(updates) == jax.tree.structure(params), name
         assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates)), name
         assert all(float(jnp.abs(u).max()) > 0 for u in jax.tree.leaves(updates)), name

@@ -1,8 +1,8 @@
 """Kronecker factors of a dense layer (or a stack of expert layers) from one batch.
 
-SPEC §4.1. For ``y = x W (+ b)`` with a Flax kernel ``W`` of shape ``(d_in, d_out)``, over
-the M tokens of a batch (every leading axis flattened; tokens are independent examples),
-L the mean loss and ``g_i = M · ∂L/∂y_i``:
+Martens & Grosse (2015, arXiv:1503.05671), §3. For ``y = x W (+ b)`` with a Flax kernel
+``W`` of shape ``(d_in, d_out)``, over the M tokens of a batch (every leading axis
+flattened; tokens are independent examples), L the mean loss and ``g_i = M · ∂L/∂y_i``:
 
 - ``A = (1/M) Σ x̃_i x̃_iᵀ`` with ``x̃ = [x; 1]`` when the layer has a bias, else ``x``;
 - ``G = (1/M) Σ g_i g_iᵀ``.
@@ -80,8 +80,8 @@ def layer_factors(
         preconditions ``[W; b]``.
       mask: optional 0/1 (or boolean) weights over the leading (token) axes, e.g. padding;
         masked tokens contribute nothing to either factor.
-      num_tokens: the M of SPEC §4.1 (scale applied to ``out_grads``); a Python number or
-        a scalar array.
+      num_tokens: the M of ``g_i = M · ∂L/∂y_i`` (scale applied to ``out_grads``); a
+        Python number or a scalar array.
       stacked: the first axis indexes independent layers (experts).
 
     Returns:
@@ -158,8 +158,11 @@ def _gram(x_NM: jax.Array) -> jax.Array:
     optimisation barriers keep XLA from folding the transpose back into the dot: the same
     exact products and float32 sums, measured 0.5-0.6x the time of the folded form for
     ``(768, 128)`` and ``(768, 512)`` (see `models.layers.matmul` for the same fact).
+    Not under a mesh (``jax.set_mesh``): flattening a token-sharded ``xᵀ`` would gather
+    it, where the plain product reduces ``(d, d)`` partial sums instead.
     """
-    if x_NM.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    if (x_NM.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+            and jax.sharding.get_abstract_mesh().empty):
         x_MN = jax.lax.optimization_barrier(x_NM.T.reshape(-1)).reshape(x_NM.shape[::-1])
         x_MN, x_NM = jax.lax.optimization_barrier((x_MN, x_NM))
         return jax.lax.optimization_barrier(

@@ -1,4 +1,4 @@
-"""Preconditioning one layer's gradient by its Kronecker factors (SPEC §4.2).
+"""Preconditioning one layer's gradient by its Kronecker factors (Martens & Grosse 2015, §6.3).
 
 The expensive part (`refresh_inverse`: two eigendecompositions) is separated from the cheap
 part (`apply_inverse`: matmuls), so `scale_by_kfac` can run the first only on refresh steps
@@ -11,7 +11,7 @@ is ``A ⊗ G`` exactly as written: ``(A ⊗ G) vec(∇) = vec(A ∇ G)`` for sym
 
 Two damping modes:
 
-- ``"eigen"`` (exact damping, SPEC's test oracle): with ``A = Q_A diag(s_A) Q_Aᵀ`` and
+- ``"eigen"`` (exact damping, the test oracle): with ``A = Q_A diag(s_A) Q_Aᵀ`` and
   ``G = Q_G diag(s_G) Q_Gᵀ``,
   ``Q_A [(Q_Aᵀ ∇ Q_G) / (s_A s_Gᵀ + λ)] Q_Gᵀ = (A ⊗ G + λ I)⁻¹ vec(∇)``.
   Cached: ``EigenInverse(q_a, q_g, scale = 1 / (s_A s_Gᵀ + λ))``.
@@ -249,7 +249,7 @@ def precondition(
     r"""Precondition one layer's gradient: `refresh_inverse` then `apply_inverse`.
 
     ``mode="eigen"`` computes ``(A ⊗ G + λI)⁻¹ vec(∇)`` (row-major vec, Flax layout);
-    ``mode="pi"`` computes ``(A + π√λ I)⁻¹ ∇ (G + √λ/π I)⁻¹`` (SPEC §4.2), both with
+    ``mode="pi"`` computes ``(A + π√λ I)⁻¹ ∇ (G + √λ/π I)⁻¹``, both with
     clipped eigenvalues.
 
     Args:

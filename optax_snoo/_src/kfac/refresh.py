@@ -1,6 +1,6 @@
 """When to recompute the K-FAC inverses: refresh policies on the learning-rate curve.
 
-SPEC §4.3: the factor EMAs update every step; the eigendecompositions are recomputed only
+The factor EMAs update every step; the eigendecompositions are recomputed only
 on refresh steps, and where those fall on the learning-rate curve matters as much as how
 often. A policy is a pure function evaluated inside ``jit`` on every update::
 
@@ -66,7 +66,7 @@ class Every:
 
 
 def every(interval: int, first: int | None = None) -> Every:
-    """Fixed-interval refresh policy (SPEC §4.3, strategy 1).
+    """Fixed-interval refresh policy.
 
     Refreshes at steps ``first + k·interval`` for k = 0, 1, …; nothing before ``first``.
     ``first = interval`` (the default) is the common "first refresh after one interval";
@@ -140,7 +140,7 @@ def by_lr_phase(
     peak_tol: float = 0.05,
     tail_fraction: float = 0.1,
 ) -> ByLrPhase:
-    """Segmented policy: a refresh interval per phase of the LR schedule (SPEC §4.3, 2).
+    """Segmented policy: a refresh interval per phase of the LR schedule.
 
     The phase of an update is decided from its step and learning rate, in this order:
 
@@ -153,8 +153,7 @@ def by_lr_phase(
     In a phase with interval ``n`` the policy refreshes when nothing was refreshed yet or
     when ``step - last_step >= n`` (so entering the peak phase after a refresh-free
     warm-up refreshes at once). ``None`` never refreshes in that phase; ``"once"``
-    refreshes only if nothing was refreshed before (SPEC: "none (or once) during
-    warmup").
+    refreshes only if nothing was refreshed before (e.g. for the warm-up).
 
     Args:
       peak_lr: the schedule's peak learning rate (> 0).
@@ -232,7 +231,7 @@ def lr_ratio(
     min_interval: int = 1,
     warmup_steps: int = 0,
 ) -> LrRatio:
-    """LR-ratio trigger (SPEC §4.3, strategy 3).
+    """LR-ratio trigger.
 
     Refreshes when ``|lr / lr_at_last_refresh - 1| > threshold`` (computed as
     ``|lr - last_lr| > threshold · |last_lr|``, so a refresh at ``lr = 0`` triggers at the

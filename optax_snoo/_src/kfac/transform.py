@@ -1,6 +1,6 @@
 """`scale_by_kfac`: K-FAC as an optax transformation with learning-rate-aware refresh.
 
-SPEC §4. The transformation receives each step's batch factors as an extra argument,
+The transformation receives each step's batch factors as an extra argument,
 keeps their debiased moving averages (every step, cheap), recomputes the inverses only on
 refresh steps (inside ``lax.cond``: no ``eigh`` on other steps) and applies the cached
 inverses on every step. Before the first refresh the cache is the identity.
@@ -31,15 +31,17 @@ a pytree with a `LayerCurvature` (batch factors from `layer_factors`, float32) a
 path of every preconditioned kernel (``None`` or absent elsewhere): e.g.
 ``{"l1": {"kernel": layer_factors(x1, dy1, True)}, "l2": {"kernel": ...}}``, or a tree
 shaped like the params with ``None`` at the other leaves. Keys are split on "/", so a
-flat dict keyed by path strings works too: a trainer that captured
-``{"blocks/0/mlp/fc/kernel": (inputs, out_grads), ...}`` builds
-``{path: layer_factors(x, dy, has_bias) for path, (x, dy) in stats.items()}`` (expert
-stacks: ``stacked=True``, the mask of filled slots and ``num_tokens``), and can pass
-``layers=jax.eval_shape(<that function>, ...)`` to name exactly those kernels.
+flat dict keyed by path strings works too, which is what `curvature_from_stats` returns
+for the statistics of `value_grad_and_stats` (``{"blocks/0/mlp/fc/kernel": ...}``, any
+JAX model); ``layers=jax.eval_shape(curvature_from_stats, stats)`` then names exactly
+those kernels, and `layers_from_params` builds the template from the params' shapes.
 Entries for parameters of other ``optax.partition`` groups (masked here) are ignored;
 entries for parameters that do not exist or are not preconditioned, missing layers and
-wrong shapes raise ``ValueError`` at trace time. Without ``curvature`` (None) the factors
-are left unchanged that step (e.g. evaluation, or a step without statistics).
+wrong shapes raise ``ValueError`` at trace time. The argument is required: an update
+without it raises ``ValueError`` (a forgotten argument would otherwise silently run
+plain momentum SGD). ``curvature=None``, passed explicitly, skips the statistics for that
+step (the factors and their EMA weight are left unchanged; the cached inverses still
+apply).
 With gradient accumulation, average the batch factors over the micro-batches and pass
 them with the accumulated gradient.
 
@@ -50,24 +52,35 @@ the ``learning_rate`` extra argument when given (the trainer's current LR), else
 **Sharding.** Factors and cached inverses are small and replicated: `init` places them
 replicated on the mesh of sharded (concrete) params, and inside ``jax.set_mesh(mesh)``
 every update constrains them to stay replicated (without a mesh context XLA chooses).
-Each device then runs the refresh ``eigh`` redundantly; gradients keep their sharding.
+Gradients keep their sharding. On a refresh step with a mesh (``jax.set_mesh`` around
+the update, or ``mesh=``) of ``N`` devices, the eigendecompositions are split: the
+factors of all layers (and experts) are grouped by size, each group's stack is split over
+all ``N`` devices, each device decomposes (and, in ``"pi"`` mode, inverts) only its
+``1/N`` share, and one ``all_gather`` per group replicates the results
+(`optax_snoo._src.kfac.distributed`; kfac-jax distributes its inverses likewise). Per
+device that is ``1/N`` of the work plus at most one padded matrix per factor size.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import numbers
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_snoo._src.kfac.blocks import (
+    default_specs,
+    flatten_nested,
+    flatten_params,
+    match_curvature,
+    nested,
+    resolve_blocks,
+    template_specs,
+)
+from optax_snoo._src.kfac.distributed import refresh_all
 from optax_snoo._src.kfac.factors import LayerCurvature
 from optax_snoo._src.kfac.grafting import graft as graft_transform
 from optax_snoo._src.kfac.precondition import (
@@ -76,7 +89,6 @@ from optax_snoo._src.kfac.precondition import (
     PiInverse,
     apply_inverse,
     identity_inverse,
-    refresh_inverse,
 )
 from optax_snoo._src.kfac.refresh import (
     RefreshPolicy,
@@ -85,8 +97,8 @@ from optax_snoo._src.kfac.refresh import (
     needs_learning_rate,
     policy_step,
 )
+from optax_snoo._src.utils import is_integer, is_real
 
-Names = tuple[str, ...]
 GRAFTS = (None, "adam", "sgd")
 
 
@@ -132,6 +144,9 @@ class ScaleByKfacState(NamedTuple):
     event: KfacRefreshEvent
 
 
+_MISSING: Any = object()   # `update` without the curvature= extra argument
+
+
 def _initial_event() -> KfacRefreshEvent:
     # One buffer per field: a trainer donating the state must not see one buffer twice.
     zero = lambda: jnp.zeros((), jnp.float32)
@@ -139,181 +154,6 @@ def _initial_event() -> KfacRefreshEvent:
         count=jnp.zeros((), jnp.int32), step=jnp.full((), -1, jnp.int32),
         learning_rate=zero(), a_max=zero(), a_min=zero(), g_max=zero(), g_min=zero(),
         num_clipped=jnp.zeros((), jnp.int32))
-
-
-# --------------------------------------------------------------------------- key paths
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _names(path: Sequence[Any]) -> Names:
-    """A key path as a tuple of strings: a trailing nnx ``.value`` attribute is dropped and
-    keys are split on "/", so ``{"l1": {"kernel": c}}`` and ``{"l1/kernel": c}`` match."""
-    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-        path = path[:-1]
-    return tuple(part for k in path for part in _key_name(k).split("/"))
-
-
-def _label(names: Names) -> str:
-    return "/".join(names) or "<root>"
-
-
-def _is_masked(x: Any) -> bool:
-    return isinstance(x, optax.MaskedNode)
-
-
-def _flatten_params(tree: Any) -> tuple[list[tuple[Names, Any]], Any]:
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_masked)
-    return [(_names(path), leaf) for path, leaf in pairs], treedef
-
-
-def _flatten_curvature(tree: Any, what: str) -> dict[Names, LayerCurvature]:
-    """Path -> LayerCurvature for a curvature tree (``None`` entries are skipped)."""
-    pairs = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: x is None or isinstance(x, LayerCurvature))[0]
-    out = {}
-    for path, leaf in pairs:
-        if leaf is None:
-            continue
-        if not isinstance(leaf, LayerCurvature):
-            raise ValueError(
-                f"{what}: expected a LayerCurvature(a, g) (or None) at the path of each "
-                f"preconditioned kernel, found {type(leaf).__name__} at {_label(_names(path))}.")
-        out[_names(path)] = leaf
-    return out
-
-
-def _nested(items: dict[Names, Any]) -> dict:
-    root: dict = {}
-    for names, value in items.items():
-        node = root
-        for name in names[:-1]:
-            node = node.setdefault(name, {})
-        node[names[-1]] = value
-    return root
-
-
-def _flatten_nested(tree: dict, cls: type | tuple[type, ...]) -> dict[Names, Any]:
-    pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, cls))[0]
-    return {_names(path): leaf for path, leaf in pairs}
-
-
-# ------------------------------------------------------------------------------ blocks
-@dataclasses.dataclass(frozen=True)
-class _Block:
-    """Where a preconditioned layer sits in the flat leaves (static, Python)."""
-
-    names: Names
-    kernel: int
-    bias: int | None
-    stack: tuple[int, ...]
-    d_in: int
-    d_out: int
-    a_shape: tuple[int, ...]
-    g_shape: tuple[int, ...]
-
-
-def _resolve_blocks(specs: dict[Names, tuple[tuple[int, ...], tuple[int, ...]]],
-                    entries: list[tuple[Names, Any]], bias_name: str) -> list[_Block]:
-    """Match factor shapes to kernel (and bias) leaves; ValueError on any inconsistency."""
-    index = {names: i for i, (names, leaf) in enumerate(entries) if not _is_masked(leaf)}
-    blocks, claimed = [], {}
-    for names, (a_shape, g_shape) in sorted(specs.items()):
-        where = _label(names)
-        if names not in index:
-            raise ValueError(f"K-FAC layer {where}: no such parameter in the params tree.")
-        k_shape = tuple(np.shape(entries[index[names]][1]))
-        a_shape, g_shape = tuple(a_shape), tuple(g_shape)
-        stack = a_shape[:-2]
-        if (len(a_shape) < 2 or len(g_shape) < 2 or a_shape[-1] != a_shape[-2]
-                or g_shape[-1] != g_shape[-2] or g_shape[:-2] != stack
-                or k_shape[:len(stack)] != stack):
-            raise ValueError(
-                f"K-FAC layer {where}: factors a {a_shape} and g {g_shape} must be "
-                f"(*stack, d, d) with the same stack axes leading the kernel {k_shape}.")
-        rest = k_shape[len(stack):]
-        size, a_dim, d_out = math.prod(rest), a_shape[-1], g_shape[-1]
-        if size == a_dim * d_out:
-            d_in, bias = a_dim, None
-        elif size == (a_dim - 1) * d_out:
-            d_in = a_dim - 1
-            bias_names = (*names[:-1], bias_name)
-            if bias_names not in index:
-                raise ValueError(
-                    f"K-FAC layer {where}: factor a {a_shape} includes a bias coordinate but "
-                    f"there is no sibling leaf {_label(bias_names)} (in this group).")
-            b_shape = tuple(np.shape(entries[index[bias_names]][1]))
-            if b_shape[:len(stack)] != stack or math.prod(b_shape[len(stack):]) != d_out:
-                raise ValueError(
-                    f"K-FAC layer {where}: bias {_label(bias_names)} has shape {b_shape}, "
-                    f"expected {stack} followed by axes of total size {d_out}.")
-            if bias_names in claimed:
-                raise ValueError(f"K-FAC: bias {_label(bias_names)} is claimed by two "
-                                 f"kernels, {claimed[bias_names]} and {where}.")
-            claimed[bias_names] = where
-            bias = index[bias_names]
-        else:
-            raise ValueError(
-                f"K-FAC layer {where}: kernel {k_shape} does not fit factors a {a_shape}, "
-                f"g {g_shape}: expected {d_out}·{a_dim} (no bias) or {d_out}·{a_dim - 1} "
-                "(bias) elements per stacked layer.")
-        prefix_sizes = {math.prod(rest[:j]) for j in range(len(rest) + 1)}
-        if d_in not in prefix_sizes:
-            raise ValueError(
-                f"K-FAC layer {where}: the kernel axes {rest} cannot be split into leading "
-                f"axes of size {d_in} (inputs) and trailing axes of size {d_out} (outputs).")
-        blocks.append(_Block(names, index[names], bias, stack, d_in, d_out, a_shape, g_shape))
-    return blocks
-
-
-def _default_specs(entries: list[tuple[Names, Any]], bias_name: str):
-    shapes = {names: np.shape(leaf) for names, leaf in entries if not _is_masked(leaf)}
-    specs = {}
-    for names, shape in shapes.items():
-        if names and names[-1] == "kernel" and len(shape) == 2:
-            d_in, d_out = shape
-            has_bias = shapes.get((*names[:-1], bias_name)) == (d_out,)
-            a_dim = d_in + 1 if has_bias else d_in
-            specs[names] = ((a_dim, a_dim), (d_out, d_out))
-    return specs
-
-
-def _template_specs(layers: Any, entries: list[tuple[Names, Any]]):
-    masked = {names for names, leaf in entries if _is_masked(leaf)}
-    return {names: (tuple(np.shape(c.a)), tuple(np.shape(c.g)))
-            for names, c in _flatten_curvature(layers, "layers").items()
-            if names not in masked}
-
-
-def _match_curvature(curvature: Any, blocks: list[_Block],
-                     entries: list[tuple[Names, Any]]) -> list[LayerCurvature]:
-    given = _flatten_curvature(curvature, "curvature")
-    by_name = {b.names: b for b in blocks}
-    masked = {names for names, leaf in entries if _is_masked(leaf)}
-    params = {names for names, leaf in entries if not _is_masked(leaf)}
-    for names in given:
-        if names in by_name or names in masked:
-            continue
-        if names in params:
-            raise ValueError(
-                f"curvature given for {_label(names)}, which this K-FAC transform does not "
-                "precondition (pass layers=... to choose the layers).")
-        raise ValueError(f"curvature given for {_label(names)}: no such parameter.")
-    out = []
-    for b in blocks:
-        if b.names not in given:
-            raise ValueError(f"curvature has no LayerCurvature for the K-FAC layer "
-                             f"{_label(b.names)}.")
-        c = given[b.names]
-        if tuple(np.shape(c.a)) != b.a_shape or tuple(np.shape(c.g)) != b.g_shape:
-            raise ValueError(
-                f"curvature for {_label(b.names)}: a {np.shape(c.a)} and g {np.shape(c.g)}, "
-                f"expected {b.a_shape} and {b.g_shape}.")
-        out.append(LayerCurvature(jnp.asarray(c.a, jnp.float32), jnp.asarray(c.g, jnp.float32)))
-    return out
 
 
 def _replicated_like(x: jax.Array, leaf: Any) -> jax.Array:
@@ -333,10 +173,6 @@ def _replicate_under_mesh(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 # ------------------------------------------------------------------------ the transform
 def scale_by_kfac(
     damping: optax.ScalarOrSchedule = 1e-3,
@@ -348,8 +184,10 @@ def scale_by_kfac(
     eig_floor_rel: float = 1e-6,
     layers: Any = None,
     bias_name: str = "bias",
+    distributed_refresh: bool = True,
+    mesh: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""K-FAC preconditioning direction (no learning rate, no sign), SPEC §4.
+    r"""K-FAC preconditioning direction (no learning rate, no sign).
 
     Every update: (1) when ``curvature`` is given, the factor EMAs advance, kfac-jax
     style: ``w ← ρ w + 1``, ``F ← (1 - 1/w) F + (1/w) F_batch`` (so the first batch is
@@ -359,14 +197,14 @@ def scale_by_kfac(
     (3) the cached inverses precondition each layer (identity before the first refresh).
     Leaves that are not preconditioned pass through unchanged.
 
-    Extra arguments of ``update``: ``curvature`` (the batch factors, see the module
-    docstring for the format) and ``learning_rate`` (the current LR, overriding the
-    construction-time schedule for the refresh policy).
+    Extra arguments of ``update``: ``curvature`` (required: the batch factors, see the
+    module docstring for the format, or ``None`` to skip the statistics of that step)
+    and ``learning_rate`` (the current LR, overriding the construction-time schedule
+    for the refresh policy).
 
     Args:
       damping: λ >= 0, or a schedule of the update count (read at refresh time).
-      ema_decay: ρ in [0, 1) of the factor EMA (kfac-jax/KAISA default 0.95; the SPEC's
-        source article uses 0.9).
+      ema_decay: ρ in [0, 1) of the factor EMA (kfac-jax/KAISA default 0.95).
       refresh: a refresh policy (`every`, `by_lr_phase`, `lr_ratio`, or any callable
         ``(step, lr, last_step, last_lr) -> bool``); an int ``n`` means ``every(n)``.
       learning_rate: the LR schedule (or constant) that LR-aware policies read; the
@@ -376,9 +214,15 @@ def scale_by_kfac(
         (exact damping ``(A⊗G + λI)⁻¹``, cached eigenbases and ``1/(s_A s_Gᵀ + λ)``).
       eig_floor_abs: absolute floor of the factor eigenvalues at refresh.
       eig_floor_rel: floor relative to each factor's largest eigenvalue.
-      layers: None (every 2-D ``"kernel"`` leaf, with its ``bias`` sibling) or a template
-        tree of `LayerCurvature` shapes at the kernels to precondition.
+      layers: None (every 2-D ``"kernel"`` leaf, with its ``bias`` sibling), a template
+        tree of `LayerCurvature` shapes at the kernels to precondition, or a callable
+        ``params -> template`` evaluated at init on the params this transform sees (e.g.
+        ``lambda p: layers_from_params(p, paths)`` for expert stacks).
       bias_name: key of a kernel's bias sibling.
+      distributed_refresh: split the refresh's eigendecompositions over the devices of
+        the mesh (see the module docstring); False: every device runs all of them.
+      mesh: the mesh to split the refresh over; default: the mesh set with
+        ``jax.set_mesh`` around the update, if any (else nothing is split).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state `ScaleByKfacState`.
@@ -410,14 +254,14 @@ def scale_by_kfac(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-    if _is_number(ema_decay) and not 0.0 <= ema_decay < 1.0:
+    if is_real(ema_decay) and not 0.0 <= ema_decay < 1.0:
         raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}.")
-    if _is_number(damping) and damping < 0:
+    if is_real(damping) and damping < 0:
         raise ValueError(f"damping must be >= 0 (a float or a schedule), got {damping!r}.")
     for name, value in (("eig_floor_abs", eig_floor_abs), ("eig_floor_rel", eig_floor_rel)):
-        if _is_number(value) and value < 0:
+        if is_real(value) and value < 0:
             raise ValueError(f"{name} must be >= 0, got {value!r}.")
-    if isinstance(refresh, numbers.Integral) and not isinstance(refresh, bool):
+    if is_integer(refresh):
         refresh = every(int(refresh))
     if not callable(refresh):
         raise ValueError(f"refresh must be a refresh policy or an int interval, got "
@@ -426,13 +270,22 @@ def scale_by_kfac(
         raise ValueError(f"bias_name must be a string, got {bias_name!r}.")
     lr_schedule = learning_rate
 
+    def _refresh_mesh():
+        if not distributed_refresh:
+            return None
+        if mesh is not None:
+            return mesh
+        context = jax.sharding.get_abstract_mesh()
+        return None if context.empty else context
+
     def init_fn(params):
-        entries, _ = _flatten_params(params)
+        entries, _ = flatten_params(params)
         if layers is None:
-            specs = _default_specs(entries, bias_name)
+            specs = default_specs(entries, bias_name)
         else:
-            specs = _template_specs(layers, entries)
-        blocks = _resolve_blocks(specs, entries, bias_name)
+            template = layers(params) if callable(layers) else layers
+            specs = template_specs(template, entries)
+        blocks = resolve_blocks(specs, entries, bias_name)
         factors, inverses = {}, {}
         for b in blocks:
             kernel = entries[b.kernel][1]
@@ -444,22 +297,27 @@ def scale_by_kfac(
                 identity_inverse(b.a_shape, b.g_shape, mode))
         return ScaleByKfacState(
             count=jnp.zeros((), jnp.int32), factor_weight=jnp.zeros((), jnp.float32),
-            factors=_nested(factors), inverses=_nested(inverses), event=_initial_event())
+            factors=nested(factors), inverses=nested(inverses), event=_initial_event())
 
-    def update_fn(updates, state, params=None, *, curvature=None, learning_rate=None,
+    def update_fn(updates, state, params=None, *, curvature=_MISSING, learning_rate=None,
                   **extra_args):
         del params, extra_args
-        entries, treedef = _flatten_params(updates)
-        old_factors = _flatten_nested(state.factors, LayerCurvature)
-        old_inverses = _flatten_nested(state.inverses, (PiInverse, EigenInverse))
+        if curvature is _MISSING:
+            raise ValueError(
+                "scale_by_kfac/kfac: update() needs the curvature= extra argument (the batch "
+                "factors, see optax_snoo.kfac.value_grad_and_stats); pass curvature=None "
+                "explicitly for a step without statistics.")
+        entries, treedef = flatten_params(updates)
+        old_factors = flatten_nested(state.factors, LayerCurvature)
+        old_inverses = flatten_nested(state.inverses, (PiInverse, EigenInverse))
         specs = {n: (tuple(f.a.shape), tuple(f.g.shape)) for n, f in old_factors.items()}
-        blocks = _resolve_blocks(specs, entries, bias_name)
+        blocks = resolve_blocks(specs, entries, bias_name)
 
         # (1) factor moving averages.
         factors = [old_factors[b.names] for b in blocks]
         weight = state.factor_weight
         if curvature is not None:
-            batch = _match_curvature(curvature, blocks, entries)
+            batch = match_curvature(curvature, blocks, entries)
             # A batch with any NaN/Inf factor is dropped whole (factors and weight kept),
             # so non-finite statistics never reach the inverses or the params. The test is
             # on the sum of all entries (NaN and ±Inf propagate through a sum): one fused
@@ -489,9 +347,8 @@ def scale_by_kfac(
 
         def recompute(operands):
             factors, _, event = operands
-            results = [refresh_inverse(f.a, f.g, lam, mode, eig_floor_abs, eig_floor_rel)
-                       for f in factors]
-            stats = [s for _, s in results]
+            new_inverses, stats = refresh_all(factors, lam, mode, eig_floor_abs,
+                                              eig_floor_rel, _refresh_mesh())
             extreme = lambda fn, name: (fn(jnp.stack([getattr(s, name) for s in stats]))
                                         if stats else jnp.zeros((), jnp.float32))
             new_event = KfacRefreshEvent(
@@ -499,7 +356,7 @@ def scale_by_kfac(
                 a_max=extreme(jnp.max, "a_max"), a_min=extreme(jnp.min, "a_min"),
                 g_max=extreme(jnp.max, "g_max"), g_min=extreme(jnp.min, "g_min"),
                 num_clipped=sum((s.num_clipped for s in stats), jnp.zeros((), jnp.int32)))
-            return [inv for inv, _ in results], new_event
+            return new_inverses, new_event
 
         def keep(operands):
             _, inverses, event = operands
@@ -529,8 +386,8 @@ def scale_by_kfac(
         names = [b.names for b in blocks]
         new_state = ScaleByKfacState(
             count=optax.safe_increment(count), factor_weight=weight,
-            factors=_nested(dict(zip(names, factors, strict=True))),
-            inverses=_nested(dict(zip(names, inverses, strict=True))), event=event)
+            factors=nested(dict(zip(names, factors, strict=True))),
+            inverses=nested(dict(zip(names, inverses, strict=True))), event=event)
         return jax.tree_util.tree_unflatten(treedef, leaves), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -554,6 +411,8 @@ def kfac(
     eig_floor_rel: float = 1e-6,
     layers: Any = None,
     bias_name: str = "bias",
+    distributed_refresh: bool = True,
+    mesh: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC optimizer: `scale_by_kfac`, optional grafting, momentum, weight decay, LR.
 
@@ -583,6 +442,10 @@ def kfac(
       eig_floor_rel: relative eigenvalue floor.
       layers: which kernels to precondition (see `scale_by_kfac`).
       bias_name: key of a kernel's bias sibling.
+      distributed_refresh: split the refresh's eigendecompositions over the devices of
+        the mesh (see the module docstring); False: every device runs all of them.
+      mesh: the mesh to split the refresh over; default: the mesh set with
+        ``jax.set_mesh`` around the update, if any (else nothing is split).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -606,143 +469,20 @@ def kfac(
     """
     if graft not in GRAFTS:
         raise ValueError(f"graft must be one of {GRAFTS}, got {graft!r}.")
-    if _is_number(momentum) and not 0.0 <= momentum < 1.0:
+    if is_real(momentum) and not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1) or None, got {momentum!r}.")
     direction = scale_by_kfac(
         damping=damping, ema_decay=ema_decay, refresh=refresh, learning_rate=learning_rate,
         mode=mode, eig_floor_abs=eig_floor_abs, eig_floor_rel=eig_floor_rel, layers=layers,
-        bias_name=bias_name)
+        bias_name=bias_name, distributed_refresh=distributed_refresh, mesh=mesh)
     if graft == "adam":
         direction = graft_transform(optax.scale_by_adam(b1=0.0, b2=b2, eps=eps), direction)
     elif graft == "sgd":
         direction = graft_transform(optax.identity(), direction)
     return optax.chain(
         direction,
-        (optax.identity() if momentum is None or (_is_number(momentum) and momentum == 0)
+        (optax.identity() if momentum is None or (is_real(momentum) and momentum == 0)
          else optax.trace(decay=momentum, nesterov=nesterov)),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )
-
-
-# --------------------------------------------------------------------------- host helpers
-def _kfac_states(opt_state: Any) -> list[ScaleByKfacState]:
-    is_state = lambda x: isinstance(x, ScaleByKfacState)
-    return [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
-
-
-def _host_scalar(x: Any) -> Any:
-    """A scalar leaf on host; nnx.Optimizer wraps state leaves in Variables (get_value)."""
-    getter = getattr(x, "get_value", None)
-    return np.asarray(getter() if callable(getter) else x).item()
-
-
-def refresh_events(opt_state: Any) -> list[dict[str, Any]]:
-    """The latest refresh of every K-FAC transform in an optimizer state, as host dicts.
-
-    Args:
-      opt_state: any optimizer state (chain, partition, snoo, nnx.Optimizer's state...).
-
-    Returns:
-      One dict per `ScaleByKfacState` found (tree order): ``refresh`` (number of
-      refreshes so far), ``step``, ``lr``, ``a_eig_max``, ``a_eig_min``, ``g_eig_max``,
-      ``g_eig_min``, ``num_clipped``. A trainer writes a row when ``refresh`` grows.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from optax_snoo.kfac import refresh_events, scale_by_kfac
-      >>> state = scale_by_kfac().init({"l": {"kernel": jnp.ones((2, 2))}})
-      >>> refresh_events(state)[0]["refresh"]
-      0
-    """
-    rows = []
-    for s in _kfac_states(opt_state):
-        e = s.event
-        rows.append({
-            "refresh": int(_host_scalar(e.count)), "step": int(_host_scalar(e.step)),
-            "lr": float(_host_scalar(e.learning_rate)),
-            "a_eig_max": float(_host_scalar(e.a_max)),
-            "a_eig_min": float(_host_scalar(e.a_min)),
-            "g_eig_max": float(_host_scalar(e.g_max)),
-            "g_eig_min": float(_host_scalar(e.g_min)),
-            "num_clipped": int(_host_scalar(e.num_clipped))})
-    return rows
-
-
-def estimate_factors(curvature_batches: Sequence[Any]) -> Any:
-    """Average several batches' curvature trees (same structure): the warm-start estimate.
-
-    Args:
-      curvature_batches: a non-empty sequence of curvature trees (see `scale_by_kfac`).
-
-    Returns:
-      A curvature tree of the same structure with the mean factors (float32).
-
-    Raises:
-      ValueError: an empty sequence or trees of different structure.
-    """
-    batches = list(curvature_batches)
-    if not batches:
-        raise ValueError("estimate_factors needs at least one curvature batch.")
-    structures = {jax.tree.structure(b) for b in batches}
-    if len(structures) != 1:
-        raise ValueError("estimate_factors: the curvature batches have different structures.")
-    return jax.tree.map(lambda *xs: sum(jnp.asarray(x, jnp.float32) for x in xs) / len(xs),
-                        *batches)
-
-
-def warm_start(opt_state: Any, curvature_batches: Sequence[Any]) -> Any:
-    """Seed the K-FAC factors from a few batches before training (SPEC §4.3, strategy 4).
-
-    Every `ScaleByKfacState` in ``opt_state`` gets, for each of its layers, the mean of
-    the batches' factors (`estimate_factors`) and an EMA weight equal to the number of
-    batches (the estimate counts as that many equally weighted batches; later batches
-    enter with weight ``1/w`` as usual). The update count, cached inverses and refresh
-    event are unchanged: with a policy that refreshes at step 0 (``every(n, first=0)``)
-    the first inverse then comes from these batches plus the first training batch rather
-    than from one warm-up batch. Entries of the batches for layers of no K-FAC state are
-    ignored (they may belong to another optimizer group).
-
-    Args:
-      opt_state: an optimizer state containing one or more `ScaleByKfacState`.
-      curvature_batches: curvature trees from `layer_factors` on a few batches (e.g.
-        forward/backward passes without updates).
-
-    Returns:
-      ``opt_state`` with the factors replaced.
-
-    Raises:
-      ValueError: no K-FAC state found, or a K-FAC layer missing from the batches.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from optax_snoo.kfac import LayerCurvature, scale_by_kfac, warm_start
-      >>> state = scale_by_kfac().init({"l": {"kernel": jnp.ones((2, 2))}})
-      >>> c = {"l": {"kernel": LayerCurvature(jnp.eye(2), jnp.eye(2))}}
-      >>> float(warm_start(state, [c, c]).factor_weight)
-      2.0
-    """
-    batches = list(curvature_batches)
-    estimate = _flatten_curvature(estimate_factors(batches), "curvature_batches")
-    if not _kfac_states(opt_state):
-        raise ValueError("warm_start: no ScaleByKfacState in opt_state.")
-
-    def seed(s):
-        if not isinstance(s, ScaleByKfacState):
-            return s
-        old = _flatten_nested(s.factors, LayerCurvature)
-        new = {}
-        for names, f in old.items():
-            if names not in estimate:
-                raise ValueError(f"warm_start: the curvature batches have no entry for the "
-                                 f"K-FAC layer {_label(names)}.")
-            c = estimate[names]
-            if c.a.shape != f.a.shape or c.g.shape != f.g.shape:
-                raise ValueError(
-                    f"warm_start: {_label(names)} has a {c.a.shape}, g {c.g.shape}; "
-                    f"expected {f.a.shape} and {f.g.shape}.")
-            new[names] = LayerCurvature(c.a.astype(f.a.dtype), c.g.astype(f.g.dtype))
-        return s._replace(factors=_nested(new),
-                          factor_weight=jnp.asarray(len(batches), s.factor_weight.dtype))
-
-    return jax.tree.map(seed, opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))

@@ -1,0 +1,162 @@
+"""The K-FAC refresh of all layers at once, split over the devices of a mesh.
+
+A refresh eigendecomposes every factor: ``A`` and ``G`` of every layer, one matrix per
+expert of a stack. `refresh_all` gathers the factors into groups of equal size
+``(K, d, d)`` (all layers and experts together), and, on a mesh of ``N`` devices, pads
+each group to a multiple of ``N`` and splits its stack axis over all the mesh's devices
+(``jax.shard_map``): each device runs ``eigh`` (and, in ``"pi"`` mode, builds the damped
+inverse ``Q diag(1/(s + shift)) Qᵀ``) on its ``K/N`` matrices only, then one
+``all_gather`` per group makes the results replicated again. Per device that is the
+total work divided by ``N``, plus at most one padded matrix per group. Without a mesh (or
+with one device) the same grouped computation runs locally. The math is that of
+`optax_snoo.kfac.refresh_inverse` for each layer: eigenvalues floored per matrix, then
+factored (pi) or exact (eigen) damping.
+
+The factors themselves stay replicated (the batch statistics are reduced over the data
+axes where they are computed); only the eigendecompositions are split. kfac-jax splits
+its inverse computations over (pmap) devices in the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_snoo._src.kfac.factors import LayerCurvature
+from optax_snoo._src.kfac.precondition import (
+    EigenInverse,
+    PiInverse,
+    SpectrumStats,
+    pi_adjustment,
+)
+from optax_snoo._src.kfac.precondition import _check_mode as check_mode
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _one(m: jax.Array, shift: jax.Array, mode: str, floor_abs: float, floor_rel: float):
+    """eigh of one symmetric matrix, floored; pi: the inverse of ``Q (s + shift) Qᵀ``."""
+    m = m.astype(jnp.float32)
+    s_raw, q = jnp.linalg.eigh(0.5 * (m + m.T), symmetrize_input=False)
+    floor = jnp.maximum(floor_abs, floor_rel * jnp.max(s_raw))
+    clipped = s_raw < floor
+    s = jnp.where(clipped, floor, s_raw)
+    stats = jnp.stack([jnp.max(s_raw), jnp.min(s_raw), jnp.sum(clipped).astype(jnp.float32)])
+    if mode == "eigen":
+        return q, s, stats
+    inv = jnp.matmul(q * (1.0 / (s + shift))[None, :], q.T, precision=_HIGHEST)
+    return inv, s, stats
+
+
+def _local(mats: jax.Array, shifts: jax.Array, mode: str, floor_abs: float,
+           floor_rel: float):
+    one = lambda ms: _one(ms[0], ms[1], mode, floor_abs, floor_rel)
+    if jax.default_backend() == "cpu":
+        # One matrix at a time: jax 0.10's XLA:CPU runs batched LAPACK calls on its
+        # intra-op pool, and several concurrent ones were seen to deadlock on 2 cores.
+        return jax.lax.map(one, (mats, shifts))
+    return jax.vmap(one)((mats, shifts))
+
+
+def refresh_group(mats: jax.Array, shifts: jax.Array, mode: str, floor_abs: float,
+                  floor_rel: float, mesh: Any = None) -> tuple[jax.Array, ...]:
+    """Refresh ``K`` equal-size matrices ``(K, d, d)``, split over ``mesh`` if given.
+
+    Returns ``(out, s, stats)``: ``out`` ``(K, d, d)`` the eigenvectors (eigen) or damped
+    inverses (pi), ``s`` ``(K, d)`` the floored eigenvalues, ``stats`` ``(K, 3)`` the raw
+    max, min and number of floored eigenvalues of each matrix; all replicated.
+    """
+    if mesh is None or mesh.size == 1:
+        return _local(mats, shifts, mode, floor_abs, floor_rel)
+    n, k = mesh.size, mats.shape[0]
+    pad = -k % n
+    if pad:
+        eye = jnp.broadcast_to(jnp.eye(mats.shape[-1], dtype=mats.dtype),
+                               (pad, *mats.shape[1:]))
+        mats = jnp.concatenate([mats, eye])
+        shifts = jnp.concatenate([shifts, jnp.ones((pad,), shifts.dtype)])
+    axes = tuple(mesh.axis_names)
+
+    def body(mats, shifts):
+        out = _local(mats, shifts, mode, floor_abs, floor_rel)
+        return tuple(jax.lax.all_gather(x, axes, tiled=True) for x in out)
+
+    if any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        mats, shifts = jax.reshard(mats, P(axes)), jax.reshard(shifts, P(axes))
+    else:
+        # Replicated going in (each device then slices its share locally), so the
+        # partitioner does not shard the concatenation and gather it back.
+        mats, shifts = (jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+                        for x in (mats, shifts))
+    out = jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(axes)), out_specs=P(),
+                        check_vma=False)(mats, shifts)
+    return tuple(x[:k] for x in out)
+
+
+def refresh_all(
+    factors: list[LayerCurvature],
+    damping: jax.Array | float,
+    mode: str = "pi",
+    eig_floor_abs: float = 1e-8,
+    eig_floor_rel: float = 1e-6,
+    mesh: Any = None,
+) -> tuple[list[EigenInverse | PiInverse], list[SpectrumStats]]:
+    """`refresh_inverse` of every layer, grouped by factor size, split over ``mesh``.
+
+    Args:
+      factors: the layers' factors, ``a`` ``(*stack, da, da)``, ``g`` ``(*stack, dg, dg)``.
+      damping: λ >= 0.
+      mode: ``"pi"`` or ``"eigen"``.
+      eig_floor_abs: absolute eigenvalue floor.
+      eig_floor_rel: floor relative to each matrix's own largest eigenvalue.
+      mesh: a ``jax.sharding.Mesh`` (or abstract mesh) to split the eigendecompositions
+        over all its devices; ``None``: every matrix here.
+
+    Returns:
+      ``(inverses, stats)``: per layer the `PiInverse` / `EigenInverse` and
+      `SpectrumStats` that `refresh_inverse` returns for it.
+    """
+    check_mode(mode)
+    damping = jnp.asarray(damping, jnp.float32)
+    root = jnp.sqrt(damping)
+    # Every matrix: (layer, "a"/"g", its flattened stack), with its damping shift.
+    groups: dict[int, list[tuple[int, str, jax.Array, jax.Array]]] = {}
+    for i, f in enumerate(factors):
+        a, g = f.a.astype(jnp.float32), f.g.astype(jnp.float32)
+        pi = pi_adjustment(a, g)
+        for kind, m, shift in (("a", a, pi * root), ("g", g, root / pi)):
+            d = m.shape[-1]
+            stack = math.prod(m.shape[:-2])
+            shift = jnp.broadcast_to(shift, m.shape[:-2]).reshape(stack)
+            groups.setdefault(d, []).append((i, kind, m.reshape(stack, d, d), shift))
+    results: dict[tuple[int, str], tuple[jax.Array, ...]] = {}
+    for d in sorted(groups):
+        members = groups[d]
+        mats = jnp.concatenate([m for _, _, m, _ in members])
+        shifts = jnp.concatenate([s for _, _, _, s in members])
+        out = refresh_group(mats, shifts, mode, eig_floor_abs, eig_floor_rel, mesh)
+        start = 0
+        for i, kind, m, _ in members:
+            results[(i, kind)] = tuple(x[start:start + m.shape[0]] for x in out)
+            start += m.shape[0]
+    inverses, stats = [], []
+    for i, f in enumerate(factors):
+        (out_a, s_a, st_a), (out_g, s_g, st_g) = results[(i, "a")], results[(i, "g")]
+        a_shape, g_shape = f.a.shape, f.g.shape
+        out_a, out_g = out_a.reshape(a_shape), out_g.reshape(g_shape)
+        if mode == "eigen":
+            s_a, s_g = s_a.reshape(a_shape[:-1]), s_g.reshape(g_shape[:-1])
+            scale = 1.0 / (s_a[..., :, None] * s_g[..., None, :] + damping)
+            inverses.append(EigenInverse(q_a=out_a, q_g=out_g, scale=scale))
+        else:
+            inverses.append(PiInverse(a_inv=out_a, g_inv=out_g))
+        stats.append(SpectrumStats(
+            a_max=jnp.max(st_a[:, 0]), a_min=jnp.min(st_a[:, 1]),
+            g_max=jnp.max(st_g[:, 0]), g_min=jnp.min(st_g[:, 1]),
+            num_clipped=(jnp.sum(st_a[:, 2]) + jnp.sum(st_g[:, 2])).astype(jnp.int32)))
+    return inverses, stats

@@ -1,0 +1,431 @@
+"""`optax_snoo.kfac.value_grad_and_stats`: K-FAC statistics read from the loss's jaxpr.
+
+Against hand-written perturbation references (a Flax NNX model of `nnx.Linear` and
+`nnx.Einsum`, expert stacks, bf16 compute), a custom-VJP matmul whose backward must be
+kept, our GPT (against the gradient identity ``∇W = Σ xᵀ dy``), the error paths, and
+`curvature_from_stats` against a float64 per-expert numpy reference.
+"""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from optax_snoo import kfac
+
+RNG = np.random.default_rng(0)
+
+
+def _normal(*shape, dtype=jnp.float32):
+    return jnp.asarray(RNG.normal(size=shape), dtype)
+
+
+def assert_close(actual, expected, rtol=1e-5, atol=1e-7, what=""):
+    np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64),
+                               rtol=rtol, atol=atol, err_msg=what)
+
+
+# ------------------------------------------------------------------------- flax nnx
+def test_nnx_linear_and_einsum_against_hand_computed_statistics():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(4, 6, rngs=rngs)
+            self.heads = nnx.Einsum("btd,dnh->btnh", (6, 2, 3), (2, 3), rngs=rngs)
+            self.out = nnx.Linear(6, 5, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            h = jnp.tanh(self.fc(x))
+            h = jax.nn.gelu(self.heads(h)).reshape(*x.shape[:-1], 6)
+            return self.out(h)
+
+    model = Net(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    x, y = _normal(3, 4, 4), jnp.asarray(RNG.integers(0, 5, (3, 4)))
+
+    def loss_fn(p, x, y):
+        logits = nnx.merge(graphdef, p)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    loss, grads, stats = jax.jit(kfac.value_grad_and_stats, static_argnums=0)(
+        loss_fn, params, x, y)
+
+    # By hand: the same network with explicit zero perturbations on the layer outputs.
+    def by_hand(p, perts):
+        fc, heads, out = p["fc"], p["heads"], p["out"]
+        y1 = x @ fc["kernel"] + fc["bias"] + perts[0]
+        h = jnp.tanh(y1)
+        y2 = jnp.einsum("btd,dnh->btnh", h, heads["kernel"]) + heads["bias"] + perts[1]
+        h2 = jax.nn.gelu(y2).reshape(3, 4, 6)
+        y3 = h2 @ out["kernel"] + perts[2]
+        ce = optax.softmax_cross_entropy_with_integer_labels(y3, y).mean()
+        return ce, (x, h, h2)
+
+    perts = [jnp.zeros((3, 4, 6)), jnp.zeros((3, 4, 2, 3)), jnp.zeros((3, 4, 5))]
+    (ref_loss, inputs), (ref_grads, dys) = jax.value_and_grad(
+        by_hand, argnums=(0, 1), has_aux=True)(params, perts)
+    assert sorted(stats) == ["fc/kernel", "heads/kernel", "out/kernel"]
+    assert_close(loss, ref_loss)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert_close(a, b)
+    for path, x_ref, dy_ref, d_in, d_out, bias in (
+            ("fc/kernel", inputs[0], dys[0], 4, 6, True),
+            ("heads/kernel", inputs[1], dys[1], 6, 6, True),
+            ("out/kernel", inputs[2], dys[2], 6, 5, False)):
+        s = stats[path]
+        assert s.inputs.shape == (12, d_in) and s.out_grads.shape == (12, d_out), path
+        assert s.has_bias == bias, path
+        assert_close(s.inputs, x_ref.reshape(12, d_in), what=path)
+        assert_close(s.out_grads, dy_ref.reshape(12, d_out), what=path)
+
+    # One line to K-FAC; the Einsum kernel (6, 2, 3) with its (2, 3) bias is not a 2-D
+    # "kernel", so the layers template comes from the statistics' shapes.
+    curvature = kfac.curvature_from_stats(stats)
+    tx = kfac.kfac(0.1, refresh=kfac.every(1, first=0), layers=jax.eval_shape(
+        kfac.curvature_from_stats, stats))
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params, curvature=curvature)
+    assert kfac.refresh_events(state)[0]["refresh"] == 1
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+# ---------------------------------------------------------------- layouts and dtypes
+def test_expert_stack_and_einsum_layouts():
+    """Expert stack (E, in, out) with E a batch axis of the product, and a kernel whose
+    d_in spans two axes ("ecnh,nhd->ecd")."""
+    p = {"experts": {"w": _normal(3, 4, 5)}, "proj": {"kernel": _normal(2, 5, 4)}}
+    x = _normal(3, 6, 4)                           # (E, C, d)
+
+    def loss_fn(p, perts=None):
+        add = (lambda i, y: y) if perts is None else (lambda i, y: y + perts[i])
+        h = add(0, jnp.einsum("eci,eio->eco", x, p["experts"]["w"]))       # (E, C, 5)
+        h = jnp.tanh(h).reshape(3, 6, 1, 5) * jnp.ones((1, 1, 2, 1))        # (E, C, n, h)
+        z = add(1, jnp.einsum("ecnh,nhd->ecd", h, p["proj"]["kernel"]))     # (E, C, 4)
+        return jnp.sum(jnp.sin(z)), (x, h)
+
+    _, grads, stats = kfac.value_grad_and_stats(lambda p: loss_fn(p)[0], p)
+    perts = [jnp.zeros((3, 6, 5)), jnp.zeros((3, 6, 4))]
+    (_, (x_ref, h_ref)), dys = jax.value_and_grad(
+        lambda pt: loss_fn(p, pt), has_aux=True)(perts)
+    e = stats["experts/w"]
+    assert e.inputs.shape == (3, 6, 4) and e.out_grads.shape == (3, 6, 5)
+    assert_close(e.inputs, x_ref)
+    assert_close(e.out_grads, dys[0])
+    q = stats["proj/kernel"]
+    assert q.inputs.shape == (18, 10) and q.out_grads.shape == (18, 4)
+    assert_close(q.inputs, h_ref.reshape(18, 10))
+    assert_close(q.out_grads, dys[1].reshape(18, 4))
+    # The gradient identity per expert: ∇W_e = x_eᵀ dy_e.
+    assert_close(jnp.einsum("eci,eco->eio", e.inputs, e.out_grads), grads["experts"]["w"],
+                 rtol=1e-5, atol=1e-6)
+    assert_close(jnp.einsum("ti,to->io", q.inputs, q.out_grads),
+                 grads["proj"]["kernel"].reshape(10, 4), rtol=1e-5, atol=1e-6)
+
+
+def test_contracting_axis_first_and_lhs_kernel():
+    """x ``(d, tokens)`` contracted on its first axis, and the kernel as the left operand
+    (``W ᵀ``-free layouts written either way round)."""
+    p = {"a": {"kernel": _normal(4, 3)}, "b": {"kernel": _normal(3, 2)}}
+    xt = _normal(4, 7)
+
+    def f(p, perts):
+        y = jax.lax.dot_general(xt, p["a"]["kernel"], (((0,), (0,)), ((), ()))) + perts[0]
+        # kernel on the left: out = (kernel free, x free) = (2, 7)
+        z = jax.lax.dot_general(p["b"]["kernel"], jnp.tanh(y), (((0,), (1,)), ((), ())))
+        z = z + perts[1]
+        return jnp.sum(jnp.cos(z)), jnp.tanh(y)
+
+    perts = [jnp.zeros((7, 3)), jnp.zeros((2, 7))]
+    _, _, stats = kfac.value_grad_and_stats(lambda p: f(p, [0.0, 0.0])[0], p)
+    (_, h), dys = jax.value_and_grad(lambda pt: f(p, pt), has_aux=True)(perts)
+    assert_close(stats["a/kernel"].inputs, xt.T)
+    assert_close(stats["a/kernel"].out_grads, dys[0])
+    assert_close(stats["b/kernel"].inputs, h)
+    assert_close(stats["b/kernel"].out_grads, dys[1].T)
+
+
+def test_bf16_compute_through_casts():
+    """Kernels cast to bf16 before the product (convert_element_type) are captured; the
+    statistics are in the product's dtypes and equal the perturbation reference."""
+    p = {"l1": {"kernel": _normal(8, 16)}, "l2": {"kernel": _normal(16, 4)}}
+    x = _normal(5, 8)
+
+    def f(p, perts):
+        bf = lambda a: a.astype(jnp.bfloat16)
+        h = bf(x) @ bf(p["l1"]["kernel"]) + perts[0]
+        h = jax.nn.relu(h)
+        y = (h @ bf(p["l2"]["kernel"])).astype(jnp.float32) + perts[1]
+        return jnp.mean(y ** 2), h
+
+    perts = [jnp.zeros((5, 16), jnp.bfloat16), jnp.zeros((5, 4), jnp.float32)]
+    _, _, stats = jax.jit(lambda p: kfac.value_grad_and_stats(
+        lambda p: f(p, [0, 0])[0], p))(p)
+    (_, h), dys = jax.jit(jax.value_and_grad(lambda pt: f(p, pt), has_aux=True))(perts)
+    s1, s2 = stats["l1/kernel"], stats["l2/kernel"]
+    assert s1.inputs.dtype == jnp.bfloat16 and s1.out_grads.dtype == jnp.bfloat16
+    assert_close(s1.inputs, x.astype(jnp.bfloat16))
+    assert_close(s1.out_grads, dys[0], rtol=1e-2, atol=1e-4)
+    assert_close(s2.inputs, h)
+    assert s2.out_grads.dtype == jnp.bfloat16          # the product's output dtype
+
+
+# ----------------------------------------------------------------- custom_vjp matmul
+@functools.partial(jax.custom_vjp, nondiff_argnums=())
+def _marked_matmul(x, w):
+    x, w = jax.lax.optimization_barrier((x, w))
+    return jax.lax.optimization_barrier(jnp.matmul(x, w, preferred_element_type=jnp.float32))
+
+
+def _marked_fwd(x, w):
+    return _marked_matmul(x, w), (x, w)
+
+
+def _marked_bwd(res, g):
+    x, w = res
+    # A marker: the weight gradient is doubled, so a test sees whether this rule ran.
+    return (g @ w.T).astype(x.dtype), (2.0 * x.T @ g).astype(w.dtype)
+
+
+_marked_matmul.defvjp(_marked_fwd, _marked_bwd)
+
+
+def test_custom_vjp_matmul_is_kept_whole():
+    """A custom-VJP call that is one captured matmul keeps its own backward (the doubled
+    weight gradient shows it ran); x is read at the call's input, dy at its output."""
+    p = {"l": {"kernel": _normal(6, 3)}}
+    x = _normal(10, 6)
+
+    def f(p, pert):
+        y = _marked_matmul(x, p["l"]["kernel"]) + pert
+        return jnp.sum(jnp.sin(y))
+
+    _, grads, stats = jax.jit(lambda p: kfac.value_grad_and_stats(
+        lambda p: f(p, 0.0), p))(p)
+    dy = jax.grad(lambda pt: f(p, pt))(jnp.zeros((10, 3)))
+    assert_close(grads["l"]["kernel"], 2.0 * x.T @ dy, rtol=1e-5)
+    assert_close(stats["l/kernel"].inputs, x)
+    assert_close(stats["l/kernel"].out_grads, dy)
+
+
+# ------------------------------------------------------------------------------ GPT
+@pytest.mark.parametrize("moe", [0, 2])
+def test_gpt_statistics_reproduce_the_gradients(moe):
+    """On our GPT (dense with biases; MoE with experts, routers and an untied head) every
+    kernel is captured under its path (the tied head and the embeddings are not kernels),
+    its statistics satisfy ``∇W = Σ_tokens xᵀ dy`` (per expert for stacks) against a
+    float64 sum, and the head's output gradient is ``(softmax - onehot) / M`` in float64.
+    (Equal, bit for bit, to the model's former hand-written taps, in bf16 and float32.)"""
+    from flax import nnx
+
+    import models
+
+    cfg = models.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=8, dtype="float32",
+                           moe_every=moe, n_experts=4, tie_embeddings=moe == 0,
+                           bias=moe == 0)
+    graphdef, params, rest = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
+
+    def loss_fn(p, x, y):
+        logits, aux, _ = models.forward(nnx.merge(graphdef, p, rest), x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + aux
+
+    _, grads, stats = jax.jit(lambda p: kfac.value_grad_and_stats(
+        loss_fn, p, tokens, tokens))(params)
+    logits = np.asarray(models.forward(nnx.merge(graphdef, params, rest), tokens)[0],
+                        np.float64)
+    flat = {"/".join(map(str, k)): v for k, v in
+            ((tuple(getattr(q, "key", q) for q in path), leaf) for path, leaf in
+             jax.tree_util.tree_flatten_with_path(grads)[0])}
+    expected = {k for k in flat if k.endswith("kernel") or "experts" in k}
+    assert set(stats) == expected
+    for path, s in stats.items():
+        g = flat[path]
+        w = np.einsum("...ti,...to->...io", np.asarray(s.inputs, np.float64),
+                      np.asarray(s.out_grads, np.float64))
+        bias = path[:-len("kernel")] + "bias"
+        assert s.has_bias == (bias in flat), path
+        assert_close(w.reshape(g.shape), g, rtol=1e-4, atol=1e-7, what=path)
+    if "lm_head/kernel" in stats:
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        onehot = np.eye(cfg.vocab_size)[np.asarray(tokens)]
+        assert_close(stats["lm_head/kernel"].out_grads, ((probs - onehot) / 16).reshape(16, -1),
+                     rtol=1e-4, atol=1e-8)
+
+
+# ------------------------------------------------------------------------ the errors
+def test_unsupported_uses_warn_or_raise():
+    p = {"t": {"kernel": _normal(4, 4)}, "s": {"kernel": _normal(4, 4)},
+         "loop": {"kernel": _normal(4, 4)}, "ok": {"kernel": _normal(4, 2)}}
+    x = _normal(5, 4)
+
+    def loss_fn(p):
+        h = jax.lax.dot_general(x, p["t"]["kernel"], (((1,), (1,)), ((), ())))  # x @ Wᵀ
+        h = jnp.tanh(h @ p["s"]["kernel"]) @ p["s"]["kernel"]                  # shared
+        h = jax.lax.scan(lambda c, _: (jnp.tanh(c @ p["loop"]["kernel"]), None), h,
+                         None, length=2)[0]
+        return jnp.sum(h @ p["ok"]["kernel"])
+
+    with pytest.warns(UserWarning, match="t/kernel.*layout") as record:
+        _, _, stats = kfac.value_grad_and_stats(loss_fn, p)
+    message = str(record[0].message)
+    assert "s/kernel: it feeds 2 matmuls" in message and "loop/kernel" in message
+    assert set(stats) == {"ok/kernel"}
+    for name, words in (("t", "layout"), ("s", "weight sharing"), ("loop", "scan")):
+        with pytest.raises(ValueError, match=words):
+            kfac.value_grad_and_stats(loss_fn, p, layers=[f"{name}/kernel"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, stats = kfac.value_grad_and_stats(loss_fn, p, layers=["ok/kernel"])
+    assert set(stats) == {"ok/kernel"}
+    with pytest.raises(ValueError, match="not paths of params leaves"):
+        kfac.value_grad_and_stats(loss_fn, p, layers=["nope/kernel"])
+    q = {"unused": {"kernel": _normal(2, 2)}, "ok": p["ok"]}
+    with pytest.raises(ValueError, match="no matmul uses"):
+        kfac.value_grad_and_stats(lambda q: jnp.sum(x @ q["ok"]["kernel"]), q,
+                                  layers=["unused/kernel"])
+
+
+def test_has_aux_and_args_closed_over():
+    p = {"l": {"kernel": _normal(3, 2)}}
+
+    def loss_fn(p, x, n):                      # n: a Python int, used statically
+        y = jnp.tile(x, (n, 1)) @ p["l"]["kernel"]
+        return jnp.mean(y ** 2), {"rows": y.shape[0]}
+
+    (loss, aux), _, stats = kfac.value_grad_and_stats(loss_fn, p, _normal(4, 3), 2,
+                                                      has_aux=True)
+    assert aux["rows"] == 8 and stats["l/kernel"].inputs.shape == (8, 3)
+    assert loss.shape == ()
+
+
+# ------------------------------------------------------------ curvature_from_stats
+def test_curvature_from_stats_experts_against_float64_per_expert_reference():
+    """Per-expert A and G from each expert's routed tokens (empty slots are zero rows),
+    with g = M·dy, against float64 numpy; dense layers default to M = their own N."""
+    E, C, d_in, d_out, M = 3, 5, 4, 2, 11
+    x = np.asarray(RNG.normal(size=(E, C, d_in)), np.float32)
+    dy = np.asarray(RNG.normal(size=(E, C, d_out)), np.float32) / M
+    filled = np.array([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], bool)
+    x[~filled], dy[~filled] = 0.0, 0.0
+    stats = {"experts/w": kfac.LayerStats(jnp.asarray(x), jnp.asarray(dy)),
+             "dense/kernel": kfac.LayerStats(jnp.asarray(x[0]), jnp.asarray(dy[0]), True)}
+    with pytest.raises(ValueError, match="num_tokens"):
+        kfac.curvature_from_stats(stats)
+    c = kfac.curvature_from_stats(stats, num_tokens=M)
+    for e in range(E):
+        xe = x[e][filled[e]].astype(np.float64)
+        ge = M * dy[e][filled[e]].astype(np.float64)
+        n = max(len(xe), 1)
+        assert_close(c["experts/w"].a[e], xe.T @ xe / n, rtol=1e-5, atol=1e-6)
+        assert_close(c["experts/w"].g[e], ge.T @ ge / n, rtol=1e-5, atol=1e-6)
+    xd = np.concatenate([x[0], np.ones((C, 1), np.float32)], 1).astype(np.float64)
+    gd = M * dy[0].astype(np.float64)
+    assert_close(c["dense/kernel"].a, xd.T @ xd / C, rtol=1e-5, atol=1e-6)
+    assert_close(c["dense/kernel"].g, gd.T @ gd / C, rtol=1e-5, atol=1e-6)
+
+
+def test_curvature_from_stats_token_stride():
+    x, dy = _normal(12, 3), _normal(12, 2)
+    stats = {"l/kernel": kfac.LayerStats(x, dy)}
+    c = jax.jit(lambda o: kfac.curvature_from_stats(stats, num_tokens=12, token_stride=3,
+                                                    token_offset=o))(1)
+    ref = kfac.layer_factors(x[1::3], dy[1::3], num_tokens=12)
+    assert_close(c["l/kernel"].a, ref.a)
+    assert_close(c["l/kernel"].g, ref.g)
+    with pytest.raises(ValueError, match="divide"):
+        kfac.curvature_from_stats(stats, token_stride=5)
+    with pytest.raises(ValueError, match="token_stride"):
+        kfac.curvature_from_stats(stats, token_stride=0)
+
+
+
+def test_moe_gpt_experts_preconditioned_per_expert():
+    """The MoE GPT's expert stacks go to K-FAC with the dense kernels (an optax.partition
+    next to AdamW, `layers` built from the params the group sees): per-expert factors
+    from the routed tokens, refreshed, and each expert's update is its own gradient
+    preconditioned by its own factors."""
+    from flax import nnx
+
+    import models
+
+    cfg = models.GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=8, moe_every=2,
+                           n_experts=4, dtype="float32")
+    graphdef, params, rest = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
+
+    def loss_fn(p, x, y):
+        logits, aux, _ = models.forward(nnx.merge(graphdef, p, rest), x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + aux
+
+    from optax_snoo._src.utils import path_to_str
+    paths = [path_to_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    kernels = [p for p in paths if ("attn" in p or "experts" in p) and not p.endswith("bias")]
+    labels = jax.tree_util.tree_map_with_path(
+        lambda k, _: "kfac" if path_to_str(k) in kernels else "adamw", params)
+    group = kfac.kfac(0.1, damping=1e-2, refresh=kfac.every(1, first=0), momentum=None,
+                      layers=lambda p: kfac.layers_from_params(p, kernels))
+    tx = optax.partition({"kfac": group, "adamw": optax.adamw(1e-3)}, labels)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        _, grads, stats = kfac.value_grad_and_stats(loss_fn, params, tokens, tokens,
+                                                    layers=kernels)
+        curvature = kfac.curvature_from_stats(stats, num_tokens=16)
+        updates, state = tx.update(grads, state, params, curvature=curvature)
+        return grads, curvature, updates, state
+
+    grads, curvature, updates, state = step(params, state)
+    (k_state,) = kfac.kfac_states(state)
+    w = "blocks/1/moe/experts/w_fc"
+    assert curvature[w].a.shape == (4, 32, 32) and curvature[w].g.shape[0] == 4
+    assert kfac.event_row(k_state.event)["refresh"] == 1
+    # Expert e's update: its gradient through its own pi-damped inverses (lr 0.1).
+    inv = k_state.inverses["blocks"]["1"]["moe"]["experts"]["w_fc"]
+    g = grads["blocks"][1]["moe"]["experts"]["w_fc"]         # nnx.List: int keys
+    u = updates["blocks"][1]["moe"]["experts"]["w_fc"]
+    for e in range(4):
+        ref = kfac.precondition(g[e], curvature[w].a[e], curvature[w].g[e], 1e-2)
+        assert_close(inv.a_inv[e] @ g[e] @ inv.g_inv[e], ref, rtol=1e-3, atol=1e-6)
+        assert_close(u[e], -0.1 * ref, rtol=1e-3, atol=1e-7)
+
+
+def test_through_remat_and_custom_jvp_boundaries():
+    """Kernels used inside jax.checkpoint and inside a custom_jvp function (not a lone
+    matmul: inlined) are captured like top-level ones."""
+    p = {"a": {"kernel": _normal(4, 5)}, "b": {"kernel": _normal(5, 3)}}
+    x = _normal(6, 4)
+
+    @jax.custom_jvp
+    def layer_b(h, w):
+        return jnp.tanh(h @ w)
+
+    layer_b.defjvp(lambda primals, tangents: jax.jvp(
+        lambda h, w: jnp.tanh(h @ w), primals, tangents))
+
+    def f(p, perts):
+        h = jax.checkpoint(lambda x, w: jnp.sin(x @ w + perts[0]))(x, p["a"]["kernel"])
+        return jnp.sum(layer_b(h, p["b"]["kernel"]) ** 2), h
+
+    def g(p, perts):                      # the same with the perturbation inside layer_b
+        h = jnp.sin(x @ p["a"]["kernel"] + perts[0])
+        return jnp.sum(jnp.tanh(h @ p["b"]["kernel"] + perts[1]) ** 2), h
+
+    _, grads, stats = kfac.value_grad_and_stats(lambda p: f(p, [0.0])[0], p)
+    (_, h), dys = jax.value_and_grad(lambda pt: g(p, pt), has_aux=True)(
+        [jnp.zeros((6, 5)), jnp.zeros((6, 3))])
+    assert set(stats) == {"a/kernel", "b/kernel"}
+    assert_close(stats["a/kernel"].inputs, x)
+    assert_close(stats["a/kernel"].out_grads, dys[0])
+    assert_close(stats["b/kernel"].inputs, h)
+    assert_close(stats["b/kernel"].out_grads, dys[1])
+    assert_close(grads["b"]["kernel"], h.T @ dys[1], rtol=1e-5, atol=1e-6)
