@@ -12,7 +12,6 @@ from models.attention import CausalSelfAttention, KVCache, causal_attention
 from models.config import GPTConfig
 from models.generate import generate, sample_token
 from models.gpt import GPT, Block, forward
-from models.kfac_capture import value_grad_and_stats  # deprecated
 from models.layers import MLP, Dense, LayerNorm
 from models.moe import Experts, MoE, Routing, load_balance_loss, route, router_z_loss
 from models.sharding import LOGICAL_AXES, logical_rules
@@ -38,5 +37,4 @@ __all__ = [
     "route",
     "router_z_loss",
     "sample_token",
-    "value_grad_and_stats",
 ]

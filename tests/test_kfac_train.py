@@ -164,10 +164,13 @@ def test_strided_statistics_average_to_the_full_ones():
     params = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
     x = jax.random.randint(jax.random.key(1), (3, 8), 0, 32)
 
-    def loss_fn(logits, aux, y):
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, x, y):
+        logits, aux, _ = models.forward(nnx.merge(graphdef, params, rest), x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + aux
 
-    _, _, stats = models.value_grad_and_stats(loss_fn, model, x, x)
+    _, _, stats = kfac.value_grad_and_stats(loss_fn, params, x, x)
     full = kfac_curvature_fn(params)(stats, jnp.int32(0))
     assert "blocks/0/attn/c_q/kernel" in full and "lm_head/kernel" not in full
     assert full["blocks/0/mlp/c_fc/kernel"].a.shape == (17, 17)  # bias coordinate
@@ -176,8 +179,8 @@ def test_strided_statistics_average_to_the_full_ones():
                                                  for t in range(4)])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b)))), mean, full)
-    with pytest.raises(ValueError, match="must divide the sequence length 8"):
-        kfac_curvature_fn(params, 3)(stats, jnp.int32(0))
+    with pytest.raises(ValueError, match="must divide the token count 24"):
+        kfac_curvature_fn(params, 5)(stats, jnp.int32(0))
     with pytest.raises(ValueError, match="kfac_stats_stride"):
         kfac_curvature_fn(params, 0)
 
@@ -192,3 +195,30 @@ def test_kfac_options_are_checked(corpus, tmp_path):
     with pytest.raises(ValueError, match="kfac_warm_start"):
         build_optimizer(tiny(corpus, tmp_path, kfac_warm_start=-1))
     assert not build_optimizer(tiny(corpus, tmp_path, optimizer="adamw")).takes_curvature
+
+
+def test_kfac_on_moe_experts_run(corpus, tmp_path):
+    """--kfac_experts: the MoE expert stacks are in the K-FAC group (per-expert factors in
+    its state) and the run trains and refreshes as planned."""
+    config = tiny(corpus, tmp_path, n_layer=2, moe_every=2, n_experts=4, kfac_experts=True)
+    result = train.run(config)
+    _check_run(config, result)
+    _, state, _, _ = _curvature_setup(config)
+    (k_state,) = kfac.kfac_states(state["opt_state"])
+    experts = k_state.factors["blocks"]["1"]["moe"]["experts"]
+    assert experts["w_fc"].a.shape == (4, 32, 32) and experts["w_proj"].g.shape == (4, 32, 32)
+
+
+def test_kfac_run_on_a_data_mesh_splits_the_refresh(corpus, tmp_path):
+    """On a 4-device data mesh the run trains and refreshes as planned, and in the
+    compiled step each device decomposes its share of the factors only."""
+    config = tiny(corpus, tmp_path, mesh_data=4)
+    _check_run(config, train.run(config))
+    from benchmarks import kfac_scaling
+
+    mesh, state, step, _ = _curvature_setup(config)
+    x = put_batch(np.zeros((1, 8, 16), np.int32), batch_sharding(mesh))
+    costs = kfac_scaling.analyse(step.lower(state, x, x).compile().as_text())
+    # 1 layer, bias: A of c_q, c_k, c_v, c_proj, c_fc (33) and c_proj (129); G (32) x5, 128.
+    assert costs["refresh"]["eigh"] == {32: 2, 33: 2, 128: 1, 129: 1}
+    assert costs["refresh"]["collective_ops"]["all-gather"] >= 8

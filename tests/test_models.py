@@ -1,7 +1,7 @@
 """Tests of the Flax NNX GPT (models/).
 
 Config, parameter names/axes/init, attention (GQA), MLPs, MoE routing and losses,
-generation with a key/value cache, K-FAC capture. Small float32 configs, so most
+generation with a key/value cache. Small float32 configs, so most
 comparisons are exact or within 1e-5; references are numpy (float64) re-implementations
 of the documented formulas. Compilation dominates the run time, so the tests share two
 model configs (DENSE, MOE), cached models and jitted functions.
@@ -608,51 +608,3 @@ def test_generate_rejects_bad_arguments(kwargs, match):
     args = dict(max_new_tokens=2, rng=jax.random.key(0)) | kwargs
     with pytest.raises(ValueError, match=match):
         models.generate(_cached(DENSE), tokens((1, 2)), **args)
-
-
-# ----------------------------------------------------------------------------- K-FAC capture
-
-
-def test_kfac_capture_matches_manual_gradients():
-    model = _cached(MOE)
-    x, y = tokens((2, 8), seed=1), tokens((2, 8), seed=2)
-
-    @nnx.jit
-    def with_capture(model, x, y):
-        return models.value_grad_and_stats(xent, model, x, y)
-
-    @nnx.jit
-    def plain(model, x, y):
-        def loss_fn(model):
-            logits, aux, _ = models.forward(model, x)
-            return xent(logits, aux, y), (logits, aux)
-
-        (loss, (logits, aux)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-        return loss, grads, jax.grad(xent)(logits, aux, y)
-
-    loss, grads, stats = with_capture(model, x, y)
-    ref_loss, ref_grads, dlogits = plain(model, x, y)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    flat, ref_flat = flat_params(grads), flat_params(ref_grads)
-    assert set(flat) == set(ref_flat)
-    for path in flat:
-        np.testing.assert_allclose(flat[path][...], ref_flat[path][...], atol=1e-7, err_msg=path)
-
-    matrices = {p for p in ref_flat if p.endswith("kernel") or "experts" in p}
-    assert set(stats) == matrices
-    # The head's output is the logits: its output gradient is dL/dlogits.
-    np.testing.assert_allclose(stats["lm_head/kernel"][1], dlogits, atol=1e-7)
-    # For every matrix y = x W: dL/dW = sum over tokens of x (dL/dy)^T.
-    C = MOE.expert_capacity(16)
-    for path in matrices:
-        inputs, out_grads = stats[path]
-        if "experts" in path:
-            assert inputs.shape[:2] == out_grads.shape[:2] == (MOE.n_experts, C)
-            dW = jnp.einsum("eci,eco->eio", inputs, out_grads)
-        else:
-            assert inputs.shape[:-1] == out_grads.shape[:-1] == (2, 8)
-            dW = jnp.einsum("bti,bto->io", inputs, out_grads)
-        np.testing.assert_allclose(dW, ref_flat[path][...], atol=1e-6, err_msg=path)
-    # Empty expert slots (zero inputs) get no output gradient.
-    x_fc, g_fc = (np.asarray(a) for a in stats["blocks/1/moe/experts/w_fc"])
-    np.testing.assert_array_equal(g_fc[np.all(x_fc == 0, axis=-1)], 0.0)

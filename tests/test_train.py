@@ -29,7 +29,6 @@ from train.evaluate import evaluate_split, split_windows
 from train.evaluate import main as evaluate_main
 from train.metrics import flops_per_token
 from train.optimizers import (
-    CURVATURE_OPTIMIZERS,
     OPTIMIZERS,
     build_optimizer,
     learning_rate_schedule,
@@ -260,7 +259,7 @@ def test_every_registered_optimizer_updates(corpus, tmp_path):
         tx = spec.tx
         state = tx.init(params)
         # K-FAC requires its curvature= argument; None: a step without statistics.
-        extra = {"curvature": None} if name in CURVATURE_OPTIMIZERS else {}
+        extra = {"curvature": None} if spec.takes_curvature else {}
         updates, state = tx.update(grads, state, params, **extra)
         assert jax.tree.structure(updates) == jax.tree.structure(params), name
         assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates)), name

@@ -208,6 +208,8 @@ class KfacConfig:
                              key="kfac_warm_start")
     stats_stride: int = _field(1, "factors from every n-th position of each sequence "
                                "(rotating; 1 = all tokens)", key="kfac_stats_stride")
+    experts: bool = _field(False, "K-FAC also on the MoE expert stacks (per-expert "
+                           "factors); else AdamW", key="kfac_experts")
 
     def __post_init__(self):
         _validate(self, positive=("stats_stride",), non_negative=("warm_start",))

@@ -31,7 +31,6 @@ References:
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 import models
 import optax_snoo.labels
@@ -73,12 +71,18 @@ __all__ = [
     "warm_start_state",
 ]
 
-KFAC_RULES: tuple = (
-    (r"(^|/)(wte|wpe|lm_head|router|experts)(/|$)", "adamw"),
-    (r"(^|/)(ln\w*|\w*norm\w*)(/|$)", "adamw"),
-    (r"(^|/)(kernel|bias)$", "kfac"),
-    (r".*", "adamw"),
-)
+def kfac_rules(experts: bool = False) -> tuple:
+    """Label rules of the K-FAC group; `experts`: the MoE expert stacks go to K-FAC too
+    (per-expert factors), else to AdamW."""
+    to_adamw = "wte|wpe|lm_head|router" + ("" if experts else "|experts")
+    return ((rf"(^|/)({to_adamw})(/|$)", "adamw"),
+            (r"(^|/)(ln\w*|\w*norm\w*)(/|$)", "adamw"),
+            (r"(^|/)(kernel|bias)$", "kfac"),
+            *(((r"(^|/)experts/w_\w+$", "kfac"),) if experts else ()),
+            (r".*", "adamw"))
+
+
+KFAC_RULES: tuple = kfac_rules()
 
 
 def kfac_refresh_policy(config: TrainConfig) -> kfac_lib.RefreshPolicy:
@@ -116,69 +120,71 @@ def _kfac_group(config: TrainConfig) -> optax.GradientTransformation:
         kfac_schedule(config), damping=k.damping, momentum=k.momentum,
         weight_decay=a.weight_decay, weight_decay_mask=decay_mask, ema_decay=k.ema,
         refresh=kfac_refresh_policy(config), mode=k.mode,
-        graft=None if k.graft == "none" else k.graft, b2=a.beta2, eps=a.eps)
-    return optax_snoo.labels.partition({"kfac": hidden, "adamw": adamw_group(config)},
-                                       optax_snoo.labels.label_by_rules(KFAC_RULES))
+        graft=None if k.graft == "none" else k.graft, b2=a.beta2, eps=a.eps,
+        layers=_kfac_layers)
+    return optax_snoo.labels.partition(
+        {"kfac": hidden, "adamw": adamw_group(config)},
+        optax_snoo.labels.label_by_rules(kfac_rules(k.experts)))
 
 
-def kfac_curvature_fn(params: optax.Params, stride: int = 1
+def _kfac_layers(params: optax.Params) -> dict:
+    """The K-FAC group's kernels (every matrix it sees but the biases), experts included."""
+    leaves = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]
+    paths = [optax_snoo.labels.path_to_str(p) for p, leaf in leaves
+             if not isinstance(leaf, optax.MaskedNode) and leaf.ndim >= 2]
+    return kfac_lib.layers_from_params(params, paths)
+
+
+def kfac_curvature_fn(params: optax.Params, stride: int = 1, experts: bool = False
                       ) -> Callable[[dict, jax.Array], dict]:
-    """`(stats, step) -> curvature` for the K-FAC group of `params` (see `KFAC_RULES`).
+    """`(stats, step) -> curvature` for the K-FAC group of `params` (see `kfac_rules`).
 
-    `stats` is the dict of `models.value_grad_and_stats` (`path -> (inputs, out_grads)`,
-    `(B, T, ·)`); the result maps each K-FAC kernel path to its `layer_factors` (with the
-    bias coordinate when the layer has a bias), the `curvature=` argument of `kfac`.
-    With `stride > 1` the factors come from every `stride`-th position of each sequence
-    (positions `step % stride`, `+ stride`, ...: all positions over `stride` steps), which
-    divides their cost by `stride`; `g = M·dy` keeps `M` the number of tokens of the loss.
+    `stats` is the dict of `optax_snoo.kfac.value_grad_and_stats` (kernel path ->
+    `LayerStats`); the result maps each K-FAC kernel path to its factors
+    (`optax_snoo.kfac.curvature_from_stats`: bias coordinate when the layer has a bias,
+    per-expert factors for expert stacks), the `curvature=` argument of `kfac`. With
+    `stride > 1` the dense factors come from every `stride`-th token (offset `step %
+    stride`: all tokens over `stride` steps), dividing their cost by `stride`; `g = M·dy`
+    keeps `M` the number of tokens of the loss. `curvature.layers` lists the kernels, for
+    `value_grad_and_stats(layers=...)`.
     """
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"kfac_stats_stride={stride!r}: expected an int >= 1")
-    labels = optax_snoo.labels.label_by_rules(KFAC_RULES)(params)
-    paths = {optax_snoo.labels.path_to_str(p): label for p, label in
-             jax.tree_util.tree_flatten_with_path(labels)[0]}
-    layers = {path: path[:-len("kernel")] + "bias" in paths for path, label in paths.items()
-              if label == "kfac" and path.endswith("/kernel")}
-
-    def positions(x_BTD: jax.Array, offset: jax.Array) -> jax.Array:
-        B, T, D = x_BTD.shape
-        if T % stride:
-            raise ValueError(f"kfac_stats_stride={stride} must divide the sequence length {T}")
-        return jax.lax.dynamic_index_in_dim(x_BTD.reshape(B, T // stride, stride, D), offset,
-                                            axis=2, keepdims=False)
+    labels = optax_snoo.labels.label_by_rules(kfac_rules(experts))(params)
+    layers = sorted(optax_snoo.labels.path_to_str(p) for p, label in
+                    jax.tree_util.tree_flatten_with_path(labels)[0]
+                    if label == "kfac" and not optax_snoo.labels.path_to_str(p).endswith("/bias"))
 
     def curvature(stats: dict, step: jax.Array) -> dict:
         missing = sorted(set(layers) - set(stats))
         if missing:
             raise ValueError(f"the model captured no K-FAC statistics for {missing}")
-        out = {}
-        for path, has_bias in layers.items():
-            x, dy = stats[path]
-            num_tokens = math.prod(x.shape[:-1])
-            if stride > 1:
-                offset = jnp.asarray(step, jnp.int32) % stride
-                x, dy = positions(x, offset), positions(dy, offset)
-            out[path] = kfac_lib.layer_factors(x, dy, has_bias, num_tokens=num_tokens)
-        return out
+        num_tokens = next(s.inputs.shape[-2] for s in stats.values() if s.inputs.ndim == 2)
+        return kfac_lib.curvature_from_stats(
+            {path: stats[path] for path in layers}, num_tokens=num_tokens,
+            token_stride=stride, token_offset=jnp.asarray(step, jnp.int32) % stride)
 
+    curvature.layers = layers
     return curvature
 
 
 def _grad_and_curvature_fn(model: Any, curvature_fn: Callable[[dict, jax.Array], Any]):
     """`(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux)), (grads,
     {"curvature": ...}))`: the gradient and the K-FAC batch factors
-    `curvature_fn(stats, step)` from one backward pass (`models.value_grad_and_stats`, the
-    one capture call of the trainer)."""
-
-    def loss_fn(logits_BTV, aux_loss, targets_BT):
-        ce = cross_entropy(logits_BTV, targets_BT)
-        return ce + aux_loss, (ce, aux_loss)
+    `curvature_fn(stats, step)` from one backward pass (`optax_snoo.kfac.value_grad_and_stats`,
+    which reads the layers from the loss's jaxpr: the one capture call of the trainer)."""
 
     def grad_fn(params, inputs_BT, targets_BT, key, step):
-        out, grads, stats = models.value_grad_and_stats(
-            loss_fn, model.merge(params), inputs_BT, targets_BT, dropout_key=key,
-            has_aux=True)
-        return out, (nnx.to_pure_dict(grads), {"curvature": curvature_fn(stats, step)})
+        def loss_fn(params):
+            logits_BTV, aux_loss, _ = models.forward(model.merge(params), inputs_BT,
+                                                     dropout_key=key)
+            ce = cross_entropy(logits_BTV, targets_BT)
+            return ce + aux_loss, (ce, aux_loss)
+
+        out, grads, stats = kfac_lib.value_grad_and_stats(
+            loss_fn, params, has_aux=True, layers=curvature_fn.layers)
+        return out, (grads, {"curvature": curvature_fn(stats, step)})
 
     return grad_fn
 
@@ -306,10 +312,10 @@ def plot_refresh_events(rows: Sequence[dict[str, Any]], schedule: Callable[[Any]
 
 def _hooks(config: TrainConfig) -> dict[str, Any]:
     """The `TrainOptimizer` hooks of the K-FAC stacks."""
-    stride = config.kfac.stats_stride
+    stride, experts = config.kfac.stats_stride, config.kfac.experts
 
     def grad_fn(model, params):
-        return _grad_and_curvature_fn(model, kfac_curvature_fn(params, stride))
+        return _grad_and_curvature_fn(model, kfac_curvature_fn(params, stride, experts))
 
     def prepare(state, *, model, mesh, shardings, data, put, start):
         """Warm-start batches are the train windows of steps `max_iters, max_iters + 1,
@@ -318,7 +324,7 @@ def _hooks(config: TrainConfig) -> dict[str, Any]:
             return state
         estimate = make_curvature_estimate(
             model, mesh=mesh, params_shardings=shardings["params"],
-            curvature_fn=kfac_curvature_fn(state["params"], stride))
+            curvature_fn=kfac_curvature_fn(state["params"], stride, experts))
         batches = []
         for i in range(config.kfac.warm_start):
             x, y = data.batch("train", config.run.max_iters + i,

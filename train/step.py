@@ -186,24 +186,30 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
                      out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0,
                      static_argnums=3)
 
-    return TrainStep(jitted)
+    return TrainStep(jitted, mesh)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
     """The jitted train step; `hints` (static keyword arguments of `tx.update`) become
-    one hashable static argument, so each distinct value compiles once."""
+    one hashable static argument, so each distinct value compiles once. It is traced
+    under `jax.set_mesh(mesh)`, so transforms that split work over the mesh (K-FAC's
+    refresh) see it (`set_mesh` cannot be entered inside `jit`)."""
 
     jitted: Any
+    mesh: Mesh
 
     def __call__(self, state: TrainState, inputs_ABT: jax.Array, targets_ABT: jax.Array,
                  **hints: Any) -> tuple[TrainState, dict]:
-        return self.jitted(state, inputs_ABT, targets_ABT, tuple(sorted(hints.items())))
+        with jax.set_mesh(self.mesh):
+            return self.jitted(state, inputs_ABT, targets_ABT, tuple(sorted(hints.items())))
 
     def lower(self, state: TrainState, inputs_ABT: jax.Array, targets_ABT: jax.Array,
               **hints: Any) -> Any:
         """`jax.jit(...).lower` of the step for these hints (cost analysis, HLO)."""
-        return self.jitted.lower(state, inputs_ABT, targets_ABT, tuple(sorted(hints.items())))
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(state, inputs_ABT, targets_ABT,
+                                     tuple(sorted(hints.items())))
 
 
 def make_eval_step(model: ModelDef, *, mesh: Mesh,
