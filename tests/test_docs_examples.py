@@ -23,3 +23,7 @@ def test_readme_opens_with_a_python_example():
 @pytest.mark.parametrize("code", list(_blocks()))
 def test_example_runs(code, capsys):
     exec(compile(code, "<example>", "exec"), {"__name__": "__example__"})
+    printed = capsys.readouterr().out
+    if "print(" in code:  # what an example prints is what a reader is told to expect
+        assert printed.strip(), "the example prints nothing"
+        assert not re.search(r"\bnan\b", printed, re.IGNORECASE), printed
