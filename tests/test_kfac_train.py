@@ -14,16 +14,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_train import _step_setup
 
 import models
 import train
 from optax_snoo import kfac
 from train import config as tc
-from train import data as td
 from train.kfac_trainer import kfac_curvature_fn, kfac_refresh_policy, kfac_schedule
 from train.optimizers import build_optimizer
-from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
-from train.step import create_train_state, make_train_step
+from train.sharding import batch_sharding, put_batch
 
 # Runs of the same config compile the same programs: cached for this module.
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -87,12 +86,7 @@ def test_resumed_run_keeps_earlier_refresh_rows(corpus, tmp_path):
 
 
 def _curvature_setup(config):
-    vocab_size = td.CharDataset.load(config.data.path).vocab_size
-    spec = build_optimizer(config)
-    mesh = make_mesh(config)
-    model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
-                                      mesh=mesh)
-    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
+    mesh, state, step, _, vocab_size = _step_setup(config)  # the loop's step, as test_train
     return mesh, state, step, vocab_size
 
 
