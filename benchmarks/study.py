@@ -15,6 +15,7 @@ inner stack is in the same grid.
     python -m benchmarks.study --suite=dense              # one suite
     python -m benchmarks.study --suite=moe                # SkewAdam and friends on moe_tiny
     python -m benchmarks.study --suite=snoo_sensitivity   # k and outer lr/momentum
+    python -m benchmarks.study --suite=snoo_scaling       # Snoo against model size
     python -m benchmarks.study --preset=shakespeare_char_cpu --optimizers=adamw,snoo_adamw \
         --seeds=3 --steps=500 --name=quick
     python -m benchmarks.study --preset=gpt2_small@warmup_iters=20 --optimizers=adamw,muon \
@@ -185,21 +186,25 @@ def paired_one_sided(a: Sequence[float], b: Sequence[float]) -> tuple[float, flo
 
 
 def train_one(preset: str, stack: str, *, seed: int, steps: int,
-              eval_interval: int) -> dict[str, Any]:
-    """One training run in a scratch folder: its val curve, final loss and speed."""
+              eval_interval: int, whole_val: bool = False) -> dict[str, Any]:
+    """One training run in a scratch folder: its val curve, final loss and speed, and with
+    `whole_val` its final checkpoint's loss on the whole val split (`whole_val_loss`)."""
     import train
+    from train.evaluate import evaluate_split
 
     scratch = tempfile.mkdtemp(prefix="optax_snoo_study_")
     try:
         result = train.run(stack_config(preset, stack, seed=seed, steps=steps,
                                         eval_interval=eval_interval, out_dir=scratch))
+        whole = evaluate_split(scratch)["loss"] if whole_val else None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     curve = [(h["step"], h["val_loss"]) for h in result.history if "val_loss" in h]
     aux = [h["aux_loss"] for h in result.history if "aux_loss" in h]
     return {"seed": seed, "val_loss": result.final["val_loss"], "curve": curve,
             "wall_s": result.final["wall_s"], "tokens_per_sec": result.final["tokens_per_sec"],
-            "aux_loss": statistics.mean(aux[-10:]) if aux else None}
+            "aux_loss": statistics.mean(aux[-10:]) if aux else None,
+            **({"whole_val_loss": whole} if whole_val else {})}
 
 
 def run_grid(preset: str, stacks: Sequence[str], *, seeds: int, steps: int,
@@ -361,9 +366,11 @@ def _compilation_cache(directory: str):
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--suite", choices=["all", *sorted(SUITES)],
+    parser.add_argument("--suite", choices=["all", *sorted(SUITES), "snoo_scaling"],
                         help=f"a predefined grid; 'all' (the default without --optimizers) "
-                             f"runs {', '.join(DEFAULT_SUITES)}")
+                             f"runs {', '.join(DEFAULT_SUITES)}; 'snoo_scaling' is Snoo "
+                             "against model size (benchmarks/snoo_scaling.py; takes "
+                             "--steps, --seeds, --from_json)")
     parser.add_argument("--preset", help="trainer preset (overrides the suite's), with "
                         "overrides for every stack after @: gpt2_small@warmup_iters=20")
     parser.add_argument("--optimizers", help="comma-separated stacks; the first is the baseline")
@@ -374,6 +381,12 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     parser.add_argument("--from_json", action="store_true",
                         help="train nothing: rewrite each report from its .json grid")
     args = parser.parse_args(argv)
+    if args.suite == "snoo_scaling":
+        if args.preset or args.optimizers or args.name or args.eval_interval:
+            parser.error("--suite=snoo_scaling takes only --steps, --seeds and --from_json")
+        from benchmarks import snoo_scaling
+        return snoo_scaling.main(steps=args.steps, seeds=args.seeds,
+                                 from_json=args.from_json, argv=argv)
     if args.optimizers and not (args.preset or args.suite not in (None, "all")):
         parser.error("--optimizers needs --preset (or a single --suite for its preset)")
     if args.optimizers:
