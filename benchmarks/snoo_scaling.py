@@ -70,8 +70,13 @@ class ScalingGrid:
     steps: int = 1000
     seeds: int = 3
     lengths: tuple[float, ...] = (1.25, 1.5, 2.0)  # AdamW runs beside the 1x ones
-    length_seeds: int = 2
+    length_seeds: tuple[int, ...] = (2, 2, 1)  # seeds of those runs, by width
     eval_interval: int = 250
+
+    def __post_init__(self):
+        if len(self.length_seeds) != len(self.widths):
+            raise ValueError(f"length_seeds={self.length_seeds}: expected one seed count "
+                             f"per width {self.widths}")
 
     def preset_at(self, width: int) -> str:
         return f"{self.preset}@n_embd={width}"
@@ -79,7 +84,7 @@ class ScalingGrid:
     def runs(self) -> list[tuple[int, str, int, int]]:
         """Every `(width, stack, seed, steps)`, smallest width first, seed-major within it."""
         out = []
-        for width in self.widths:
+        for width, length_seeds in zip(self.widths, self.length_seeds, strict=True):
             pairs = [("adamw", "snoo_adamw")]
             if width in self.muon_widths:
                 pairs.append(("muon", "snoo_muon"))
@@ -88,7 +93,7 @@ class ScalingGrid:
                     out.append((width, inner, seed, self.steps))
                     out += [(width, snoo + extra, seed, self.steps)
                             for extra in SNOO_SETTINGS.values()]
-            for seed in range(self.length_seeds):
+            for seed in range(length_seeds):
                 out += [(width, "adamw", seed, round(self.steps * f)) for f in self.lengths]
         return out
 
@@ -139,11 +144,11 @@ def summarize(grid: ScalingGrid, results: dict[str, dict[str, Any]],
         return [results[run_key(width, stack, s, steps)]["whole_val_loss"] for s in seeds]
 
     rows = []
-    for width in grid.widths:
+    for width, length_seeds in zip(grid.widths, grid.length_seeds, strict=True):
         seeds = range(grid.seeds)
         lengths = [1.0, *grid.lengths]
         adamw_curve = [statistics.mean(finals(width, "adamw", round(grid.steps * f),
-                                              seeds if f == 1.0 else range(grid.length_seeds)))
+                                              seeds if f == 1.0 else range(length_seeds)))
                        for f in lengths]
         pairs = [("adamw", "snoo_adamw")] + (
             [("muon", "snoo_muon")] if width in grid.muon_widths else [])
@@ -193,7 +198,8 @@ def write_report(grid: ScalingGrid, results: dict[str, dict[str, Any]],
         f"n_embd {', '.join(map(str, grid.widths))} (4 layers, block 64, batch 12: 768 "
         f"tokens per step at every size); {grid.steps} steps, {grid.seeds} seeds per stack; "
         f"AdamW also at {', '.join(f'{f:g}x' for f in grid.lengths)} the steps with "
-        f"{grid.length_seeds} seeds. Every run warms up and decays over its own length. "
+        f"{', '.join(map(str, grid.length_seeds))} seeds by width. Every run warms up and "
+        "decays over its own length. "
         "Loss: the final checkpoint on the whole val split. Snoo settings: record = "
         "(k 28, lr 0.68, μ 0.37), paper = (K 100, η 0.8, μ 0.75).", "",
         head, "|" + "---|" * (head.count("|") - 1)]
@@ -268,14 +274,16 @@ def _train(width: int, stack: str, seed: int, steps: int, grid: ScalingGrid) -> 
 def run(grid: ScalingGrid, *, command: str, directory: Path | None = None,
         train: Callable[..., dict[str, Any]] = _train, log=print) -> Path:
     """Train the grid's runs not already in `<directory>/snoo_scaling.partial.json` (kept
-    after each run) and write the report."""
+    after each run; its runs stay valid for another grid on the same preset and eval
+    interval) and write the report."""
     directory = study.RESULTS if directory is None else directory
     directory.mkdir(parents=True, exist_ok=True)
     partial = directory / "snoo_scaling.partial.json"
     saved = json.loads(partial.read_text()) if partial.exists() else {}
     spec = json.loads(json.dumps(dataclasses.asdict(grid)))  # tuples as JSON keeps them
-    if saved.get("grid") != spec:
-        saved = {"grid": spec, "results": {}, "wall_s": 0.0}
+    if any(saved.get("grid", {}).get(k) != spec[k] for k in ("preset", "eval_interval")):
+        saved = {"results": {}, "wall_s": 0.0}  # runs keyed by width/stack/seed/steps
+    saved["grid"] = spec
     results = saved["results"]
     t0, wall_before = time.perf_counter(), saved["wall_s"]
     for width, stack, seed, steps in grid.runs():
@@ -311,7 +319,8 @@ def main(*, steps: int | None, seeds: int | None, from_json: bool,
         return [rewrite_report()]
     grid = ScalingGrid()
     grid = dataclasses.replace(grid, steps=steps or grid.steps, seeds=seeds or grid.seeds,
-                               length_seeds=min(grid.length_seeds, seeds or grid.seeds))
+                               length_seeds=tuple(min(n, seeds or grid.seeds)
+                                                  for n in grid.length_seeds))
     command = "python -m benchmarks.study " + " ".join(
         argv if argv is not None else sys.argv[1:])
     with (tempfile.TemporaryDirectory(prefix="optax_snoo_study_jax_cache_") as cache,

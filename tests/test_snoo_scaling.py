@@ -1,6 +1,7 @@
 """The Snoo-against-size study (`benchmarks.snoo_scaling`): the compute factor's
 interpolation, the grid's runs, and the report and resume with a fake trainer."""
 
+import dataclasses
 import json
 
 import pytest
@@ -37,7 +38,7 @@ def _fake_loss(width, stack, seed, steps):
 
 
 GRID = ss.ScalingGrid(widths=(32, 64), muon_widths=(64,), steps=100, seeds=2,
-                      lengths=(1.5, 2.0), length_seeds=1, eval_interval=50)
+                      lengths=(1.5, 2.0), length_seeds=(1, 2), eval_interval=50)
 
 
 def test_grid_lists_every_pair_setting_and_length():
@@ -45,9 +46,12 @@ def test_grid_lists_every_pair_setting_and_length():
     assert len(runs) == len(set(runs))
     # per width and seed: the inner stack and one Snoo run per setting, per pair
     assert len([r for r in runs if r[0] == 32]) == 2 * 3 + 2
-    assert len([r for r in runs if r[0] == 64]) == 2 * 6 + 2
+    assert len([r for r in runs if r[0] == 64]) == 2 * 6 + 2 * 2
     assert (64, "snoo_muon" + ss.SNOO_SETTINGS["paper"], 1, 100) in runs
     assert (32, "adamw", 0, 200) in runs and (32, "adamw", 1, 200) not in runs
+    assert (64, "adamw", 1, 150) in runs
+    with pytest.raises(ValueError, match=r"length_seeds=\(1,\): expected one seed count"):
+        ss.ScalingGrid(widths=(32, 64), length_seeds=(1,))
 
 
 def test_report_and_resume_with_a_fake_trainer(tmp_path):
@@ -65,9 +69,10 @@ def test_report_and_resume_with_a_fake_trainer(tmp_path):
     partial = json.loads((tmp_path / "snoo_scaling.partial.json").read_text())
     assert len(partial["results"]) == 4
     calls.clear()
-    report = ss.run(GRID, command="test", directory=tmp_path, log=lambda _: None,
+    grid = dataclasses.replace(GRID, length_seeds=(2, 2))  # a grown grid keeps its runs
+    report = ss.run(grid, command="test", directory=tmp_path, log=lambda _: None,
                     train=lambda *a: train(*a[:4], ss.ScalingGrid(preset="x!")))
-    assert len(calls) == len(GRID.runs()) - 4  # the four finished runs were not repeated
+    assert len(calls) == len(grid.runs()) - 4  # the four finished runs were not repeated
     assert not (tmp_path / "snoo_scaling.partial.json").exists()
 
     saved = json.loads((tmp_path / "snoo_scaling.json").read_text())
