@@ -234,6 +234,7 @@ def write_report(grid: ScalingGrid, results: dict[str, dict[str, Any]],
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     fig = Figure(figsize=(10, 4))
     left, right = fig.subplots(1, 2)
@@ -258,6 +259,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     right.set(xscale="log", xlabel="non-embedding params",
               ylabel="final val loss difference (nats)", title="Snoo − inner, paired by seed")
     for ax in (left, right):
+        ax.xaxis.set_minor_formatter(NullFormatter())  # 2x10^5, 3x10^5 ... overlap
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
