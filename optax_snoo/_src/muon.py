@@ -245,18 +245,34 @@ def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
     out_dtype = jnp.promote_types(ns_dtype, jnp.float32)
     transposed = x.shape[-2] > x.shape[-1]
     X = jnp.swapaxes(x, -1, -2) if transposed else x
-    X = X.astype(ns_dtype).astype(out_dtype)
+    info = jnp.finfo(ns_dtype)
+    narrow = info.bits < jnp.finfo(out_dtype).bits
+
+    # XLA:CPU computes bf16 ops in float32 and, with excess precision allowed (the
+    # default), drops f32->bf16->f32 round trips where its fusions meet, differently in
+    # different programs; an explicit reduce_precision is kept, so every program rounds
+    # the same values (the sharded plan then equals the per-leaf iteration bitwise).
+    def rounded(v: jax.Array) -> jax.Array:
+        return jax.lax.reduce_precision(v, info.nexp, info.nmant) if narrow else v
+
+    def down(v: jax.Array) -> jax.Array:
+        return rounded(v).astype(ns_dtype)
+
+    def up(v: jax.Array) -> jax.Array:
+        return rounded(v.astype(out_dtype))
+
+    X = up(X.astype(ns_dtype))
     norm = jnp.sqrt(jnp.sum(jnp.square(X), axis=(-2, -1), keepdims=True))
-    X = (X / (norm + eps)).astype(ns_dtype)
+    X = down(X / (norm + eps))
 
     def iteration(X: jax.Array, abc: jax.Array) -> tuple[jax.Array, None]:
         a, b, c = abc[0], abc[1], abc[2]
         A = X @ jnp.swapaxes(X, -1, -2)
-        B = (b * A.astype(out_dtype) + c * (A @ A).astype(out_dtype)).astype(ns_dtype)
-        return (a * X.astype(out_dtype) + (B @ X).astype(out_dtype)).astype(ns_dtype), None
+        B = down(b * up(A) + c * up(A @ A))
+        return down(a * up(X) + up(B @ X)), None
 
     X, _ = jax.lax.scan(iteration, X, jnp.asarray(triples, out_dtype))
-    X = X.astype(out_dtype)
+    X = up(X)
     return jnp.swapaxes(X, -1, -2) if transposed else X
 
 

@@ -7,9 +7,10 @@ every iteration. The plan here instead gives each device whole matrices:
 1. every Muon leaf becomes a stack ``(B, rows, cols)`` with ``rows <= cols`` (matrix axes
    moved last, transposed when tall, as the single-device iteration does; square
    matrices whose shardings are each other's transpose join the larger of the two groups
-   (``NS(Xᵀ) = NS(X)ᵀ``, exact in real arithmetic; in float32 the transposed products
-   round differently, ~2e-6 relative on 512x512, so squares are never transposed
-   otherwise);
+   transposed, and are transposed back on their device once whole, so every matrix
+   iterates in its own orientation (``NS(Xᵀ) = NS(X)ᵀ`` in real arithmetic only: the
+   transposed products round differently, 2e-6 relative in float32 on 512x512, 1.5% in
+   bfloat16);
 2. stacks with the same shape and the same sharding of their matrix axes are
    concatenated into one group and padded with zero matrices to a multiple of the device
    count N (a zero matrix orthogonalises to zero);
@@ -53,6 +54,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -247,16 +249,23 @@ def _local_newton_schulz(mesh: Any, spec: tuple[Any, Any, Any],
     n_r, n_c = math.prod(sizes[a] for a in row_axes), math.prod(sizes[a] for a in col_axes)
     pieces = row_axes + col_axes
 
-    def body(bits: jax.Array) -> jax.Array:
+    def body(bits: jax.Array, flip: jax.Array) -> jax.Array:
         if rep:
             n = bits.shape[0] // n_rep
             bits = jax.lax.dynamic_slice_in_dim(bits, jax.lax.axis_index(rep) * n, n, 0)
+            flip = jax.lax.dynamic_slice_in_dim(flip, jax.lax.axis_index(rep) * n, n, 0)
         s, rb, cb = bits.shape[0] // (n_r * n_c), bits.shape[1], bits.shape[2]
         if pieces:  # chunk j of my stack goes to piece-holder j; I get my chunk's pieces
             bits = jax.lax.all_to_all(bits, pieces, 0, 0, tiled=True)
             bits = bits.reshape(n_r, n_c, s, rb, cb).transpose(2, 0, 3, 1, 4)
             bits = bits.reshape(s, n_r * rb, n_c * cb)
-        x = newton_schulz(jax.lax.bitcast_convert_type(bits, ns_dtype))
+            flip = jax.lax.dynamic_slice_in_dim(flip, jax.lax.axis_index(pieces) * s, s, 0)
+        x = jax.lax.bitcast_convert_type(bits, ns_dtype)
+        if x.shape[-1] == x.shape[-2]:  # squares stored transposed iterate as they are
+            orient = lambda v: jnp.where(flip[:, None, None], jnp.swapaxes(v, -1, -2), v)
+            x = orient(newton_schulz(orient(x)))
+        else:
+            x = newton_schulz(x)
         bits = jax.lax.bitcast_convert_type(x.astype(ns_dtype), wire)
         if pieces:
             bits = bits.reshape(s, n_r, rb, n_c, cb).transpose(1, 3, 0, 2, 4)
@@ -301,7 +310,7 @@ def orthogonalize_sharded(
         spec = P(*group.spec)
         body = jax.shard_map(_local_newton_schulz(mesh, group.spec, newton_schulz, ns_dtype,
                                                   wire),
-                             mesh=mesh, in_specs=spec, out_specs=spec,
+                             mesh=mesh, in_specs=(spec, P(group.spec[0])), out_specs=spec,
                              # the all-gather over the replicating axes makes the
                              # result replicated there; the checker cannot infer it
                              check_vma=False)
@@ -312,7 +321,11 @@ def orthogonalize_sharded(
         stack = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
         stack = jax.lax.with_sharding_constraint(jax.lax.bitcast_convert_type(stack, wire),
                                                  NamedSharding(mesh, spec))
-        out = jax.lax.bitcast_convert_type(body(stack), ns_dtype).astype(out_dtype)
+        # Which matrices of the stack are stored transposed (static; padding is not).
+        flip = np.repeat([leaf.transpose for leaf in group.leaves] + [False],
+                         [leaf.batch for leaf in group.leaves] + [pad])
+        out = jax.lax.bitcast_convert_type(body(stack, jnp.asarray(flip)), ns_dtype
+                                           ).astype(out_dtype)
         start = 0
         for leaf in group.leaves:
             y = _from_stack(out[start:start + leaf.batch], leaf)
