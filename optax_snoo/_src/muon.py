@@ -248,10 +248,7 @@ def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
     info = jnp.finfo(ns_dtype)
     narrow = info.bits < jnp.finfo(out_dtype).bits
 
-    # XLA:CPU computes bf16 ops in float32 and, with excess precision allowed (the
-    # default), drops f32->bf16->f32 round trips where its fusions meet, differently in
-    # different programs; an explicit reduce_precision is kept, so every program rounds
-    # the same values (the sharded plan then equals the per-leaf iteration bitwise).
+    # XLA:CPU drops bf16 round trips per program (excess precision); reduce_precision stays.
     def rounded(v: jax.Array) -> jax.Array:
         return jax.lax.reduce_precision(v, info.nexp, info.nmant) if narrow else v
 
