@@ -3,7 +3,8 @@
 `compiled.cost_analysis()` and a plain text count of the HLO see a while (scan) body
 once. Here every computation is weighted by how often it runs: a while body (and its
 condition) by the loop's ``known_trip_count`` from its backend config, a conditional by
-its most expensive branch (one branch runs per step), fusions and calls once per call.
+its most expensive branch (one branch runs per step; ``eigh_branch`` picks K-FAC's refresh
+or non-refresh branch instead), fusions and calls once per call.
 
 Counted per device (an SPMD program is one device's program):
 
@@ -13,13 +14,19 @@ Counted per device (an SPMD program is one device's program):
   all its elements). The traffic that actually leaves the device is ``(g-1)/g`` of it
   for a group of ``g`` devices;
 - FLOPs: ``2 * prod(result) * prod(contracted dims)`` per dot, one per output element of
-  elementwise arithmetic and one per input element of a reduce.
+  elementwise arithmetic, one per input element of a reduce, and ``9 n^3`` per ``n x n``
+  matrix of an eigendecomposition custom call (LAPACK/cuSOLVER ``syevd``/``syevj``, which
+  ``cost_analysis`` leaves out): tridiagonalisation, back-transformation and implicit QR
+  of a symmetric eigensolver with eigenvectors (Golub & Van Loan, "Matrix Computations",
+  4th ed., 2013, section 8.3).
 
 Usage::
 
     compiled = jax.jit(f).lower(*args).compile()
     stats = analyze(compiled.as_text())
-    stats.collective_bytes, stats.by_kind, stats.flops, stats.in_loops
+    stats.collective_bytes, stats.by_kind, stats.flops, stats.in_loops, stats.eigh
+    refresh = analyze(text, eigh_branch=True)   # a K-FAC refresh step
+    plain = analyze(text, eigh_branch=False)    # a step without refresh
 """
 
 from __future__ import annotations
@@ -51,6 +58,9 @@ ELEMENTWISE = {
     "tan", "erf", "sign", "floor", "ceil", "round-nearest-even", "round-nearest-afz",
     "compare", "select", "clamp", "and", "or", "xor", "not",
 }
+
+EIGH_FLOPS_PER_N3 = 9
+_EIGH_TARGETS = ("syevd", "syevj", "heevd", "eigh")
 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
@@ -101,9 +111,14 @@ class Cost:
     by_kind: Counter = dataclasses.field(default_factory=Counter)      # bytes per kind
     counts: Counter = dataclasses.field(default_factory=Counter)       # executions per kind
     in_loops: Counter = dataclasses.field(default_factory=Counter)     # bytes inside loops
+    eigh: Counter = dataclasses.field(default_factory=Counter)         # n -> n x n matrices
+    eigh_flops: float = 0.0                                            # part of `flops`
 
     def add(self, other: Cost, times: float = 1.0, in_loop: bool = False) -> None:
         self.flops += times * other.flops
+        self.eigh_flops += times * other.eigh_flops
+        for k, v in other.eigh.items():
+            self.eigh[k] += times * v
         for k, v in other.by_kind.items():
             self.by_kind[k] += times * v
             if in_loop:
@@ -153,8 +168,22 @@ def _trip_count(remainder: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def analyze(hlo_text: str) -> Cost:
+def _is_eigh(opcode: str, remainder: str) -> bool:
+    if opcode != "custom-call":
+        return False
+    target = re.search(r'custom_call_target="([^"]*)"', remainder)
+    return bool(target) and any(t in target.group(1) for t in _EIGH_TARGETS)
+
+
+def analyze(hlo_text: str, eigh_branch: bool | None = None) -> Cost:
     """Loop-aware per-device collective bytes and FLOPs of compiled HLO text.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` (one device's program under SPMD).
+      eigh_branch: how a conditional with an eigendecomposition in some branches (K-FAC's
+        refresh) counts: None, its most expensive branch; True, the most expensive branch
+        with one (a refresh step); False, the most expensive without (a plain step).
+        Other conditionals always count their most expensive branch.
 
     Raises:
       ValueError: for a while loop without a known trip count (its cost per step is
@@ -163,6 +192,16 @@ def analyze(hlo_text: str) -> Cost:
     comps, entry = _parse(hlo_text)
     types = {name: t for instrs in comps.values() for name, t, _, _ in instrs}
     memo: dict[str, Cost] = {}
+    eigh_inside: dict[str, bool] = {}
+
+    def has_eigh(name: str) -> bool:
+        if name not in eigh_inside:
+            eigh_inside[name] = False  # a computation does not call itself
+            eigh_inside[name] = any(
+                _is_eigh(op, rem) or any(has_eigh(c) for _, c in _CALLS.findall(rem))
+                or any(has_eigh(b) for b in _branches(rem))
+                for _, _, op, rem in comps.get(name, []))
+        return eigh_inside[name]
 
     def operand_types(remainder: str) -> list[str]:
         args = remainder.split(")", 1)[0]
@@ -185,6 +224,12 @@ def analyze(hlo_text: str) -> Cost:
                 contracted = math.prod(lhs_shape[int(d)] for d in dims.group(1).split(",")
                                        if d) if dims and lhs_shape else 1
                 total.flops += 2.0 * _elements(type_str) * contracted
+            elif _is_eigh(opcode, remainder):
+                _, shape = _arrays(type_str)[0]  # the eigenvectors, (*batch, n, n)
+                matrices = math.prod(shape[:-2])
+                total.eigh[shape[-1]] += matrices
+                total.eigh_flops += EIGH_FLOPS_PER_N3 * shape[-1] ** 3 * matrices
+                total.flops += EIGH_FLOPS_PER_N3 * shape[-1] ** 3 * matrices
             elif opcode in ELEMENTWISE:
                 total.flops += _elements(type_str)
             elif opcode == "reduce":
@@ -198,9 +243,9 @@ def analyze(hlo_text: str) -> Cost:
                 total.add(cost(called["body"]), trips, in_loop=True)
                 total.add(cost(called["condition"]), trips + 1, in_loop=True)
             elif opcode == "conditional":
-                m = _BRANCHES.findall(remainder)
-                branches = [b.strip().lstrip("%") for group in m
-                            for b in group.strip("{}").split(",") if b.strip()]
+                branches = _branches(remainder)
+                if eigh_branch is not None and any(has_eigh(b) for b in branches):
+                    branches = [b for b in branches if has_eigh(b) == eigh_branch]
                 if branches:
                     worst = max((cost(b) for b in branches),
                                 key=lambda c: (c.collective_bytes, c.flops))
@@ -215,6 +260,11 @@ def analyze(hlo_text: str) -> Cost:
     return cost(entry)
 
 
+def _branches(remainder: str) -> list[str]:
+    return [b.strip().lstrip("%") for group in _BRANCHES.findall(remainder)
+            for b in group.strip("{}").split(",") if b.strip()]
+
+
 def trip_counts(hlo_text: str) -> list[int | None]:
     """The known trip count of every while loop in the program (None where unknown)."""
     comps, _ = _parse(hlo_text)
@@ -226,4 +276,7 @@ def summary(cost: Cost) -> str:
     """One line: bytes per collective kind (MiB) and GFLOPs."""
     parts = [f"{k} {v / 2**20:.2f} MiB x{int(cost.counts[k])}" for k, v in
              sorted(cost.by_kind.items())]
-    return json.dumps({"collectives": parts, "gflops": round(cost.flops / 1e9, 4)})
+    out = {"collectives": parts, "gflops": round(cost.flops / 1e9, 4)}
+    if cost.eigh:
+        out["eigh"] = {int(n): int(c) for n, c in sorted(cost.eigh.items())}
+    return json.dumps(out)

@@ -2,28 +2,35 @@
 
 For each parameter tree (GPT-2 small's and ``moe_tiny``'s, sharded by the trainer's
 logical rules over the ``("data", "fsdp", "tensor")`` mesh) and each optimizer step in
-`STACKS`, the jitted update is compiled on sub-meshes of the first N simulated CPU
-devices (fsdp-only ``(1, N, 1)`` and data x fsdp ``(2, N/2, 1)``) and its HLO is read
-with `benchmarks.hlo`: collective bytes per device by kind and FLOPs per device, with
-while/scan bodies counted trip-count times (``cost_analysis`` counts them once). Nothing
-is timed there; the wall-time section times Muon before (``shard_newton_schulz=False``,
-the partitioner's choice) and after on the 8-device mesh, interleaved, in one process.
+`STACKS`, the jitted update is compiled (under ``jax.set_mesh``, as the trainer's step)
+on sub-meshes of the first N simulated CPU devices (fsdp-only ``(1, N, 1)`` and data x
+fsdp ``(2, N/2, 1)``) and its HLO is read with `benchmarks.hlo`: collective bytes per
+device by kind and FLOPs per device, with while/scan bodies counted trip-count times
+(``cost_analysis`` counts them once) and eigendecompositions at 9 n^3 (which
+``cost_analysis`` leaves out). The K-FAC step (the trainer's `kfac` stack, expert stacks
+included on MoE trees, fed the captured statistics of one batch) gives two rows from one
+program: its refresh branch ("kfac refresh") and its plain branch ("kfac"). Nothing is
+timed there; the wall-time section times Muon before (``shard_newton_schulz=False``, the
+partitioner's choice) and after on the 8-device mesh, interleaved, in one process.
 
     python -m benchmarks.scaling [--trees gpt2_small,moe_tiny,16x512] [--out benchmarks/results]
 
-Targets checked (and printed): Muon's collective bytes per device per step <= 2x the
-device's share of the params; its per-device FLOPs <= 1.1 total/N + one matrix; Snoo
-adds no collective bytes to Muon's.
+A tree is a trainer preset, optionally with ``@key=value`` overrides
+(``shakespeare_char_cpu@n_layer=2``), or ``16x512``. Targets checked (and printed):
+Muon's collective bytes per device per step <= 2x the device's share of the params; its
+per-device FLOPs <= 1.1 total/N + one matrix; Snoo adds no collective bytes to Muon's;
+the K-FAC refresh's per-device FLOPs <= 1.1 total/N + one matrix (the largest factor's
+eigendecomposition), for the whole step and for its eigendecompositions alone.
 
 Extension point: `register_stack(name)` adds a step to measure. A builder gets a `Tree`
 and a mesh and returns a `Step` (the function to jit and its arguments, concrete arrays
-or ``jax.ShapeDtypeStruct``s with shardings); e.g. K-FAC's refresh and non-refresh
-steps::
+or ``jax.ShapeDtypeStruct``s with shardings), or None where the step does not apply to
+the tree; `Step.rows` names the rows read from its one program (K-FAC: the refresh and the
+plain branch)::
 
-    @register_stack("kfac refresh")
-    def _kfac_refresh(tree: Tree, mesh) -> Step:
-        ...
-        return Step(fn, (grads, state, tree.params), muon_like=False)
+    @register_stack("sgd")
+    def _sgd(tree: Tree, mesh) -> Step:
+        return optimizer_step(optax.sgd(0.1), tree)
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class Tree:
     labels: Any            # "muon"/"adam" per leaf (optax_snoo.labels.muon_adam_labels)
     config: Any            # the models.GPTConfig it came from
     mesh: Any
+    train_config: Any = None  # the train.config.TrainConfig preset (None for 16x512)
 
 
 @dataclasses.dataclass
@@ -79,9 +87,12 @@ class Step:
     args: tuple[Any, ...]
     muon_like: bool = False      # checked against Muon's targets
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # (row name, hlo.analyze's eigh_branch) per row read from the program; () = one row
+    # named after the stack, conditionals at their most expensive branch.
+    rows: tuple[tuple[str, bool | None], ...] = ()
 
 
-StackBuilder = Callable[[Tree, Any], Step]
+StackBuilder = Callable[[Tree, Any], Step | None]
 STACKS: dict[str, StackBuilder] = {}
 
 
@@ -100,8 +111,9 @@ def make_mesh(shape: tuple[int, int, int]):
 
 
 def build_tree(name: str, mesh) -> Tree:
-    """The trainer preset's params as ShapeDtypeStructs sharded by the logical rules;
-    ``"16x512"`` is the issue's case: 16 matrices 512x512 float32, rows over fsdp."""
+    """The trainer preset's params as ShapeDtypeStructs sharded by the logical rules
+    (``preset@key=value...`` overrides its keys); ``"16x512"`` is the issue's case: 16
+    matrices 512x512 float32, rows over fsdp."""
     if name == "16x512":
         sharding = NamedSharding(mesh, P("fsdp", None))
         params = {f"w{i:02d}": jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=sharding)
@@ -110,9 +122,11 @@ def build_tree(name: str, mesh) -> Tree:
     from flax import nnx
 
     import models
-    from train.config import get_preset, model_config
+    from train.config import model_config, parse_args
 
-    config = model_config(get_preset(name), 65)  # the trainer's character vocabulary
+    preset, *overrides = name.split("@")
+    train_config = parse_args([f"--preset={preset}", *(f"--{o}" for o in overrides)])
+    config = model_config(train_config, 65)  # the trainer's character vocabulary
     with jax.set_mesh(mesh), nnx.logical_axis_rules(models.logical_rules()):
         model = nnx.eval_shape(lambda: models.GPT(config, rngs=nnx.Rngs(0)))
         state = nnx.state(model, nnx.Param)
@@ -122,7 +136,7 @@ def build_tree(name: str, mesh) -> Tree:
     params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
         shapes, specs, is_leaf=lambda x: is_spec(x) or hasattr(x, "shape"))
-    return Tree(name, params, muon_adam_labels(params), config, mesh)
+    return Tree(name, params, muon_adam_labels(params), config, mesh, train_config)
 
 
 def concrete(tree_like: Any) -> Any:
@@ -179,6 +193,56 @@ def _snoo_muon_sync(tree: Tree, mesh) -> Step:
                                               snoo_sync=True), muon_like=True)
 
 
+@register_stack("kfac")
+def _kfac(tree: Tree, mesh) -> Step | None:
+    """The trainer's `kfac` stack and its batch factors from one batch's statistics."""
+    if tree.train_config is None:
+        return None
+    from flax import nnx
+
+    import models
+    from optax_snoo import kfac
+    from train.config import override
+    from train.kfac_trainer import kfac_curvature_fn
+    from train.optimizers import build_optimizer
+    from train.sharding import BATCH_AXES
+    from train.step import cross_entropy
+
+    experts = tree.config.moe_every > 0  # MoE trees: per-expert factors, split like the rest
+    config = override(tree.train_config, optimizer="kfac", kfac_experts=experts)
+    tx = build_optimizer(config).tx
+    curvature_fn = kfac_curvature_fn(tree.params, config.kfac.stats_stride, experts)
+    graphdef, _, rest = nnx.split(
+        nnx.eval_shape(lambda: models.GPT(tree.config, rngs=nnx.Rngs(0))), nnx.Param, ...)
+
+    def stats_of(params, tokens_BT):
+        def loss(p):
+            logits_BTV, aux, _ = models.forward(nnx.merge(graphdef, p, rest), tokens_BT)
+            return cross_entropy(logits_BTV, tokens_BT) + aux
+        return kfac.value_grad_and_stats(loss, params, layers=curvature_fn.layers)[2]
+
+    tokens = jax.ShapeDtypeStruct((config.data.batch_size, config.model.block_size), jnp.int32)
+    stats = jax.eval_shape(stats_of, tree.params, tokens)
+    # The trainer's batch is split over the batch axes, so are the statistics' tokens.
+    split = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(
+        mesh, P(*[None] * (s.ndim - 2), BATCH_AXES if s.shape[-2] % split == 0 else None,
+                None))), stats)
+    # Abstract state on the shardings the compiled init gives it (no gigabytes of zeros);
+    # the constants it places on one device are replicated, as a concrete init's are.
+    shardings = jax.jit(tx.init).lower(tree.params).compile().output_shardings
+    state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s if isinstance(
+            s, NamedSharding) else NamedSharding(mesh, P())),
+        jax.eval_shape(tx.init, tree.params), shardings)
+
+    def step(grads, state, params, stats):
+        return tx.update(grads, state, params, curvature=curvature_fn(stats, 0))
+
+    return Step(step, (tree.params, state, tree.params, stats),
+                rows=(("kfac refresh", True), ("kfac", False)))
+
+
 def share_bytes(params: Any, labels: Any | None = None, label: str | None = None) -> float:
     """Bytes of `params` (or of the leaves labelled `label`) one device holds."""
     total = 0.0
@@ -209,20 +273,28 @@ def measure(tree_name: str, mesh_shape: tuple[int, int, int], names: list[str]) 
     rows = []
     for name in names:
         step = STACKS[name](tree, mesh)
+        if step is None:
+            continue
         start = time.perf_counter()
-        text = jax.jit(step.fn).lower(*step.args).compile().as_text()
-        cost = hlo.analyze(text)
-        rows.append({
-            "tree": tree_name, "mesh": "x".join(map(str, mesh_shape)),
-            "n": math.prod(mesh_shape), "step": name, "muon_like": step.muon_like,
-            "collective_bytes": cost.collective_bytes,
-            "loop_collective_bytes": cost.loop_collective_bytes,
-            "by_kind": dict(cost.by_kind), "counts": dict(cost.counts), "flops": cost.flops,
-            "share_bytes": share, "muon_share_bytes": muon_share,
-            "largest_matrix_flops": largest_matrix_flops(tree),
-            "compile_s": time.perf_counter() - start,
-        })
-        print(f"  {tree_name} {rows[-1]['mesh']} {name}: {hlo.summary(cost)}", flush=True)
+        with jax.set_mesh(mesh):
+            text = jax.jit(step.fn).lower(*step.args).compile().as_text()
+        compile_s = time.perf_counter() - start
+        for row_name, eigh_branch in step.rows or ((name, None),):
+            cost = hlo.analyze(text, eigh_branch=eigh_branch)
+            rows.append({
+                "tree": tree_name, "mesh": "x".join(map(str, mesh_shape)),
+                "n": math.prod(mesh_shape), "step": row_name, "muon_like": step.muon_like,
+                "collective_bytes": cost.collective_bytes,
+                "loop_collective_bytes": cost.loop_collective_bytes,
+                "by_kind": dict(cost.by_kind), "counts": dict(cost.counts),
+                "flops": cost.flops, "eigh": {int(k): int(v) for k, v in cost.eigh.items()},
+                "eigh_flops": cost.eigh_flops,
+                "share_bytes": share, "muon_share_bytes": muon_share,
+                "largest_matrix_flops": largest_matrix_flops(tree),
+                "compile_s": compile_s,
+            })
+            print(f"  {tree_name} {rows[-1]['mesh']} {row_name}: {hlo.summary(cost)}",
+                  flush=True)
     return rows
 
 
@@ -253,7 +325,52 @@ def check_targets(rows: list[dict]) -> list[str]:
             f"({'ok' if flops_ok else 'FAIL'}), snoo adds "
             f"{'n/a' if snoo_extra is None else f'{snoo_extra:.0f} B'}"
             f"{'' if not snoo_extra else ' FAIL'}")
+    out += check_kfac_targets(rows)
     return out
+
+
+def kfac_bound(single: dict, n: int, key: str = "flops") -> float:
+    """1.1 x the single-device refresh's `key` / n + one matrix (the largest factor's
+    eigendecomposition, 9 n^3): the issue's target for a K-FAC refresh on n devices."""
+    return 1.1 * single[key] / n + hlo.EIGH_FLOPS_PER_N3 * max(single["eigh"]) ** 3
+
+
+def check_kfac_targets(rows: list[dict]) -> list[str]:
+    """The K-FAC refresh's per-device FLOPs (whole step, and its eigendecompositions)
+    against 1.1 total/N + one matrix (the largest factor's eigendecomposition, 9 n^3)."""
+    out = []
+    single = {r["tree"]: r for r in rows if r["n"] == 1 and r["step"] == "kfac refresh"}
+    for r in rows:
+        if r["step"] != "kfac refresh" or r["tree"] not in single:
+            continue
+        parts = []
+        for what, key in (("step", "flops"), ("eigh", "eigh_flops")):
+            bound = kfac_bound(single[r["tree"]], r["n"], key)
+            parts.append(f"{what} {r[key] / 1e9:.2f} G <= {bound / 1e9:.2f} G "
+                         f"({'ok' if r[key] <= bound else 'FAIL'})")
+        out.append(f"{r['tree']} {r['mesh']}: kfac refresh per device: " + ", ".join(parts))
+    return out
+
+
+def kfac_markdown(rows: list[dict]) -> str:
+    """The K-FAC rows side by side: refresh and plain step per (tree, mesh)."""
+    by = {(r["tree"], r["mesh"], r["step"]): r for r in rows}
+    single = {r["tree"]: r for r in rows if r["n"] == 1 and r["step"] == "kfac refresh"}
+    lines = ["| tree | mesh | N | eigh per device | eigh GFLOP/device | refresh GFLOP/device "
+             "| target: 1.1 total/N + one matrix | refresh collective MiB | plain GFLOP/device "
+             "| plain collective MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    mib = lambda r: ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(r["by_kind"].items())
+                              ) or "0"
+    for (tree, mesh, step), r in by.items():
+        plain = by.get((tree, mesh, "kfac"))
+        if step != "kfac refresh" or plain is None:
+            continue
+        bound = "-" if tree not in single else f"{kfac_bound(single[tree], r['n']) / 1e9:.1f}"
+        lines.append(
+            f"| {tree} | {mesh} | {r['n']} | {sum(r['eigh'].values())} "
+            f"| {r['eigh_flops'] / 1e9:.1f} | {r['flops'] / 1e9:.1f} | {bound} | {mib(r)} "
+            f"| {plain['flops'] / 1e9:.1f} | {mib(plain)} |")
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -283,8 +400,9 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(2, len(trees), figsize=(6 * len(trees), 8), squeeze=False)
     styles = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 2))]
     markers = "osv^Dx*+"
+    names = list(dict.fromkeys(r["step"] for r in rows))
     for col, tree in enumerate(trees):
-        for i, name in enumerate(STACKS):
+        for i, name in enumerate(names):
             pts = sorted((r["n"], r) for r in rows
                          if r["tree"] == tree and r["step"] == name and r["mesh"].startswith("1x"))
             if not pts:
@@ -368,6 +486,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for shape in meshes:
             rows.extend(measure(tree_name, shape, names))
     table = markdown(rows)
+    if any(r["step"] == "kfac refresh" for r in rows):
+        table += "\n\n" + kfac_markdown(rows)
     targets = check_targets(rows)
     wall = [wall_times(t, args.rounds, args.calls) for t in args.wall_trees.split(",") if t]
     print(table)

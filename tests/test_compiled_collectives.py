@@ -1,7 +1,8 @@
 """benchmarks.hlo: collectives and FLOPs of compiled programs, with loops counted.
 
 Small programs whose counts are known by construction: a psum inside a 3-trip loop,
-a tuple all-to-all, an all-gather, a dot inside a scan, a conditional.
+a tuple all-to-all, an all-gather, a dot inside a scan, a conditional, an
+eigendecomposition in one branch of a conditional (K-FAC's refresh).
 """
 
 from __future__ import annotations
@@ -78,6 +79,22 @@ def test_conditional_counts_its_most_expensive_branch():
 
     cost = hlo.analyze(compiled_text(f, True, x))
     assert 2 * 2 * 32**3 <= cost.flops < 2 * 2 * 32**3 * 1.05
+
+
+def test_eigh_counts_9n3_per_matrix_and_picks_the_refresh_or_plain_branch():
+    """cost_analysis leaves the eigh custom call out; hlo counts 9 n^3 per n x n matrix
+    of the batch, in the branch eigh_branch asks for."""
+    x = jnp.ones((3, 16, 16), jnp.float32)
+
+    def f(p, x):
+        return jax.lax.cond(p, lambda x: jnp.linalg.eigh(x)[1], lambda x: x * 2.0, x)
+
+    text = compiled_text(f, True, x)
+    refresh, plain = hlo.analyze(text, eigh_branch=True), hlo.analyze(text, eigh_branch=False)
+    assert refresh.eigh == {16: 3} and refresh.eigh_flops == 3 * 9 * 16**3
+    assert refresh.flops >= refresh.eigh_flops
+    assert plain.eigh == {} and plain.eigh_flops == 0 and plain.flops < 3 * 16 * 16 * 2
+    assert hlo.analyze(text).eigh == {16: 3}  # the most expensive branch by default
 
 
 def test_unknown_trip_count_is_an_error():

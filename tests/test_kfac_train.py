@@ -208,11 +208,11 @@ def test_kfac_run_on_a_data_mesh_splits_the_refresh(corpus, tmp_path):
     compiled step each device decomposes its share of the factors only."""
     config = tiny(corpus, tmp_path, mesh_data=4)
     _check_run(config, train.run(config))
-    from benchmarks import kfac_scaling
+    from benchmarks import hlo
 
     mesh, state, step, _ = _curvature_setup(config)
     x = put_batch(np.zeros((1, 8, 16), np.int32), batch_sharding(mesh))
-    costs = kfac_scaling.analyse(step.lower(state, x, x).compile().as_text())
+    refresh = hlo.analyze(step.lower(state, x, x).compile().as_text(), eigh_branch=True)
     # 1 layer, bias: A of c_q, c_k, c_v, c_proj, c_fc (33) and c_proj (129); G (32) x5, 128.
-    assert costs["refresh"]["eigh"] == {32: 2, 33: 2, 128: 1, 129: 1}
-    assert costs["refresh"]["collective_ops"]["all-gather"] >= 8
+    assert refresh.eigh == {32: 2, 33: 2, 128: 1, 129: 1}
+    assert refresh.counts["all-gather"] >= 8
