@@ -258,7 +258,8 @@ def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
 
     # Each product accumulates in out_dtype and is rounded to ns_dtype after, which is
     # what a bf16 @ bf16 -> bf16 product computes; written so, XLA:CPU runs it on its
-    # bf16 kernels instead of converting to float32 first (benchmarks/README.md, "Muon").
+    # bf16 kernels instead of converting to float32 first (benchmarks/README.md, "Trainer
+    # step throughput").
     def dot(x: jax.Array, y: jax.Array, spec: str = "...ij,...jk->...ik") -> jax.Array:
         return jnp.einsum(spec, x, y, preferred_element_type=out_dtype).astype(ns_dtype)
 
@@ -282,7 +283,8 @@ def _stacked_newton_schulz(xs: Sequence[jax.Array], indices: Sequence[int],
     Each leaf becomes a stack ``(B, rows, cols)`` with ``rows <= cols`` (tall matrices
     transposed, exact since ``NS(Xᵀ) = NS(X)ᵀ``), same-shape stacks are concatenated, and
     the results are cut back into the leaves: a batched product per shape instead of one
-    per matrix (the nanoGPT CPU recipe's 24 matrices: benchmarks/README.md, "Muon").
+    per matrix (the nanoGPT CPU recipe's 24 matrices: benchmarks/README.md, "Trainer step
+    throughput").
     """
     buckets: dict[tuple[int, int], list[Any]] = {}
     for i in indices:
@@ -419,7 +421,9 @@ def scale_by_muon(
     and one out per step. The result equals the single-device one (float32 iteration:
     to ~1e-6 relative). Unsharded leaves, and leaves whose sharding is unknown (e.g. an
     ``init`` under ``jax.jit`` or ``optax.inject_hyperparams``, which rebuilds the
-    transform), take the per-leaf path, where the partitioner decides.
+    transform), take the per-leaf path, where the partitioner decides. Leaves known to
+    stay whole (on a single device, as init saw them, or replicated) are orthogonalised
+    together by shape: one batched iteration per ``(rows, cols)``, the same results.
 
     Args:
       beta: momentum in [0, 1), or a schedule of the update count (e.g.
