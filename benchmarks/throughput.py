@@ -8,11 +8,16 @@ load hits them alike; the table gives median wall time per step, tokens/s, CPU t
 per step (load-robust on a shared machine), the ratio to the reference, the median
 over rounds of each round's tokens/s ratio to the first variant, and MFU
 (nanoGPT's estimate; needs a known accelerator, see `train.metrics.PEAK_FLOPS`).
+`--torch=PYTHON` adds nanoGPT's recipe in PyTorch (`benchmarks/torch_recipe.py --serve`,
+run by that interpreter, which must have torch) as the first variant: a subprocess that
+waits on a pipe while ours run and does its timed steps while ours wait.
 
     python -m benchmarks.throughput                       # nanoGPT's CPU recipe, adamw
     python -m benchmarks.throughput --rounds=3 --n_layer=2   # any train key overrides
     python -m benchmarks.throughput --optimizers=adamw,snoo_adamw --dtypes=bfloat16
     bash benchmarks/gpu.sh                                # gpt2_small on one GPU, MFU
+    python -m benchmarks.throughput --torch=/path/to/venv/bin/python \
+        --optimizers=adamw,snoo_muon --dtypes=bfloat16 --no_reference --rounds=9
 
 Compilation and a few warm-up steps are excluded. Machine load (`os.getloadavg`) is
 printed before and after, since absolute figures move with it.
@@ -27,9 +32,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,10 +57,13 @@ VOCAB = 65  # tiny shakespeare's characters; the tokens are random, the shapes a
 
 @dataclasses.dataclass
 class Variant:
-    """One timed step: `run(n)` does `n` steps and blocks; `flops` per step (or None)."""
+    """One timed step: `run(n)` does `n` steps and blocks; `flops` per step (or None).
+
+    `run` returns None, or `(wall, cpu)` seconds when the steps ran in another process.
+    """
 
     name: str
-    run: Callable[[int], None]
+    run: Callable[[int], tuple[float, float] | None]
     flops: float | None
     wall: list[float] = dataclasses.field(default_factory=list)
     cpu: list[float] = dataclasses.field(default_factory=list)
@@ -145,6 +155,23 @@ def reference(config: TrainConfig) -> Variant:
     return Variant("reference float32 (plain jax)", run, None)
 
 
+def pytorch(python: str) -> Variant:
+    """nanoGPT's CPU recipe in PyTorch (`torch_recipe.py --serve` under `python`)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_recipe.py")
+    proc = subprocess.Popen([python, script, "--serve"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1)
+    hello = json.loads(proc.stdout.readline() or "{}")
+    if "torch" not in hello:
+        raise SystemExit(f"{python} {script} --serve did not start (is torch installed there?)")
+
+    def run(n: int) -> tuple[float, float]:
+        proc.stdin.write(f"{n}\n")
+        timing = json.loads(proc.stdout.readline())
+        return timing["wall"], timing["cpu"]
+
+    return Variant(f"pytorch {hello['torch']} float32 ({hello['threads']} threads)", run, None)
+
+
 def measure(variants: Sequence[Variant], *, rounds: int, steps: int, warmup: int) -> None:
     """Warm every variant up (compiles), then time `rounds` interleaved rounds of `steps`
     (every other round in reverse order, so no variant always follows the same one)."""
@@ -153,9 +180,10 @@ def measure(variants: Sequence[Variant], *, rounds: int, steps: int, warmup: int
     for r in range(rounds):
         for v in variants if r % 2 == 0 else variants[::-1]:
             t0, c0 = time.perf_counter(), time.process_time()
-            v.run(steps)
-            v.wall.append((time.perf_counter() - t0) / steps)
-            v.cpu.append((time.process_time() - c0) / steps)
+            timed = v.run(steps)
+            wall, cpu = timed or (time.perf_counter() - t0, time.process_time() - c0)
+            v.wall.append(wall / steps)
+            v.cpu.append(cpu / steps)
 
 
 def report(variants: Sequence[Variant], config: TrainConfig, load: tuple[Any, Any]) -> str:
@@ -165,24 +193,34 @@ def report(variants: Sequence[Variant], config: TrainConfig, load: tuple[Any, An
     m, d = config.model, config.data
     tokens = d.grad_accum * d.batch_size * m.block_size
     ref = next((v for v in variants if v.name.startswith("reference")), None)
+    first_ours = next(v for v in variants if v.name.startswith("ours"))
+
+    def paired(a: Variant, b: Variant) -> tuple[str, str]:
+        """Median and range over rounds of `a`'s wall time over `b`'s, round by round."""
+        r = [x / y for x, y in zip(a.wall, b.wall, strict=True)]
+        return f"{statistics.median(r):.3f}", f"{min(r):.3f}-{max(r):.3f}"
+
     lines = [
         f"machine: {jax.device_count()} x {device.device_kind} ({jax.default_backend()}), "
         f"{os.cpu_count()} CPUs; load average {load[0]} before, {load[1]} after",
         f"shape: {m.n_layer} layers x {m.n_embd}, {m.n_head} heads, block "
         f"{m.block_size}, batch {d.batch_size} x {d.grad_accum}; "
-        f"{tokens:,} tokens/step", "",
+        f"{tokens:,} tokens/step; {len(variants[0].wall)} rounds", "",
         "| variant | ms/step (median, min) | tokens/s | CPU ms/step | speed vs reference "
-        f"| tokens/s vs {variants[0].name} (paired by round) | MFU |",
-        "|---|---|---|---|---|---|---|"]
+        f"| tokens/s vs {variants[0].name} (paired by round) | its range "
+        f"| step time vs {first_ours.name} (paired by round) | its range | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         wall = statistics.median(v.wall)
         ratio = f"{statistics.median(ref.wall) / wall:.2f}x" if ref else "-"
-        paired = statistics.median(a / b for a, b in zip(variants[0].wall, v.wall, strict=True))
+        speed, speed_range = paired(variants[0], v)
+        time_ratio, time_range = paired(v, first_ours)
         mfu = f"{v.flops / wall / (peak * jax.device_count()):.1%}" if (
             peak and v.flops) else "n/a"
         lines.append(f"| {v.name} | {wall * 1e3:.1f}, {min(v.wall) * 1e3:.1f} | "
                      f"{tokens / wall:,.0f} | {statistics.median(v.cpu) * 1e3:.1f} | "
-                     f"{ratio} | {paired:.3f} | {mfu} |")
+                     f"{ratio} | {speed} | {speed_range} | {time_ratio} | {time_range} "
+                     f"| {mfu} |")
     return "\n".join(lines)
 
 
@@ -197,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> str:
                              "(default: --optimizer, which defaults to adamw here)")
     parser.add_argument("--no_reference", action="store_true",
                         help="skip the plain-JAX reference step")
+    parser.add_argument("--torch", default=None, metavar="PYTHON",
+                        help="also time nanoGPT's recipe in PyTorch (benchmarks/torch_recipe.py) "
+                             "under this interpreter, as the first variant (CPU recipe only)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     parser.add_argument("--warmup", type=int, default=3)
@@ -212,6 +253,13 @@ def main(argv: Sequence[str] | None = None) -> str:
                 for o in names for d in args.dtypes.split(",")]
     if not args.no_reference:
         variants.append(reference(config))
+    if args.torch:
+        m, d = config.model, config.data
+        recipe = (m.n_layer, m.n_head, m.n_embd, m.block_size, d.batch_size, d.grad_accum)
+        if recipe != (4, 4, 128, 64, 12, 1):
+            raise SystemExit(f"--torch runs nanoGPT's CPU recipe only (4 layers, 4 heads, "
+                             f"128 wide, block 64, batch 12 x 1), not {recipe}")
+        variants.insert(0, pytorch(args.torch))
     load_before = os.getloadavg()[0]
     measure(variants, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
     table = report(variants, config, (f"{load_before:.1f}", f"{os.getloadavg()[0]:.1f}"))

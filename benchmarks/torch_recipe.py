@@ -11,6 +11,12 @@ split (the same windows as `python -m train.evaluate`) and the median time of a 
 step. Needs PyTorch, which is not a dependency of this project (`pip install torch`).
 
     python benchmarks/torch_recipe.py --seed=1337 [--data=PATH] [--max_iters=2000]
+    python benchmarks/torch_recipe.py --serve     # timed steps on request, for
+                                                  # `python -m benchmarks.throughput --torch=`
+
+`--serve` times the training step alone (as `benchmarks.throughput` times ours): it
+reads a step count per line on stdin, runs that many steps on 4 batches drawn once, and
+answers each line with one JSON line of the wall and CPU seconds they took.
 
 References:
   Karpathy, "nanoGPT" (model.py, train.py, config/train_shakespeare_char.py; the README's
@@ -23,6 +29,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -81,32 +88,72 @@ def get_lr(it: int, lr=1e-3, min_lr=1e-4, warmup=100, decay_iters=2000) -> float
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
+class Recipe:
+    """nanoGPT's model, AdamW groups, batches and training step on tiny Shakespeare."""
+
+    B, T = 12, 64
+
+    def __init__(self, seed: int, data: str, max_iters: int):
+        torch.manual_seed(seed)
+        text = Path(data).read_text(encoding="utf-8")
+        codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        chars, ids = np.unique(codes, return_inverse=True)  # sorted characters, as train.data
+        ids = ids.astype(np.int64)
+        n = int(len(ids) * 0.9)
+        self.splits = {"train": torch.from_numpy(ids[:n]), "val": torch.from_numpy(ids[n:])}
+        self.model = GPT(len(chars), self.T, n_layer=4, n_head=4, d=128)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(
+            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=1e-3, betas=(0.9, 0.99))
+        self.max_iters = max_iters
+
+    def get_batch(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        data, T = self.splits[split], self.T
+        ix = torch.randint(len(data) - T, (self.B,))
+        return (torch.stack([data[i:i + T] for i in ix]),
+                torch.stack([data[i + 1:i + 1 + T] for i in ix]))
+
+    def step(self, it: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Training step `it` on `(x, y)`: lr, forward, backward, clip, AdamW."""
+        for group in self.opt.param_groups:
+            group["lr"] = get_lr(it, decay_iters=self.max_iters)
+        loss = self.model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+
+def serve(recipe: Recipe, lines, write) -> None:
+    """For each step count read from `lines`, that many timed steps; `write` one JSON line
+    `{"wall": s, "cpu": s}` after each (the steps cycle over 4 batches drawn once)."""
+    batches = [recipe.get_batch("train") for _ in range(4)]
+    it = 0
+    write(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads()}))
+    for line in lines:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(int(line)):
+            loss = recipe.step(it, *batches[it % len(batches)])
+            it += 1
+        loss.item()
+        write(json.dumps({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0}))
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--data", default=str(DEFAULT_DATA))
     parser.add_argument("--max_iters", type=int, default=2000)
+    parser.add_argument("--serve", action="store_true",
+                        help="answer step counts on stdin with their timings (above)")
     args = parser.parse_args(argv)
-    torch.manual_seed(args.seed)
-    text = Path(args.data).read_text(encoding="utf-8")
-    codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
-    chars, ids = np.unique(codes, return_inverse=True)  # sorted characters, as train.data
-    ids = ids.astype(np.int64)
-    n = int(len(ids) * 0.9)
-    splits = {"train": torch.from_numpy(ids[:n]), "val": torch.from_numpy(ids[n:])}
-    B, T = 12, 64
-
-    def get_batch(split):
-        data = splits[split]
-        ix = torch.randint(len(data) - T, (B,))
-        return (torch.stack([data[i:i + T] for i in ix]),
-                torch.stack([data[i + 1:i + 1 + T] for i in ix]))
-
-    model = GPT(len(chars), T, n_layer=4, n_head=4, d=128)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.99))
+    recipe = Recipe(args.seed, args.data, args.max_iters)
+    if args.serve:
+        return serve(recipe, sys.stdin, lambda line: print(line, flush=True))
+    model, get_batch, splits, T = recipe.model, recipe.get_batch, recipe.splits, recipe.T
 
     @torch.no_grad()
     def estimate(split, iters=20):
@@ -129,21 +176,16 @@ def main(argv=None) -> dict:
     evals, step_times = [], []
     x, y = get_batch("train")
     for it in range(args.max_iters + 1):
-        for group in opt.param_groups:
-            group["lr"] = get_lr(it, decay_iters=args.max_iters)
         if it % 250 == 0 or it == args.max_iters:
             evals.append({"step": it, "train": estimate("train"), "val": estimate("val")})
             print(json.dumps(evals[-1]), flush=True)
         if it == args.max_iters:
             break
         t0 = time.perf_counter()
-        loss = model(x, y)
-        x, y = get_batch("train")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        recipe.step(it, x, y)  # draws no random numbers, so the batches are nanoGPT's
         step_times.append(time.perf_counter() - t0)
+        x, y = get_batch("train")
+    B = recipe.B
     result = {"seed": args.seed, "val_20_batches": evals[-1]["val"], "whole_val": whole_val(),
               "ms_per_step": 1e3 * statistics.median(step_times[10:]),
               "tokens_per_s": B * T / statistics.median(step_times[10:]),

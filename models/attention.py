@@ -17,15 +17,18 @@ from models.layers import Dense, residual_std
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
     """``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` with a hand-written VJP.
 
-    The forward pass is that call (softmax in float32, grouped-query heads when
-    ``K < N``). The backward pass is FlashAttention's (without tiling): ``P = softmax(S)``
-    recomputed with the saved log-sum-exp as its stabiliser, ``dV = Pᵀ dO``,
+    Called outside differentiation it is that call (softmax in float32, grouped-query
+    heads when ``K < N``). Under differentiation the forward pass is the same math
+    written in the backward's layouts (tested against that call), saving the float32
+    log-sum-exp. The backward pass is FlashAttention's (without tiling): ``P = softmax(S)``
+    recomputed from the saved log-sum-exp, ``dV = Pᵀ dO``,
     ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dQ = dS K / sqrt(H)``,
     ``dK = dSᵀ Q / sqrt(H)``, every product accumulated in float32; in bf16 it is as
-    accurate as autodiff. Autodiff through the XLA implementation reduces ``dP ∘ P`` over
-    an array with a unit axis (its ``vmap`` over the query groups), which XLA:CPU's
-    YNNPACK reductions run much slower than the same reduction without that axis
-    (figures in benchmarks/README.md); here the group axis only exists when ``K < N``.
+    accurate as autodiff. The XLA implementation works on arrays with a unit axis (its
+    ``vmap`` over the query groups), whose reductions XLA:CPU's YNNPACK runs much slower
+    than the same reduction without that axis, and its ``P V`` product is not in a form
+    XLA:CPU runs on bf16 kernels (figures in benchmarks/README.md); here the group axis
+    only exists when ``K < N``.
 
     Args:
       q_BTNH: queries ``(B, T, N, H)``.
@@ -42,29 +45,44 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) ->
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True)
 
 
+def _groups(q_BTNH: jax.Array, k_BSKH: jax.Array) -> tuple[str, tuple[int, ...]]:
+    """Query heads as K groups of G: the einsum letter of the group axis and the shape.
+
+    Without grouping (G == 1) the group axis is left out: XLA:CPU's reductions over
+    arrays with a unit axis are what made autodiff slow.
+    """
+    B, T, N, _ = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    return ("g", (B, T, K, N // K)) if N > K else ("", (B, T, K))
+
+
 def _causal_attention_fwd(q_BTNH, k_BSKH, v_BSKH):
-    out_BTNH, lse_BTN = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
-                                                     return_residual=True)
-    return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, lse_BTN)
+    # The forward pass in the backward's layouts (no unit axis, every product a bf16
+    # one on XLA:CPU), saving the float32 log-sum-exp as the backward reads it.
+    B, T, N, H = q_BTNH.shape
+    g, grouped = _groups(q_BTNH, k_BSKH)
+    q = q_BTNH.reshape(*grouped, H)
+    s = jnp.einsum(f"btk{g}h,bskh->bk{g}ts", q, k_BSKH,
+                   preferred_element_type=jnp.float32) * (1.0 / math.sqrt(H))
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.exp(s - m)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    p = (e / total).astype(v_BSKH.dtype)
+    out = jnp.einsum(f"bk{g}ts,bskh->btk{g}h", p, v_BSKH, preferred_element_type=jnp.float32)
+    lse = (m + jnp.log(total))[..., 0]
+    return out.reshape(B, T, N, H).astype(q_BTNH.dtype), (q_BTNH, k_BSKH, v_BSKH, lse)
 
 
 def _causal_attention_bwd(residuals, dout_BTNH):
-    q_BTNH, k_BSKH, v_BSKH, lse_BTN = residuals
+    q_BTNH, k_BSKH, v_BSKH, lse = residuals
     B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    # Query heads as K groups of G; without grouping (G == 1) the group axis is left out:
-    # XLA:CPU's reductions over arrays with a unit axis are what made autodiff slow.
-    g, grouped = ("g", (B, T, K, N // K)) if N > K else ("", (B, T, K))
+    g, grouped = _groups(q_BTNH, k_BSKH)
     q, do = q_BTNH.reshape(*grouped, H), dout_BTNH.reshape(*grouped, H)
     f32 = dict(preferred_element_type=jnp.float32)
     scale = 1.0 / math.sqrt(H)
     s = jnp.einsum(f"btk{g}h,bskh->bk{g}ts", q, k_BSKH, **f32) * scale
-    lse = jnp.einsum(f"btk{g}->bk{g}t", lse_BTN.astype(jnp.float32).reshape(grouped))
-    # The saved log-sum-exp is in the inputs' dtype (bf16 rounds it by up to 2^-9 of its
-    # size, a per-row error of ~1% in exp(s - lse)): it only steadies the exponent, and
-    # each row is normalised here.
-    e = jnp.where(jnp.tril(jnp.ones((T, T), bool)), jnp.exp(s - lse[..., None]), 0.0)
-    p = e / jnp.sum(e, axis=-1, keepdims=True)
+    p = jnp.where(jnp.tril(jnp.ones((T, T), bool)), jnp.exp(s - lse[..., None]), 0.0)
     dv = jnp.einsum(f"bk{g}ts,btk{g}h->bskh", p.astype(v_BSKH.dtype), do, **f32)
     dp = jnp.einsum(f"btk{g}h,bskh->bk{g}ts", do, v_BSKH, **f32)
     ds = (p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale).astype(q_BTNH.dtype)

@@ -87,25 +87,33 @@ class Embed(nnx.Module):
 
 
 def _row_major_transpose(a_MN: jax.Array) -> jax.Array:
-    """``a.T`` written out as a row-major copy (XLA would otherwise fold it into a dot)."""
-    return jax.lax.optimization_barrier(a_MN.T.reshape(-1)).reshape(a_MN.shape[::-1])
+    """``a.T`` written out as a row-major copy (XLA would otherwise fold it into a dot).
 
-
-def _canonical_dot(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
-    """``a @ b`` in float32 from bf16, kept in the one form XLA:CPU runs on bf16 kernels.
-
-    The barriers stop XLA's simplifier from folding a transpose of an operand or of the
-    result into the dot after it has decided the dot's precision: a transposed bf16 dot
-    has no CPU kernel at all (``Unsupported element type for DotThunk``).
+    The copy goes through a leading unit axis, not a flat vector: XLA:CPU runs the flat
+    form as a generic loop, about 4x slower (benchmarks/README.md).
     """
-    a_MK, b_KN = jax.lax.optimization_barrier((a_MK, b_KN))
-    return jax.lax.optimization_barrier(
-        jnp.matmul(a_MK, b_KN, preferred_element_type=jnp.float32))
+    a_1NM = jax.lax.optimization_barrier(a_MN.T.reshape(1, *a_MN.shape[::-1]))
+    return a_1NM.reshape(a_MN.shape[::-1])
+
+
+def _canonical_dot(a_MK: jax.Array, b: jax.Array, transpose_b: bool = False) -> jax.Array:
+    """``a @ b`` (or ``a @ bᵀ``) in float32 from bf16, in a form XLA:CPU runs on bf16 kernels.
+
+    Those are ``a @ b`` and ``a @ bᵀ`` on row-major matrices (a transposed ``a`` is
+    computed in float32). The barriers stop XLA's simplifier from folding a transpose
+    of an operand or of the result into the dot after it has decided the dot's
+    precision: a transposed bf16 dot has no CPU kernel at all (``Unsupported element
+    type for DotThunk``).
+    """
+    a_MK, b = jax.lax.optimization_barrier((a_MK, b))
+    contract = ((1,), (1,)) if transpose_b else ((1,), (0,))
+    return jax.lax.optimization_barrier(jax.lax.dot_general(
+        a_MK, b, (contract, ((), ())), preferred_element_type=jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _bf16_dot(x_MK: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
-    return _canonical_dot(x_MK, _row_major_transpose(w) if transpose_w else w)
+    return _canonical_dot(x_MK, w, transpose_w)
 
 
 def _bf16_dot_fwd(x_MK, w, transpose_w):
@@ -120,7 +128,7 @@ def _bf16_dot_bwd(transpose_w, residuals, g_MN):
         dx_MK = _canonical_dot(g_MN, w)
         dw = _canonical_dot(T(g_MN), x_MK)
     else:  # w is (K, N)
-        dx_MK = _canonical_dot(g_MN, T(w))
+        dx_MK = _canonical_dot(g_MN, w, transpose_b=True)
         dw = _canonical_dot(T(x_MK), g_MN)
     return dx_MK.astype(x_MK.dtype), dw.astype(w.dtype)
 
@@ -142,11 +150,11 @@ def matmul(x: jax.Array, w_IO: jax.Array, *, transpose_w: bool = False,
     (figures in benchmarks/README.md, "Trainer step throughput").
 
     bf16 on the CPU backend: XLA:CPU runs a bf16 dot on its bf16 kernels (AMX /
-    AVX512-BF16 through YNNPACK) only when it accumulates in float32 and both operands are
-    row-major, untransposed matrices; anything else it computes in float32 after
-    converting the operands (several times slower). Here the forward
-    and both backward products (a custom VJP) are written in that form, with the
-    transposed operands copied out explicitly; the math is the usual mixed precision
+    AVX512-BF16 through YNNPACK) only when it accumulates in float32, both operands are
+    row-major matrices and the left one is not transposed; anything else it computes in
+    float32 after converting the operands (several times slower). Here the forward
+    and both backward products (a custom VJP) are written in that form, with a
+    transposed left operand copied out explicitly; the math is the usual mixed precision
     (bf16 inputs, float32 accumulation, the output gradient rounded to bf16).
 
     Args:

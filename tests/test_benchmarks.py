@@ -48,3 +48,26 @@ def test_skewadam_speed_script_runs_on_the_moe_tiny_tree(capsys):
     out = capsys.readouterr().out
     assert "moe_tiny" in out and "ratio" in out
     assert "adamw" in out and "skewadam  {'fusions':" in out
+
+
+def test_a_variant_timed_in_another_process_reports_its_own_times():
+    # The PyTorch variant (--torch) times its steps in a subprocess and returns them.
+    calls = []
+    v = throughput.Variant("elsewhere", lambda n: calls.append(n) or (0.5 * n, 0.25 * n), None)
+    throughput.measure([v], rounds=2, steps=4, warmup=1)
+    assert calls == [1, 4, 4] and v.wall == [0.5, 0.5] and v.cpu == [0.25, 0.25]
+
+
+def test_torch_runs_only_at_the_recipe_shape():
+    with pytest.raises(SystemExit, match="CPU recipe only"):
+        throughput.main(["--torch=python-with-torch", "--no_reference", *TINY])
+
+
+def test_torch_recipe_serves_timed_steps():
+    pytest.importorskip("torch")
+    from benchmarks import torch_recipe
+
+    out = []
+    recipe = torch_recipe.Recipe(0, str(torch_recipe.DEFAULT_DATA), max_iters=10)
+    torch_recipe.serve(recipe, ["1", "2"], out.append)
+    assert len(out) == 3 and "torch" in out[0] and '"wall"' in out[2]

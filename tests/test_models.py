@@ -315,6 +315,25 @@ def test_causal_attention_vjp_equals_autodiff_of_the_xla_attention(n_head, n_kv_
             assert err(g) <= 1.5 * err(auto), (err(g), err(auto))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n_head,n_kv_head", [(4, 4), (4, 2), (4, 1)])
+def test_causal_attention_forward_under_differentiation_equals_the_xla_attention(
+        n_head, n_kv_head, dtype):
+    """The forward pass `causal_attention` runs under differentiation (its own, in the
+    backward's layouts) equals `jax.nn.dot_product_attention` in the same dtype: float32
+    to rounding, bf16 within one bf16 ulp of the largest output."""
+    B, T, H = 2, 13, 8
+    rng = np.random.default_rng(n_head + n_kv_head)
+    args = [jnp.asarray(rng.normal(size=(B, T, n, H)), dtype)
+            for n in (n_head, n_kv_head, n_kv_head)]
+    ours = jax.jit(lambda *a: jax.vjp(models.causal_attention, *a)[0])(*args)
+    ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))(*args)
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    ref = np.asarray(ref, np.float32)
+    tol = 1e-6 if dtype == "float32" else 2.0**-7 * np.max(np.abs(ref))
+    np.testing.assert_allclose(np.asarray(ours, np.float32), ref, atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])
 def test_mlp_formula(kind):
     mlp = models.MLP(dataclasses.replace(DENSE, mlp=kind, bias=True), rngs=nnx.Rngs(0))

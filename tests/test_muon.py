@@ -432,6 +432,24 @@ def test_stacks_equal_per_matrix_results():
             np.testing.assert_allclose(u1[i], np.asarray(u2[f"e{i}"]), atol=1e-6)
 
 
+@pytest.mark.parametrize("ns_dtype", [F32, jnp.bfloat16])
+def test_same_shape_leaves_share_one_iteration_with_their_own_results(ns_dtype):
+    # Same-shape leaves (a tall one transposed, a stack) run as one batched iteration; each
+    # comes out as it would alone: float32 to accumulation order, bf16 within its rounding.
+    tree = {"a": normal((8, 16), seed=1), "b": normal((8, 16), seed=2),
+            "tall": normal((16, 8), seed=3), "stack": normal((2, 8, 16), seed=4),
+            "other": normal((6, 10), seed=5)}
+    tx = scale_by_muon(0.9, ns_dtype=ns_dtype)
+    together, _ = first_update(tx, tree)
+    for k, g in tree.items():
+        alone = np.asarray(first_update(tx, {k: g})[0][k])
+        tol = 1e-6 if ns_dtype == F32 else 2.0**-8 * np.max(np.abs(alone))  # one bf16 ulp
+        np.testing.assert_allclose(np.asarray(together[k]), alone, atol=tol, rtol=0)
+    # one Newton-Schulz loop for the five (8, 16) matrices, one for the (6, 10)
+    hlo = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
+    assert hlo.count(" while(") == 2
+
+
 def test_matrix_axes_other_than_the_last_two():
     g = np.asarray(normal((6, 3, 12), seed=7))  # (in, E, out)
     ours = scale_by_muon(0.9, ns_dtype=F32, matrix_axes=(0, 2))

@@ -51,7 +51,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_snoo._src.muon_sharding import concrete_sharding, orthogonalize_sharded, plan_groups
+from optax_snoo._src.muon_sharding import (
+    _describe,
+    _from_stack,
+    _to_stack,
+    concrete_sharding,
+    orthogonalize_sharded,
+    plan_groups,
+)
 from optax_snoo._src.utils import path_to_str
 
 Triples = tuple[tuple[float, float, float], ...]
@@ -262,15 +269,50 @@ def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
     norm = jnp.sqrt(jnp.sum(jnp.square(X), axis=(-2, -1), keepdims=True))
     X = down(X / (norm + eps))
 
+    # Each product accumulates in out_dtype and is rounded to ns_dtype after, which is
+    # what a bf16 @ bf16 -> bf16 product computes; written so, XLA:CPU runs it on its
+    # bf16 kernels instead of converting to float32 first (benchmarks/README.md, "Trainer
+    # step throughput").
+    def dot(x: jax.Array, y: jax.Array, spec: str = "...ij,...jk->...ik") -> jax.Array:
+        return jnp.einsum(spec, x, y, preferred_element_type=out_dtype).astype(ns_dtype)
+
     def iteration(X: jax.Array, abc: jax.Array) -> tuple[jax.Array, None]:
         a, b, c = abc[0], abc[1], abc[2]
-        A = X @ jnp.swapaxes(X, -1, -2)
-        B = down(b * up(A) + c * up(A @ A))
-        return down(a * up(X) + up(B @ X)), None
+        A = dot(X, X, "...ij,...kj->...ik")  # X Xᵀ
+        B = down(b * up(A) + c * up(dot(A, A)))
+        return down(a * up(X) + up(dot(B, X))), None
 
     X, _ = jax.lax.scan(iteration, X, jnp.asarray(triples, out_dtype))
     X = up(X)
     return jnp.swapaxes(X, -1, -2) if transposed else X
+
+
+def _stacked_newton_schulz(xs: Sequence[jax.Array], indices: Sequence[int],
+                           matrix_axes: tuple[int, int],
+                           newton_schulz: Callable[[jax.Array], jax.Array]
+                           ) -> dict[int, jax.Array]:
+    """`newton_schulz` on the leaves ``xs[indices]``, one batched iteration per shape.
+
+    Each leaf becomes a stack ``(B, rows, cols)`` with ``rows <= cols`` (tall matrices
+    transposed, exact since ``NS(Xᵀ) = NS(X)ᵀ``), same-shape stacks are concatenated, and
+    the results are cut back into the leaves: a batched product per shape instead of one
+    per matrix (the nanoGPT CPU recipe's 24 matrices: benchmarks/README.md, "Trainer step
+    throughput").
+    """
+    buckets: dict[tuple[int, int], list[Any]] = {}
+    for i in indices:
+        shape = tuple(xs[i].shape)
+        leaf = _describe(i, shape, _normalized_axes(shape, matrix_axes), (None,) * len(shape))
+        buckets.setdefault((leaf.rows, leaf.cols), []).append(leaf)
+    out = {}
+    for leaves in buckets.values():
+        parts = [_to_stack(xs[leaf.index], leaf) for leaf in leaves]
+        o = newton_schulz(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
+        start = 0
+        for leaf in leaves:
+            out[leaf.index] = _from_stack(o[start:start + leaf.batch], leaf)
+            start += leaf.batch
+    return out
 
 
 class MuonState(NamedTuple):
@@ -399,7 +441,9 @@ def scale_by_muon(
     ``jax.set_mesh`` around the update) and XLA inserts one redistribution in and one
     out; on params that are in fact replicated this costs an all-gather of the results
     and saves ``(N-1)/N`` of the iteration's FLOPs. Without such a mesh the per-leaf
-    path runs and the partitioner decides.
+    path runs and the partitioner decides. Leaves known to stay whole (on a single
+    device, as init saw them, or replicated) are orthogonalised together by shape: one
+    batched iteration per ``(rows, cols)``, the same results.
 
     Args:
       beta: momentum in [0, 1), or a schedule of the update count (e.g.
@@ -471,6 +515,9 @@ def scale_by_muon(
     # Shardings of the params given to init, by tree structure and shapes: under
     # jax.jit the update sees tracers, whose type carries no spec on Auto mesh axes.
     seen_shardings: dict[Any, tuple[Any, ...]] = {}
+    # Which leaves init saw whole on one device, by the same key: under jax.jit nothing
+    # else tells a leaf on one device from one the partitioner may split.
+    seen_whole: dict[Any, tuple[bool, ...]] = {}
     warned: set[str] = set()
 
     def fans(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -499,6 +546,7 @@ def scale_by_muon(
         for p in leaves:
             fans(jnp.shape(p))
         warn_convolutions(params)
+        seen_whole[key(leaves, treedef)] = tuple(on_one_device(p) for p in leaves)
         if shard_newton_schulz:  # the latest init of a tree structure decides
             shardings = tuple(concrete_sharding(p) for p in leaves)
             if any(s is not None for s in shardings):
@@ -530,6 +578,16 @@ def scale_by_muon(
         o = _newton_schulz(v, triples, ns_dt, 1e-7)
         return jnp.moveaxis(o, (-2, -1), (fan_in_axis, fan_out_axis))
 
+    def on_one_device(x: Any) -> bool:
+        return not isinstance(x, jax.core.Tracer) and concrete_sharding(x) is None
+
+    def leaf_whole(grads: list[Any], mus: list[Any], treedef: Any) -> list[bool]:
+        """Whether each leaf is known to stay whole (on one device, or a single device)."""
+        seen = seen_whole.get(key(grads, treedef), (False,) * len(grads))
+        single = jax.device_count() == 1
+        return [single or s or (on_one_device(g) and on_one_device(m))
+                for g, m, s in zip(grads, mus, seen, strict=True)]
+
     def leaf_shardings(grads: list[Any], mus: list[Any], treedef: Any
                        ) -> tuple[list[Any], list[bool]]:
         """Each leaf's sharding (None: unsharded or unknown) and whether it is unknown."""
@@ -554,8 +612,8 @@ def scale_by_muon(
         spread = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
         return None if spread.empty or spread.size == 1 else spread
 
-    def orthogonalize_all(vs: list[jax.Array], shardings: list[Any],
-                          unknown: list[bool]) -> list[jax.Array]:
+    def orthogonalize_all(vs: list[jax.Array], shardings: list[Any], unknown: list[bool],
+                          whole: list[bool]) -> list[jax.Array]:
         groups, local = [], list(range(len(vs)))
         on = plan_mesh(shardings, unknown) if shard_newton_schulz else None
         if on is not None:
@@ -566,11 +624,17 @@ def scale_by_muon(
             named = mesh is not None or not jax.sharding.get_abstract_mesh().empty
             groups, local = plan_groups(shapes, norm_axes, shardings, on.size,
                                         unknown=unknown, mesh=on if named else None)
-        out: dict[int, jax.Array] = {i: orthogonalize_leaf(vs[i]) for i in local}
-        if groups:
-            def ns(x: jax.Array) -> jax.Array:
-                return _newton_schulz(x, triples, ns_dt, 1e-7)
 
+        def ns(x: jax.Array) -> jax.Array:
+            return _newton_schulz(x, triples, ns_dt, 1e-7)
+
+        # Stacked only where no partitioner splits them: leaves known to be whole on one
+        # device and replicated leaves of the plan; one of unknown sharding on several
+        # devices keeps its own iteration, as the partitioner decides for it.
+        stack = [i for i in local if whole[i] or shardings[i] is not None]
+        out = _stacked_newton_schulz(vs, stack, axes, ns)
+        out.update({i: orthogonalize_leaf(vs[i]) for i in local if i not in out})
+        if groups:
             out.update(orthogonalize_sharded(vs, groups, on, shardings, ns, ns_dt))
         return [out[i] for i in range(len(vs))]
 
@@ -587,7 +651,8 @@ def scale_by_muon(
             v, m = momentum(g, m, beta_t, count)
             vs.append(v)
             mu.append(m)
-        ortho = orthogonalize_all(vs, *leaf_shardings(grads, mus, treedef))
+        ortho = orthogonalize_all(vs, *leaf_shardings(grads, mus, treedef),
+                                  leaf_whole(grads, mus, treedef))
 
         smooth = state.smooth
         if smoothing is not None:
