@@ -52,12 +52,12 @@ import numpy as np
 import optax
 
 from optax_snoo._src.muon_sharding import (
-    _describe,
-    _from_stack,
-    _to_stack,
     concrete_sharding,
+    describe_leaf,
+    from_stack,
     orthogonalize_sharded,
     plan_groups,
+    to_stack,
 )
 from optax_snoo._src.utils import path_to_str
 
@@ -302,15 +302,15 @@ def _stacked_newton_schulz(xs: Sequence[jax.Array], indices: Sequence[int],
     buckets: dict[tuple[int, int], list[Any]] = {}
     for i in indices:
         shape = tuple(xs[i].shape)
-        leaf = _describe(i, shape, _normalized_axes(shape, matrix_axes), (None,) * len(shape))
+        leaf = describe_leaf(i, shape, _normalized_axes(shape, matrix_axes), (None,) * len(shape))
         buckets.setdefault((leaf.rows, leaf.cols), []).append(leaf)
     out = {}
     for leaves in buckets.values():
-        parts = [_to_stack(xs[leaf.index], leaf) for leaf in leaves]
+        parts = [to_stack(xs[leaf.index], leaf) for leaf in leaves]
         o = newton_schulz(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
         start = 0
         for leaf in leaves:
-            out[leaf.index] = _from_stack(o[start:start + leaf.batch], leaf)
+            out[leaf.index] = from_stack(o[start:start + leaf.batch], leaf)
             start += leaf.batch
     return out
 

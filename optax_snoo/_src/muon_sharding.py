@@ -58,7 +58,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Group", "concrete_sharding", "orthogonalize_sharded", "plan_groups"]
+__all__ = ["Group", "concrete_sharding", "describe_leaf", "from_stack", "orthogonalize_sharded",
+           "plan_groups", "to_stack"]
 
 
 def concrete_sharding(x: Any) -> NamedSharding | None:
@@ -121,7 +122,7 @@ class Group(NamedTuple):
         return sum(leaf.batch for leaf in self.leaves)
 
 
-def _describe(index: int, shape: tuple[int, ...], axes: tuple[int, int],
+def describe_leaf(index: int, shape: tuple[int, ...], axes: tuple[int, int],
               entries: tuple[Any, ...]) -> Leaf:
     fan_in, fan_out = axes
     batch_axes = [a for a in range(len(shape)) if a not in axes]
@@ -192,7 +193,7 @@ def plan_groups(shapes: Sequence[tuple[int, ...]], axes: Sequence[tuple[int, int
         if entries is None or not _is_sharded(entries, sharding.mesh):
             local.append(i)
             continue
-        leaf = _describe(i, tuple(shape), ax, entries)
+        leaf = describe_leaf(i, tuple(shape), ax, entries)
         buckets.setdefault((leaf.rows, leaf.cols, leaf.spec), []).append(leaf)
     _merge_transposed_squares(buckets)
     groups = []
@@ -203,14 +204,14 @@ def plan_groups(shapes: Sequence[tuple[int, ...]], axes: Sequence[tuple[int, int
     return groups, local
 
 
-def _to_stack(x: jax.Array, leaf: Leaf) -> jax.Array:
+def to_stack(x: jax.Array, leaf: Leaf) -> jax.Array:
     x = jnp.moveaxis(x, leaf.axes, (-2, -1))
     if leaf.transpose:
         x = jnp.swapaxes(x, -1, -2)
     return x.reshape((leaf.batch, leaf.rows, leaf.cols))
 
 
-def _from_stack(x: jax.Array, leaf: Leaf) -> jax.Array:
+def from_stack(x: jax.Array, leaf: Leaf) -> jax.Array:
     fan_in, fan_out = leaf.axes
     moved = [d for a, d in enumerate(leaf.shape) if a not in leaf.axes]
     mat = (leaf.shape[fan_in], leaf.shape[fan_out])
@@ -314,7 +315,7 @@ def orthogonalize_sharded(
                              # the all-gather over the replicating axes makes the
                              # result replicated there; the checker cannot infer it
                              check_vma=False)
-        parts = [_to_stack(xs[leaf.index], leaf).astype(ns_dtype) for leaf in group.leaves]
+        parts = [to_stack(xs[leaf.index], leaf).astype(ns_dtype) for leaf in group.leaves]
         pad = group.size - group.count
         if pad:
             parts.append(jnp.zeros((pad, group.rows, group.cols), ns_dtype))
@@ -328,7 +329,7 @@ def orthogonalize_sharded(
                                            ).astype(out_dtype)
         start = 0
         for leaf in group.leaves:
-            y = _from_stack(out[start:start + leaf.batch], leaf)
+            y = from_stack(out[start:start + leaf.batch], leaf)
             start += leaf.batch
             if shardings[leaf.index] is not None:
                 y = jax.lax.with_sharding_constraint(y, shardings[leaf.index])
