@@ -50,7 +50,7 @@ from train.config import TrainConfig, model_config, override, parse_args
 from train.metrics import flops_per_token, peak_flops_per_device
 from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
-from train.step import create_train_state, make_train_step
+from train.step import compiler_options, create_train_state, make_train_step
 
 VOCAB = 65  # tiny shakespeare's characters; the tokens are random, the shapes are real
 
@@ -136,7 +136,8 @@ def reference(config: TrainConfig) -> Variant:
                      optax.adamw(a.learning_rate, b1=a.beta1, b2=a.beta2,
                                  weight_decay=a.weight_decay))
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jax.jit, donate_argnums=(0, 1),
+                       compiler_options=compiler_options(make_mesh(config)))  # as ours
     def step(params, opt_state, x_ABT, y_ABT):
         grad_fn = jax.value_and_grad(_reference_loss)
         loss, grads = grad_fn(params, x_ABT[0], y_ABT[0], config.model.n_head)

@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 import urllib.error
 
 import jax
@@ -36,7 +37,12 @@ from train.optimizers import (
 from train.sample import load_model
 from train.sample import main as sample_main
 from train.sharding import batch_sharding, make_mesh, mesh_shape, put_batch, tree_shardings
-from train.step import create_train_state, make_train_step
+from train.step import (
+    CPU_COMPILER_OPTIONS,
+    compiler_options,
+    create_train_state,
+    make_train_step,
+)
 
 # Runs of the same config compile the same programs: cached for this module.
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -190,6 +196,32 @@ def test_snoo_static_hint_matches_in_jit_decision(corpus, tmp_path):
     # Two differently fused f32 programs: rounding-level differences only (params ~0.02-0.1).
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  runs[True][1], runs[False][1])
+
+
+def _schedule(compiled) -> list[str]:
+    """The compiled module's instructions in their scheduled order (names only)."""
+    return re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = ", compiled.as_text(), re.MULTILINE)
+
+
+def test_cpu_step_compiles_with_the_memory_optimized_schedule(corpus, tmp_path, monkeypatch):
+    """The trainer's CPU programs carry `CPU_COMPILER_OPTIONS`; the schedule changes only
+    the order of the kernels, so the state is bitwise that of XLA's default schedule."""
+    config = tiny(corpus, tmp_path, dtype="bfloat16", n_embd=64)
+    mesh, state, step, spec, vocab_size = _step_setup(config)
+    assert compiler_options(mesh) == CPU_COMPILER_OPTIONS
+    xy = [put_batch(a, batch_sharding(mesh)) for a in _batches(config, 1, vocab_size)[0]]
+    ours = step.lower(state, *xy).compile()
+    explicit = step.lower(state, *xy).compile(compiler_options=CPU_COMPILER_OPTIONS)
+    default = step.lower(state, *xy).compile(
+        compiler_options={"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_DEFAULT"})
+    assert _schedule(ours) == _schedule(explicit) != _schedule(default)
+    copy = jax.tree.map(jnp.copy, state)  # the step donates its state
+    for _ in range(3):
+        state, _ = ours(state, *xy)
+        copy, _ = default(copy, *xy)
+    jax.tree.map(np.testing.assert_array_equal, state, copy)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_DEFAULT")
+    assert compiler_options(mesh) is None  # the user's flag wins
 
 
 def test_gradient_accumulation_equals_big_batch(corpus, tmp_path):

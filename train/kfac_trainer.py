@@ -55,7 +55,7 @@ from train.optimizers import (
     with_snoo,
 )
 from train.sharding import batch_sharding, replicated
-from train.step import cross_entropy
+from train.step import compiler_options, cross_entropy
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
@@ -205,7 +205,7 @@ def make_curvature_estimate(model: Any, *, mesh: Any, params_shardings: Any,
 
     data = batch_sharding(mesh)
     return jax.jit(estimate, in_shardings=(params_shardings, data, data, replicated(mesh)),
-                   out_shardings=replicated(mesh))
+                   out_shardings=replicated(mesh), compiler_options=compiler_options(mesh))
 
 
 def warm_start_state(state: dict, estimate: Callable[[Any, Any, Any, Any], Any],
