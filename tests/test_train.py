@@ -207,7 +207,7 @@ def test_cpu_step_compiles_with_the_memory_optimized_schedule(corpus, tmp_path, 
     """The trainer's CPU programs carry `CPU_COMPILER_OPTIONS`; the schedule changes only
     the order of the kernels, so the state is bitwise that of XLA's default schedule."""
     config = tiny(corpus, tmp_path, dtype="bfloat16", n_embd=64)
-    mesh, state, step, spec, vocab_size = _step_setup(config)
+    mesh, state, step, _, vocab_size = _step_setup(config)
     assert compiler_options(mesh) == CPU_COMPILER_OPTIONS
     xy = [put_batch(a, batch_sharding(mesh)) for a in _batches(config, 1, vocab_size)[0]]
     ours = step.lower(state, *xy).compile()
