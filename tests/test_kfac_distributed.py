@@ -6,9 +6,11 @@ statistics in one all-reduce and runs no eigh."""
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_kfac_transform import TEMPLATE, curvature_at, grads_at, make_params
 
 from benchmarks import hlo
@@ -67,3 +69,128 @@ def test_each_device_runs_its_share_of_the_eigh(n):
     # One all-gather per factor size of the inverses, one of the spectrum statistics.
     assert refresh.counts.get("all-gather", 0) == (0 if n == 1 else 2 * len(GROUPS))
     assert plain.eigh == {} and plain.counts == {}
+
+
+# ------------------------------------------------- preconditioning where gradients live
+# (kernel shape, with bias, kernel sharding): rows split, columns split, both (tensor).
+SPLIT_LAYERS = {"l1": ((64, 128), True, P("fsdp", None)),
+                "l2": ((128, 64), False, P(None, "fsdp")),
+                "l3": ((32, 64), True, P("fsdp", "tensor"))}
+
+
+def _split_problem(mesh, scale=1):
+    """Sharded params and gradients of `SPLIT_LAYERS` (dimensions x scale), batch factors."""
+    rng = np.random.default_rng(0)
+    params, grads, curvature = {}, {}, {}
+    for name, ((d_in, d_out), bias, spec) in SPLIT_LAYERS.items():
+        d_in, d_out = d_in * scale, d_out * scale
+        put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+        params[name] = {"kernel": put(rng.standard_normal((d_in, d_out), np.float32), spec)}
+        grads[name] = {"kernel": put(rng.standard_normal((d_in, d_out), np.float32), spec)}
+        if bias:
+            params[name]["bias"] = put(np.zeros(d_out, np.float32), P())
+            grads[name]["bias"] = put(rng.standard_normal(d_out, np.float32), P())
+        x = rng.standard_normal((4 * d_in, d_in), np.float32)
+        dy = rng.standard_normal((4 * d_in, d_out), np.float32) / d_in
+        curvature[name] = {"kernel": kfac.layer_factors(jnp.asarray(x), jnp.asarray(dy),
+                                                        has_bias=bias)}
+    return params, grads, curvature
+
+
+def _split_update(mode, mesh, distributed, scale=1):
+    """One refreshing update under jit (out shardings = the gradients'), and its program."""
+    params, grads, curvature = _split_problem(mesh, scale)
+    tx = kfac.scale_by_kfac(refresh=kfac.every(1, first=0), mode=mode, damping=1e-2,
+                            distributed_precondition=distributed)
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+        update = jax.jit(tx.update, out_shardings=(jax.tree.map(lambda g: g.sharding, grads),
+                                                   None))
+        compiled = update.lower(grads, state, params, curvature=curvature).compile()
+        updates, state = update(grads, state, params, curvature=curvature)
+    return grads, updates, state, compiled.as_text()
+
+
+def _expected(grads, state, mode):
+    """The preconditioned gradients in float64 from the state's cached inverses."""
+    out = {}
+    for name, (_, bias, _) in SPLIT_LAYERS.items():
+        inv = jax.tree.map(lambda x: np.asarray(x, np.float64), state.inverses[name]["kernel"])
+        x = np.asarray(grads[name]["kernel"], np.float64)
+        if bias:
+            x = np.concatenate([x, np.asarray(grads[name]["bias"], np.float64)[None]])
+        if mode == "eigen":
+            y = inv.q_a @ ((inv.q_a.T @ x @ inv.q_g) * inv.scale) @ inv.q_g.T
+        else:
+            y = inv.a_inv @ x @ inv.g_inv
+        d_in = grads[name]["kernel"].shape[0]
+        out[name] = {"kernel": y[:d_in], **({"bias": y[d_in]} if bias else {})}
+    return out
+
+
+@pytest.mark.parametrize("mode", ["pi", "eigen"])
+@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 4, 1), (2, 2, 2)])
+def test_split_preconditioning_matches_float64(mode, shape):
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    for distributed in (True, False):
+        grads, updates, state, _ = _split_update(mode, mesh, distributed)
+        expected = _expected(grads, state, mode)
+        for name, leaves in expected.items():
+            for key, want in leaves.items():
+                got = updates[name][key]
+                # float32 products of length <= 129, against the float64 ones
+                np.testing.assert_allclose(np.asarray(got), want, rtol=0,
+                                           atol=1e-5 * np.abs(want).max(), err_msg=name)
+                assert got.sharding.is_equivalent_to(grads[name][key].sharding, got.ndim)
+
+
+@pytest.mark.parametrize("mode,max_moved", [("pi", 2), ("eigen", 4)])
+def test_split_preconditioning_moves_shares_not_whole_gradients(mode, max_moved):
+    """fsdp over 8 devices: all-to-alls of each device's share (twice in pi, at most four
+    times in eigen mode) and no more FLOPs; the partitioner alone moves the split
+    gradients whole."""
+    mesh = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"),
+                         axis_types=(AxisType.Auto,) * 3)
+    scale = 4  # large enough that the kernels dominate the program's collectives
+    kernel_bytes = {n: 4 * d_in * d_out * scale**2
+                    for n, ((d_in, d_out), _, _) in SPLIT_LAYERS.items()}
+    share = sum(kernel_bytes.values()) / 8
+    bias_bytes = sum(4 * d_out * scale for (_, d_out), bias, _ in SPLIT_LAYERS.values() if bias)
+    cost = {}
+    for distributed in (True, False):
+        text = _split_update(mode, mesh, distributed, scale)[3]
+        cost[distributed] = hlo.analyze(text, eigh_branch=False)
+    ours, theirs = cost[True], cost[False]
+    assert set(ours.by_kind) == {"all-to-all", "all-gather"}
+    assert ours.by_kind["all-to-all"] <= max_moved * share + bias_bytes
+    assert ours.by_kind["all-gather"] <= bias_bytes  # vectors, never a kernel
+    # The partitioner's choice moves at least the two big kernels whole (all-gathers,
+    # and all-reduces of partial products in eigen mode).
+    assert theirs.collective_bytes >= kernel_bytes["l1"] + kernel_bytes["l2"]
+    assert ours.flops <= theirs.flops * 1.01
+
+
+def test_split_shardings_survive_a_traced_init_and_follow_the_update_mesh():
+    """An init under `jax.eval_shape` keeps the shardings an eager init recorded (the
+    update under jit still moves shares only); an update on another mesh ignores them."""
+    mesh = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"),
+                         axis_types=(AxisType.Auto,) * 3)
+    params, grads, curvature = _split_problem(mesh)
+    tx = kfac.scale_by_kfac(refresh=kfac.every(1, first=0), damping=1e-2)
+
+    def gathered(mesh_now, state):
+        with jax.set_mesh(mesh_now):
+            text = jax.jit(tx.update).lower(grads, state, params,
+                                            curvature=curvature).compile().as_text()
+        return hlo.analyze(text, eigh_branch=False).by_kind.get("all-gather", 0)
+
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+        jax.eval_shape(tx.init, params)
+    kernel = 4 * 64 * 128  # l1's kernel, bytes
+    assert gathered(mesh, state) < kernel
+    other = jax.make_mesh((2, 4, 1), ("data", "fsdp", "tensor"),
+                          axis_types=(AxisType.Auto,) * 3)
+    unsharded = jax.tree.map(np.asarray, (params, grads, state))
+    params, grads, state = jax.device_put(unsharded, NamedSharding(other, P()))
+    assert gathered(other, state) == 0  # replicated on the other mesh: nothing split

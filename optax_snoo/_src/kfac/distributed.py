@@ -15,6 +15,13 @@ factored (pi) or exact (eigen) damping.
 The factors themselves stay replicated (the batch statistics are reduced over the data
 axes where they are computed); only the eigendecompositions are split. kfac-jax splits
 its inverse computations over (pmap) devices in the same way.
+
+`precondition_split` applies a cached inverse to a gradient split over the same mesh
+without gathering it: a product contracting the gradient's columns runs with its rows
+split over all devices, one contracting its rows with its columns split, and the
+partitioner moves the gradient between the two layouts with an all-to-all (each device
+sends and receives its share), where replicated inverses and a sharded gradient would
+otherwise gather the whole gradient on every device.
 """
 
 from __future__ import annotations
@@ -160,3 +167,101 @@ def refresh_all(
             g_max=jnp.max(st_g[:, 0]), g_min=jnp.min(st_g[:, 1]),
             num_clipped=(jnp.sum(st_a[:, 2]) + jnp.sum(st_g[:, 2])).astype(jnp.int32)))
     return inverses, stats
+
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def split_layouts(sharding: Any, d_in: int, d_out: int) -> tuple[P, P, P] | None:
+    """The layouts `precondition_split` moves a 2-D kernel's gradient through.
+
+    With ``s_in``, ``s_out`` the mesh axes splitting the kernel's rows and columns, ``rest``
+    the others (all of size > 1) and ``order = s_in + s_out + rest``: ``rows`` splits the
+    ``(d_in, d_out)`` matrix's rows over ``order``, ``cols`` its columns over ``order``, and
+    ``mid`` is the kernel's own sharding with ``rest`` added to its columns (a local
+    slice of it). Each of ``rows`` and ``cols`` is one all-to-all from ``mid`` and from
+    each other (the same device order), which the partitioner finds; it does not find a
+    direct move from a layout that replicates over ``rest``.
+
+    Returns:
+      ``(rows, cols, mid)``; None when the kernel is not split at all (a replicated
+      gradient is cheaper to precondition where it is) or a dimension does not divide
+      by the device count.
+    """
+    if not isinstance(sharding, NamedSharding):
+        return None
+    mesh = sharding.mesh
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    big = lambda axes: tuple(a for a in axes if sizes[a] > 1)
+    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    s_in, s_out = big(_axes(spec[0])), big(_axes(spec[1]))
+    if not s_in + s_out:
+        return None
+    rest = big(a for a in mesh.axis_names if a not in _axes(spec[0]) + _axes(spec[1]))
+    order = s_in + s_out + rest
+    n = math.prod(sizes[a] for a in order)
+    if d_in % n or d_out % n:
+        return None
+    return P(order, None), P(None, order), P(s_in or None, (s_out + rest) or None)
+
+
+def precondition_split(inverse: EigenInverse | PiInverse, grad_w: jax.Array,
+                       grad_b: jax.Array | None, sharding: NamedSharding,
+                       layouts: tuple[P, P, P]) -> tuple[jax.Array, jax.Array | None]:
+    """`apply_inverse` on ``[grad_w; grad_bᵀ]``, each product where its contraction is whole.
+
+    pi: ``Â⁻¹ (X Ĝ⁻¹)``; eigen: ``(Q_A [(Q_Aᵀ (X Q_G)) ⊙ S]) Q_Gᵀ`` (the products of
+    `apply_inverse`, associated so that a column product comes first). ``X M`` runs in the
+    ``rows`` layout (the bias row, a vector, replicated), the products on the left in the
+    ``cols`` layout (`split_layouts`): an all-to-all into the first, one between them
+    (two in eigen mode) and one back, each moving a device's share, then an all-gather
+    over the axes that replicate the kernel; no gathered gradient.
+
+    Args:
+      inverse: the layer's cached inverse (no stack axes; replicated).
+      grad_w: the kernel gradient ``(d_in, d_out)``, float32.
+      grad_b: the bias gradient ``(d_out,)`` when the factors include it, else None.
+      sharding: the kernel's sharding (the result's).
+      layouts: `split_layouts` of it.
+
+    Returns:
+      ``(out_w, out_b)``: the preconditioned kernel and bias gradients (float32).
+    """
+    mesh = sharding.mesh
+    explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+    def put(spec: Any) -> Any:
+        target = spec if isinstance(spec, NamedSharding) else NamedSharding(mesh, spec)
+        if explicit:
+            return lambda x: jax.reshard(x, target)
+        return lambda x: jax.lax.with_sharding_constraint(x, target)
+
+    rows, cols, mid = (put(spec) for spec in layouts)
+    whole, own = put(P()), put(sharding)
+    mm = lambda x, y: jnp.matmul(x, y, precision=_HIGHEST)
+    d_in = grad_w.shape[0]
+    w = rows(mid(grad_w))
+    b = None if grad_b is None else whole(grad_b[None, :])
+
+    def times(m: jax.Array) -> jax.Array:
+        """``X m`` in the cols layout: each row block where it lives, then joined."""
+        out = cols(rows(mm(w, m)))
+        if b is None:
+            return out
+        return cols(jnp.concatenate([out, cols(mm(b, m))], axis=0))
+
+    if isinstance(inverse, EigenInverse):
+        x = times(inverse.q_g)
+        v = cols(mm(inverse.q_a, cols(mm(inverse.q_a.T, x) * inverse.scale)))
+        # (a slice constrained where it is taken: else the partitioner moves the whole
+        # matrix first and then shifts rows between neighbours to slice it)
+        out_w = rows(mm(rows(cols(v[:d_in])), inverse.q_g.T))
+        out_b = None if b is None else mm(whole(v[d_in:]), inverse.q_g.T)[0]
+    else:
+        y = cols(mm(inverse.a_inv, times(inverse.g_inv)))
+        out_w, out_b = cols(y[:d_in]), (None if b is None else y[d_in])
+    return own(mid(out_w)), out_b

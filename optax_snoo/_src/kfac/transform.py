@@ -59,6 +59,14 @@ all ``N`` devices, each device decomposes (and, in ``"pi"`` mode, inverts) only 
 ``1/N`` share, and one ``all_gather`` per group replicates the results
 (`optax_snoo._src.kfac.distributed`; kfac-jax distributes its inverses likewise). Per
 device that is ``1/N`` of the work plus at most one padded matrix per factor size.
+On every step, each split layer's gradient is preconditioned where it lives:
+the products contracting its columns run with its rows split over the ``N`` devices,
+those contracting its rows with its columns split, and one all-to-all (two in
+``"eigen"`` mode) moves it between the two layouts; the partitioner alone would gather
+the whole gradient on every device. This applies to 2-D kernels whose sharding splits
+them, as seen on the gradients or, for updates under ``jax.jit``, on the params at
+``init``; replicated gradients (data parallelism), expert stacks, kernels of other ranks
+and dimensions that do not divide by ``N`` are left to the partitioner.
 """
 
 from __future__ import annotations
@@ -80,7 +88,7 @@ from optax_snoo._src.kfac.blocks import (
     resolve_blocks,
     template_specs,
 )
-from optax_snoo._src.kfac.distributed import refresh_all
+from optax_snoo._src.kfac.distributed import precondition_split, refresh_all, split_layouts
 from optax_snoo._src.kfac.factors import LayerCurvature
 from optax_snoo._src.kfac.grafting import graft as graft_transform
 from optax_snoo._src.kfac.precondition import (
@@ -97,6 +105,7 @@ from optax_snoo._src.kfac.refresh import (
     needs_learning_rate,
     policy_step,
 )
+from optax_snoo._src.muon_sharding import concrete_sharding
 from optax_snoo._src.utils import is_integer, is_real
 
 GRAFTS = (None, "adam", "sgd")
@@ -186,6 +195,7 @@ def scale_by_kfac(
     bias_name: str = "bias",
     distributed_refresh: bool = True,
     mesh: Any = None,
+    distributed_precondition: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC preconditioning direction (no learning rate, no sign).
 
@@ -223,6 +233,9 @@ def scale_by_kfac(
         the mesh (see the module docstring); False: every device runs all of them.
       mesh: the mesh to split the refresh over; default: the mesh set with
         ``jax.set_mesh`` around the update, if any (else nothing is split).
+      distributed_precondition: precondition each split 2-D kernel's gradient where it
+        lives (see the module docstring); False: as the partitioner chooses (it
+        gathers each such gradient whole on every device).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state `ScaleByKfacState`.
@@ -270,13 +283,30 @@ def scale_by_kfac(
         raise ValueError(f"bias_name must be a string, got {bias_name!r}.")
     lr_schedule = learning_rate
 
-    def _refresh_mesh():
-        if not distributed_refresh:
+    def _work_mesh(enabled: bool):
+        """The mesh to split work over: ``mesh``, else the ``jax.set_mesh`` one, if any."""
+        if not enabled:
             return None
         if mesh is not None:
             return mesh
         context = jax.sharding.get_abstract_mesh()
         return None if context.empty else context
+
+    # Each kernel's sharding as init saw it (concrete params), for updates traced under
+    # jax.jit, where Auto mesh axes leave it out of the gradients' types.
+    seen_shardings: dict[Any, Any] = {}
+
+    def kernel_sharding(block, grad):
+        """The sharding to precondition ``grad`` in (None: leave it to the partitioner)."""
+        if not distributed_precondition or block.stack or grad.ndim != 2:
+            return None
+        sharding = concrete_sharding(grad) or seen_shardings.get(block.names)
+        context = jax.sharding.get_abstract_mesh()
+        if sharding is not None and not context.empty and (
+                context.axis_names != sharding.mesh.axis_names
+                or context.axis_sizes != sharding.mesh.axis_sizes):
+            return None  # recorded on another mesh than the one this update runs on
+        return sharding
 
     def init_fn(params):
         entries, _ = flatten_params(params)
@@ -289,6 +319,11 @@ def scale_by_kfac(
         factors, inverses = {}, {}
         for b in blocks:
             kernel = entries[b.kernel][1]
+            sharding = concrete_sharding(kernel)
+            if sharding is not None:
+                seen_shardings[b.names] = sharding
+            elif not isinstance(kernel, jax.core.Tracer):  # a traced init keeps the record
+                seen_shardings.pop(b.names, None)
             factors[b.names] = LayerCurvature(
                 a=_replicated_like(jnp.zeros(b.a_shape, jnp.float32), kernel),
                 g=_replicated_like(jnp.zeros(b.g_shape, jnp.float32), kernel))
@@ -348,7 +383,7 @@ def scale_by_kfac(
         def recompute(operands):
             factors, _, event = operands
             new_inverses, stats = refresh_all(factors, lam, mode, eig_floor_abs,
-                                              eig_floor_rel, _refresh_mesh())
+                                              eig_floor_rel, _work_mesh(distributed_refresh))
             extreme = lambda fn, name: (fn(jnp.stack([getattr(s, name) for s in stats]))
                                         if stats else jnp.zeros((), jnp.float32))
             new_event = KfacRefreshEvent(
@@ -373,6 +408,18 @@ def scale_by_kfac(
         for b, inverse in zip(blocks, inverses, strict=True):
             kernel = leaves[b.kernel]
             grad = jnp.reshape(kernel, (*b.stack, b.d_in, b.d_out)).astype(jnp.float32)
+            sharding = kernel_sharding(b, kernel)
+            layouts = None if sharding is None else split_layouts(sharding, b.d_in, b.d_out)
+            if layouts is not None:
+                bias = None if b.bias is None else leaves[b.bias]
+                out_w, out_b = precondition_split(
+                    inverse, grad,
+                    None if bias is None else jnp.reshape(bias, (b.d_out,)).astype(jnp.float32),
+                    sharding, layouts)
+                leaves[b.kernel] = out_w.astype(kernel.dtype)
+                if bias is not None:
+                    leaves[b.bias] = jnp.reshape(out_b, bias.shape).astype(bias.dtype)
+                continue
             if b.bias is not None:
                 bias_row = jnp.reshape(leaves[b.bias], (*b.stack, 1, b.d_out))
                 grad = jnp.concatenate([grad, bias_row.astype(jnp.float32)], axis=-2)
@@ -413,6 +460,7 @@ def kfac(
     bias_name: str = "bias",
     distributed_refresh: bool = True,
     mesh: Any = None,
+    distributed_precondition: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC optimizer: `scale_by_kfac`, optional grafting, momentum, weight decay, LR.
 
@@ -446,6 +494,8 @@ def kfac(
         the mesh (see the module docstring); False: every device runs all of them.
       mesh: the mesh to split the refresh over; default: the mesh set with
         ``jax.set_mesh`` around the update, if any (else nothing is split).
+      distributed_precondition: precondition each split kernel's gradient where it
+        lives (see `scale_by_kfac`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -474,7 +524,8 @@ def kfac(
     direction = scale_by_kfac(
         damping=damping, ema_decay=ema_decay, refresh=refresh, learning_rate=learning_rate,
         mode=mode, eig_floor_abs=eig_floor_abs, eig_floor_rel=eig_floor_rel, layers=layers,
-        bias_name=bias_name, distributed_refresh=distributed_refresh, mesh=mesh)
+        bias_name=bias_name, distributed_refresh=distributed_refresh, mesh=mesh,
+        distributed_precondition=distributed_precondition)
     if graft == "adam":
         direction = graft_transform(optax.scale_by_adam(b1=0.0, b2=b2, eps=eps), direction)
     elif graft == "sgd":
