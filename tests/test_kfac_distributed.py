@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -194,3 +195,15 @@ def test_split_shardings_survive_a_traced_init_and_follow_the_update_mesh():
     unsharded = jax.tree.map(np.asarray, (params, grads, state))
     params, grads, state = jax.device_put(unsharded, NamedSharding(other, P()))
     assert gathered(other, state) == 0  # replicated on the other mesh: nothing split
+
+
+def test_grafting_norms_do_not_gather_a_column_split_leaf():
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    leaf = jax.device_put(np.ones((64, 128), np.float32), NamedSharding(mesh, P(None, "fsdp")))
+    tx = kfac.graft(optax.scale_by_adam(b1=0.0), optax.scale(2.0))
+    state = tx.init({"w": leaf})
+    with jax.set_mesh(mesh):
+        text = jax.jit(tx.update).lower({"w": leaf}, state).compile().as_text()
+    cost = hlo.analyze(text)
+    assert cost.by_kind.get("all-gather", 0) == 0
+    assert cost.collective_bytes <= 16  # the two norms' scalar all-reduces

@@ -60,8 +60,10 @@ def graft(magnitude: optax.GradientTransformation,
         d_updates, d_state = direction.update(updates, state.direction, params, **extra_args)
 
         def rescale(m, d):
-            m_norm = jnp.linalg.norm(m.astype(jnp.float32).ravel())
-            d_norm = jnp.linalg.norm(d.astype(jnp.float32).ravel())
+            # Summed over all axes in place: flattening a column-split matrix first would
+            # gather it whole on every device.
+            m_norm = jnp.sqrt(jnp.sum(jnp.square(m.astype(jnp.float32))))
+            d_norm = jnp.sqrt(jnp.sum(jnp.square(d.astype(jnp.float32))))
             ratio = jnp.where(d_norm > 0, m_norm / jnp.where(d_norm > 0, d_norm, 1.0), 0.0)
             return (d.astype(jnp.float32) * ratio).astype(d.dtype)
 
