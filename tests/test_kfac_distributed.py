@@ -130,9 +130,11 @@ def _expected(grads, state, mode):
 
 
 @pytest.mark.parametrize("mode", ["pi", "eigen"])
-@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 4, 1), (2, 2, 2)])
-def test_split_preconditioning_matches_float64(mode, shape):
-    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+@pytest.mark.parametrize("shape,explicit", [((1, 8, 1), False), ((2, 4, 1), False),
+                                            ((2, 2, 2), False), ((2, 4, 1), True)])
+def test_split_preconditioning_matches_float64(mode, shape, explicit):
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(kind,) * 3)
     for distributed in (True, False):
         grads, updates, state, _ = _split_update(mode, mesh, distributed)
         expected = _expected(grads, state, mode)

@@ -76,7 +76,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_snoo._src.kfac.blocks import (
@@ -180,6 +180,17 @@ def _replicate_under_mesh(tree: Any) -> Any:
     if jax.sharding.get_abstract_mesh().empty:
         return tree
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
+
+
+def _common_sharding(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """Under Explicit mesh axes, arrays of different shardings resharded to replicated
+    (``concatenate`` requires one sharding there); otherwise unchanged."""
+    shardings = [getattr(jax.typeof(x), "sharding", None) for x in xs]
+    explicit = [s for s in shardings if isinstance(s, NamedSharding) and any(
+        t == AxisType.Explicit for t in s.mesh.axis_types)]
+    if not explicit or all(getattr(s, "spec", None) == explicit[0].spec for s in shardings):
+        return xs
+    return tuple(jax.sharding.reshard(x, P()) for x in xs)
 
 
 # ------------------------------------------------------------------------ the transform
@@ -422,7 +433,8 @@ def scale_by_kfac(
                 continue
             if b.bias is not None:
                 bias_row = jnp.reshape(leaves[b.bias], (*b.stack, 1, b.d_out))
-                grad = jnp.concatenate([grad, bias_row.astype(jnp.float32)], axis=-2)
+                grad, bias_row = _common_sharding(grad, bias_row.astype(jnp.float32))
+                grad = jnp.concatenate([grad, bias_row], axis=-2)
             out = apply_inverse(inverse, grad)
             leaves[b.kernel] = jnp.reshape(out[..., :b.d_in, :], kernel.shape).astype(
                 kernel.dtype)
