@@ -61,9 +61,10 @@ all ``N`` devices, each device decomposes (and, in ``"pi"`` mode, inverts) only 
 device that is ``1/N`` of the work plus at most one padded matrix per factor size.
 On every step, each split layer's gradient is preconditioned where it lives:
 the products contracting its columns run with its rows split over the ``N`` devices,
-those contracting its rows with its columns split, and one all-to-all (two in
-``"eigen"`` mode) moves it between the two layouts; the partitioner alone would gather
-the whole gradient on every device. This applies to 2-D kernels whose sharding splits
+those contracting its rows with its columns split, and all-to-alls of each device's
+share move it between the two layouts and back (2x the share per step in ``"pi"`` mode,
+at most 4x in ``"eigen"`` mode); the partitioner alone would gather the whole gradient
+on every device. This applies to 2-D kernels whose sharding splits
 them, as seen on the gradients or, for updates under ``jax.jit``, on the params at
 ``init``; replicated gradients (data parallelism), expert stacks, kernels of other ranks
 and dimensions that do not divide by ``N`` are left to the partitioner.
@@ -294,9 +295,8 @@ def scale_by_kfac(
         raise ValueError(f"bias_name must be a string, got {bias_name!r}.")
     lr_schedule = learning_rate
 
-    def _work_mesh(enabled: bool):
-        """The mesh to split work over: ``mesh``, else the ``jax.set_mesh`` one, if any."""
-        if not enabled:
+    def _refresh_mesh():
+        if not distributed_refresh:
             return None
         if mesh is not None:
             return mesh
@@ -394,7 +394,7 @@ def scale_by_kfac(
         def recompute(operands):
             factors, _, event = operands
             new_inverses, stats = refresh_all(factors, lam, mode, eig_floor_abs,
-                                              eig_floor_rel, _work_mesh(distributed_refresh))
+                                              eig_floor_rel, _refresh_mesh())
             extreme = lambda fn, name: (fn(jnp.stack([getattr(s, name) for s in stats]))
                                         if stats else jnp.zeros((), jnp.float32))
             new_event = KfacRefreshEvent(
