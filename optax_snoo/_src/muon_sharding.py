@@ -58,8 +58,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Group", "concrete_sharding", "describe_leaf", "from_stack", "orthogonalize_sharded",
-           "plan_groups", "to_stack"]
+__all__ = ["Group", "axes_of", "concrete_sharding", "describe_leaf", "from_stack",
+           "orthogonalize_sharded", "plan_groups", "spec_entries", "to_stack"]
 
 
 def concrete_sharding(x: Any) -> NamedSharding | None:
@@ -83,7 +83,8 @@ def concrete_sharding(x: Any) -> NamedSharding | None:
     return None
 
 
-def _spec_entries(sharding: NamedSharding, ndim: int) -> tuple[Any, ...]:
+def spec_entries(sharding: NamedSharding, ndim: int) -> tuple[Any, ...]:
+    """The sharding's spec padded with None to ``ndim`` entries."""
     spec = tuple(sharding.spec)
     return spec + (None,) * (ndim - len(spec))
 
@@ -183,7 +184,7 @@ def plan_groups(shapes: Sequence[tuple[int, ...]], axes: Sequence[tuple[int, int
     spread = None if mesh is None else tuple(
         a for a, n in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if n > 1)
     for i, (shape, ax, sharding) in enumerate(zip(shapes, axes, shardings, strict=True)):
-        entries = None if sharding is None else _spec_entries(sharding, len(shape))
+        entries = None if sharding is None else spec_entries(sharding, len(shape))
         if unknown[i] and spread:
             # Assume FSDP's layout: the stack's rows (the shorter axis) over all devices.
             row_axis = ax[1] if shape[ax[0]] > shape[ax[1]] else ax[0]
@@ -221,7 +222,8 @@ def from_stack(x: jax.Array, leaf: Leaf) -> jax.Array:
     return jnp.moveaxis(x, (-2, -1), leaf.axes)
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
+def axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one spec entry (None, a name, or a tuple of names)."""
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
@@ -242,10 +244,10 @@ def _local_newton_schulz(mesh: Any, spec: tuple[Any, Any, Any],
     all-gather; none where nothing replicates).
     """
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    used = _axes_of(spec[0]) + _axes_of(spec[1]) + _axes_of(spec[2])
+    used = axes_of(spec[0]) + axes_of(spec[1]) + axes_of(spec[2])
     rep = tuple(a for a in mesh.axis_names if a not in used and sizes[a] > 1)
-    row_axes = tuple(a for a in _axes_of(spec[1]) if sizes[a] > 1)
-    col_axes = tuple(a for a in _axes_of(spec[2]) if sizes[a] > 1)
+    row_axes = tuple(a for a in axes_of(spec[1]) if sizes[a] > 1)
+    col_axes = tuple(a for a in axes_of(spec[2]) if sizes[a] > 1)
     n_rep = math.prod(sizes[a] for a in rep)
     n_r, n_c = math.prod(sizes[a] for a in row_axes), math.prod(sizes[a] for a in col_axes)
     pieces = row_axes + col_axes

@@ -42,6 +42,7 @@ from optax_snoo._src.kfac.precondition import (
     pi_adjustment,
 )
 from optax_snoo._src.kfac.precondition import _check_mode as check_mode
+from optax_snoo._src.muon_sharding import axes_of, spec_entries
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -170,12 +171,6 @@ def refresh_all(
 
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
 def split_layouts(sharding: Any, d_in: int, d_out: int) -> tuple[P, P, P] | None:
     """The layouts `precondition_split` moves a 2-D kernel's gradient through.
 
@@ -197,11 +192,11 @@ def split_layouts(sharding: Any, d_in: int, d_out: int) -> tuple[P, P, P] | None
     mesh = sharding.mesh
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     big = lambda axes: tuple(a for a in axes if sizes[a] > 1)
-    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
-    s_in, s_out = big(_axes(spec[0])), big(_axes(spec[1]))
+    spec = spec_entries(sharding, 2)
+    s_in, s_out = big(axes_of(spec[0])), big(axes_of(spec[1]))
     if not s_in + s_out:
         return None
-    rest = big(a for a in mesh.axis_names if a not in _axes(spec[0]) + _axes(spec[1]))
+    rest = big(a for a in mesh.axis_names if a not in axes_of(spec[0]) + axes_of(spec[1]))
     order = s_in + s_out + rest
     n = math.prod(sizes[a] for a in order)
     if d_in % n or d_out % n:
