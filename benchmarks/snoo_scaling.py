@@ -109,11 +109,11 @@ def non_embedding_params(preset: str) -> int:
 
     import models
     from train.config import model_config, parse_args
-    from train.data import CharDataset
+    from train.data import open_dataset
 
     name, *overrides = preset.split("@")
     config = parse_args([f"--preset={name}", *(f"--{o}" for o in overrides)])
-    vocab = CharDataset.load(config.data.path).vocab_size
+    vocab = open_dataset(config.data.path).vocab_size
     gpt = nnx.eval_shape(lambda: models.GPT(model_config(config, vocab), rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(nnx.state(gpt, nnx.Param))
     return sum(int(np.prod(leaf.shape)) for name, sub in params.items()

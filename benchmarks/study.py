@@ -124,10 +124,10 @@ def optimizer_state_bytes(config) -> int:
     import models
     from optax_snoo.memory import state_bytes
     from train.config import model_config
-    from train.data import CharDataset
+    from train.data import open_dataset
     from train.optimizers import build_optimizer
 
-    vocab = CharDataset.load(config.data.path).vocab_size
+    vocab = open_dataset(config.data.path).vocab_size
     gpt = nnx.eval_shape(lambda: models.GPT(model_config(config, vocab), rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(nnx.split(gpt, nnx.Param, ...)[1])
     tx = build_optimizer(config).tx

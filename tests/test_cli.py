@@ -123,7 +123,7 @@ def test_user_message_is_for_the_projects_own_errors():
         "cannot resume: a: 1; b: 2; Run again.")
     assert user_message(ValueError("raised outside the project")) is None
     with pytest.raises(ValueError) as err:
-        td.CharDataset.check_split("test")
+        td.check_split("test")
     assert user_message(err.value) == "split='test': expected 'train' or 'val'"
 
     class JaxRuntimeError(RuntimeError):  # the name XLA's errors carry

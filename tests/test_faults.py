@@ -67,7 +67,7 @@ def without_snoo_count(tree):
 def test_nonfinite_step_leaves_state_unchanged(corpus, tmp_path, poison):
     """An out-of-vocabulary id gathers NaN (jnp.take fills): the step changes no state."""
     config = tiny(corpus, tmp_path)
-    vocab = td.CharDataset.load(corpus).vocab_size
+    vocab = td.open_dataset(corpus).vocab_size
     spec = build_optimizer(config)
     mesh = make_mesh(config)
     model, state = create_train_state(tc.model_config(config, vocab), spec.tx, seed=0,
@@ -103,7 +103,7 @@ def test_snoo_hint_from_the_step_agrees_with_the_in_jit_sync_after_a_skipped_ste
     """The host's hint `step % k == 0` stays right after a skip: the same states as
     Snoo's own in-jit choice (`snoo_sync=None`), step by step."""
     config = tiny(corpus, tmp_path, snoo_k=3)
-    vocab = td.CharDataset.load(corpus).vocab_size
+    vocab = td.open_dataset(corpus).vocab_size
     spec = build_optimizer(config)
     mesh = make_mesh(config)
     put = lambda x: put_batch(x, batch_sharding(mesh))
@@ -126,7 +126,7 @@ def test_snoo_hint_from_the_step_agrees_with_the_in_jit_sync_after_a_skipped_ste
 def test_run_skips_bad_steps_then_stops_keeping_the_last_good_checkpoint(
         corpus, tmp_path, monkeypatch):
     """Step 2 is poisoned (skipped, run goes on); steps >= 5 all are: stop after 2 in a row."""
-    clean = td.CharDataset.batch
+    clean = td.TokenDataset.batch
 
     def poisoned(self, split, step, **kw):
         x, y = clean(self, split, step, **kw)
@@ -135,7 +135,7 @@ def test_run_skips_bad_steps_then_stops_keeping_the_last_good_checkpoint(
             x[0, 0, 0] = 10 * self.vocab_size
         return x, y
 
-    monkeypatch.setattr(td.CharDataset, "batch", poisoned)
+    monkeypatch.setattr(td.TokenDataset, "batch", poisoned)
     config = tiny(corpus, tmp_path / "run", max_bad_steps=2)
     with pytest.raises(NonFiniteError, match=r"(?s)stopping at step 7: 2 consecutive.*"
                                              r"--max_bad_steps=2.*steps \[4\]"):
@@ -278,7 +278,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(eight_steps, t
 
 
 def _state_like(config):
-    vocab = td.CharDataset.load(config.data.path).vocab_size
+    vocab = td.open_dataset(config.data.path).vocab_size
     mesh = make_mesh(config)
     return create_train_state(tc.model_config(config, vocab), build_optimizer(config).tx,
                               seed=0, mesh=mesh)[1]

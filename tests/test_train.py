@@ -26,7 +26,7 @@ from train import config as tc
 from train import data as td
 from train.__main__ import main
 from train.checkpoint import Checkpointer, check_compatible
-from train.evaluate import evaluate_split, split_windows
+from train.evaluate import evaluate_split
 from train.evaluate import main as evaluate_main
 from train.metrics import flops_per_token
 from train.optimizers import (
@@ -65,7 +65,8 @@ def train_losses(result) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """An uninterrupted 8-step run on one device (Snoo k=3 around AdamW)."""
-    config = tiny(corpus, tmp_path_factory.mktemp("ref"), num_samples=1, sample_tokens=6)
+    config = tiny(corpus, tmp_path_factory.mktemp("ref"), num_samples=1, sample_tokens=6,
+                  vocab_multiple=8)  # padded, so sampling must mask the padding ids
     return config, train.run(config)
 
 
@@ -82,7 +83,7 @@ def test_tiny_run_loss_falls_and_writes_outputs(reference):
     assert sorted(losses) == list(range(1, 9))
     assert losses[8] < losses[1]
     out = result.out_dir
-    vocab_size = td.CharDataset.load(config.data.path).vocab_size  # set from the corpus
+    vocab_size = td.open_dataset(config.data.path).vocab_size  # set from the corpus
     assert tc.config_from_dict(json.loads((out / "config.json").read_text())) == (
         dataclasses.replace(config, model=tc.model_config(config, vocab_size)))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -92,10 +93,10 @@ def test_tiny_run_loss_falls_and_writes_outputs(reference):
     assert (out / "loss.png").stat().st_size > 0
     # Every sampled id is a real character (padding is masked), so a sample re-encodes to
     # the prompt plus exactly sample_tokens ids, whichever ids were drawn.
-    data = td.CharDataset.load(config.data.path)
+    data = td.open_dataset(config.data.path)
     assert tc.model_config(config, data.vocab_size).vocab_size > data.vocab_size  # padded
     sample = (out / "samples.txt").read_text()[:-1]
-    assert len(data.encode(sample)) == len(config.sample.start) + config.sample.tokens
+    assert len(data.tokenizer.encode(sample)) == len(config.sample.start) + config.sample.tokens
 
 
 def test_sample_cli_restores_the_final_model(reference, capsys):
@@ -106,19 +107,15 @@ def test_sample_cli_restores_the_final_model(reference, capsys):
         result.out_dir / "samples.txt").read_text()[:-1]
 
 
-def test_split_windows_are_every_non_overlapping_window():
-    inputs, targets = split_windows(np.arange(11), 3)  # (11 - 1) // 3 = 3 windows
-    np.testing.assert_array_equal(inputs, [[0, 1, 2], [3, 4, 5], [6, 7, 8]])
-    np.testing.assert_array_equal(targets, inputs + 1)
-    with pytest.raises(ValueError, match="block_size=3"):
-        split_windows(np.arange(3), 3)
 
 
 def test_evaluate_cli_is_the_mean_loss_over_every_val_window(reference, corpus, capsys):
     config, result = reference
     model, _, _ = load_model(result.out_dir)
-    ids = td.CharDataset.load(corpus).val_ids
-    inputs, targets = split_windows(ids, config.model.block_size)
+    data = td.open_dataset(corpus)
+    ids = data.split("val").shards[0].array
+    windows = list(data.sequential_windows("val", config.model.block_size, batch_size=10**9))
+    inputs, targets = windows[0]
     logits = np.asarray(models.forward(model, jnp.asarray(inputs))[0], np.float64)
     log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     expected = float(np.mean(log_z - np.take_along_axis(logits, targets[..., None], -1)[..., 0]))
@@ -135,7 +132,7 @@ def test_evaluate_refuses_a_corpus_with_another_vocabulary(reference, tmp_path):
     _, result = reference
     other = tmp_path / "other.txt"
     other.write_text("abc" * 1000)
-    with pytest.raises(ValueError, match="vocabulary of 3 characters"):
+    with pytest.raises(ValueError, match="a vocabulary of 3 characters"):
         evaluate_split(result.out_dir, data=str(other))
     with pytest.raises(ValueError, match="split='test'"):
         evaluate_split(result.out_dir, split="test")
@@ -163,7 +160,7 @@ def test_resume_continues_exactly(reference, corpus, tmp_path):
 
 def _step_setup(config):
     """The jitted step the loop would build for `config` (same program: cached compiles)."""
-    vocab_size = td.CharDataset.load(config.data.path).vocab_size
+    vocab_size = td.open_dataset(config.data.path).vocab_size
     spec = build_optimizer(config)
     mesh = make_mesh(config)
     model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
@@ -364,9 +361,13 @@ def test_presets_and_overrides():
         f.name for f in dataclasses.fields(models.GPTConfig)} - {"vocab_size"}
     assert tc.parse_args(["--dtype=float16"]).model.dtype == "float16"  # as GPTConfig says
     gpt = tc.model_config(config, 65)
-    assert gpt.vocab_size == 72 and gpt.moe_every == 2
+    assert gpt.vocab_size == 65 and gpt.moe_every == 2
     assert tc.model_config(default, 65).vocab_size == 65  # nanoGPT's CPU recipe: no padding
+    assert tc.model_config(default, 50257).vocab_size == 50304  # nanoGPT's GPT-2 padding
+    assert tc.model_config(tc.override(default, mesh_tensor=2), 65).vocab_size == 66
+    assert tc.model_config(tc.override(default, vocab_multiple=8), 65).vocab_size == 72
     assert tc.model_config(tc.get_preset("gpt2_small"), 65).vocab_size == 128
+    assert tc.model_config(tc.get_preset("gpt2_medium_fineweb"), 50257).vocab_size == 50304
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -444,11 +445,12 @@ def test_config_mismatch_message():
 
 
 def test_data_is_deterministic_in_seed_and_step(corpus):
-    data = td.CharDataset.load(corpus)
+    data = td.open_dataset(corpus)
     text = corpus.read_text()
-    assert data.chars == "".join(sorted(set(text)))
-    assert len(data.train_ids) == int(len(text) * 0.9)
-    assert data.decode(np.concatenate([data.train_ids, data.val_ids])) == text
+    assert data.tokenizer.chars == "".join(sorted(set(text)))
+    train_ids, val_ids = (data.split(s).shards[0].array for s in ("train", "val"))
+    assert len(train_ids) == int(len(text) * 0.9)
+    assert data.tokenizer.decode(np.concatenate([train_ids, val_ids])) == text
     kw = dict(batch_size=4, block_size=16, seed=3)
     x1, y1 = data.batch("train", 7, **kw)
     x2, _ = data.batch("train", 7, **kw)

@@ -47,7 +47,7 @@ def tiny_moe(corpus, tmp_path, **overrides) -> tc.TrainConfig:
 
 def setup(config):
     """The state and jitted step that `train.run` builds for `config`, and the data."""
-    data = td.CharDataset.load(config.data.path)
+    data = td.open_dataset(config.data.path)
     spec = build_optimizer(config)
     mesh = make_mesh(config)
     model, state = create_train_state(tc.model_config(config, data.vocab_size), spec.tx,

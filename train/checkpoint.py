@@ -3,8 +3,9 @@
 A checkpoint is a `Composite` of two items:
 - `state`: `StandardSave` of the whole train state (params, optimizer state, step, RNG key
   data), restored with the current run's shardings;
-- `meta`: `JsonSave` of the resolved config, the vocabulary and the data position (the
-  step: batches are a function of `(seed, step)`).
+- `meta`: `JsonSave` of the resolved config, the data's tokenizer (`tokenizer`, a
+  `train.tokenizer` description) and vocabulary size, and the data position (the step:
+  batches are a function of `(seed, step)`).
 
 Saving is asynchronous; a step already on disk is never overwritten, and Orbax writes
 each step into a temporary folder renamed only when complete, so a killed process leaves
@@ -46,7 +47,8 @@ from jax.experimental import multihost_utils
 
 from train.config import group_fields
 
-__all__ = ["CheckpointSaveError", "CheckpointWarning", "Checkpointer", "check_compatible"]
+__all__ = ["CheckpointSaveError", "CheckpointWarning", "Checkpointer", "check_compatible",
+           "saved_tokenizer"]
 
 
 class CheckpointWarning(UserWarning):
@@ -289,3 +291,11 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+
+
+def saved_tokenizer(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The tokenizer description in a checkpoint's JSON item (`train.tokenizer.from_meta`
+    reads it); checkpoints written before token datasets stored the characters (`vocab`)."""
+    if "tokenizer" in meta:
+        return dict(meta["tokenizer"])
+    return {"kind": "chars", "chars": meta["vocab"]}

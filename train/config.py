@@ -29,6 +29,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -233,16 +234,24 @@ class ScheduleConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """The corpus and the batch."""
+    """The dataset and the batch."""
 
-    path: str | None = _field(None, "corpus text file (None = tiny shakespeare)", key="data")
+    path: str | None = _field(None, "a text file, a nanoGPT folder (train.bin, val.bin), "
+                              "modded-nanogpt shards (folder or glob) or a folder of "
+                              "python -m train.prepare (None = tiny shakespeare)", key="data")
     batch_size: int = _field(12, "sequences per micro-batch (global)")
     grad_accum: int = _field(1, "micro-batches per optimizer step")
-    vocab_multiple: int = _field(8, "pad the vocabulary size to a multiple of this (the "
-                                 "vocab axis is sharded over mesh_tensor)")
+    vocab_multiple: int | None = _field(None, "pad the vocabulary size to a multiple of this "
+                                        "(None: 64 above 1024 ids, as nanoGPT's 50257 -> "
+                                        "50304, else none; times mesh_tensor, which shards "
+                                        "the vocab axis)")
+    prefetch: bool = _field(True, "read the next batch while the current step runs")
 
     def __post_init__(self):
-        _validate(self, positive=("batch_size", "grad_accum", "vocab_multiple"))
+        _validate(self, positive=("batch_size", "grad_accum"))
+        if self.vocab_multiple is not None and self.vocab_multiple < 1:
+            raise ValueError(f"vocab_multiple={self.vocab_multiple}: expected a positive "
+                             "integer or None (automatic)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,8 +342,7 @@ _MODEL_CHOICES = {"mlp": MLP_KINDS, "dtype": FLOAT_DTYPES, "param_dtype": FLOAT_
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Every setting of a training run, by group. Defaults are the `shakespeare_char_cpu`
-    preset, except `data.vocab_multiple` (8 here, so a tensor-parallel mesh divides the
-    vocabulary)."""
+    preset."""
 
     model: GPTConfig = dataclasses.field(default_factory=GPTConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -402,9 +410,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # bf16 compute, also on a CPU: XLA:CPU runs bf16 matmuls on the CPU's bf16 units
     # (AMX / AVX512-BF16; see models.layers.matmul; figures in benchmarks/README.md). A CPU
     # without bf16 units emulates them: pass --dtype=float32 there.
-    # No vocabulary padding, as nanoGPT: step-0 loss ln 65 = 4.17, not ln 72; the same
-    # speed on CPU (one device, so nothing to shard the vocab over).
-    "shakespeare_char_cpu": dict(vocab_multiple=1),
+    # No vocabulary padding of the 65 characters, as nanoGPT (data.vocab_multiple None):
+    # step-0 loss ln 65 = 4.17, not ln 72; the same speed on CPU.
+    "shakespeare_char_cpu": dict(),
     # nanoGPT's config/train_shakespeare_char.py (one GPU); its README: best val 1.4697.
     "shakespeare_char": dict(
         n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2,
@@ -419,6 +427,33 @@ PRESETS: dict[str, dict[str, Any]] = {
         dropout=0.0, learning_rate=6e-4, min_lr=6e-5, beta2=0.95,
         warmup_iters=200, max_iters=5000, lr_decay_iters=5000, eval_interval=500,
         eval_iters=50, checkpoint_every=1000, vocab_multiple=64, out_dir="out/gpt2_small"),
+    # nanoGPT's config/train_gpt2.py: GPT-2 (124M) on OpenWebText's GPT-2 tokens (nanoGPT's
+    # data/openwebtext/prepare.py writes train.bin/val.bin); for GPUs (its recipe: 8 x A100
+    # 40GB, 4 days, val loss ~2.85). 12 x 40 x 1024 = 491,520 tokens per step; on N
+    # devices keep the product, e.g. --batch_size=96 --grad_accum=5 on 8.
+    "gpt2_owt": dict(
+        n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=False, dropout=0.0,
+        batch_size=12, grad_accum=40, optimizer="adamw", learning_rate=6e-4, min_lr=6e-5,
+        beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_iters=2000,
+        max_iters=600000, lr_decay_iters=600000, eval_interval=1000, eval_iters=200,
+        log_interval=10, checkpoint_every=1000, vocab_multiple=64,
+        data="data/openwebtext", out_dir="out/gpt2_owt", sample_start="\n"),
+    # GPT-2 Medium's shape (24 x 1024, 16 heads) with the optimizer of modded-nanogpt's
+    # Snoo record (2025-09-16, PR #128: Snoo 0.68/0.37/k=28 around Muon lr 0.027, wd 0.01,
+    # momentum warm-up; Adam betas (0.8, 0.95), eps 1e-10; stable then a 70% linear
+    # cooldown; 5640 steps of 524,288 tokens) on FineWeb's GPT-2 shards (modded-nanogpt's
+    # data/cached_fineweb10B.py). For GPUs (8 x H100 class). The record's own model is
+    # not nanoGPT's GPT (rotary embeddings, QK-norm, ReLU^2, value embeddings, U-net skips,
+    # per-group Adam lrs): this preset is its optimizer on our GPT, so its val loss is not
+    # the record's 2.92.
+    "gpt2_medium_fineweb": dict(
+        n_layer=24, n_head=16, n_embd=1024, block_size=1024, bias=False, dropout=0.0,
+        batch_size=64, grad_accum=8, optimizer="snoo_muon", muon_lr=0.027,
+        muon_weight_decay=0.01, learning_rate=3e-3, beta1=0.8, beta2=0.95, eps=1e-10,
+        weight_decay=0.0, schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0,
+        max_iters=5640, eval_interval=250, eval_iters=160, log_interval=10,
+        checkpoint_every=500, vocab_multiple=128, data="data/fineweb10B",
+        out_dir="out/gpt2_medium_fineweb"),
 }
 
 
@@ -471,8 +506,11 @@ def group_fields(group: str) -> tuple[str, ...]:
 
 
 def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
-    """`config.model` with `vocab_size` padded to `data.vocab_multiple`."""
+    """`config.model` with `vocab_size` padded to `data.vocab_multiple` (None: to 64 above
+    1024 ids, nanoGPT's 50257 -> 50304, times `mesh_tensor` when it shards the vocab)."""
     multiple = config.data.vocab_multiple
+    if multiple is None:
+        multiple = math.lcm(64 if vocab_size > 1024 else 1, max(config.mesh.tensor, 1))
     return dataclasses.replace(config.model, vocab_size=-(-vocab_size // multiple) * multiple)
 
 

@@ -317,7 +317,7 @@ def _hooks(config: TrainConfig) -> dict[str, Any]:
     def grad_fn(model, params):
         return _grad_and_curvature_fn(model, kfac_curvature_fn(params, stride, experts))
 
-    def prepare(state, *, model, mesh, shardings, data, put, start):
+    def prepare(state, *, model, mesh, shardings, batch, start):
         """Warm-start batches are the train windows of steps `max_iters, max_iters + 1,
         ...` (never used by the run's own steps), one micro-batch of `batch_size` each."""
         if start > 0 or config.kfac.warm_start == 0:
@@ -325,12 +325,8 @@ def _hooks(config: TrainConfig) -> dict[str, Any]:
         estimate = make_curvature_estimate(
             model, mesh=mesh, params_shardings=shardings["params"],
             curvature_fn=kfac_curvature_fn(state["params"], stride, experts))
-        batches = []
-        for i in range(config.kfac.warm_start):
-            x, y = data.batch("train", config.run.max_iters + i,
-                              batch_size=config.data.batch_size,
-                              block_size=config.model.block_size, seed=config.run.seed)
-            batches.append((put(x), put(y)))
+        batches = [batch(config.run.max_iters + i, grad_accum=1)
+                   for i in range(config.kfac.warm_start)]
         return warm_start_state(state, estimate, batches, shardings)
 
     def monitor(out, start):

@@ -21,10 +21,12 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +35,10 @@ import jax
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from train.checkpoint import Checkpointer, check_compatible
+from train.checkpoint import Checkpointer, check_compatible, saved_tokenizer
 from train.config import TrainConfig, config_to_dict, flat_dict, model_config
-from train.data import CharDataset
+from train.data import BatchPrefetcher, TokenDataset, open_dataset
+from train.errors import one_line
 from train.metrics import (
     MetricsLog,
     check_memory,
@@ -49,7 +52,7 @@ from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, process_rows, put_batch, tree_shardings
 from train.step import create_train_state, make_eval_step, make_train_step
 
-__all__ = ["RunResult", "run"]
+__all__ = ["RunResult", "run", "run_tokenizer"]
 
 
 @dataclasses.dataclass
@@ -61,7 +64,7 @@ class RunResult:
     out_dir: Path
 
 
-def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDataset):
+def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, tokenizer: dict):
     """Restore the newest readable checkpoint for `--resume` (checking it fits), else step 0.
 
     A damaged newer checkpoint is set aside with a warning (`Checkpointer.restore_latest`);
@@ -81,9 +84,10 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, data: CharDatase
 
     def check(meta):
         check_compatible(flat_dict(meta["config"]), flat_dict(config), where=str(ckpt.directory))
-        if meta["vocab"] != data.chars:
-            raise ValueError(f"cannot resume from {ckpt.directory}: the corpus vocabulary "
-                             f"differs ({len(meta['vocab'])} vs {len(data.chars)} characters)")
+        saved = saved_tokenizer(meta)
+        if saved != tokenizer:
+            raise ValueError(f"cannot resume from {ckpt.directory}: its data's tokenizer "
+                             f"{_brief(saved)} is not this --data's {_brief(tokenizer)}")
 
     state, _, step = ckpt.restore_latest(like=state, check=check)
     log = Path(config.run.out_dir) / "metrics.jsonl"
@@ -111,7 +115,7 @@ def run(config: TrainConfig) -> RunResult:
     t_start, out = time.perf_counter(), Path(config.run.out_dir)
     optimizer = build_optimizer(config)  # an unknown name or bad values: before any work
     _check_writable(out)
-    data = CharDataset.load(config.data.path)
+    data = open_dataset(config.data.path)  # headers, sizes and ids checked: before compiling
     config = dataclasses.replace(config, model=model_config(config, data.vocab_size))
     d, r = config.data, config.run
     mesh = make_mesh(config)
@@ -119,15 +123,25 @@ def run(config: TrainConfig) -> RunResult:
     model, state = create_train_state(config.model, optimizer.tx, seed=r.seed, mesh=mesh)
     shardings = tree_shardings(state, mesh)
     ckpt = Checkpointer(out / "checkpoints")
-    state, start = _start(config, ckpt, state, data)
+    tokenizer, tokenizer_file = run_tokenizer(data)
+    state, start = _start(config, ckpt, state, tokenizer)
     lead = jax.process_index() == 0
     if lead:
-        print(_startup_line(config, state, mesh, start), flush=True)
+        print(_startup_line(config, state, mesh, start, data), flush=True)
+        if tokenizer_file is not None:
+            (out / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     rows = process_rows(batch_sharding(mesh), d.batch_size)  # this process's slice
     put = lambda x: put_batch(x, batch_sharding(mesh), d.batch_size)
-    state = optimizer.prepare(state, model=model, mesh=mesh, shardings=shardings, data=data,
-                              put=put, start=start)
+
+    def train_batch(step, grad_accum=d.grad_accum):  # only this process's rows are read
+        inputs_ABT, targets_ABT = data.batch("train", step, batch_size=d.batch_size,
+                                             block_size=config.model.block_size,
+                                             grad_accum=grad_accum, seed=r.seed, rows=rows)
+        return put(inputs_ABT), put(targets_ABT)
+
+    state = optimizer.prepare(state, model=model, mesh=mesh, shardings=shardings,
+                              batch=train_batch, start=start)
     monitor = optimizer.monitor(out, start)
     train_step = make_train_step(model, optimizer, mesh=mesh, state_shardings=shardings,
                                  max_bad_steps=r.max_bad_steps)
@@ -140,7 +154,9 @@ def run(config: TrainConfig) -> RunResult:
     tokens_per_step = d.batch_size * d.grad_accum * config.model.block_size
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
     flops = flops_per_token(state["params"], config.model) * tokens_per_step
-    meta = {"config": config_to_dict(config), "vocab": data.chars, "seed": r.seed}
+    meta = {"config": config_to_dict(config), "tokenizer": tokenizer,
+            "vocab_size": data.vocab_size, "seed": r.seed}
+    batches = BatchPrefetcher(train_batch, enabled=d.prefetch)  # the next step's, meanwhile
     # The bar's rate and ETA count from the end of compilation (restart_clock).
     bar = tqdm(total=r.max_iters, initial=start, disable=not (r.progress and lead),
                dynamic_ncols=True, desc="compiling")
@@ -168,11 +184,7 @@ def run(config: TrainConfig) -> RunResult:
         if last:
             break
         # forward/backward over grad_accum micro-batches -> clip -> update (one jitted call)
-        inputs_ABT, targets_ABT = data.batch("train", step, batch_size=d.batch_size,
-                                             block_size=config.model.block_size,
-                                             grad_accum=d.grad_accum, seed=r.seed, rows=rows)
-        state, metrics = train_step(state, put(inputs_ABT), put(targets_ABT),
-                                    **optimizer.update_kwargs(step))
+        state, metrics = train_step(state, *batches.get(step), **optimizer.update_kwargs(step))
         steps_since += 1
         bar.update()
         variant = tuple(sorted(optimizer.update_kwargs(step).items()))
@@ -199,6 +211,7 @@ def run(config: TrainConfig) -> RunResult:
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{rate:,.0f}")
             t_last, steps_since = now, 0
     bar.close()
+    batches.close()
     ckpt.close()
     monitor.finish()
     result = _finish(config, model, state, data, log, rates, out)
@@ -214,17 +227,38 @@ def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Check
                         checkpoints=ckpt.steps())
 
 
-def _startup_line(config: TrainConfig, state: Any, mesh: Any, start: int) -> str:
-    """One line: model size, optimizer, devices and mesh, out_dir (and the resumed step)."""
+def _startup_line(config: TrainConfig, state: Any, mesh: Any, start: int,
+                  data: TokenDataset) -> str:
+    """One line: model size, optimizer, devices and mesh, the data, out_dir (and the
+    resumed step)."""
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
     devices = mesh.devices.flat[0]
     axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
     resumed = f"; resuming at step {start}" if config.run.resume else ""
     m = config.model
+    padded = f" (padded to {m.vocab_size:,})" if m.vocab_size != data.vocab_size else ""
     return (f"train: {n / 1e6:.2f}M parameters (n_layer={m.n_layer}, n_embd={m.n_embd}, "
             f"block_size={m.block_size}), optimizer {config.optimizer.name}, "
-            f"{mesh.size} {devices.platform} device(s) ({devices.device_kind}), mesh {axes}, "
-            f"out_dir {config.run.out_dir}{resumed}")
+            f"{mesh.size} {devices.platform} device(s) ({devices.device_kind}), mesh {axes}; "
+            f"data: {data.describe()}{padded}; out_dir {config.run.out_dir}{resumed}")
+
+
+def run_tokenizer(data: TokenDataset) -> tuple[dict[str, Any], Path | None]:
+    """The tokenizer description a checkpoint stores, and the `tokenizer.json` to copy into
+    the run's folder (named there relative to it, so the run samples without its data)."""
+    meta = dict(data.tokenizer_meta)
+    if meta.get("kind") != "huggingface":
+        return meta, None
+    source = Path(meta["file"])
+    source = source if source.is_absolute() or data.root is None else data.root / source
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()  # a resume checks the same file
+    return {**meta, "file": "tokenizer.json", "sha256": digest}, source
+
+
+def _brief(tokenizer: dict[str, Any]) -> str:
+    if tokenizer.get("kind") == "chars":
+        return f"(a character vocabulary of {len(tokenizer['chars'])})"
+    return f"({', '.join(f'{k}={v}' for k, v in tokenizer.items())})"
 
 
 def _finish(config, model, state, data, log, rates, out) -> RunResult:
@@ -240,10 +274,16 @@ def _finish(config, model, state, data, log, rates, out) -> RunResult:
     if s.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
         params = multihost_utils.process_allgather(params, tiled=True)
     if s.num_samples > 0 and lead:
-        texts = generate_text(model.merge(params), data, start=s.start,
-                              num_samples=s.num_samples, max_new_tokens=s.tokens,
-                              temperature=s.temperature, top_k=s.top_k, seed=config.run.seed)
-        (out / "samples.txt").write_text("\n---------------\n".join(texts) + "\n")
+        try:
+            tokenizer = data.tokenizer
+        except OSError as err:  # e.g. GPT-2's encoding offline: the run itself is done
+            print(f"warning: no samples.txt: {one_line(str(err))}", file=sys.stderr)
+        else:
+            texts = generate_text(model.merge(params), tokenizer, data.vocab_size,
+                                  start=s.start, num_samples=s.num_samples,
+                                  max_new_tokens=s.tokens, temperature=s.temperature,
+                                  top_k=s.top_k, seed=config.run.seed)
+            (out / "samples.txt").write_text("\n---------------\n".join(texts) + "\n")
     evals = [h for h in whole if "val_loss" in h]
     steady = rates[1:] or rates  # the first interval includes compilation
     final = {"step": config.run.max_iters,

@@ -104,8 +104,9 @@ class TrainOptimizer:
       observe: `opt_state -> pytree` of device scalars read after every update (for
         the `Monitor`); `()` by default.
       monitor: `(out_dir, start_step) -> Monitor`, the host log of the observations.
-      prepare: `prepare(state, *, model, mesh, shardings, data, put, start) -> state`,
-        run once before the first step (K-FAC: the warm start); identity by default.
+      prepare: `prepare(state, *, model, mesh, shardings, batch, start) -> state`, run
+        once before the first step (K-FAC: the warm start); `batch(step, grad_accum)` is
+        the run's train batch of `step`, placed on the mesh; identity by default.
     """
 
     tx: optax.GradientTransformationExtraArgs

@@ -3,10 +3,12 @@
 `--out_dir` is the trainer's (`--out` is an alias). Options (defaults from the run's
 config): `--num_samples`, `--max_new_tokens`, `--temperature`, `--top_k`, `--start` (a
 prompt, or `FILE:path`), `--seed`, `--step` (default: the latest checkpoint; an unknown
-step lists the saved ones). Only the run's real characters are sampled (a padded
-vocabulary's extra ids are masked), so each sample has exactly `--max_new_tokens`
-characters after the prompt. Nothing is written: a missing `--out_dir` is an error, not
-a new folder. A mistake ends with one `error: ...` line and exit status 1.
+step lists the saved ones). Samples decode with the run's tokenizer (its characters,
+bytes, GPT-2's BPE, or the `tokenizer.json` the run copied into `--out_dir`); only the
+data's own ids are sampled (a padded vocabulary's extra ids are masked), so each sample
+has exactly `--max_new_tokens` tokens after the prompt. Nothing is written: a missing
+`--out_dir` is an error, not a new folder. A mistake ends with one `error: ...` line and
+exit status 1.
 
 Example:
   $ python -m train.sample --out_dir=out/adamw --num_samples=2 --start="ROMEO:"
@@ -27,47 +29,54 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
-from train.checkpoint import Checkpointer
-from train.config import config_from_dict, flat_dict, model_config, override
-from train.data import CharDataset
+from train.checkpoint import Checkpointer, saved_tokenizer
+from train.config import config_from_dict, flat_dict, override
 from train.errors import run_cli
 from train.optimizers import build_optimizer
 from train.sharding import make_mesh
 from train.step import ModelDef, create_train_state
+from train.tokenizer import Tokenizer, from_meta
 
 __all__ = ["generate_text", "load_model", "load_params", "main"]
 
 
-def generate_text(model: models.GPT, vocab: CharDataset, *, start: str, num_samples: int,
-                  max_new_tokens: int, temperature: float, top_k: int | None,
-                  seed: int = 0) -> list[str]:
-    """`num_samples` continuations of `start` (decoded, prompt included)."""
-    prompt = vocab.encode(start) if start else np.zeros(1, np.int32)
+def generate_text(model: models.GPT, tokenizer: Tokenizer, vocab_size: int, *, start: str,
+                  num_samples: int, max_new_tokens: int, temperature: float,
+                  top_k: int | None, seed: int = 0) -> list[str]:
+    """`num_samples` continuations of `start` (decoded, prompt included).
+
+    Only the data's `vocab_size` ids are sampled (a padded vocabulary's extra rows are
+    masked). An empty `start` begins at the end-of-text id (a document's start), or id 0
+    for a character vocabulary.
+    """
+    if start:
+        prompt = np.asarray(tokenizer.encode(start), np.int32)
+    else:
+        prompt = np.full(1, tokenizer.eot_id or 0, np.int32)
     tokens_BT = jnp.asarray(np.tile(prompt[None], (num_samples, 1)))
-    top_k = None if top_k is None else min(top_k, vocab.vocab_size)
+    top_k = None if top_k is None else min(top_k, vocab_size)
     out_BT = models.generate(model, tokens_BT, max_new_tokens, temperature=temperature,
-                             top_k=top_k, rng=jax.random.key(seed),
-                             valid_vocab=vocab.vocab_size)
-    return [vocab.decode(row) for row in np.asarray(out_BT)]
+                             top_k=top_k, rng=jax.random.key(seed), valid_vocab=vocab_size)
+    return [tokenizer.decode(row) for row in np.asarray(out_BT)]
 
 
 def load_model(out_dir: str | Path, step: int | None = None
-               ) -> tuple[models.GPT, CharDataset, dict]:
-    """The model saved in `out_dir/checkpoints` (latest step by default) and its vocabulary.
+               ) -> tuple[models.GPT, Tokenizer, dict]:
+    """The model saved in `out_dir/checkpoints` (latest step by default) and its tokenizer.
 
     Returns:
-      `(model, vocab, meta)`; `vocab` holds the characters only (no corpus).
+      `(model, tokenizer, meta)`.
     """
-    model_def, params, vocab, meta = load_params(out_dir, step)
-    return model_def.merge(params), vocab, meta
+    model_def, params, meta = load_params(out_dir, step)
+    return model_def.merge(params), from_meta(meta["tokenizer"], root=out_dir), meta
 
 
 def load_params(out_dir: str | Path, step: int | None = None
-                ) -> tuple[ModelDef, dict, CharDataset, dict]:
-    """`(model_def, params, vocab, meta)` of a checkpoint in `out_dir/checkpoints` (latest
-    step by default), restored on one device; `vocab` holds the characters only and
-    `meta` the saved JSON item plus `"checkpoint_step"`. Nothing is created or changed in
-    `out_dir`.
+                ) -> tuple[ModelDef, dict, dict]:
+    """`(model_def, params, meta)` of a checkpoint in `out_dir/checkpoints` (latest step by
+    default), restored on one device; `meta` is the saved JSON item plus
+    `"checkpoint_step"`, its `"tokenizer"` and the data's `"vocab_size"` filled in for
+    checkpoints older than token datasets. Nothing is created or changed in `out_dir`.
 
     Raises:
       FileNotFoundError: `out_dir` holds no checkpoint, or none at `step` (the message
@@ -90,15 +99,16 @@ def load_params(out_dir: str | Path, step: int | None = None
         raise FileNotFoundError(f"--step={step}: no such checkpoint in {ckpt.directory}; "
                                 f"saved steps: {', '.join(map(str, saved))}")
     meta = ckpt.restore_meta(step)
+    tokenizer = saved_tokenizer(meta)
+    vocab_size = meta.get("vocab_size") or len(tokenizer["chars"])
     config = config_from_dict(meta["config"])
-    vocab = CharDataset(meta["vocab"], np.zeros(0, np.uint16), np.zeros(0, np.uint16))
     tx = build_optimizer(config).tx
     mesh = make_mesh(override(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
-    model_def, like = create_train_state(model_config(config, vocab.vocab_size), tx,
-                                         seed=config.run.seed, mesh=mesh)
+    model_def, like = create_train_state(config.model, tx, seed=config.run.seed, mesh=mesh)
     state, _ = ckpt.restore(step, like=like)
     ckpt.close()
-    return model_def, state["params"], vocab, {**meta, "checkpoint_step": step}
+    return model_def, state["params"], {**meta, "tokenizer": tokenizer, "vocab_size": vocab_size,
+                                        "checkpoint_step": step}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,13 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    model, vocab, meta = load_model(args.out_dir, args.step)
+    model, tokenizer, meta = load_model(args.out_dir, args.step)
     cfg = flat_dict(meta["config"])
     start = cfg["sample_start"] if args.start is None else args.start
     if start.startswith("FILE:"):
         start = Path(start[5:]).read_text(encoding="utf-8")
     pick = lambda value, key: cfg[key] if value is None else value
-    texts = generate_text(model, vocab, start=start,
+    texts = generate_text(model, tokenizer, meta["vocab_size"], start=start,
                           num_samples=pick(args.num_samples, "num_samples"),
                           max_new_tokens=pick(args.max_new_tokens, "sample_tokens"),
                           temperature=pick(args.temperature, "temperature"),
