@@ -34,7 +34,7 @@ def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
         optimizer="kfac", learning_rate=1e-2, min_lr=1e-3, warmup_iters=3, max_iters=12,
         lr_decay_iters=12, eval_interval=6, eval_iters=2, log_interval=5,
         checkpoint_every=100, mesh_data=1, num_samples=0, progress=False, bias=True,
-        kfac_interval=3, kfac_first=1, kfac_damping=1e-2, data=str(corpus),
+        kfac_interval=3, kfac_first=1, kfac_damping=1e-2, vocab_multiple=8, data=str(corpus),
         out_dir=str(tmp_path / "run"))
     return tc.override(tc.TrainConfig(), **{**base, **overrides})
 

@@ -74,3 +74,73 @@ def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path, opt
                                     max_iters=8))
     np.testing.assert_allclose([_losses(resumed.history)[s] for s in range(5, 9)],
                                [_losses(reference)[s] for s in range(5, 9)], rtol=1e-4)
+
+
+_RECORD = """
+import json, sys
+from train import data as td
+
+log = open(sys.argv[1], "a")
+batch, read = td.TokenDataset.batch, td.TokenSplit.read
+
+def recorded_batch(self, split, step, **kw):
+    x, y = batch(self, split, step, **kw)
+    rows = kw.get("rows")
+    log.write(json.dumps({"split": split, "step": step, "rows": [rows.start, rows.stop],
+                          "x": x.tolist()}) + "\\n")
+    return x, y
+
+def recorded_read(self, shard, offset, length, vocab_size):
+    log.write(json.dumps({"windows_read": int(offset.size)}) + "\\n")
+    return read(self, shard, offset, length, vocab_size)
+
+td.TokenDataset.batch, td.TokenSplit.read = recorded_batch, recorded_read
+from train.__main__ import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_each_process_reads_only_its_rows_of_token_shards(tmp_path):
+    """2 processes x 4 devices on modded-nanogpt shards: each reads only its half of every
+    batch (4 of 8 rows per micro-batch), and those rows are the global batch's."""
+    from train import data as td
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 3), ("val", 1)):
+        for i in range(n):
+            td.write_shard(folder / f"fw_{split}_{i:06d}.bin", rng.integers(0, 500, 2000))
+    (tmp_path / "record.py").write_text(_RECORD)
+    config = tc.override(
+        tc.TrainConfig(), n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
+        grad_accum=2, dtype="float32", optimizer="adamw", max_iters=2, eval_interval=2,
+        eval_iters=1, log_interval=1, checkpoint_every=2, num_samples=0, progress=False,
+        mesh_data=-1, data=str(folder), out_dir=str(tmp_path / "multi"))
+    argv = [f"--{k}={v}" for k, v in tc.flat_dict(config).items()
+            if v is not None and k != "sample_start"]
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+    env = {**os.environ, "XLA_FLAGS": flags,
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    port = _free_port()
+    logs = [tmp_path / f"reads{i}.jsonl" for i in range(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, str(tmp_path / "record.py"), str(logs[i]), *argv,
+         f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    for i, proc in enumerate(procs):
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"process {i}:\n{output}"
+    data = td.open_dataset(folder)
+    for i, log in enumerate(logs):
+        entries = [json.loads(x) for x in log.read_text().splitlines()]
+        batches = [e for e in entries if e.get("split") == "train"]
+        assert {e["step"] for e in batches} >= {0, 1}
+        for e in batches:
+            assert e["rows"] == [4 * i, 4 * i + 4]
+            whole, _ = data.batch("train", e["step"], batch_size=8, block_size=16,
+                                  grad_accum=2, seed=config.run.seed)
+            np.testing.assert_array_equal(e["x"], whole[:, 4 * i:4 * i + 4])
+        # every read of the process: 4 rows x 2 micro-batches (train), 4 rows (eval)
+        assert {e["windows_read"] for e in entries if "windows_read" in e} == {8, 4}

@@ -53,7 +53,7 @@ def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
         n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
         optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
         max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
-        checkpoint_every=4, mesh_data=1, num_samples=0, progress=False,
+        checkpoint_every=4, mesh_data=1, num_samples=0, progress=False, vocab_multiple=8,
         data=str(corpus), out_dir=str(tmp_path / "run"))
     return tc.override(tc.TrainConfig(), **{**base, **overrides})
 
@@ -65,8 +65,7 @@ def train_losses(result) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """An uninterrupted 8-step run on one device (Snoo k=3 around AdamW)."""
-    config = tiny(corpus, tmp_path_factory.mktemp("ref"), num_samples=1, sample_tokens=6,
-                  vocab_multiple=8)  # padded, so sampling must mask the padding ids
+    config = tiny(corpus, tmp_path_factory.mktemp("ref"), num_samples=1, sample_tokens=6)
     return config, train.run(config)
 
 
@@ -364,7 +363,9 @@ def test_presets_and_overrides():
     assert gpt.vocab_size == 65 and gpt.moe_every == 2
     assert tc.model_config(default, 65).vocab_size == 65  # nanoGPT's CPU recipe: no padding
     assert tc.model_config(default, 50257).vocab_size == 50304  # nanoGPT's GPT-2 padding
-    assert tc.model_config(tc.override(default, mesh_tensor=2), 65).vocab_size == 66
+    with pytest.raises(ValueError, match="mesh_tensor=2 does not divide the vocabulary of 65 "
+                                         r"\(--vocab_multiple=None\); pass --vocab_multiple=2"):
+        tc.model_config(tc.override(default, mesh_tensor=2), 65)
     assert tc.model_config(tc.override(default, vocab_multiple=8), 65).vocab_size == 72
     assert tc.model_config(tc.get_preset("gpt2_small"), 65).vocab_size == 128
     assert tc.model_config(tc.get_preset("gpt2_medium_fineweb"), 50257).vocab_size == 50304

@@ -243,8 +243,7 @@ class DataConfig:
     grad_accum: int = _field(1, "micro-batches per optimizer step")
     vocab_multiple: int | None = _field(None, "pad the vocabulary size to a multiple of this "
                                         "(None: 64 above 1024 ids, as nanoGPT's 50257 -> "
-                                        "50304, else none; times mesh_tensor, which shards "
-                                        "the vocab axis)")
+                                        "50304, else none); mesh_tensor must divide it")
     prefetch: bool = _field(True, "read the next batch while the current step runs")
 
     def __post_init__(self):
@@ -507,11 +506,22 @@ def group_fields(group: str) -> tuple[str, ...]:
 
 def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
     """`config.model` with `vocab_size` padded to `data.vocab_multiple` (None: to 64 above
-    1024 ids, nanoGPT's 50257 -> 50304, times `mesh_tensor` when it shards the vocab)."""
+    1024 ids, nanoGPT's 50257 -> 50304, else unpadded as nanoGPT's character recipes).
+
+    Raises:
+      ValueError: a `mesh_tensor` that does not divide the padded vocabulary (the vocab
+        axis is sharded over it), naming the `--vocab_multiple` to pass.
+    """
     multiple = config.data.vocab_multiple
     if multiple is None:
-        multiple = math.lcm(64 if vocab_size > 1024 else 1, max(config.mesh.tensor, 1))
-    return dataclasses.replace(config.model, vocab_size=-(-vocab_size // multiple) * multiple)
+        multiple = 64 if vocab_size > 1024 else 1
+    padded = -(-vocab_size // multiple) * multiple
+    tensor = config.mesh.tensor
+    if tensor > 1 and padded % tensor:
+        raise ValueError(f"mesh_tensor={tensor} does not divide the vocabulary of {padded} "
+                         f"(--vocab_multiple={config.data.vocab_multiple}); pass "
+                         f"--vocab_multiple={math.lcm(multiple, tensor)}")
+    return dataclasses.replace(config.model, vocab_size=padded)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:
