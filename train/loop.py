@@ -37,12 +37,14 @@ from train.checkpoint import Checkpointer, check_compatible
 from train.config import TrainConfig, config_to_dict, flat_dict, model_config
 from train.data import CharDataset
 from train.metrics import (
+    COMPILING_BAR,
     MetricsLog,
     check_memory,
     flops_per_token,
     peak_flops_per_device,
     plot_losses,
     restart_clock,
+    show_compiling,
 )
 from train.nonfinite import check_bad_steps
 from train.optimizers import build_optimizer
@@ -143,7 +145,7 @@ def run(config: TrainConfig) -> RunResult:
     meta = {"config": config_to_dict(config), "vocab": data.chars, "seed": r.seed}
     # The bar's rate and ETA count from the end of compilation (restart_clock).
     bar = tqdm(total=r.max_iters, initial=start, disable=not (r.progress and lead),
-               dynamic_ncols=True, desc="compiling")
+               dynamic_ncols=True, desc="compiling", bar_format=COMPILING_BAR)
     compiled = set()  # the train-step variants called so far (Snoo: sync and no-sync)
     rates, mfu, t_last, steps_since = [], None, time.perf_counter(), 0
     skipped = float(state["skipped_steps"])
@@ -167,6 +169,9 @@ def run(config: TrainConfig) -> RunResult:
             t_last, steps_since = time.perf_counter(), 0
         if last:
             break
+        variant = tuple(sorted(optimizer.update_kwargs(step).items()))
+        if variant not in compiled:  # this call compiles its variant: no rate or ETA
+            show_compiling(bar)
         # forward/backward over grad_accum micro-batches -> clip -> update (one jitted call)
         inputs_ABT, targets_ABT = data.batch("train", step, batch_size=d.batch_size,
                                              block_size=config.model.block_size,
@@ -175,7 +180,6 @@ def run(config: TrainConfig) -> RunResult:
                                     **optimizer.update_kwargs(step))
         steps_since += 1
         bar.update()
-        variant = tuple(sorted(optimizer.update_kwargs(step).items()))
         if variant not in compiled:  # this call compiled its variant: time from now on
             compiled.add(variant)
             restart_clock(bar)

@@ -1,4 +1,5 @@
-"""Run metrics: the JSON-lines log, throughput and MFU, the loss plot, a memory check.
+"""Run metrics: the JSON-lines log, throughput and MFU, the progress bar, the loss plot,
+a memory check.
 
 MFU follows nanoGPT: FLOPs per token `6N + 12·L·H·Q·T` (N = parameters without the
 position table, MoE experts counted at `top_k / n_experts`), divided by the peak bf16
@@ -33,6 +34,7 @@ from typing import Any
 import jax
 
 __all__ = [
+    "COMPILING_BAR",
     "PEAK_FLOPS",
     "MetricsLog",
     "available_memory",
@@ -41,6 +43,7 @@ __all__ = [
     "peak_flops_per_device",
     "plot_losses",
     "restart_clock",
+    "show_compiling",
     "step_memory_bytes",
 ]
 
@@ -115,14 +118,37 @@ class MetricsLog:
         return entry
 
 
+#: The bar while a step compiles: count and elapsed time, no rate or ETA (a step's time
+#: would be the compilation's). `restart_clock` restores tqdm's default format.
+COMPILING_BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
+
+def show_compiling(bar: Any) -> None:
+    """Show a `tqdm` bar as "compiling", without rate or ETA, until `restart_clock`."""
+    if bar.disable:
+        return
+    bar.bar_format = COMPILING_BAR
+    bar.set_description_str("compiling")
+
+
 def restart_clock(bar: Any) -> None:
     """Count a `tqdm` bar's rate and ETA from now, its count kept and its description
-    ("compiling") cleared: the time before was compilation, not steps."""
+    ("compiling") cleared: the time before was compilation, not steps.
+
+    `tqdm.reset` restarts the clock and the rate's averages, but it draws the bar at a
+    count of 0 with the old `initial`: a negative rate and ETA. So that drawing is skipped;
+    the bar is drawn once its count is back, with no rate or ETA until a timed step.
+    """
     if bar.disable:
         return
     n = bar.n
-    bar.reset(total=bar.total)
+    bar.refresh = lambda *args, **kwargs: None  # reset's drawing at 0
+    try:
+        bar.reset(total=bar.total)
+    finally:
+        del bar.refresh
     bar.n = bar.last_print_n = bar.initial = n
+    bar.bar_format = None
     bar.set_description_str("")
 
 
