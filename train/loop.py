@@ -44,6 +44,7 @@ from train.metrics import (
     peak_flops_per_device,
     plot_losses,
     restart_clock,
+    run_title,
     show_compiling,
 )
 from train.nonfinite import check_bad_steps
@@ -239,7 +240,7 @@ def _finish(config, model, state, data, log, rates, out) -> RunResult:
     lead = jax.process_index() == 0
     whole = log.whole_run
     if lead:
-        plot_losses(whole, out / "loss.png")
+        plot_losses(whole, out / "loss.png", title=run_title(config))
     params, s = state["params"], config.sample
     if s.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
         params = multihost_utils.process_allgather(params, tiled=True)

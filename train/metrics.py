@@ -43,6 +43,8 @@ __all__ = [
     "peak_flops_per_device",
     "plot_losses",
     "restart_clock",
+    "run_name",
+    "run_title",
     "show_compiling",
     "step_memory_bytes",
 ]
@@ -152,16 +154,53 @@ def restart_clock(bar: Any) -> None:
     bar.set_description_str("")
 
 
-def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
+def run_name(config: Any) -> str:
+    """A run's name: its out_dir's last part (`out/adamw` -> `adamw`)."""
+    path = Path(config.run.out_dir)
+    return path.name or path.resolve().name
+
+
+def run_title(config: Any) -> str:
+    """The plot's title: the run's name, then its optimizer and the model's shape (the
+    command line's keys; a mixture of experts's on a third line).
+
+    Example:
+      >>> from train.config import TrainConfig, override
+      >>> print(run_title(override(TrainConfig(), out_dir="out/adamw", optimizer="adamw")))
+      adamw
+      adamw, n_layer=4, n_embd=128, n_head=4, block_size=64
+
+    Args:
+      config: the `TrainConfig`.
+    """
+    m = config.model
+    moe = (f"\nmoe_every={m.moe_every}, n_experts={m.n_experts}, top_k={m.top_k}"
+           if m.moe_every else "")
+    return (f"{run_name(config)}\n{config.optimizer.name}, n_layer={m.n_layer}, "
+            f"n_embd={m.n_embd}, n_head={m.n_head}, block_size={m.block_size}{moe}")
+
+
+def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
+                title: str | None = None) -> Any:
     """Save train/val loss against step (the logged train loss and both eval losses).
 
     Draws on a bare `matplotlib.figure.Figure`, so pyplot's global backend (a notebook's
     inline backend, say) is left alone.
+
+    Args:
+      history: the log's lines.
+      path: the image file.
+      title: above the plot (`run_title`: run name, optimizer, model shape).
+
+    Returns:
+      The `matplotlib.figure.Figure`.
     """
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
+    if title:
+        ax.set_title(title, fontsize=10)
     series = (("loss", "train (batch)", 0.4), ("train_loss", "train (eval)", 1.0),
               ("val_loss", "val (eval)", 1.0))
     for key, label, alpha in series:
@@ -175,6 +214,7 @@ def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike) -
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
 
 
 def _nbytes(tree: Any) -> int:
