@@ -40,7 +40,9 @@ from train.metrics import (
     COMPILING_BAR,
     MetricsLog,
     check_memory,
+    check_trackers,
     flops_per_token,
+    open_trackers,
     peak_flops_per_device,
     plot_losses,
     restart_clock,
@@ -113,6 +115,7 @@ def run(config: TrainConfig) -> RunResult:
     """Train `config` and return the final metrics and the logged history."""
     t_start, out = time.perf_counter(), Path(config.run.out_dir)
     optimizer = build_optimizer(config)  # an unknown name or bad values: before any work
+    check_trackers(config.run)  # tensorboardX / wandb installed, if asked for
     _check_writable(out)
     data = CharDataset.load(config.data.path)
     config = dataclasses.replace(config, model=model_config(config, data.vocab_size))
@@ -139,7 +142,8 @@ def run(config: TrainConfig) -> RunResult:
         split, num_batches=r.eval_iters, batch_size=d.batch_size,
         block_size=config.model.block_size, seed=r.seed, rows=rows)]
         for split in ("train", "val")}
-    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=r.resume)
+    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=r.resume,
+                     trackers=open_trackers(config, out, start=start) if lead else ())
     tokens_per_step = d.batch_size * d.grad_accum * config.model.block_size
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
     flops = flops_per_token(state["params"], config.model) * tokens_per_step
@@ -207,6 +211,7 @@ def run(config: TrainConfig) -> RunResult:
     ckpt.close()
     monitor.finish()
     result = _finish(config, model, state, data, log, rates, out)
+    log.close()  # the trackers (W&B's run ends here)
     result.final["wall_s"] = time.perf_counter() - t_start
     return result
 
