@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from tqdm import tqdm
 
 from train import data as td
 from train.errors import one_line, user_message
-from train.metrics import restart_clock
+from train.metrics import COMPILING_BAR, restart_clock, show_compiling
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=8",
@@ -116,6 +117,44 @@ def test_restart_clock_counts_the_rate_from_after_compilation():
     assert d["elapsed"] == pytest.approx(1.0)
     assert (d["n"] - d["initial"]) / d["elapsed"] == pytest.approx(10.0)
     bar.close()
+
+
+ETA_OR_RATE = re.compile(r"<\d|\d(it/s|s/it)")
+
+
+def test_progress_bar_shows_no_rate_or_eta_while_compiling_and_never_a_negative_one():
+    """The loop's calls for Snoo (two step variants, compiled at steps 0 and 1): 25 s
+    compilations, then 0.5 s steps, on a clock that moves a little at every reading."""
+    now = [0.0]
+
+    def clock():
+        now[0] += 1e-4
+        return now[0]
+
+    out = io.StringIO()
+    bar = tqdm(total=60, desc="compiling", bar_format=COMPILING_BAR, file=out, mininterval=0)
+    bar._time = clock
+    bar.start_t = bar.last_print_t = clock()
+    compiled, drawn = set(), {}
+    for step in range(6):
+        variant = step % 3 == 0
+        if variant not in compiled:
+            show_compiling(bar)
+        now[0] += 25.0 if variant not in compiled else 0.5
+        bar.update()
+        if variant not in compiled:
+            compiled.add(variant)
+            restart_clock(bar)
+        drawn[step] = len(out.getvalue())
+    bar.close()
+    frames = lambda text: [f.strip() for f in text.split("\r") if f.strip()]
+    assert not [f for f in frames(out.getvalue()) if re.search(r"-\d", f)], out.getvalue()
+    untimed = frames(out.getvalue()[:drawn[1]])  # to the end of the second compilation
+    assert [f for f in untimed if ETA_OR_RATE.search(f)] == [], untimed
+    assert "compiling" in untimed[0] and "2/60" in untimed[-1], untimed
+    # from step 2 on the steps are timed: 0.5 s each, so 54 steps to go is 27 s
+    last = frames(out.getvalue())[-1]
+    assert last.endswith("6/60 [00:02<00:27,  2.00it/s]"), last
 
 
 def test_user_message_is_for_the_projects_own_errors():

@@ -268,11 +268,18 @@ class RunConfig:
     progress: bool = _field(True, "show a progress bar")
     max_bad_steps: int = _field(10, "stop after this many consecutive steps with a "
                                 "non-finite loss or gradient (each is skipped)")
+    tensorboard: bool = _field(False, "write TensorBoard event files to out_dir/tensorboard "
+                               "(process 0; needs tensorboardX)")
+    wandb_project: str | None = _field(None, "log to this Weights & Biases project, the run "
+                                       "named after out_dir (process 0; needs wandb)")
 
     def __post_init__(self):
         _validate(self, positive=("eval_interval", "eval_iters", "log_interval",
                                   "checkpoint_every", "max_bad_steps"),
                   non_negative=("max_iters",))
+        if self.wandb_project is not None and not self.wandb_project.strip():
+            raise ValueError(f"wandb_project={self.wandb_project!r}: expected a project name "
+                             "(or None for no Weights & Biases logging)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,9 +4,9 @@ user's mistake: one line on stderr naming the value, exit status 1, no traceback
 A mistake is an error the trainer raises on purpose with a message for the user: a
 `ValueError` or `OSError` raised in this project's own code (a bad mesh, a missing
 `--data` file, an existing run without `--resume`, a checkpoint of another config, a
-step that cannot fit in memory), a `NonFiniteError` or `CheckpointSaveError`, or the
-device running out of memory (XLA's `RESOURCE_EXHAUSTED`). Anything else (a bug) keeps
-its traceback.
+step that cannot fit in memory), a `ModuleNotFoundError` raised there (a tracker that is
+not installed), a `NonFiniteError` or `CheckpointSaveError`, or the device running out of
+memory (XLA's `RESOURCE_EXHAUSTED`). Anything else (a bug) keeps its traceback.
 
 Example:
   >>> line = user_message(ValueError("bad\\n  a\\n  b"))  # not raised by the project
@@ -52,7 +52,7 @@ def user_message(err: BaseException, hint: str = "") -> str | None:
     from train.nonfinite import NonFiniteError
 
     if isinstance(err, NonFiniteError | CheckpointSaveError) or (
-            isinstance(err, ValueError | OSError) and _raised_here(err)):
+            isinstance(err, ValueError | OSError | ModuleNotFoundError) and _raised_here(err)):
         return one_line(str(err))
     if type(err).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and (
             "RESOURCE_EXHAUSTED" in str(err)):

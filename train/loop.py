@@ -40,12 +40,17 @@ from train.config import TrainConfig, config_to_dict, flat_dict, model_config
 from train.data import BatchPrefetcher, TokenDataset, open_dataset
 from train.errors import one_line
 from train.metrics import (
+    COMPILING_BAR,
     MetricsLog,
     check_memory,
+    check_trackers,
     flops_per_token,
+    open_trackers,
     peak_flops_per_device,
     plot_losses,
     restart_clock,
+    run_title,
+    show_compiling,
 )
 from train.nonfinite import check_bad_steps
 from train.optimizers import build_optimizer
@@ -114,6 +119,7 @@ def run(config: TrainConfig) -> RunResult:
     """Train `config` and return the final metrics and the logged history."""
     t_start, out = time.perf_counter(), Path(config.run.out_dir)
     optimizer = build_optimizer(config)  # an unknown name or bad values: before any work
+    check_trackers(config.run)  # tensorboardX / wandb installed, if asked for
     _check_writable(out)
     data = open_dataset(config.data.path)  # headers, sizes and ids checked: before compiling
     config = dataclasses.replace(config, model=model_config(config, data.vocab_size))
@@ -150,7 +156,8 @@ def run(config: TrainConfig) -> RunResult:
         split, num_batches=r.eval_iters, batch_size=d.batch_size,
         block_size=config.model.block_size, seed=r.seed, rows=rows)]
         for split in ("train", "val")}
-    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=r.resume)
+    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=r.resume,
+                     trackers=open_trackers(config, out, start=start) if lead else ())
     tokens_per_step = d.batch_size * d.grad_accum * config.model.block_size
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
     flops = flops_per_token(state["params"], config.model) * tokens_per_step
@@ -159,7 +166,7 @@ def run(config: TrainConfig) -> RunResult:
     batches = BatchPrefetcher(train_batch, enabled=d.prefetch)  # the next step's, meanwhile
     # The bar's rate and ETA count from the end of compilation (restart_clock).
     bar = tqdm(total=r.max_iters, initial=start, disable=not (r.progress and lead),
-               dynamic_ncols=True, desc="compiling")
+               dynamic_ncols=True, desc="compiling", bar_format=COMPILING_BAR)
     compiled = set()  # the train-step variants called so far (Snoo: sync and no-sync)
     rates, mfu, t_last, steps_since = [], None, time.perf_counter(), 0
     skipped = float(state["skipped_steps"])
@@ -183,11 +190,13 @@ def run(config: TrainConfig) -> RunResult:
             t_last, steps_since = time.perf_counter(), 0
         if last:
             break
+        variant = tuple(sorted(optimizer.update_kwargs(step).items()))
+        if variant not in compiled:  # this call compiles its variant: no rate or ETA
+            show_compiling(bar)
         # forward/backward over grad_accum micro-batches -> clip -> update (one jitted call)
         state, metrics = train_step(state, *batches.get(step), **optimizer.update_kwargs(step))
         steps_since += 1
         bar.update()
-        variant = tuple(sorted(optimizer.update_kwargs(step).items()))
         if variant not in compiled:  # this call compiled its variant: time from now on
             compiled.add(variant)
             restart_clock(bar)
@@ -215,6 +224,7 @@ def run(config: TrainConfig) -> RunResult:
     ckpt.close()
     monitor.finish()
     result = _finish(config, model, state, data, log, rates, out)
+    log.close()  # the trackers (W&B's run ends here)
     result.final["wall_s"] = time.perf_counter() - t_start
     return result
 
@@ -269,7 +279,7 @@ def _finish(config, model, state, data, log, rates, out) -> RunResult:
     lead = jax.process_index() == 0
     whole = log.whole_run
     if lead:
-        plot_losses(whole, out / "loss.png")
+        plot_losses(whole, out / "loss.png", title=run_title(config))
     params, s = state["params"], config.sample
     if s.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
         params = multihost_utils.process_allgather(params, tiled=True)

@@ -1,4 +1,5 @@
-"""Run metrics: the JSON-lines log, throughput and MFU, the loss plot, a memory check.
+"""Run metrics: the JSON-lines log and its trackers, throughput and MFU, the progress bar,
+the loss plot, a memory check.
 
 MFU follows nanoGPT: FLOPs per token `6N + 12·L·H·Q·T` (N = parameters without the
 position table, MoE experts counted at `top_k / n_experts`), divided by the peak bf16
@@ -8,6 +9,11 @@ out of the log and the output).
 `check_memory` refuses, before anything is compiled, a step whose memory cannot fit:
 a lower bound (parameters, optimizer state, gradients, the residual stream saved for the
 backward pass, one attention-score and one logits tensor) against the devices' memory.
+
+Every line of the log can also go to experiment trackers (`--tensorboard`,
+`--wandb_project`): its numeric values, tagged `train/<key>` (`train/loss`, `train/lr`,
+`train/tokens_per_sec`...) or `eval/<key>` for the evaluations (`eval/train_loss`,
+`eval/val_loss`), at the line's step. Process 0 alone opens them (`open_trackers`).
 
 Example:
   >>> peak_flops_per_device("NVIDIA H100 80GB HBM3")
@@ -19,29 +25,47 @@ References:
   Karpathy, "nanoGPT" (model.py estimate_mfu), https://github.com/karpathy/nanoGPT, 2023.
   Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways" (appendix B, MFU),
   https://arxiv.org/abs/2204.02311, 2022.
+  TensorBoard, "Event file format" (`tensorboard/compat/proto/event.proto`),
+  https://github.com/tensorflow/tensorboard, 2017-; T. Huang, "tensorboardX",
+  https://github.com/lanpa/tensorboardX, 2017-.
+  Weights & Biases, "wandb.init" and "Resume a run", https://docs.wandb.ai/guides/runs/,
+  2024.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 
 __all__ = [
+    "COMPILING_BAR",
+    "EVAL_TAGS",
     "PEAK_FLOPS",
     "MetricsLog",
+    "TensorBoardTracker",
+    "Tracker",
+    "WandbTracker",
     "available_memory",
     "check_memory",
+    "check_trackers",
     "flops_per_token",
+    "open_trackers",
     "peak_flops_per_device",
     "plot_losses",
     "restart_clock",
+    "run_name",
+    "run_title",
+    "show_compiling",
     "step_memory_bytes",
+    "tracker_scalars",
 ]
 
 # Dense bf16 tensor-core peaks per device (vendor data sheets); matched as substrings of
@@ -79,21 +103,164 @@ def flops_per_token(params: Any, config: Any) -> float:
     return 6 * n + 12 * config.n_layer * config.n_head * head_dim * config.block_size
 
 
+class Tracker(Protocol):
+    """Where `MetricsLog` sends each line's scalars besides the file: TensorBoard, W&B."""
+
+    def write(self, step: int | None, scalars: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: The tracker tags of the evaluation keys; every other key is `train/<key>`.
+EVAL_TAGS = {"train_loss": "eval/train_loss", "val_loss": "eval/val_loss"}
+
+
+def tracker_scalars(entry: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric values of a log line by tracker tag (`step` and non-numbers left out).
+
+    Example:
+      >>> tracker_scalars({"step": 10, "loss": 2.5, "lr": 1e-3, "note": "x"})
+      {'train/loss': 2.5, 'train/lr': 0.001}
+      >>> tracker_scalars({"step": 10, "val_loss": 2.0})
+      {'eval/val_loss': 2.0}
+    """
+    return {EVAL_TAGS.get(key, f"train/{key}"): float(value) for key, value in entry.items()
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)}
+
+
+def _import_tracker(module: str, flag: str) -> Any:
+    """Import a tracker's package, or raise one line naming the flag and the install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        why = ("which is not installed" if err.name == module
+               else f"which failed to import ({err})")
+        raise ModuleNotFoundError(
+            f"{flag} needs the {module} package, {why}: pip install {module} (or, in the "
+            "repository's checkout, pip install -e '.[tracking]')", name=module) from None
+
+
+class TensorBoardTracker:
+    """Scalars to TensorBoard event files in `logdir`, through tensorboardX's
+    `SummaryWriter` (flushed after every line, so a killed run keeps what it logged).
+
+    Args:
+      logdir: the event files' folder (`out_dir/tensorboard`).
+      purge_step: a resumed run's first step to log again (TensorBoard hides the events
+        of the killed run from that step on); `None` for a fresh run.
+    """
+
+    def __init__(self, logdir: str | os.PathLike, *, purge_step: int | None = None):
+        writer = _import_tracker("tensorboardX", "--tensorboard").SummaryWriter
+        self.writer = writer(logdir=str(logdir), purge_step=purge_step)
+
+    def write(self, step: int | None, scalars: Mapping[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """Scalars to a Weights & Biases run (`wandb.init`, `run.log(..., step=)`, `run.finish`).
+
+    The run's id is kept in `out_dir/wandb_run_id`, so `--resume` continues the same W&B
+    run (`resume="allow"`); W&B drops lines at steps it already holds, which a resumed run
+    logs again with the same values.
+
+    Args:
+      project: the W&B project.
+      name: the run's name (the out_dir's name).
+      config: the run's settings, shown with the run.
+      out_dir: the run's folder (W&B writes its files under `out_dir/wandb`).
+      resume: continue the run whose id `out_dir` holds (a new one if it holds none).
+    """
+
+    def __init__(self, project: str, *, name: str, config: Mapping[str, Any],
+                 out_dir: str | os.PathLike, resume: bool = False):
+        wandb = _import_tracker("wandb", "--wandb_project")
+        id_file = Path(out_dir) / "wandb_run_id"
+        run_id = (id_file.read_text().strip() if resume and id_file.is_file()
+                  else secrets.token_hex(4))
+        self.run = wandb.init(project=project, name=name, config=dict(config),
+                              dir=str(out_dir), id=run_id,
+                              resume="allow" if resume else None)
+        id_file.write_text(run_id + "\n")
+
+    def write(self, step: int | None, scalars: Mapping[str, float]) -> None:
+        self.run.log(dict(scalars), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def check_trackers(run_config: Any) -> None:
+    """Raise (one line) when a tracker that `run_config` asks for is not installed.
+
+    Every process checks, though process 0 alone writes: so all of them stop together,
+    and none waits for the others in a collective.
+
+    Args:
+      run_config: the `RunConfig` (`tensorboard`, `wandb_project`).
+
+    Raises:
+      ModuleNotFoundError: naming the flag and the `pip install` that provides it.
+    """
+    if run_config.tensorboard:
+        _import_tracker("tensorboardX", "--tensorboard")
+    if run_config.wandb_project is not None:
+        _import_tracker("wandb", "--wandb_project")
+
+
+def run_name(config: Any) -> str:
+    """A run's name: its out_dir's last part (`out/adamw` -> `adamw`)."""
+    path = Path(config.run.out_dir)
+    return path.name or path.resolve().name
+
+
+def open_trackers(config: Any, out_dir: str | os.PathLike, *, start: int = 0
+                  ) -> list[Tracker]:
+    """The trackers `config.run` asks for (call on process 0 only).
+
+    Args:
+      config: the `TrainConfig` (W&B gets its flat keys as the run's config).
+      out_dir: the run's folder.
+      start: the step a resumed run restarts from.
+    """
+    from train.config import flat_dict
+
+    r, trackers = config.run, []
+    if r.tensorboard:
+        trackers.append(TensorBoardTracker(Path(out_dir) / "tensorboard",
+                                           purge_step=start + 1 if r.resume else None))
+    if r.wandb_project is not None:
+        trackers.append(WandbTracker(r.wandb_project, name=run_name(config),
+                                     config=flat_dict(config), out_dir=out_dir,
+                                     resume=r.resume))
+    return trackers
+
+
 class MetricsLog:
-    """Append-only `metrics.jsonl` (one JSON object per line) plus the in-memory history.
+    """Append-only `metrics.jsonl` (one JSON object per line) plus the in-memory history,
+    each line's numbers also sent to `trackers` (`tracker_scalars`).
 
     Args:
       path: the log file.
       append: continue the file (a resumed run); its lines become `earlier`. Otherwise
         the file starts empty.
+      trackers: TensorBoard / W&B writers (`open_trackers`); `close()` closes them.
 
     Attributes:
       history: the entries written through this object (this invocation).
       earlier: the entries the file held when it was opened with `append`.
     """
 
-    def __init__(self, path: str | os.PathLike, *, append: bool = False):
+    def __init__(self, path: str | os.PathLike, *, append: bool = False,
+                 trackers: Sequence[Tracker] = ()):
         self.path = Path(path)
+        self.trackers = list(trackers)
         self.history: list[dict[str, Any]] = []
         self.earlier: list[dict[str, Any]] = []
         if not append:
@@ -112,30 +279,94 @@ class MetricsLog:
         self.history.append(entry)
         with self.path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
+        if self.trackers:
+            scalars = tracker_scalars(entry)
+            for tracker in self.trackers:
+                tracker.write(entry.get("step"), scalars)
         return entry
+
+    def close(self) -> None:
+        """Flush and close the trackers (the file is closed after every line)."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
+
+
+#: The bar while a step compiles: count and elapsed time, no rate or ETA (a step's time
+#: would be the compilation's). `restart_clock` restores tqdm's default format.
+COMPILING_BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
+
+def show_compiling(bar: Any) -> None:
+    """Show a `tqdm` bar as "compiling", without rate or ETA, until `restart_clock`."""
+    if bar.disable:
+        return
+    bar.bar_format = COMPILING_BAR
+    bar.set_description_str("compiling")
 
 
 def restart_clock(bar: Any) -> None:
     """Count a `tqdm` bar's rate and ETA from now, its count kept and its description
-    ("compiling") cleared: the time before was compilation, not steps."""
+    ("compiling") cleared: the time before was compilation, not steps.
+
+    `tqdm.reset` restarts the clock and the rate's averages, but it draws the bar at a
+    count of 0 with the old `initial`: a negative rate and ETA. So that drawing is skipped;
+    the bar is drawn once its count is back, with no rate or ETA until a timed step.
+    """
     if bar.disable:
         return
     n = bar.n
-    bar.reset(total=bar.total)
+    bar.refresh = lambda *args, **kwargs: None  # reset's drawing at 0
+    try:
+        bar.reset(total=bar.total)
+    finally:
+        del bar.refresh
     bar.n = bar.last_print_n = bar.initial = n
+    bar.bar_format = None
     bar.set_description_str("")
 
 
-def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
+def run_title(config: Any) -> str:
+    """The plot's title: the run's name, then its optimizer and the model's shape (the
+    command line's keys; a mixture of experts's on a third line).
+
+    Example:
+      >>> from train.config import TrainConfig, override
+      >>> print(run_title(override(TrainConfig(), out_dir="out/adamw", optimizer="adamw")))
+      adamw
+      adamw, n_layer=4, n_embd=128, n_head=4, block_size=64
+
+    Args:
+      config: the `TrainConfig`.
+    """
+    m = config.model
+    moe = (f"\nmoe_every={m.moe_every}, n_experts={m.n_experts}, top_k={m.top_k}"
+           if m.moe_every else "")
+    return (f"{run_name(config)}\n{config.optimizer.name}, n_layer={m.n_layer}, "
+            f"n_embd={m.n_embd}, n_head={m.n_head}, block_size={m.block_size}{moe}")
+
+
+def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
+                title: str | None = None) -> Any:
     """Save train/val loss against step (the logged train loss and both eval losses).
 
     Draws on a bare `matplotlib.figure.Figure`, so pyplot's global backend (a notebook's
     inline backend, say) is left alone.
+
+    Args:
+      history: the log's lines.
+      path: the image file.
+      title: above the plot (`run_title`: run name, optimizer, model shape).
+
+    Returns:
+      The `matplotlib.figure.Figure`.
     """
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
+    if title:
+        ax.set_title(title, fontsize=10)
     series = (("loss", "train (batch)", 0.4), ("train_loss", "train (eval)", 1.0),
               ("val_loss", "val (eval)", 1.0))
     for key, label, alpha in series:
@@ -149,6 +380,7 @@ def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike) -
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
 
 
 def _nbytes(tree: Any) -> int:
