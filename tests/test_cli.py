@@ -86,7 +86,7 @@ def test_corpus_ships_with_the_code_and_is_found_from_any_directory(tmp_path, mo
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OPTAX_SNOO_CACHE", str(tmp_path / "cache"))
-    assert td.find_corpus(None, opener=offline) == shipped
+    assert td.find_corpus(opener=offline) == shipped
     assert td.corpus_search_paths() == [shipped, tmp_path / "cache" / "tinyshakespeare" /
                                         "input.txt"]
 
@@ -97,7 +97,7 @@ def test_corpus_not_found_lists_each_path_once(tmp_path):
 
     search = [tmp_path / "a" / "input.txt", tmp_path / "cache" / "input.txt"]
     with pytest.raises(FileNotFoundError) as err:
-        td.find_corpus(None, search=search, cache_dir=tmp_path / "cache", opener=offline)
+        td.find_corpus(search=search, cache_dir=tmp_path / "cache", opener=offline)
     message = str(err.value)
     assert [message.count(str(p)) for p in search] == [1, 1], message
 

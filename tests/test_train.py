@@ -474,21 +474,21 @@ def test_corpus_not_found_says_where_to_put_it(tmp_path):
 
     missing = [tmp_path / "a" / "input.txt"]
     with pytest.raises(FileNotFoundError) as err:
-        td.find_corpus(None, search=missing, cache_dir=tmp_path / "cache", opener=offline)
+        td.find_corpus(search=missing, cache_dir=tmp_path / "cache", opener=offline)
     message = str(err.value)
     assert str(missing[0]) in message and str(tmp_path / "cache" / "input.txt") in message
     assert "--data=PATH" in message and td.TINYSHAKESPEARE_SHA256 in message
-    with pytest.raises(FileNotFoundError, match="no such file"):
-        td.find_corpus(tmp_path / "nope.txt")
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        td.open_dataset(tmp_path / "nope.txt")
 
     payload = b"to be or not to be\n"
     served = lambda url, timeout: io.BytesIO(payload)
     with pytest.raises(FileNotFoundError, match="sha256"):
-        td.find_corpus(None, search=missing, cache_dir=tmp_path / "cache", opener=served)
+        td.find_corpus(search=missing, cache_dir=tmp_path / "cache", opener=served)
     assert not (tmp_path / "cache" / "input.txt").exists()
     import hashlib
 
-    good = td.find_corpus(None, search=missing, cache_dir=tmp_path / "cache", opener=served,
+    good = td.find_corpus(search=missing, cache_dir=tmp_path / "cache", opener=served,
                           sha256=hashlib.sha256(payload).hexdigest())
     assert good.read_bytes() == payload
 

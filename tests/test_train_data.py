@@ -74,7 +74,7 @@ def _tiny(data: Path, out: Path, **overrides) -> tc.TrainConfig:
     base = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=4, dtype="float32",
                 optimizer="adamw", learning_rate=1e-2, min_lr=1e-3, warmup_iters=1,
                 max_iters=6, lr_decay_iters=6, eval_interval=3, eval_iters=2, log_interval=1,
-                checkpoint_every=3, mesh_data=1, num_samples=1, sample_tokens=8,
+                checkpoint_every=3, mesh_data=1, num_samples=1, sample_tokens=8, sample_start="",
                 progress=False, data=str(data), out_dir=str(out))
     return tc.override(tc.TrainConfig(), **{**base, **overrides})
 
@@ -99,10 +99,11 @@ def test_each_layout_trains_resumes_evaluates_and_samples(layout, tmp_path, monk
     half = _tiny(data, tmp_path / "half", max_iters=3)
     train.run(half)
     resumed = train.run(tc.override(half, max_iters=6, resume=True))
-    assert _losses(resumed.history) == losses  # the same batches, bit for bit
+    assert _losses(resumed.history) == {s: v for s, v in losses.items() if s > 3}  # bitwise
 
     r = evaluate_split(whole.out_dir, eval_tokens=5 * 16)
     assert r["windows"] == 5 and r["step"] == 6 and np.isfinite(r["loss"])
+    capsys.readouterr()  # the runs' own lines
     assert sample_main(["--out_dir", str(whole.out_dir), "--num_samples=1",
                         "--max_new_tokens=5", "--start="]) == 0
     text = capsys.readouterr().out.split("\n---------------")[0]
