@@ -153,8 +153,14 @@ def test_nanogpt_char_folder_with_meta_pkl(tmp_path):
     assert data.vocab_size == len(set(text)) and "meta.pkl" in data.source
     x, _ = data.batch("train", 0, batch_size=2, block_size=32, seed=0)
     assert data.tokenizer.decode(x[0, 0]) in text
-    # the same characters as the text file itself, so the same vocabulary
+    # the same characters and split as the text file itself: the same batches
     assert data.tokenizer == CharTokenizer.from_text(text)
+    (tmp_path / "input.txt").write_text(text)
+    text_data = td.open_dataset(tmp_path / "input.txt")
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(
+            data.batch(split, 5, batch_size=4, block_size=16, seed=2)[0],
+            text_data.batch(split, 5, batch_size=4, block_size=16, seed=2)[0])
 
 
 def test_nanogpt_folder_without_meta_is_gpt2(tmp_path):
