@@ -21,6 +21,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -103,10 +104,18 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, tokenizer: dict)
 
 
 def _check_writable(out: Path) -> None:
-    """Fail before any work if `out` (and its checkpoints folder) cannot be written."""
+    """Fail before any work if `out` (and its checkpoints folder) cannot be written.
+
+    Creates nothing, so a start that fails later leaves `out` as it was: a probe file comes
+    and goes in the deepest folder of `out/checkpoints` that exists.
+    """
+    folder = out / "checkpoints"
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
     try:
-        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-        probe = out / "checkpoints" / f".write-test-{jax.process_index()}"
+        if not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
+        probe = folder / f".write-test-{jax.process_index()}"
         probe.write_text("")
         probe.unlink()
     except OSError as err:
@@ -134,6 +143,7 @@ def run(config: TrainConfig) -> RunResult:
     lead = jax.process_index() == 0
     if lead:
         print(_startup_line(config, state, mesh, start, data), flush=True)
+        out.mkdir(parents=True, exist_ok=True)  # the first output: the start succeeded
         if tokenizer_file is not None:
             (out / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
