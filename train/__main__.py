@@ -4,8 +4,8 @@
 config is written to `out_dir/config.json`; see `train.loop` for the other outputs.
 A mistake (a bad key or value, a missing `--data` file, an existing run without
 `--resume`, a checkpoint of another config, a mesh the devices cannot form, a step that
-cannot fit in memory) ends with one `error: ...` line on stderr and a non-zero exit
-status (2 for the command line itself, 1 after it; see `train.errors`).
+cannot fit in memory) ends with one `error: ...` line on stderr and exit status 2, as in
+`train.sample` and `train.evaluate` (`train.errors.MISTAKE_EXIT_STATUS`); 1 is a crash.
 
 Several processes (one per host) form one run through `jax.distributed.initialize`: pass
 `--coordinator=HOST:PORT --num_processes=N --process_id=I` (or set
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import jax
 
 from train.config import TrainConfig, config_help, parse_args
-from train.errors import run_cli
+from train.errors import MISTAKE_EXIT_STATUS, run_cli
 from train.loop import run
 from train.optimizers import OPTIMIZERS, get_builder
 
@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         init_distributed(settings)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return MISTAKE_EXIT_STATUS
     hint = lambda: (f"lower --block_size={config.model.block_size} or --batch_size="
                     f"{config.data.batch_size} (--grad_accum keeps the tokens per step)")
     return run_cli(lambda: _train(config), hint)
