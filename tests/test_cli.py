@@ -105,6 +105,17 @@ def test_every_entry_point_exits_2_on_a_mistake(module, usage, later, tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
+def test_help_lists_the_multi_process_flags(capsys):
+    from train.__main__ import main
+
+    assert main(["--help"]) == 0
+    flags = {line.split()[0]: line.split()[1:3]
+             for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
+    assert flags["--coordinator=HOST:PORT"] == ["or", "$JAX_COORDINATOR_ADDRESS"]
+    assert flags["--num_processes=N"] == ["or", "$JAX_NUM_PROCESSES"]
+    assert flags["--process_id=I"] == ["or", "$JAX_PROCESS_ID"]
+
+
 def test_corpus_ships_with_the_code_and_is_found_from_any_directory(tmp_path, monkeypatch):
     import hashlib
 
