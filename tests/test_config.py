@@ -1,10 +1,14 @@
 """`train.config`: every bad value is one line naming the key, the value and the range,
-raised when the config is built (from the command line or from Python)."""
+raised when the config is built (from the command line or from Python); `--help` reads
+each key's help from its field, the model's from `models.GPTConfig`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+import models
 from train import config as tc
 
 LEARNING_RATES = ("learning_rate", "muon_lr", "skew_lr", "kfac_lr", "snoo_lr")
@@ -64,3 +68,16 @@ def test_the_edges_of_each_range_are_accepted():
     assert config.schedule.min_lr == config.adamw.learning_rate
     # min_lr is the cosine's: stable_cooldown ignores it, so it may exceed the peak there
     assert tc.override(config, schedule="stable_cooldown", min_lr=1.0).schedule.min_lr == 1.0
+
+
+def test_the_help_of_the_model_keys_is_read_from_gpt_config():
+    lines = {line.split()[0]: line for line in tc.config_help().splitlines()
+             if line.startswith("  --")}
+    for f in dataclasses.fields(models.GPTConfig):
+        if f.name == "vocab_size":  # set from the corpus: not a key
+            assert f"--{f.name}" not in lines
+            continue
+        choices = f.metadata["choices"]
+        shown = f" {{{', '.join(choices)}}}" if choices else ""
+        assert f.metadata["help"] and lines[f"--{f.name}"].endswith(f.metadata["help"] + shown)
+    assert lines["--mlp"].endswith("MLP kind {gelu, swiglu}")

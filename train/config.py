@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from models import GPTConfig
-from models.config import FLOAT_DTYPES, MLP_KINDS
 
 __all__ = [
     "CHOICES",
@@ -338,31 +337,6 @@ class SampleConfig:
                   non_negative_float=("temperature",))
 
 
-# Help of the model's keys (the fields of models.GPTConfig but vocab_size).
-MODEL_HELP: dict[str, str] = {
-    "block_size": "context length T in tokens",
-    "n_layer": "transformer blocks L",
-    "n_head": "attention heads H",
-    "n_kv_head": "key/value heads (None = n_head)",
-    "n_embd": "residual width D",
-    "mlp": "MLP kind",
-    "mlp_hidden": "MLP hidden width (None = model default)",
-    "bias": "biases in linear layers and norms",
-    "dropout": "dropout rate while training",
-    "tie_embeddings": "share the token embedding with the LM head",
-    "dtype": "compute dtype (params stay in param_dtype)",
-    "param_dtype": "parameter dtype",
-    "moe_every": "every k-th block is mixture-of-experts (0 = dense)",
-    "n_experts": "experts per MoE block",
-    "top_k": "experts per token",
-    "expert_hidden": "expert MLP width (None = default)",
-    "capacity_factor": "MoE expert capacity factor",
-    "aux_loss_coef": "MoE load-balancing loss coefficient",
-    "z_loss_coef": "MoE router z-loss coefficient",
-}
-_MODEL_CHOICES = {"mlp": MLP_KINDS, "dtype": FLOAT_DTYPES, "param_dtype": FLOAT_DTYPES}
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Every setting of a training run, by group. Defaults are the `shakespeare_char_cpu`
@@ -392,11 +366,7 @@ class TrainConfig:
                              "(the cosine decays from learning_rate to min_lr)")
 
 
-_GROUP_TYPES: dict[str, type] = {
-    "model": GPTConfig, "optimizer": OptimizerConfig, "adamw": AdamWConfig,
-    "muon": MuonConfig, "snoo": SnooConfig, "skewadam": SkewAdamConfig, "kfac": KfacConfig,
-    "schedule": ScheduleConfig, "data": DataConfig, "run": RunConfig, "mesh": MeshConfig,
-    "sample": SampleConfig}
+_GROUP_TYPES: dict[str, type] = _hints(TrainConfig)  # group -> its dataclass
 GROUPS: tuple[str, ...] = tuple(_GROUP_TYPES)
 #: The optimizer families: a checkpoint's config must match in these and `optimizer`.
 OPTIMIZER_GROUPS = ("optimizer", "adamw", "muon", "snoo", "skewadam", "kfac")
@@ -416,17 +386,15 @@ def _keys() -> dict[str, tuple[str, str]]:
 KEYS: dict[str, tuple[str, str]] = _keys()
 
 
+def _metadata(key: str) -> Mapping[str, Any]:
+    """The field metadata of a flat key: its `"help"` and `"choices"` (the model's fields
+    carry the same, in `models.GPTConfig`)."""
+    group, name = KEYS[key]
+    return next(f.metadata for f in dataclasses.fields(_GROUP_TYPES[group]) if f.name == name)
+
+
 def _choices() -> dict[str, tuple[str, ...]]:
-    choices = {}
-    for key, (group, name) in KEYS.items():
-        if group == "model":
-            allowed = _MODEL_CHOICES.get(name)
-        else:
-            allowed = next(f.metadata["choices"] for f in dataclasses.fields(_GROUP_TYPES[group])
-                           if f.name == name)
-        if allowed:
-            choices[key] = allowed
-    return choices
+    return {key: _metadata(key)["choices"] for key in KEYS if _metadata(key)["choices"]}
 
 
 #: The allowed values of every string key that has a fixed set.
@@ -701,17 +669,10 @@ def config_help(config: TrainConfig | None = None, optimizers: Sequence[str] = (
     for group, cls in _GROUP_TYPES.items():
         lines += ["", f"{group}:" + (f" {cls.__doc__.splitlines()[0]}" if group != "model"
                                       else " models.GPTConfig")]
-        for key, (g, name) in KEYS.items():
-            if g != group:
-                continue
-            if group == "model":
-                help_text = MODEL_HELP.get(name, "see models.GPTConfig")
-            else:
-                help_text = next(f.metadata["help"] for f in dataclasses.fields(cls)
-                                 if f.name == name)
+        for key in (key for key, (g, _) in KEYS.items() if g == group):
             shown = f" {{{', '.join(CHOICES[key])}}}" if key in CHOICES else ""
             value = values[key]
             default = "None" if value is None else json.dumps(value)
             lines.append(f"  --{key:<18} {_type_name(_key_type(key)):<12} "
-                         f"default {default:<14} {help_text}{shown}")
+                         f"default {default:<14} {_metadata(key)['help']}{shown}")
     return "\n".join(lines)
