@@ -241,7 +241,7 @@ def _kfac(tree: Tree, mesh) -> Step | None:
         jax.eval_shape(tx.init, tree.params), shardings)
 
     def step(grads, state, params, stats):
-        return tx.update(grads, state, params, curvature=curvature_fn(stats, 0))
+        return tx.update(grads, state, params, curvature=curvature_fn.from_stats(stats, 0))
 
     return Step(step, (tree.params, state, tree.params, stats),
                 rows=(("kfac refresh", True), ("kfac", False)))

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import study
+from benchmarks import study_tools
 
 # Snoo's (k, outer lr, outer momentum): the record's are the trainer's defaults.
 SNOO_SETTINGS: dict[str, str] = {
@@ -157,7 +157,7 @@ def summarize(grid: ScalingGrid, results: dict[str, dict[str, Any]],
             for setting, extra in SNOO_SETTINGS.items():
                 ours = finals(width, snoo + extra, grid.steps, seeds)
                 diff = [a - b for a, b in zip(ours, base, strict=True)]
-                p = study.paired_one_sided(ours, base)[1] if len(diff) > 1 else None
+                p = study_tools.paired_one_sided(ours, base)[1] if len(diff) > 1 else None
                 factor, kind = (compute_factor(lengths, adamw_curve, statistics.mean(ours))
                                 if inner == "adamw" else (None, None))
                 rows.append({
@@ -185,7 +185,7 @@ def write_report(grid: ScalingGrid, results: dict[str, dict[str, Any]],
                  params: dict[int, int], command: str, machine: str, wall_s: float,
                  directory: Path | None = None) -> Path:
     """`snoo_scaling.{md,json,png}` in `directory` (`benchmarks/results`)."""
-    directory = study.RESULTS if directory is None else directory
+    directory = study_tools.RESULTS if directory is None else directory
     directory.mkdir(parents=True, exist_ok=True)
     rows = summarize(grid, results, params)
     head = ("| width | non-emb. params | stacks | Snoo setting | inner val (mean ± std) | "
@@ -208,8 +208,8 @@ def write_report(grid: ScalingGrid, results: dict[str, dict[str, Any]],
             f"| {r['width']} | {r['params'] / 1e6:.2f}M | {r['inner']} vs "
             f"{r['stack'].split('@')[0]} | {r['setting']} | {r['inner_mean']:.4f} ± "
             f"{r['inner_std']:.4f} | {r['snoo_mean']:.4f} ± {r['snoo_std']:.4f} | "
-            f"{r['diff_mean']:+.4f} ± {r['diff_std']:.4f} | {study._fmt(r['p'], '.4f')} | "
-            f"{_fmt_factor(r)} |")
+            f"{r['diff_mean']:+.4f} ± {r['diff_std']:.4f} | "
+            f"{study_tools.fmt_or_dash(r['p'], '.4f')} | {_fmt_factor(r)} |")
     lines += ["", "AdamW's final whole-val loss by length (mean over seeds), the curve the "
               "compute factor is read from:", "",
               "| width | " + " | ".join(f"{f:g}x" for f in [1.0, *grid.lengths]) + " |",
@@ -267,7 +267,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _train(width: int, stack: str, seed: int, steps: int, grid: ScalingGrid) -> dict[str, Any]:
-    run = study.train_one(grid.preset_at(width), stack, seed=seed, steps=steps,
+    run = study_tools.train_one(grid.preset_at(width), stack, seed=seed, steps=steps,
                           eval_interval=min(grid.eval_interval, steps), whole_val=True)
     return {"whole_val_loss": run["whole_val_loss"], "val_loss": run["val_loss"],
             "wall_s": run["wall_s"], "tokens_per_sec": run["tokens_per_sec"]}
@@ -278,7 +278,7 @@ def run(grid: ScalingGrid, *, command: str, directory: Path | None = None,
     """Train the grid's runs not already in `<directory>/snoo_scaling.partial.json` (kept
     after each run; its runs stay valid for another grid on the same preset and eval
     interval) and write the report."""
-    directory = study.RESULTS if directory is None else directory
+    directory = study_tools.RESULTS if directory is None else directory
     directory.mkdir(parents=True, exist_ok=True)
     partial = directory / "snoo_scaling.partial.json"
     saved = json.loads(partial.read_text()) if partial.exists() else {}
@@ -297,7 +297,7 @@ def run(grid: ScalingGrid, *, command: str, directory: Path | None = None,
             log(f"[snoo_scaling] {key}: whole val {results[key]['whole_val_loss']:.4f}, "
                 f"{results[key]['wall_s']:.0f} s")
     params = {w: non_embedding_params(grid.preset_at(w)) for w in grid.widths}
-    report = write_report(grid, results, params, command, study.machine_line(),
+    report = write_report(grid, results, params, command, study_tools.machine_line(),
                           saved["wall_s"], directory)
     partial.unlink()
     return report
@@ -305,7 +305,7 @@ def run(grid: ScalingGrid, *, command: str, directory: Path | None = None,
 
 def rewrite_report(directory: Path | None = None) -> Path:
     """Rewrite `snoo_scaling.md` and `.png` from its `.json`."""
-    directory = study.RESULTS if directory is None else directory
+    directory = study_tools.RESULTS if directory is None else directory
     saved = json.loads((directory / "snoo_scaling.json").read_text())
     grid = ScalingGrid(**{k: tuple(v) if isinstance(v, list) else v
                           for k, v in saved["grid"].items()})
@@ -326,7 +326,7 @@ def main(*, steps: int | None, seeds: int | None, from_json: bool,
     command = "python -m benchmarks.study " + " ".join(
         argv if argv is not None else sys.argv[1:])
     with (tempfile.TemporaryDirectory(prefix="optax_snoo_study_jax_cache_") as cache,
-          study._compilation_cache(cache)):  # seeds and lengths share compiled programs
+          study_tools.compilation_cache(cache)):  # seeds and lengths share compiled programs
         report = run(grid, command=command.strip())
     print(report.read_text())
     return [report]

@@ -9,7 +9,8 @@ evaluation at or below the target, interpolated linearly between evaluations), w
 tokens/s, optimizer-state bytes (`optax_snoo.memory` on `jax.eval_shape` of the state) and
 one-sided Welch t-tests of "this stack's final val loss is lower than the baseline's" and,
 for a Snoo stack, "... than its inner optimizer's" (`snoo_muon` against `muon`), when the
-inner stack is in the same grid.
+inner stack is in the same grid. What this shares with `benchmarks.snoo_scaling` (a
+stack's config, one run, the t-tests, the report folder) is in `benchmarks.study_tools`.
 
     python -m benchmarks.study                            # the default study: all suites
     python -m benchmarks.study --suite=dense              # one suite
@@ -36,15 +37,9 @@ References:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import datetime
 import itertools
 import json
-import math
-import os
-import platform
-import shutil
 import statistics
 import sys
 import tempfile
@@ -53,15 +48,20 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-# Stacks that need more than a registry name.
-ALIASES: dict[str, str] = {
-    "snoo_muon_smooth": "snoo_muon@muon_smoothing=0.2",
-}
+from benchmarks import snoo_scaling
+from benchmarks.study_tools import (
+    ALIASES,
+    RESULTS,
+    compilation_cache,
+    fmt_or_dash,
+    machine_line,
+    paired_one_sided,
+    stack_config,
+    train_one,
+    welch_one_sided,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,22 +101,6 @@ def inner_stack(stack: str, stacks: Sequence[str]) -> str | None:
     return inner if inner != name and inner in stacks else None
 
 
-def stack_config(preset: str, stack: str, *, seed: int, steps: int, eval_interval: int,
-                 out_dir: str):
-    """The `TrainConfig` of one run: `preset` (with its own `@key=value` overrides, for
-    every stack), the stack's optimizer and overrides. The cosine ends at `steps`."""
-    from train.config import override, parse_args
-
-    preset_name, *common = preset.split("@")
-    name, *overrides = ALIASES.get(stack, stack).split("@")
-    args = [f"--preset={preset_name}", "--lr_decay_iters=None", f"--optimizer={name}"] + [
-        f"--{o}" for o in (*common, *overrides)]
-    config = parse_args(args)
-    return override(
-        config, seed=seed, max_iters=steps, eval_interval=eval_interval,
-        checkpoint_every=max(steps, 1), out_dir=out_dir, progress=False, num_samples=0)
-
-
 def optimizer_state_bytes(config) -> int:
     """Bytes of the optimizer state of `config` on its model, from shapes only."""
     from flax import nnx
@@ -142,69 +126,6 @@ def steps_to_target(curve: Sequence[tuple[int, float]], target: float) -> float 
         if l1 <= target:  # l0 > target here, so the division is safe
             return s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
     return None
-
-
-def _student_t_cdf(t: float, nu: float) -> float:
-    """`P(T_ν <= t)` through the regularized incomplete beta function:
-    `P(T_ν <= t) = I_{ν/(ν+t²)}(ν/2, 1/2) / 2` for `t <= 0`, by symmetry above."""
-    tail = 0.5 * float(jax.scipy.special.betainc(
-        jnp.float32(nu / 2), jnp.float32(0.5), jnp.float32(nu / (nu + t * t))))
-    return tail if t <= 0 else 1.0 - tail
-
-
-def _degenerate(diff: float) -> tuple[float, float]:
-    """`(t, p)` when the standard error is 0: certain unless the means are equal."""
-    return (-math.inf if diff < 0 else math.inf if diff > 0 else 0.0,
-            0.0 if diff < 0 else 1.0 if diff > 0 else 0.5)
-
-
-def welch_one_sided(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
-    """`(t, p)` of Welch's t-test of mean(a) < mean(b) (one-sided), with the
-    Welch-Satterthwaite degrees of freedom. Needs at least two values on each side."""
-    if len(a) < 2 or len(b) < 2:
-        raise ValueError(f"a t-test needs >= 2 seeds per side, got {len(a)} and {len(b)}")
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    se = math.sqrt(va + vb)
-    diff = statistics.mean(a) - statistics.mean(b)
-    if se == 0.0:
-        return _degenerate(diff)
-    nu = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    return diff / se, _student_t_cdf(diff / se, nu)
-
-
-def paired_one_sided(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
-    """`(t, p)` of the paired t-test of mean(a - b) < 0 (one-sided, n - 1 degrees of
-    freedom). Pairs are runs with the same seed, so the same init and the same batches:
-    the seed-to-seed spread cancels, which an unpaired test cannot use."""
-    if len(a) != len(b) or len(a) < 2:
-        raise ValueError(f"a paired t-test needs >= 2 pairs, got {len(a)} and {len(b)} values")
-    d = [x - y for x, y in zip(a, b, strict=True)]
-    se = statistics.stdev(d) / math.sqrt(len(d))
-    if se == 0.0:
-        return _degenerate(statistics.mean(d))
-    return statistics.mean(d) / se, _student_t_cdf(statistics.mean(d) / se, len(d) - 1)
-
-
-def train_one(preset: str, stack: str, *, seed: int, steps: int,
-              eval_interval: int, whole_val: bool = False) -> dict[str, Any]:
-    """One training run in a scratch folder: its val curve, final loss and speed, and with
-    `whole_val` its final checkpoint's loss on the whole val split (`whole_val_loss`)."""
-    import train
-    from train.evaluate import evaluate_split
-
-    scratch = tempfile.mkdtemp(prefix="optax_snoo_study_")
-    try:
-        result = train.run(stack_config(preset, stack, seed=seed, steps=steps,
-                                        eval_interval=eval_interval, out_dir=scratch))
-        whole = evaluate_split(scratch)["loss"] if whole_val else None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    curve = [(h["step"], h["val_loss"]) for h in result.history if "val_loss" in h]
-    aux = [h["aux_loss"] for h in result.history if "aux_loss" in h]
-    return {"seed": seed, "val_loss": result.final["val_loss"], "curve": curve,
-            "wall_s": result.final["wall_s"], "tokens_per_sec": result.final["tokens_per_sec"],
-            "aux_loss": statistics.mean(aux[-10:]) if aux else None,
-            **({"whole_val_loss": whole} if whole_val else {})}
 
 
 def run_grid(preset: str, stacks: Sequence[str], *, seeds: int, steps: int,
@@ -261,17 +182,6 @@ def summarize(grid: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def machine_line() -> str:
-    """Date, host, CPUs, jax and load now: where and when a grid ran."""
-    return (f"{datetime.date.today().isoformat()}; {platform.node() or 'host'}, "
-            f"{os.cpu_count()} CPUs, jax {jax.__version__} on {jax.devices()[0].platform}; "
-            f"load average {os.getloadavg()[0]:.1f} at the end")
-
-
 def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
                  command: str, directory: Path | None = None,
                  machine: str | None = None) -> Path:
@@ -296,12 +206,12 @@ def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
         steps = "-" if r["steps_to_target"] is None else (
             f"{r['steps_to_target']:.0f} ({r['reached']}/{r['n']})")
         inner = "-" if r["p_inner"] is None else (
-            f"{r['inner']}: {r['p_inner']:.4f}, paired {_fmt(r['p_inner_paired'], '.4f')}")
+            f"{r['inner']}: {r['p_inner']:.4f}, paired {fmt_or_dash(r['p_inner_paired'], '.4f')}")
         line = (f"| {r['stack']} | {r['val_mean']:.4f} ± {r['val_std']:.4f} | {steps} | "
                 f"{r['wall_s']:.0f} | {r['tokens_per_sec']:,.0f} | "
-                f"{r['state_bytes'] / 2**20:.2f} MiB | {_fmt(r['p'], '.4f')} | "
+                f"{r['state_bytes'] / 2**20:.2f} MiB | {fmt_or_dash(r['p'], '.4f')} | "
                 f"{inner} |")
-        lines.append(line + (f" {_fmt(r['aux_loss'], '.4f')} |" if moe else ""))
+        lines.append(line + (f" {fmt_or_dash(r['aux_loss'], '.4f')} |" if moe else ""))
     lines += ["", "p: one-sided Welch t-test of the stack's final val loss against the "
               "baseline's (p < baseline) and, for a Snoo stack, against the stack it wraps "
               "(p < inner: Welch, and paired by seed, since a seed fixes the init and the "
@@ -347,23 +257,6 @@ def rewrite_report(name: str, directory: Path | None = None) -> Path:
                         machine=saved.get("machine", "(machine not recorded)"))
 
 
-@contextlib.contextmanager
-def _compilation_cache(directory: str):
-    """Seeds of one stack compile the same programs: cache them in `directory` (unless a
-    cache is already set), and restore the previous settings afterwards."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    saved = {name: getattr(jax.config, name) for name in names}
-    if saved[names[0]] is None:
-        for name, value in zip(names, (directory, 0.0, 0), strict=True):
-            jax.config.update(name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            jax.config.update(name, value)
-
-
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suite", choices=["all", *sorted(SUITES), "snoo_scaling"],
@@ -384,7 +277,6 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     if args.suite == "snoo_scaling":
         if args.preset or args.optimizers or args.name or args.eval_interval:
             parser.error("--suite=snoo_scaling takes only --steps, --seeds and --from_json")
-        from benchmarks import snoo_scaling
         return snoo_scaling.main(steps=args.steps, seeds=args.seeds,
                                  from_json=args.from_json, argv=argv)
     if args.optimizers and not (args.preset or args.suite not in (None, "all")):
@@ -416,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         return [rewrite_report(name) for name, *_ in grids]
     reports, cache = [], {}
     with (tempfile.TemporaryDirectory(prefix="optax_snoo_study_jax_cache_") as jax_cache,
-          _compilation_cache(jax_cache)):
+          compilation_cache(jax_cache)):
         for name, preset, stacks, seeds, steps, eval_interval in grids:
             grid = run_grid(preset, stacks, seeds=seeds, steps=steps,
                             eval_interval=eval_interval, cache=cache)

@@ -68,15 +68,26 @@ PUBLIC_MODULES = {
 
 
 def _data_doc(module, name: str) -> str:
-    """The ``#:`` comment or string after a constant's definition in the module that
-    defines it (a constant has no ``__doc__`` of its own: its type's would be shown)."""
+    """The ``#:`` comment before (or string after) a constant's definition, in the module
+    of the package that defines it (a constant has no ``__doc__`` of its own: its type's
+    would be shown, "A dict.").
+
+    Raises:
+      RuntimeError: the constant has none, so the build fails rather than show nothing.
+    """
     obj = getattr(module, name)
-    for source in sorted(m for m in sys.modules if m.startswith(module.__name__)):
+    package = module.__name__.split(".")[0]  # `optax_snoo.kfac.PHASES` is in `optax_snoo._src`
+    for source in sorted(m for m in sys.modules if m.split(".")[0] == package):
         if getattr(sys.modules[source], name, None) is obj:
             docs = ModuleAnalyzer.for_module(source).find_attr_docs()
             if ("", name) in docs:
                 return "\n".join(docs[("", name)]).strip()
-    return f"A ``{type(obj).__name__}``."
+    raise RuntimeError(f"{module.__name__}.{name}: no ``#:`` comment where it is defined; "
+                       "write one (the API page shows it)")
+
+
+# A constant's value is shown beside its name when its repr fits on a line.
+_LONGEST_VALUE = 80
 
 
 def _directive(module, name: str) -> str | None:
@@ -102,7 +113,9 @@ def _directive(module, name: str) -> str | None:
     if callable(obj):
         return f".. autofunction:: {target}\n"
     doc = "\n".join("   " + line for line in _data_doc(module, name).splitlines())
-    return f".. py:data:: {target}\n\n{doc}\n"
+    value = repr(obj)
+    shown = f"   :value: {value}\n" if len(value) <= _LONGEST_VALUE else ""
+    return f".. py:data:: {name}\n{shown}\n{doc}\n"  # the page's module prefixes it
 
 
 def write_api_pages() -> None:

@@ -1,9 +1,14 @@
-"""The GPT configuration: one frozen dataclass, validated on construction."""
+"""The GPT configuration: one frozen dataclass, validated on construction.
+
+Each field carries a one-line help and, for strings, its allowed values in its metadata
+(`"help"`, `"choices"`): what `python -m train --help` shows for the model's keys.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -11,6 +16,11 @@ MLP_KINDS = ("gelu", "swiglu")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 _BOOLS = ("bias", "tie_embeddings")
 _REALS = ("dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+
+
+def _field(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field with its one-line help and, for strings, its allowed values."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 def _swiglu_hidden(n_embd: int) -> int:
@@ -59,26 +69,27 @@ class GPTConfig:
         z_loss_coef: coefficient of the router z-loss ``mean(logsumexp(logits)^2)``.
     """
 
-    vocab_size: int = 65
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int | None = None
-    n_embd: int = 128
-    mlp: str = "gelu"
-    mlp_hidden: int | None = None
-    bias: bool = False
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    dtype: str = "bfloat16"
-    param_dtype: str = "float32"
-    moe_every: int = 0
-    n_experts: int = 8
-    top_k: int = 2
-    expert_hidden: int | None = None
-    capacity_factor: float = 1.25
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
+    vocab_size: int = _field(65, "number of token ids (the trainer sets it from the corpus)")
+    block_size: int = _field(64, "context length T in tokens")
+    n_layer: int = _field(4, "transformer blocks L")
+    n_head: int = _field(4, "attention heads H")
+    n_kv_head: int | None = _field(None, "key/value heads (None = n_head)")
+    n_embd: int = _field(128, "residual width D")
+    mlp: str = _field("gelu", "MLP kind", choices=MLP_KINDS)
+    mlp_hidden: int | None = _field(None, "MLP hidden width (None = model default)")
+    bias: bool = _field(False, "biases in linear layers and norms")
+    dropout: float = _field(0.0, "dropout rate while training")
+    tie_embeddings: bool = _field(True, "share the token embedding with the LM head")
+    dtype: str = _field("bfloat16", "compute dtype (params stay in param_dtype)",
+                        choices=FLOAT_DTYPES)
+    param_dtype: str = _field("float32", "parameter dtype", choices=FLOAT_DTYPES)
+    moe_every: int = _field(0, "every k-th block is mixture-of-experts (0 = dense)")
+    n_experts: int = _field(8, "experts per MoE block")
+    top_k: int = _field(2, "experts per token")
+    expert_hidden: int | None = _field(None, "expert MLP width (None = default)")
+    capacity_factor: float = _field(1.25, "MoE expert capacity factor")
+    aux_loss_coef: float = _field(0.01, "MoE load-balancing loss coefficient")
+    z_loss_coef: float = _field(0.0, "MoE router z-loss coefficient")
 
     def __post_init__(self):
         def positive(name):

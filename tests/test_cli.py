@@ -68,10 +68,52 @@ def test_errors_are_one_line_and_a_non_zero_exit(finished, corpus, tmp_path, cas
     }[case]
     data = [] if case == "data" else [f"--data={corpus}"]
     proc = cli(*TINY, *data, *argv)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("flag, named", [
+    ("--learning_rate=-1e-3", "learning_rate=-0.001: expected a finite number > 0"),
+    ("--muon_lr=-0.02", "muon_lr=-0.02: expected a finite number > 0"),
+])
+def test_a_value_out_of_range_is_one_line_before_any_work(tmp_path, flag, named):
+    proc = cli(flag, f"--out_dir={tmp_path}/run")
+    assert (proc.returncode, proc.stderr, proc.stdout) == (2, f"error: {named}\n", "")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("module, usage, later", [
+    ("train", ["--n_layer=three"], ["--data=/no/such/corpus.txt"]),
+    ("train.sample", ["--step=latest"], []),
+    ("train.evaluate", ["--split=test"], []),
+])
+def test_every_entry_point_exits_2_on_a_mistake(module, usage, later, tmp_path, capsys):
+    """On the command line (argparse's status) and found after it (`train.errors.run_cli`)."""
+    import importlib
+
+    main = importlib.import_module("train.__main__" if module == "train" else module).main
+    out = [f"--out_dir={tmp_path / 'run'}"]
+    try:
+        status = main([*out, *usage])
+    except SystemExit as exit_:  # argparse exits by itself
+        status = exit_.code
+    assert status == 2 and "error: " in capsys.readouterr().err
+    assert main([*out, *later]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_the_multi_process_flags(capsys):
+    from train.__main__ import main
+
+    assert main(["--help"]) == 0
+    flags = {line.split()[0]: line.split()[1:3]
+             for line in capsys.readouterr().out.splitlines() if line.startswith("  --")}
+    assert flags["--coordinator=HOST:PORT"] == ["or", "$JAX_COORDINATOR_ADDRESS"]
+    assert flags["--num_processes=N"] == ["or", "$JAX_NUM_PROCESSES"]
+    assert flags["--process_id=I"] == ["or", "$JAX_PROCESS_ID"]
 
 
 def test_corpus_ships_with_the_code_and_is_found_from_any_directory(tmp_path, monkeypatch):

@@ -334,6 +334,32 @@ def test_unwritable_out_dir_fails_before_any_work(corpus, tmp_path):
             train.run(tiny(corpus, locked / "run"))
 
 
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (`None` for a folder)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("before", ["absent", "a_file", "a_file_and_empty_checkpoints"])
+@pytest.mark.parametrize("failure, overrides, error", [
+    ("missing data", dict(data="/no/such/corpus.txt"), FileNotFoundError),
+    ("mesh", dict(mesh_data=4, mesh_fsdp=4), ValueError),
+    ("nothing to resume", dict(resume=True), FileNotFoundError),
+])
+def test_a_failed_start_leaves_out_dir_as_it_was(corpus, tmp_path, before, failure, overrides,
+                                                 error):
+    out = tmp_path / "parent" / "run"
+    if before != "absent":  # anything a user keeps there, even an empty checkpoints/
+        out.mkdir(parents=True)
+        (out / "notes.txt").write_text("keep me")
+    if before == "a_file_and_empty_checkpoints":
+        (out / "checkpoints").mkdir()
+    snapshot = _tree(tmp_path)
+    with pytest.raises(error):
+        train.run(tiny(corpus, out, **overrides))
+    assert _tree(tmp_path) == snapshot, failure
+
+
 def _tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],

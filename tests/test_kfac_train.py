@@ -165,16 +165,18 @@ def test_strided_statistics_average_to_the_full_ones():
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() + aux
 
     _, _, stats = kfac.value_grad_and_stats(loss_fn, params, x, x)
-    full = kfac_curvature_fn(params)(stats, jnp.int32(0))
+    full = kfac_curvature_fn(params).from_stats(stats, jnp.int32(0))
     assert "blocks/0/attn/c_q/kernel" in full and "lm_head/kernel" not in full
     assert full["blocks/0/mlp/c_fc/kernel"].a.shape == (17, 17)  # bias coordinate
+    layers = kfac_curvature_fn(params).layers  # what value_grad_and_stats captures
+    assert set(layers) == set(full) and not any(path.endswith("/bias") for path in layers)
     strided = kfac_curvature_fn(params, 4)
-    mean = jax.tree.map(lambda *c: sum(c) / 4, *[strided(stats, jnp.int32(t))
+    mean = jax.tree.map(lambda *c: sum(c) / 4, *[strided.from_stats(stats, jnp.int32(t))
                                                  for t in range(4)])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b)))), mean, full)
     with pytest.raises(ValueError, match="must divide the token count 24"):
-        kfac_curvature_fn(params, 5)(stats, jnp.int32(0))
+        kfac_curvature_fn(params, 5).from_stats(stats, jnp.int32(0))
     with pytest.raises(ValueError, match="kfac_stats_stride"):
         kfac_curvature_fn(params, 0)
 

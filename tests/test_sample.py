@@ -79,7 +79,7 @@ def test_sample_cli_takes_out_dir_and_out(finished, capsys):
 
 def test_sample_cli_unknown_step_lists_the_saved_ones(finished, capsys):
     _, out = finished
-    assert sample_main(["--out_dir", str(out), "--step=5"]) == 1
+    assert sample_main(["--out_dir", str(out), "--step=5"]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --step=5: no such checkpoint in {out}/checkpoints; saved steps: " \
                   "4, 8\n"
@@ -87,10 +87,10 @@ def test_sample_cli_unknown_step_lists_the_saved_ones(finished, capsys):
 
 def test_sample_cli_creates_nothing_in_a_missing_out_dir(tmp_path, capsys):
     missing = tmp_path / "nope" / "run"
-    assert sample_main(["--out_dir", str(missing)]) == 1
+    assert sample_main(["--out_dir", str(missing)]) == 2
     assert "--out_dir=" in capsys.readouterr().err and not (tmp_path / "nope").exists()
     (tmp_path / "empty").mkdir()
-    assert sample_main(["--out_dir", str(tmp_path / "empty")]) == 1
+    assert sample_main(["--out_dir", str(tmp_path / "empty")]) == 2
     assert "no checkpoints/ folder" in capsys.readouterr().err
     assert list((tmp_path / "empty").iterdir()) == []
 

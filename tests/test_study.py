@@ -1,5 +1,5 @@
-"""The study's statistics (`benchmarks.study`): Welch's one-sided t-test against Student-t
-table values, steps-to-target interpolation, and stack parsing."""
+"""The study's statistics (`benchmarks.study`, `benchmarks.study_tools`): Welch's one-sided
+t-test against Student-t table values, steps-to-target interpolation, and stack parsing."""
 
 import math
 import statistics
@@ -7,14 +7,8 @@ import statistics
 import pytest
 
 from benchmarks import study
-from benchmarks.study import (
-    ALIASES,
-    inner_stack,
-    paired_one_sided,
-    stack_config,
-    steps_to_target,
-    welch_one_sided,
-)
+from benchmarks.study import inner_stack, steps_to_target
+from benchmarks.study_tools import ALIASES, paired_one_sided, stack_config, welch_one_sided
 from train import config as tc
 
 

@@ -277,7 +277,7 @@ def test_missing_tracker_is_one_line_before_any_work(flag, module, monkeypatch, 
     assert not out.exists()  # before the out_dir is made, so before any compilation
     argv = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16", "--max_iters=1",
             f"--data={corpus}", f"--out_dir={out}", flag]
-    assert main(argv) == 1
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {name} needs the {module}"), err
     assert not out.exists()

@@ -4,8 +4,8 @@
 config is written to `out_dir/config.json`; see `train.loop` for the other outputs.
 A mistake (a bad key or value, a missing `--data` file, an existing run without
 `--resume`, a checkpoint of another config, a mesh the devices cannot form, a step that
-cannot fit in memory) ends with one `error: ...` line on stderr and a non-zero exit
-status (2 for the command line itself, 1 after it; see `train.errors`).
+cannot fit in memory) ends with one `error: ...` line on stderr and exit status 2, as in
+`train.sample` and `train.evaluate` (`train.errors.MISTAKE_EXIT_STATUS`); 1 is a crash.
 
 Several processes (one per host) form one run through `jax.distributed.initialize`: pass
 `--coordinator=HOST:PORT --num_processes=N --process_id=I` (or set
@@ -23,16 +23,33 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 
 from train.config import TrainConfig, config_help, parse_args
-from train.errors import run_cli
+from train.errors import MISTAKE_EXIT_STATUS, run_cli
 from train.loop import run
 from train.optimizers import OPTIMIZERS, get_builder
 
-DISTRIBUTED = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
-               "process_id": "JAX_PROCESS_ID"}
+
+class DistributedFlag(NamedTuple):
+    """A multi-process flag: the environment variable that also sets it, the shape of its
+    value (for `--help`) and its help."""
+
+    env: str
+    metavar: str
+    help: str
+
+
+#: The multi-process flags: how to start, not what to train (so not in `TrainConfig`).
+DISTRIBUTED: dict[str, DistributedFlag] = {
+    "coordinator": DistributedFlag("JAX_COORDINATOR_ADDRESS", "HOST:PORT",
+                                   "process 0's address, which every process connects to"),
+    "num_processes": DistributedFlag("JAX_NUM_PROCESSES", "N",
+                                     "processes in the run, one per host"),
+    "process_id": DistributedFlag("JAX_PROCESS_ID", "I", "this process's index, 0 <= I < N"),
+}
 _CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
 
@@ -42,7 +59,8 @@ def split_distributed(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     Returns:
       `(settings, rest)`: the given settings by flag name, and the other arguments.
     """
-    settings = {name: os.environ[env] for name, env in DISTRIBUTED.items() if env in os.environ}
+    settings = {name: os.environ[flag.env] for name, flag in DISTRIBUTED.items()
+                if flag.env in os.environ}
     rest, args = [], list(argv)
     while args:
         arg = args.pop(0)
@@ -57,6 +75,16 @@ def split_distributed(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
         else:
             rest.append(arg)
     return settings, rest
+
+
+def distributed_help() -> str:
+    """The `--help` section of the multi-process flags (`DISTRIBUTED`)."""
+    lines = ["multi-process: all three flags or none (under Slurm or Open MPI, JAX finds "
+             "them); on CPUs the collectives go through gloo"]
+    for name, flag in DISTRIBUTED.items():
+        usage = f"--{name}={flag.metavar}"
+        lines.append(f"  {usage:<24} or ${flag.env:<24} {flag.help}")
+    return "\n".join(lines)
 
 
 def init_distributed(settings: dict[str, str]) -> None:
@@ -95,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shown = parse_args(split_distributed([a for a in argv if a not in ("-h", "--help")])[1])
         except ValueError:
             shown = TrainConfig()
-        print(config_help(shown, optimizers=list(OPTIMIZERS)))
+        print(config_help(shown, optimizers=list(OPTIMIZERS)), distributed_help(), sep="\n\n")
         return 0
     try:
         settings, argv = split_distributed(argv)
@@ -104,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         init_distributed(settings)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return MISTAKE_EXIT_STATUS
     hint = lambda: (f"lower --block_size={config.model.block_size} or --batch_size="
                     f"{config.data.batch_size} (--grad_accum keeps the tokens per step)")
     return run_cli(lambda: _train(config), hint)

@@ -147,7 +147,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policy, best_fn=_val_loss, best_mode="min",
             enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
-            create=not read_only)  # (Orbax's own read_only logs a warning at every open)
+            create=False)  # `save` creates it: a run that fails to start leaves no folder
         self.read_only = read_only
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: list[int] = []  # saves started and not yet confirmed on disk
@@ -172,6 +172,7 @@ class Checkpointer:
         if step in self.manager.all_steps():
             raise FileExistsError(f"checkpoint step {step} already exists in {self.directory}")
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
+        self.directory.mkdir(parents=True, exist_ok=True)
         self._pending.append(step)
         with self._save_errors():  # also raises a failure of the previous async write
             self.manager.save(step, args=ocp.args.Composite(

@@ -32,11 +32,10 @@ import json
 import math
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from models import GPTConfig
-from models.config import FLOAT_DTYPES, MLP_KINDS
 
 __all__ = [
     "CHOICES",
@@ -85,24 +84,33 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _validate(group: Any, *, positive: Sequence[str] = (), non_negative: Sequence[str] = ()
-              ) -> None:
-    """Types and choices of every field of `group`, then the integer ranges; errors name
-    the flat key."""
+# The range rules of `_validate`: rule -> (test of a value, what the error says is expected).
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "positive": (lambda v: v >= 1, "a positive integer"),
+    "non_negative": (lambda v: v >= 0, "an integer >= 0"),
+    "positive_float": (lambda v: 0 < v < math.inf, "a finite number > 0"),
+    "non_negative_float": (lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+    "unit_interval": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "fraction": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "positive_fraction": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+}
+
+
+def _validate(group: Any, **ranges: Sequence[str]) -> None:
+    """Types and choices of every field of `group`, then the ranges: `rule=(field, ...)`
+    for each rule of `_RANGES` (a field set to `None` passes); errors name the flat key."""
     for f in dataclasses.fields(group):
         value = getattr(group, f.name)
         _check_type(_key(group, f.name), _hints(type(group))[f.name], value)
         choices = f.metadata.get("choices")
         if choices and value not in choices:
             raise ValueError(f"{_key(group, f.name)}={value!r}: expected one of {list(choices)}")
-    for name in positive:
-        if getattr(group, name) < 1:
-            raise ValueError(f"{_key(group, name)}={getattr(group, name)!r}: expected a "
-                             "positive integer")
-    for name in non_negative:
-        if getattr(group, name) < 0:
-            raise ValueError(f"{_key(group, name)}={getattr(group, name)!r}: expected an "
-                             "integer >= 0")
+    for rule, names in ranges.items():
+        test, expected = _RANGES[rule]
+        for name in names:
+            value = getattr(group, name)
+            if value is not None and not test(value):  # NaN fails every test
+                raise ValueError(f"{_key(group, name)}={value!r}: expected {expected}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +124,7 @@ class OptimizerConfig:
                            choices=("none", "stochastic", "dithered"))
 
     def __post_init__(self):
-        _validate(self)
+        _validate(self, non_negative_float=("grad_clip",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +139,8 @@ class AdamWConfig:
                                  "and K-FAC's; Muon's Adam group has none)")
 
     def __post_init__(self):
-        _validate(self)
+        _validate(self, positive_float=("learning_rate", "eps"),
+                  unit_interval=("beta1", "beta2"), non_negative_float=("weight_decay",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +156,8 @@ class MuonConfig:
                                      "PR #137, EMA form; None = off)", key="muon_smoothing")
 
     def __post_init__(self):
-        _validate(self, non_negative=("beta_warmup",))
+        _validate(self, positive_float=("lr",), unit_interval=("beta", "smoothing"),
+                  non_negative_float=("weight_decay",), non_negative=("beta_warmup",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +169,8 @@ class SnooConfig:
     k: int = _field(28, "Snoo sync period in steps", key="snoo_k")
 
     def __post_init__(self):
-        _validate(self, positive=("k",))
+        _validate(self, positive_float=("lr",), unit_interval=("momentum",),
+                  positive=("k",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +187,7 @@ class SkewAdamConfig:
                                     "uniform"))
 
     def __post_init__(self):
-        _validate(self)
+        _validate(self, positive_float=("lr",), non_negative_float=("weight_decay", "clip"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +224,10 @@ class KfacConfig:
                            "factors); else AdamW", key="kfac_experts")
 
     def __post_init__(self):
-        _validate(self, positive=("stats_stride",), non_negative=("warm_start",))
+        _validate(self, positive_float=("lr", "tau"), non_negative_float=("damping",),
+                  unit_interval=("ema", "momentum"),
+                  positive=("interval", "min_interval", "stats_stride"),
+                  non_negative=("first", "warm_start"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +243,9 @@ class ScheduleConfig:
     final_lr_scale: float = _field(0.0, "stable_cooldown: final lr multiplier")
 
     def __post_init__(self):
-        _validate(self, non_negative=("warmup_iters",))
+        _validate(self, non_negative=("warmup_iters", "lr_decay_iters"),
+                  non_negative_float=("min_lr",), positive_fraction=("cooldown_frac",),
+                  fraction=("final_lr_scale",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,32 +333,8 @@ class SampleConfig:
     start: str = _field("\n", "prompt", key="sample_start")
 
     def __post_init__(self):
-        _validate(self, non_negative=("num_samples", "tokens"))
-
-
-# Help of the model's keys (the fields of models.GPTConfig but vocab_size).
-MODEL_HELP: dict[str, str] = {
-    "block_size": "context length T in tokens",
-    "n_layer": "transformer blocks L",
-    "n_head": "attention heads H",
-    "n_kv_head": "key/value heads (None = n_head)",
-    "n_embd": "residual width D",
-    "mlp": "MLP kind",
-    "mlp_hidden": "MLP hidden width (None = model default)",
-    "bias": "biases in linear layers and norms",
-    "dropout": "dropout rate while training",
-    "tie_embeddings": "share the token embedding with the LM head",
-    "dtype": "compute dtype (params stay in param_dtype)",
-    "param_dtype": "parameter dtype",
-    "moe_every": "every k-th block is mixture-of-experts (0 = dense)",
-    "n_experts": "experts per MoE block",
-    "top_k": "experts per token",
-    "expert_hidden": "expert MLP width (None = default)",
-    "capacity_factor": "MoE expert capacity factor",
-    "aux_loss_coef": "MoE load-balancing loss coefficient",
-    "z_loss_coef": "MoE router z-loss coefficient",
-}
-_MODEL_CHOICES = {"mlp": MLP_KINDS, "dtype": FLOAT_DTYPES, "param_dtype": FLOAT_DTYPES}
+        _validate(self, non_negative=("num_samples", "tokens"), positive=("top_k",),
+                  non_negative_float=("temperature",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,13 +360,13 @@ class TrainConfig:
             if not isinstance(getattr(self, f.name), _GROUP_TYPES[f.name]):
                 raise ValueError(f"TrainConfig.{f.name}: expected a {_GROUP_TYPES[f.name].__name__}"
                                  f", got {getattr(self, f.name)!r}")
+        min_lr, peak = self.schedule.min_lr, self.adamw.learning_rate
+        if self.schedule.kind == "cosine" and min_lr > peak:  # the cosine would climb
+            raise ValueError(f"min_lr={min_lr!r}: expected at most learning_rate={peak!r} "
+                             "(the cosine decays from learning_rate to min_lr)")
 
 
-_GROUP_TYPES: dict[str, type] = {
-    "model": GPTConfig, "optimizer": OptimizerConfig, "adamw": AdamWConfig,
-    "muon": MuonConfig, "snoo": SnooConfig, "skewadam": SkewAdamConfig, "kfac": KfacConfig,
-    "schedule": ScheduleConfig, "data": DataConfig, "run": RunConfig, "mesh": MeshConfig,
-    "sample": SampleConfig}
+_GROUP_TYPES: dict[str, type] = _hints(TrainConfig)  # group -> its dataclass
 GROUPS: tuple[str, ...] = tuple(_GROUP_TYPES)
 #: The optimizer families: a checkpoint's config must match in these and `optimizer`.
 OPTIMIZER_GROUPS = ("optimizer", "adamw", "muon", "snoo", "skewadam", "kfac")
@@ -394,17 +386,15 @@ def _keys() -> dict[str, tuple[str, str]]:
 KEYS: dict[str, tuple[str, str]] = _keys()
 
 
+def _metadata(key: str) -> Mapping[str, Any]:
+    """The field metadata of a flat key: its `"help"` and `"choices"` (the model's fields
+    carry the same, in `models.GPTConfig`)."""
+    group, name = KEYS[key]
+    return next(f.metadata for f in dataclasses.fields(_GROUP_TYPES[group]) if f.name == name)
+
+
 def _choices() -> dict[str, tuple[str, ...]]:
-    choices = {}
-    for key, (group, name) in KEYS.items():
-        if group == "model":
-            allowed = _MODEL_CHOICES.get(name)
-        else:
-            allowed = next(f.metadata["choices"] for f in dataclasses.fields(_GROUP_TYPES[group])
-                           if f.name == name)
-        if allowed:
-            choices[key] = allowed
-    return choices
+    return {key: _metadata(key)["choices"] for key in KEYS if _metadata(key)["choices"]}
 
 
 #: The allowed values of every string key that has a fixed set.
@@ -679,17 +669,10 @@ def config_help(config: TrainConfig | None = None, optimizers: Sequence[str] = (
     for group, cls in _GROUP_TYPES.items():
         lines += ["", f"{group}:" + (f" {cls.__doc__.splitlines()[0]}" if group != "model"
                                       else " models.GPTConfig")]
-        for key, (g, name) in KEYS.items():
-            if g != group:
-                continue
-            if group == "model":
-                help_text = MODEL_HELP.get(name, "see models.GPTConfig")
-            else:
-                help_text = next(f.metadata["help"] for f in dataclasses.fields(cls)
-                                 if f.name == name)
+        for key in (key for key, (g, _) in KEYS.items() if g == group):
             shown = f" {{{', '.join(CHOICES[key])}}}" if key in CHOICES else ""
             value = values[key]
             default = "None" if value is None else json.dumps(value)
             lines.append(f"  --{key:<18} {_type_name(_key_type(key)):<12} "
-                         f"default {default:<14} {help_text}{shown}")
+                         f"default {default:<14} {_metadata(key)['help']}{shown}")
     return "\n".join(lines)

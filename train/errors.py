@@ -1,5 +1,10 @@
 """How the command lines (`python -m train`, `train.sample`, `train.evaluate`) end on a
-user's mistake: one line on stderr naming the value, exit status 1, no traceback.
+user's mistake: one line on stderr naming the value, no traceback, exit status 2.
+
+Exit status 2 (`MISTAKE_EXIT_STATUS`) is argparse's for a bad command line, and every
+entry point uses it for every mistake, on the command line or found later (a missing
+file, a checkpoint of another config): 0 is success, 2 a mistake reported in one line,
+and 1 (Python's own) a crash with a traceback, that is a bug.
 
 A mistake is an error the trainer raises on purpose with a message for the user: a
 `ValueError` or `OSError` raised in this project's own code (a bad mesh, a missing
@@ -21,7 +26,10 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["one_line", "run_cli", "user_message"]
+__all__ = ["MISTAKE_EXIT_STATUS", "one_line", "run_cli", "user_message"]
+
+#: The exit status of a user's mistake (argparse's for a bad command line).
+MISTAKE_EXIT_STATUS = 2
 
 _OWN = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in
              ("train", "models", "optax_snoo"))
@@ -62,7 +70,8 @@ def user_message(err: BaseException, hint: str = "") -> str | None:
 
 
 def run_cli(body: Callable[[], int], hint: Callable[[], str] = lambda: "") -> int:
-    """`body()`, with a user's mistake printed as `error: <one line>` and exit status 1."""
+    """`body()`, with a user's mistake printed as `error: <one line>` and exit status
+    `MISTAKE_EXIT_STATUS`."""
     try:
         return body()
     except Exception as err:
@@ -70,4 +79,4 @@ def run_cli(body: Callable[[], int], hint: Callable[[], str] = lambda: "") -> in
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
-        return 1
+        return MISTAKE_EXIT_STATUS

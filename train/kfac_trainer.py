@@ -11,10 +11,10 @@ K-FAC:
 - `prepare`: the warm start (`kfac_warm_start` batches estimate the factors before step
   0, `optax_snoo.kfac.warm_start`);
 - `observe` + `monitor`: every step the K-FAC state's latest refresh event stays on the
-  device; on logging steps `RefreshLog` fetches the kept events in one transfer and
-  writes one row to `refresh_events.jsonl` per new refresh, in the rows of
+  device; on logging steps `train.metrics.RefreshLog` fetches the kept events in one
+  transfer and writes one row to `refresh_events.jsonl` per new refresh, in the rows of
   `optax_snoo.kfac.refresh_events`; at the end `refresh_events.png` draws the refreshes
-  over the learning-rate curve.
+  over the learning-rate curve (`train.metrics.plot_refresh_events`).
 
 Example:
   >>> from train.config import TrainConfig, override
@@ -30,22 +30,20 @@ References:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import models
 import optax_snoo.labels
 from optax_snoo import kfac as kfac_lib
+from train.metrics import RefreshLog, plot_refresh_events
 from train.optimizers import (
-    Monitor,
     TrainOptimizer,
     adamw_group,
     clipping,
@@ -62,14 +60,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KFAC_RULES",
-    "RefreshLog",
+    "CurvatureFn",
     "kfac_curvature_fn",
     "kfac_refresh_policy",
     "kfac_schedule",
     "make_curvature_estimate",
-    "plot_refresh_events",
     "warm_start_state",
 ]
+
 
 def kfac_rules(experts: bool = False) -> tuple:
     """Label rules of the K-FAC group; `experts`: the MoE expert stacks go to K-FAC too
@@ -136,27 +134,36 @@ def _kfac_layers(params: optax.Params) -> dict:
     return kfac_lib.layers_from_params(params, paths)
 
 
+class CurvatureFn(NamedTuple):
+    """The K-FAC group's batch factors (`kfac_curvature_fn`): which kernels to capture and
+    how their captured statistics become the `curvature=` argument of `kfac`."""
+
+    layers: tuple[str, ...]  # for `optax_snoo.kfac.value_grad_and_stats(layers=...)`
+    from_stats: Callable[[dict, jax.Array], dict]  # `(stats, step) -> curvature`
+
+
 def kfac_curvature_fn(params: optax.Params, stride: int = 1, experts: bool = False
-                      ) -> Callable[[dict, jax.Array], dict]:
-    """`(stats, step) -> curvature` for the K-FAC group of `params` (see `kfac_rules`).
+                      ) -> CurvatureFn:
+    """The K-FAC group's kernels of `params` (see `kfac_rules`) and `(stats, step) ->
+    curvature` for them.
 
     `stats` is the dict of `optax_snoo.kfac.value_grad_and_stats` (kernel path ->
-    `LayerStats`); the result maps each K-FAC kernel path to its factors
+    `LayerStats`); the curvature maps each K-FAC kernel path to its factors
     (`optax_snoo.kfac.curvature_from_stats`: bias coordinate when the layer has a bias,
     per-expert factors for expert stacks), the `curvature=` argument of `kfac`. With
     `stride > 1` the dense factors come from every `stride`-th token (offset `step %
     stride`: all tokens over `stride` steps), dividing their cost by `stride`; `g = M·dy`
-    keeps `M` the number of tokens of the loss. `curvature.layers` lists the kernels, for
-    `value_grad_and_stats(layers=...)`.
+    keeps `M` the number of tokens of the loss.
     """
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"kfac_stats_stride={stride!r}: expected an int >= 1")
     labels = optax_snoo.labels.label_by_rules(kfac_rules(experts))(params)
-    layers = sorted(optax_snoo.labels.path_to_str(p) for p, label in
-                    jax.tree_util.tree_flatten_with_path(labels)[0]
-                    if label == "kfac" and not optax_snoo.labels.path_to_str(p).endswith("/bias"))
+    layers = tuple(sorted(
+        optax_snoo.labels.path_to_str(p) for p, label in
+        jax.tree_util.tree_flatten_with_path(labels)[0]
+        if label == "kfac" and not optax_snoo.labels.path_to_str(p).endswith("/bias")))
 
-    def curvature(stats: dict, step: jax.Array) -> dict:
+    def from_stats(stats: dict, step: jax.Array) -> dict:
         missing = sorted(set(layers) - set(stats))
         if missing:
             raise ValueError(f"the model captured no K-FAC statistics for {missing}")
@@ -165,15 +172,15 @@ def kfac_curvature_fn(params: optax.Params, stride: int = 1, experts: bool = Fal
             {path: stats[path] for path in layers}, num_tokens=num_tokens,
             token_stride=stride, token_offset=jnp.asarray(step, jnp.int32) % stride)
 
-    curvature.layers = layers
-    return curvature
+    return CurvatureFn(layers, from_stats)
 
 
-def _grad_and_curvature_fn(model: Any, curvature_fn: Callable[[dict, jax.Array], Any]):
+def _grad_and_curvature_fn(model: Any, curvature_fn: CurvatureFn):
     """`(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux)), (grads,
     {"curvature": ...}))`: the gradient and the K-FAC batch factors
-    `curvature_fn(stats, step)` from one backward pass (`optax_snoo.kfac.value_grad_and_stats`,
-    which reads the layers from the loss's jaxpr: the one capture call of the trainer)."""
+    `curvature_fn.from_stats(stats, step)` from one backward pass
+    (`optax_snoo.kfac.value_grad_and_stats`, which reads the layers from the loss's jaxpr:
+    the one capture call of the trainer)."""
 
     def grad_fn(params, inputs_BT, targets_BT, key, step):
         def loss_fn(params):
@@ -184,13 +191,13 @@ def _grad_and_curvature_fn(model: Any, curvature_fn: Callable[[dict, jax.Array],
 
         out, grads, stats = kfac_lib.value_grad_and_stats(
             loss_fn, params, has_aux=True, layers=curvature_fn.layers)
-        return out, (grads, {"curvature": curvature_fn(stats, step)})
+        return out, (grads, {"curvature": curvature_fn.from_stats(stats, step)})
 
     return grad_fn
 
 
 def make_curvature_estimate(model: Any, *, mesh: Any, params_shardings: Any,
-                            curvature_fn: Callable[[dict, jax.Array], Any]
+                            curvature_fn: CurvatureFn
                             ) -> Callable[[Any, jax.Array, jax.Array, int], Any]:
     """`estimate(params, inputs_ABT, targets_ABT, index) -> curvature`: the batch factors
     averaged over the `A` micro-batches (no update, no dropout; `index` plays the step for
@@ -199,9 +206,11 @@ def make_curvature_estimate(model: Any, *, mesh: Any, params_shardings: Any,
 
     def estimate(params, inputs_ABT, targets_ABT, index):
         A = inputs_ABT.shape[0]
-        total = [grad_fn(params, inputs_ABT[a], targets_ABT[a], None, index)[1][1]["curvature"]
-                 for a in range(A)]
-        return jax.tree.map(lambda *c: sum(c) / A, *total)
+        curvatures = []
+        for a in range(A):
+            _, (_, update_args) = grad_fn(params, inputs_ABT[a], targets_ABT[a], None, index)
+            curvatures.append(update_args["curvature"])
+        return jax.tree.map(lambda *c: sum(c) / A, *curvatures)
 
     data = batch_sharding(mesh)
     return jax.jit(estimate, in_shardings=(params_shardings, data, data, replicated(mesh)),
@@ -231,83 +240,6 @@ def _observe(opt_state: Any) -> Any:
     is_state = lambda x: isinstance(x, kfac_lib.ScaleByKfacState)
     return jax.tree.map(lambda x: x._replace(factors={}, inverses={}) if is_state(x) else None,
                         opt_state, is_leaf=is_state)
-
-
-class RefreshLog(Monitor):
-    """Rows of `refresh_events.jsonl` (`optax_snoo.kfac.refresh_events`' rows: refresh
-    count, step, lr, eigenvalue range of A and G, clipped count) and `refresh_events.png`.
-
-    Args:
-      path: the JSONL file.
-      start: the step training starts from; a resumed run (``start > 0``) keeps the
-        existing rows of earlier steps (later ones are redone) and continues their counter.
-      plot: `rows -> None`, drawing the figure at `finish` (`None`: no figure).
-    """
-
-    def __init__(self, path: str | os.PathLike, *, start: int = 0,
-                 plot: Callable[[list[dict[str, Any]]], None] | None = None):
-        self.path = Path(path)
-        self.rows: list[dict[str, Any]] = []
-        if start > 0 and self.path.exists():
-            rows = [json.loads(line) for line in self.path.read_text().splitlines()
-                    if line.strip()]
-            self.rows = [row for row in rows if row["step"] < start]
-        self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
-        self._count = self.rows[-1]["refresh"] if self.rows else 0
-        self._pending: list[Any] = []
-        self._plot = plot
-
-    def add(self, observed: Any) -> None:
-        """Keep one step's K-FAC scalars (`_observe`; device arrays, nothing is read)."""
-        self._pending.append(observed)
-
-    def flush(self) -> list[dict[str, Any]]:
-        """Fetch the kept events (one transfer) and write a row per new refresh.
-
-        Refreshes are at most one per step, so a counter that grew since the previous kept
-        event marks that step's refresh (of the first K-FAC transform). Returns the new
-        rows.
-        """
-        observed, self._pending = jax.device_get(self._pending), []
-        new = []
-        for rows in map(kfac_lib.refresh_events, observed):
-            if not rows:
-                raise ValueError("the optimizer takes curvature= but has no K-FAC state")
-            if rows[0]["refresh"] > self._count:
-                self._count = rows[0]["refresh"]
-                new.append(rows[0])
-        if new:
-            with self.path.open("a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in new)
-            self.rows += new
-        return new
-
-    def finish(self) -> None:
-        """Write the last rows, then the figure."""
-        self.flush()
-        if self._plot is not None:
-            self._plot(self.rows)
-
-
-def plot_refresh_events(rows: Sequence[dict[str, Any]], schedule: Callable[[Any], Any],
-                        total_steps: int, path: str | os.PathLike) -> None:
-    """Save the learning-rate curve with a marker at every refresh (`rows` of the log)."""
-    from matplotlib.figure import Figure  # not pyplot: a notebook's backend stays as it is
-
-    steps = np.arange(max(total_steps, 1))
-    lrs = np.asarray(jax.vmap(schedule)(steps))
-    fig = Figure(figsize=(7, 3.5))
-    ax = fig.subplots()
-    ax.plot(steps, lrs, color="0.3", label="learning rate (K-FAC group)")
-    if rows:
-        ax.scatter([r["step"] for r in rows], [r["lr"] for r in rows], color="C3", s=18,
-                   zorder=3, label=f"refresh ({len(rows)})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("learning rate")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def _hooks(config: TrainConfig) -> dict[str, Any]:

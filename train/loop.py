@@ -21,6 +21,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -103,10 +104,18 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, tokenizer: dict)
 
 
 def _check_writable(out: Path) -> None:
-    """Fail before any work if `out` (and its checkpoints folder) cannot be written."""
+    """Fail before any work if `out` (and its checkpoints folder) cannot be written.
+
+    Creates nothing, so a start that fails later leaves `out` as it was: a probe file comes
+    and goes in the deepest folder of `out/checkpoints` that exists.
+    """
+    folder = out / "checkpoints"
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
     try:
-        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-        probe = out / "checkpoints" / f".write-test-{jax.process_index()}"
+        if not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
+        probe = folder / f".write-test-{jax.process_index()}"
         probe.write_text("")
         probe.unlink()
     except OSError as err:
@@ -134,6 +143,7 @@ def run(config: TrainConfig) -> RunResult:
     lead = jax.process_index() == 0
     if lead:
         print(_startup_line(config, state, mesh, start, data), flush=True)
+        out.mkdir(parents=True, exist_ok=True)  # the first output: the start succeeded
         if tokenizer_file is not None:
             (out / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
@@ -171,30 +181,33 @@ def run(config: TrainConfig) -> RunResult:
     rates, mfu, t_last, steps_since = [], None, time.perf_counter(), 0
     skipped = float(state["skipped_steps"])
     for step in range(start, r.max_iters + 1):
-        last = step == r.max_iters
+        is_last_step = step == r.max_iters
         # evaluate and checkpoint (not again at the step a resumed run starts from)
         # (the last step always; also step 0 of a fresh run with max_iters=0)
-        save = (step > start or (last and not r.resume)) and (
-            step % r.checkpoint_every == 0 or last)
-        if (step > start or not r.resume) and (step % r.eval_interval == 0 or save or last):
+        is_save_step = (step > start or (is_last_step and not r.resume)) and (
+            step % r.checkpoint_every == 0 or is_last_step)
+        is_eval_step = (step > start or not r.resume) and (
+            step % r.eval_interval == 0 or is_save_step or is_last_step)
+        if is_eval_step:
             losses = {s: float(eval_step(state["params"], *evals[s])) for s in evals}
             log.write(step=step, train_loss=losses["train"], val_loss=losses["val"])
             speed = "" if not rates else f", {rates[-1]:,.0f} tokens/s" + (
                 f", MFU {mfu:.1%}" if mfu is not None else "")
             bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss "
                       f"{losses['val']:.4f}{speed}")
-            if save:  # never after max_bad_steps bad steps in a row
+            if is_save_step:  # never after max_bad_steps bad steps in a row
                 _check_bad_steps(int(state["bad_steps"]), config, step, ckpt)
                 ckpt.save(step, state, {**meta, "step": step, "val_loss": losses["val"]},
                           val_loss=losses["val"])
             t_last, steps_since = time.perf_counter(), 0
-        if last:
+        if is_last_step:
             break
-        variant = tuple(sorted(optimizer.update_kwargs(step).items()))
+        step_kwargs = optimizer.update_kwargs(step)  # static: Snoo's sync or no-sync step
+        variant = tuple(sorted(step_kwargs.items()))
         if variant not in compiled:  # this call compiles its variant: no rate or ETA
             show_compiling(bar)
         # forward/backward over grad_accum micro-batches -> clip -> update (one jitted call)
-        state, metrics = train_step(state, *batches.get(step), **optimizer.update_kwargs(step))
+        state, metrics = train_step(state, *batches.get(step), **step_kwargs)
         steps_since += 1
         bar.update()
         if variant not in compiled:  # this call compiled its variant: time from now on

@@ -1,5 +1,6 @@
-"""Run metrics: the JSON-lines log and its trackers, throughput and MFU, the progress bar,
-the loss plot, a memory check.
+"""Run metrics: the JSON-lines logs (metrics and its trackers, K-FAC refresh events),
+throughput and MFU, the progress bar, the plots (losses, refreshes on the learning-rate
+curve), a memory check.
 
 MFU follows nanoGPT: FLOPs per token `6N + 12·L·H·Q·T` (N = parameters without the
 position table, MoE experts counted at `top_k / n_experts`), divided by the peak bf16
@@ -39,17 +40,22 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import jax
+import numpy as np
+
+from optax_snoo.kfac import refresh_events
+from train.optimizers import Monitor
 
 __all__ = [
     "COMPILING_BAR",
     "EVAL_TAGS",
     "PEAK_FLOPS",
     "MetricsLog",
+    "RefreshLog",
     "TensorBoardTracker",
     "Tracker",
     "WandbTracker",
@@ -60,6 +66,7 @@ __all__ = [
     "open_trackers",
     "peak_flops_per_device",
     "plot_losses",
+    "plot_refresh_events",
     "restart_clock",
     "run_name",
     "run_title",
@@ -381,6 +388,84 @@ def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return fig
+
+
+class RefreshLog(Monitor):
+    """Rows of `refresh_events.jsonl` (`optax_snoo.kfac.refresh_events`' rows: refresh
+    count, step, lr, eigenvalue range of A and G, clipped count) and `refresh_events.png`.
+
+    Args:
+      path: the JSONL file.
+      start: the step training starts from; a resumed run (``start > 0``) keeps the
+        existing rows of earlier steps (later ones are redone) and continues their counter.
+      plot: `rows -> None`, drawing the figure at `finish` (`None`: no figure).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, start: int = 0,
+                 plot: Callable[[list[dict[str, Any]]], None] | None = None):
+        self.path = Path(path)
+        self.rows: list[dict[str, Any]] = []
+        if start > 0 and self.path.exists():
+            rows = [json.loads(line) for line in self.path.read_text().splitlines()
+                    if line.strip()]
+            self.rows = [row for row in rows if row["step"] < start]
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        self._count = self.rows[-1]["refresh"] if self.rows else 0
+        self._pending: list[Any] = []
+        self._plot = plot
+
+    def add(self, observed: Any) -> None:
+        """Keep one step's K-FAC scalars (the K-FAC stacks' `observe` hook, in
+        `train.kfac_trainer`; device arrays, nothing is read)."""
+        self._pending.append(observed)
+
+    def flush(self) -> list[dict[str, Any]]:
+        """Fetch the kept events (one transfer) and write a row per new refresh.
+
+        Refreshes are at most one per step, so a counter that grew since the previous kept
+        event marks that step's refresh (of the first K-FAC transform). Returns the new
+        rows.
+        """
+        observed, self._pending = jax.device_get(self._pending), []
+        new = []
+        for rows in map(refresh_events, observed):
+            if not rows:
+                raise ValueError("the optimizer takes curvature= but has no K-FAC state")
+            if rows[0]["refresh"] > self._count:
+                self._count = rows[0]["refresh"]
+                new.append(rows[0])
+        if new:
+            with self.path.open("a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in new)
+            self.rows += new
+        return new
+
+    def finish(self) -> None:
+        """Write the last rows, then the figure."""
+        self.flush()
+        if self._plot is not None:
+            self._plot(self.rows)
+
+
+def plot_refresh_events(rows: Sequence[dict[str, Any]], schedule: Callable[[Any], Any],
+                        total_steps: int, path: str | os.PathLike) -> None:
+    """Save the learning-rate curve with a marker at every refresh (`rows` of the log)."""
+    from matplotlib.figure import Figure  # not pyplot: a notebook's backend stays as it is
+
+    steps = np.arange(max(total_steps, 1))
+    lrs = np.asarray(jax.vmap(schedule)(steps))
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.subplots()
+    ax.plot(steps, lrs, color="0.3", label="learning rate (K-FAC group)")
+    if rows:
+        ax.scatter([r["step"] for r in rows], [r["lr"] for r in rows], color="C3", s=18,
+                   zorder=3, label=f"refresh ({len(rows)})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("learning rate")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _nbytes(tree: Any) -> int:

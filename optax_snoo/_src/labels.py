@@ -36,11 +36,11 @@ def _matrix_or_vector(leaf: Any) -> str:
     return "muon" if len(getattr(leaf, "shape", ())) >= 2 else "adam"
 
 
-# Hidden matrices (and MoE expert stacks) go to Muon; embeddings, the head, norms, biases
-# and scalars go to Adam, as in K. Jordan et al., "Muon: An optimizer for hidden layers in
-# neural networks" (https://kellerjordan.github.io/posts/muon/, 2024); so does the small
-# MoE router, as in the SkewAdam paper's Muon baseline (N. Malik, arXiv 2607.19058, 2026).
-# Names cover nanoGPT/Flax/Llama-style models.
+#: Hidden matrices (and MoE expert stacks) go to Muon; embeddings, the head, norms, biases
+#: and scalars go to Adam, as in K. Jordan et al., "Muon: An optimizer for hidden layers in
+#: neural networks" (https://kellerjordan.github.io/posts/muon/, 2024); so does the small
+#: MoE router, as in the SkewAdam paper's Muon baseline (N. Malik, arXiv 2607.19058, 2026).
+#: Names cover nanoGPT/Flax/Llama-style models.
 MUON_ADAM_RULES: tuple[Rule, ...] = (
     (r"(^|/)(wte|wpe|embed\w*|tok_embeddings|lm_head|head|unembed\w*|router)(/|$)", "adam"),
     (r"(^|/)(ln\w*|\w*norm\w*)(/|$)", "adam"),

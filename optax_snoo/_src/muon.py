@@ -96,7 +96,13 @@ def _polar_express(steps: int = 5, safety: float = 1.01) -> Triples:
     return ((a / safety, b / safety**3, c / safety**5), *rest)
 
 
+#: The ``"polar_express"`` preset: the first five polynomials of Amsel et al.'s
+#: Algorithm 1 (degree 5, l = 1e-3), their 1.01 safety factors and ``1.01 ‖X‖_F``
+#: normalisation folded into the first triple, so they run on plain ``‖X‖_F``.
 POLAR_EXPRESS_COEFFICIENTS: Triples = _polar_express(5)
+#: The Newton-Schulz presets of ``coefficients=`` by name, each a tuple of ``(a, b, c)``
+#: triples, one per iteration: ``"keller"``, ``"modded"``, ``"polar_express"`` (see
+#: `orthogonalize`).
 COEFFICIENT_PRESETS: dict[str, Triples] = {
     "keller": KELLER_COEFFICIENTS,
     "modded": MODDED_COEFFICIENTS,

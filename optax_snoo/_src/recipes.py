@@ -34,15 +34,15 @@ __all__ = [
     "stable_cooldown_schedule",
 ]
 
-# The record's Adam groups: (path pattern, learning rate); first match wins. These rates
-# belong to the record's architecture (untied embeddings, 1/320 head): rescale for others.
+#: The record's Adam groups: (path pattern, learning rate); first match wins. These rates
+#: belong to the record's architecture (untied embeddings, 1/320 head): rescale for others.
 RECORD_ADAM_GROUPS: tuple[tuple[str, float], ...] = (
     (r"(^|/)(lm_head|head)(/|$)", 1 / 320),
     (r"(^|/)(wte|wpe|embed\w*)(/|$)", 0.3),
     (r".*", 0.015),
 )
-# The record's Muon `wd_mul`: (path pattern, multiplier); first match wins. 2.0 on the MLP
-# weights (the record's `mlp.fc_w`, `mlp.proj_w`; here `mlp/c_fc`, `mlp/c_proj`, `mlp/c_gate`).
+#: The record's Muon `wd_mul`: (path pattern, multiplier); first match wins. 2.0 on the MLP
+#: weights (the record's `mlp.fc_w`, `mlp.proj_w`; here `mlp/c_fc`, `mlp/c_proj`, `mlp/c_gate`).
 RECORD_WEIGHT_DECAY_MULTIPLIERS: tuple[tuple[str, float], ...] = (
     (r"(^|/)mlp(/|$)", 2.0),
     (r".*", 1.0),

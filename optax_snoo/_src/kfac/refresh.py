@@ -31,6 +31,8 @@ import numpy as np
 import optax
 
 RefreshPolicy = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+#: The phases of the learning-rate schedule that `by_lr_phase` tells apart, in order:
+#: ``("warmup", "peak", "decay", "tail")``.
 PHASES = ("warmup", "peak", "decay", "tail")
 DEFAULT_PHASE_INTERVALS: dict[str, int | str | None] = {
     "warmup": None, "peak": 150, "decay": 300, "tail": 600}
