@@ -61,12 +61,13 @@ def test_resumed_run_deletes_the_earlier_runs_checkpoints(corpus, tmp_path):
 def test_resume_plots_and_summarises_the_whole_run(corpus, tmp_path):
     """loss.png of a run resumed half-way (and of a finished run resumed again) is the
     uninterrupted run's, byte for byte; so are the final losses."""
-    whole = train.run(tiny(corpus, tmp_path / "whole"))
-    half = tiny(corpus, tmp_path / "half", max_iters=4)
+    # the same run name (out_dir's last part, in the plot's title) in two folders
+    whole = train.run(tiny(corpus, tmp_path / "whole" / "run"))
+    half = tiny(corpus, tmp_path / "half" / "run", max_iters=4)
     train.run(half)
     resumed = train.run(tc.override(half, max_iters=8, resume=True))
     again = train.run(tc.override(half, max_iters=8, resume=True))  # nothing to do
-    png = lambda name: (tmp_path / name / "loss.png").read_bytes()
+    png = lambda name: (tmp_path / name / "run" / "loss.png").read_bytes()
     assert png("half") == png("whole")
     keys = ("step", "val_loss", "best_val_loss", "train_loss")
     for result in (resumed, again):

@@ -8,7 +8,7 @@ bytes, GPT-2's BPE, or the `tokenizer.json` the run copied into `--out_dir`); on
 data's own ids are sampled (a padded vocabulary's extra ids are masked), so each sample
 has exactly `--max_new_tokens` tokens after the prompt. Nothing is written: a missing
 `--out_dir` is an error, not a new folder. A mistake ends with one `error: ...` line and
-exit status 1.
+exit status 2 (`train.errors.MISTAKE_EXIT_STATUS`).
 
 Example:
   $ python -m train.sample --out_dir=out/adamw --num_samples=2 --start="ROMEO:"
