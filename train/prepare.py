@@ -314,6 +314,9 @@ def cut_pieces(blocks: Iterable[tuple[str, int]], rule: str
     tail = ""  # the document's last two characters so far (a cut looks one back)
     nbytes = 0  # the input bytes of the blocks that end in `pending`
     for block, n in blocks:
+        if not block:  # (the end of a file) changes nothing but the byte count
+            nbytes += n
+            continue
         cut = None
         if rule == CUT_ANYWHERE:
             cut = 0
