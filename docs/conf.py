@@ -2,7 +2,7 @@
 
 Two things are generated at build time, so that they cannot go stale: the API pages (one
 entry per name in each public module's `__all__`) and the trainer's flag lists (the
-output of `python -m train --help` and of its `sample`/`evaluate` tools).
+output of `python -m train --help` and of its `sample`/`evaluate`/`prepare` tools).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def write_api_pages() -> None:
 def write_cli_help() -> None:
     """docs/_generated/<tool>_help.txt: the trainer's own --help output."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    for tool in ("train", "train.sample", "train.evaluate"):
+    for tool in ("train", "train.sample", "train.evaluate", "train.prepare"):
         result = subprocess.run([sys.executable, "-m", tool, "--help"], cwd=ROOT, env=env,
                                 capture_output=True, text=True, check=False, timeout=300)
         if result.returncode != 0:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -171,12 +172,13 @@ class TiktokenTokenizer(Tokenizer):
         try:
             return cls(tiktoken.get_encoding("gpt2"), "gpt2")
         except Exception as err:  # requests' and urllib's errors alike: offline
-            cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+            cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get(
+                "DATA_GYM_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "data-gym-cache")
             raise OSError(
                 f"tiktoken could not load GPT-2's encoding ({type(err).__name__}): it downloads "
                 "it once on first use; run `python -c \"import tiktoken; tiktoken.get_encoding"
                 "('gpt2')\"` on a machine with a network and copy its cache folder "
-                f"({cache or 'TIKTOKEN_CACHE_DIR'}) here, with TIKTOKEN_CACHE_DIR set to it"
+                f"({cache}) here, with TIKTOKEN_CACHE_DIR set to it"
             ) from None
 
     def encode(self, text: str) -> list[int]:
@@ -201,6 +203,8 @@ class HFTokenizer(Tokenizer):
     The end-of-text id is `eot` if given, else the first of `<|endoftext|>`, `</s>`,
     `<eos>`, `[SEP]` the vocabulary holds; a vocabulary with none of them has no
     end-of-text id (`python -m train.prepare` then refuses it and asks for `--eot`).
+    `encode` reads special tokens in the text as plain text, as `TiktokenTokenizer` does
+    (a document quoting `<|endoftext|>` gets no end-of-text id from it).
     """
 
     _EOT_CANDIDATES = (EOT_TEXT, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -220,6 +224,7 @@ class HFTokenizer(Tokenizer):
         except Exception as err:
             raise ValueError(f"tokenizer {str(path)!r} is not a Hugging Face tokenizer.json "
                              f"({err})") from None
+        self.tokenizer.encode_special_tokens = True
         self.vocab_size = int(self.tokenizer.get_vocab_size(with_added_tokens=True))
         names = (eot,) if eot is not None else self._EOT_CANDIDATES
         ids = [self.tokenizer.token_to_id(n) for n in names]
@@ -227,6 +232,10 @@ class HFTokenizer(Tokenizer):
         self.eot_id = next((i for i in ids if i is not None), None)
         if eot is not None and self.eot_id is None:
             raise ValueError(f"--eot={eot!r}: no such token in {str(path)!r}")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)  # the flag is not part of a pickled tokenizers.Tokenizer
+        self.tokenizer.encode_special_tokens = True
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
