@@ -71,3 +71,14 @@ def test_torch_recipe_serves_timed_steps():
     recipe = torch_recipe.Recipe(0, str(torch_recipe.DEFAULT_DATA), max_iters=10)
     torch_recipe.serve(recipe, ["1", "2"], out.append)
     assert len(out) == 3 and "torch" in out[0] and '"wall"' in out[2]
+
+
+def test_data_loader_rate_reads_gpt2_owt_steps_of_written_shards(tmp_path):
+    from benchmarks import data_loader
+
+    folder = data_loader.write_random_shards(tmp_path / "rand", 2**-10, shard_tokens=2**18)
+    assert len(list(folder.glob("rand_train_*.bin"))) == 2  # 2**19 tokens in 2 shards
+    r = data_loader.loader_rate(folder, steps=2)
+    assert r["tokens"] == 2**19 and r["tokens_per_s"] > 0
+    assert r["ratio"] == r["tokens_per_s"] / r["step_needs_tokens_per_s"]
+    assert data_loader.batch_seconds(None, steps=2) > 0
