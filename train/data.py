@@ -193,7 +193,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int]) -> 
     part = path.with_name(path.name + ".part")
     with open(part, "wb") as f:
         f.write(header.tobytes())
-        f.write(tokens.astype(np.uint16).tobytes())
+        np.ascontiguousarray(tokens, np.uint16).tofile(f)  # no copy of uint16 tokens
     part.replace(path)
     return path
 
