@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
             "config": ", ".join(f"{k}={flat_dict(base)[k]}" for k in (
                 "n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters",
                 "warmup_iters", "learning_rate", "min_lr", "kfac_damping", "kfac_interval",
-                "kfac_ema", "kfac_graft", "kfac_stats_stride", "dtype"))}
+                "kfac_ema_decay", "kfac_graft", "kfac_stats_stride", "dtype"))}
     summary = summarise(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

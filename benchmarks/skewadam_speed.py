@@ -44,7 +44,7 @@ def moe_tiny_params(seed: int = 0, **overrides) -> dict:
 def optimizers(lr: float = 1e-3) -> dict[str, optax.GradientTransformation]:
     """AdamW and SkewAdam with the SkewAdam paper's betas, eps and weight decay."""
     return {"adamw": optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05),
-            "skewadam": skew_adam(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05)}
+            "skew_adam": skew_adam(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05)}
 
 
 def make_step(tx: optax.GradientTransformation):
@@ -121,10 +121,10 @@ def main(argv=None):
         params = TREES[name]()
         n = sum(x.size for x in jax.tree.leaves(params))
         t = update_time_ratio(params, args.rounds, args.steps)
-        per_round = ", ".join(f"{r:.2f}" for r in t["skewadam"]["ratio_per_round"])
+        per_round = ", ".join(f"{r:.2f}" for r in t["skew_adam"]["ratio_per_round"])
         print(f"{name:14s} {n / 1e6:6.2f}M params: adamw {1e3 * t['adamw']['seconds']:7.2f} "
-              f"ms, skewadam {1e3 * t['skewadam']['seconds']:7.2f} ms, ratio "
-              f"{t['skewadam']['ratio']:.3f} (rounds: {per_round})")
+              f"ms, skew_adam {1e3 * t['skew_adam']['seconds']:7.2f} ms, ratio "
+              f"{t['skew_adam']['ratio']:.3f} (rounds: {per_round})")
         if args.hlo:
             grads = jax.tree.map(jnp.zeros_like, params)
             for opt, tx in optimizers().items():

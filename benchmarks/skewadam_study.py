@@ -2,7 +2,7 @@
 
 For each seed and optimizer, one trainer run (`train.run`, same steps, each optimizer
 with the trainer's defaults: AdamW lr 1e-3 / wd 0.1 on matrices; SkewAdam and Adafactor
-`skew_lr` 1e-3 / wd 0.05; betas 0.9/0.99 for both Adams): final val loss, the MoE
+`skew_learning_rate` 1e-3 / wd 0.05; betas 0.9/0.99 for both Adams): final val loss, the MoE
 load-balance loss over the last fifth of the run, and throughput. Then, on the same
 params: optimizer-state bytes measured on the real state with `optax_snoo.memory` next to
 the formula's prediction, and the update time of each stack as a ratio to AdamW's, all
@@ -39,7 +39,7 @@ from optax_snoo.memory import (
 from train.config import get_preset, override
 from train.optimizers import build_optimizer
 
-OPTIMIZERS = ("skewadam", "adamw", "adafactor")
+OPTIMIZERS = ("skew_adam", "adamw", "adafactor")
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -80,10 +80,10 @@ def state_and_speed(args) -> dict:
         state = tx.init(params)
         txs[name] = tx
         out[name] = {"state_bytes": state_bytes(state, statistics_only=True)}
-    out["skewadam"]["predicted"] = skew_adam_state_bytes(params)
-    out["skewadam"]["by_role"] = state_bytes_by_group(txs["skewadam"].init(params),
+    out["skew_adam"]["predicted"] = skew_adam_state_bytes(params)
+    out["skew_adam"]["by_role"] = state_bytes_by_group(txs["skew_adam"].init(params),
                                                      statistics_only=True)
-    out["skewadam"]["predicted_by_role"] = skew_adam_state_bytes_by_role(params)
+    out["skew_adam"]["predicted_by_role"] = skew_adam_state_bytes_by_role(params)
     out["adamw"]["predicted"] = adamw_state_bytes(params)
     out["adafactor"]["predicted"] = None  # optax's layout (placeholder leaves), no formula
     speed = update_time_ratio(params, rounds=args.speed_rounds, steps=10, txs=txs)
@@ -137,9 +137,9 @@ def write(report: dict) -> None:
             f"{x['tokens_per_sec_median']:,.0f} | {y.get('state_bytes', float('nan')):,} | "
             f"{'-' if pred is None else f'{pred:,}'} | "
             f"{y.get('update_ratio', float('nan')):.2f} |")
-    if "skewadam" in st:
+    if "skew_adam" in st:
         lines += ["", f"SkewAdam state per role (measured = predicted): "
-                  f"{st['skewadam']['by_role']}; {st['num_params']:,} params, AdamW would "
+                  f"{st['skew_adam']['by_role']}; {st['num_params']:,} params, AdamW would "
                   f"hold {st['adamw']['predicted']:,} bytes."]
     lines += ["", "Per run:", "", "| optimizer | seed | val loss | train loss | load balance "
               "| tokens/s | wall s |", "|---|---|---|---|---|---|---|"]

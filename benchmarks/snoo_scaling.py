@@ -55,7 +55,7 @@ from benchmarks import study_tools
 # Snoo's (k, outer lr, outer momentum): the record's are the trainer's defaults.
 SNOO_SETTINGS: dict[str, str] = {
     "record": "",
-    "paper": "@snoo_k=100@snoo_lr=0.8@snoo_momentum=0.75",
+    "paper": "@snoo_k=100@snoo_learning_rate=0.8@snoo_momentum=0.75",
 }
 
 
@@ -100,6 +100,16 @@ class ScalingGrid:
 
 def run_key(width: int, stack: str, seed: int, steps: int) -> str:
     return f"{width}/{stack}/{seed}/{steps}"
+
+
+def _renamed_runs(results: dict[str, Any]) -> dict[str, Any]:
+    """`results` keyed by today's names (runs saved before the config's renames name
+    `snoo_lr`; `study_tools.renamed_stack`)."""
+    out = {}
+    for key, value in results.items():
+        width, stack, seed, steps = key.split("/")
+        out[run_key(width, study_tools.renamed_stack(stack), seed, steps)] = value
+    return out
 
 
 def non_embedding_params(preset: str) -> int:
@@ -286,7 +296,7 @@ def run(grid: ScalingGrid, *, command: str, directory: Path | None = None,
     if any(saved.get("grid", {}).get(k) != spec[k] for k in ("preset", "eval_interval")):
         saved = {"results": {}, "wall_s": 0.0}  # runs keyed by width/stack/seed/steps
     saved["grid"] = spec
-    results = saved["results"]
+    results = saved["results"] = _renamed_runs(saved["results"])
     t0, wall_before = time.perf_counter(), saved["wall_s"]
     for width, stack, seed, steps in grid.runs():
         key = run_key(width, stack, seed, steps)
@@ -310,7 +320,8 @@ def rewrite_report(directory: Path | None = None) -> Path:
     grid = ScalingGrid(**{k: tuple(v) if isinstance(v, list) else v
                           for k, v in saved["grid"].items()})
     params = {int(k): v for k, v in saved["params"].items()}
-    return write_report(grid, saved["results"], params, saved["command"], saved["machine"],
+    return write_report(grid, _renamed_runs(saved["results"]), params, saved["command"],
+                        saved["machine"],
                         saved["wall_s"], directory)
 
 

@@ -1,7 +1,8 @@
 """The optimizer study: a grid of optimizer stacks x seeds through the trainer, with statistics.
 
 Each stack is a registered optimizer (`train.optimizers.OPTIMIZERS`), optionally with
-config overrides after `@` (`snoo_muon@snoo_k=7@snoo_lr=0.5`), or an alias from `ALIASES`.
+config overrides after `@` (`snoo_muon@snoo_k=7@snoo_learning_rate=0.5`), or an alias from
+`ALIASES`.
 Every run is `train.run` on the preset with `max_iters=--steps`; the report gives, per
 stack, the final val loss (mean ± sample std over seeds), the steps to reach the target
 (the baseline's mean final val loss, as the modded-nanogpt records did: the first
@@ -82,12 +83,13 @@ SUITES: dict[str, Suite] = {
     "dense": Suite("shakespeare_char_cpu", (
         "adamw", "muon", "snoo_adamw", "snoo_muon", "snoo_muon_smooth", "kfac", "snoo_kfac"),
         seeds=5, steps=400, eval_interval=100),
-    "moe": Suite("moe_tiny", ("adamw", "skewadam", "snoo_skewadam", "adafactor"),
+    "moe": Suite("moe_tiny", ("adamw", "skew_adam", "snoo_skew_adam", "adafactor"),
                  seeds=5, steps=300, eval_interval=50),
     # Snoo around Muon at our scale: k, then the outer lr and momentum around (0.68, 0.37).
     "snoo_sensitivity": Suite("shakespeare_char_cpu", (
         "muon", "snoo_muon@snoo_k=7", "snoo_muon@snoo_k=14", "snoo_muon", "snoo_muon@snoo_k=56",
-        "snoo_muon@snoo_lr=0.5", "snoo_muon@snoo_lr=0.9", "snoo_muon@snoo_momentum=0.0",
+        "snoo_muon@snoo_learning_rate=0.5", "snoo_muon@snoo_learning_rate=0.9",
+        "snoo_muon@snoo_momentum=0.0",
         "snoo_muon@snoo_momentum=0.6"), seeds=3, steps=400, eval_interval=100),
 }
 DEFAULT_SUITES = ("dense", "moe", "snoo_sensitivity")

@@ -35,6 +35,7 @@ __all__ = [
     "fmt_or_dash",
     "machine_line",
     "paired_one_sided",
+    "renamed_stack",
     "stack_config",
     "train_one",
     "welch_one_sided",
@@ -47,6 +48,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ALIASES: dict[str, str] = {
     "snoo_muon_smooth": "snoo_muon@muon_smoothing=0.2",
 }
+
+
+def renamed_stack(stack: str) -> str:
+    """`stack` (`name@key=value...`) with the old optimizer and key names of
+    `train.config.RENAMED` made new: the stacks of results saved before the renames."""
+    from train.config import RENAMED
+
+    name, *overrides = stack.split("@")
+    overrides = [RENAMED["key"].get(key, key) + eq + value
+                 for key, eq, value in (o.partition("=") for o in overrides)]
+    return "@".join([RENAMED["optimizer"].get(name, name), *overrides])
 
 
 def stack_config(preset: str, stack: str, *, seed: int, steps: int, eval_interval: int,

@@ -47,7 +47,7 @@ def test_skewadam_speed_script_runs_on_the_moe_tiny_tree(capsys):
     skewadam_speed.main(["--tree=moe_tiny", "--rounds=1", "--steps=1", "--hlo"])
     out = capsys.readouterr().out
     assert "moe_tiny" in out and "ratio" in out
-    assert "adamw" in out and "skewadam  {'fusions':" in out
+    assert "adamw" in out and "skew_adam {'fusions':" in out
 
 
 def test_a_variant_timed_in_another_process_reports_its_own_times():

@@ -76,7 +76,10 @@ def test_errors_are_one_line_and_a_non_zero_exit(finished, corpus, tmp_path, cas
 
 @pytest.mark.parametrize("flag, named", [
     ("--learning_rate=-1e-3", "learning_rate=-0.001: expected a finite number > 0"),
-    ("--muon_lr=-0.02", "muon_lr=-0.02: expected a finite number > 0"),
+    ("--muon_learning_rate=-0.02", "muon_learning_rate=-0.02: expected a finite number > 0"),
+    # the names of earlier versions: one line naming the new one
+    ("--muon_lr=0.02", "--muon_lr was renamed --muon_learning_rate"),
+    ("--optimizer=skewadam", "--optimizer=skewadam was renamed --optimizer=skew_adam"),
 ])
 def test_a_value_out_of_range_is_one_line_before_any_work(tmp_path, flag, named):
     proc = cli(flag, f"--out_dir={tmp_path}/run")

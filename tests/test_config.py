@@ -11,9 +11,10 @@ import pytest
 import models
 from train import config as tc
 
-LEARNING_RATES = ("learning_rate", "muon_lr", "skew_lr", "kfac_lr", "snoo_lr")
+LEARNING_RATES = ("learning_rate", "muon_learning_rate", "skew_learning_rate",
+                  "kfac_learning_rate", "snoo_learning_rate")
 WEIGHT_DECAYS = ("weight_decay", "muon_weight_decay", "skew_weight_decay")
-MOMENTA = ("beta1", "beta2", "muon_beta", "snoo_momentum", "kfac_momentum", "kfac_ema",
+MOMENTA = ("beta1", "beta2", "muon_beta", "snoo_momentum", "kfac_momentum", "kfac_ema_decay",
            "muon_smoothing")
 
 
@@ -62,8 +63,8 @@ def test_other_ranges_name_the_key_value_and_range(values, message):
 
 def test_the_edges_of_each_range_are_accepted():
     config = tc.override(
-        tc.TrainConfig(), kfac_lr=None, muon_smoothing=None, sample_top_k=None, kfac_first=0,
-        min_lr=1e-3, learning_rate=1e-3, cooldown_frac=1.0, final_lr_scale=1.0,
+        tc.TrainConfig(), kfac_learning_rate=None, muon_smoothing=None, sample_top_k=None,
+        kfac_first=0, min_lr=1e-3, learning_rate=1e-3, cooldown_frac=1.0, final_lr_scale=1.0,
         temperature=0.0, lr_decay_iters=0)
     assert config.schedule.min_lr == config.adamw.learning_rate
     # min_lr is the cosine's: stable_cooldown ignores it, so it may exceed the peak there
@@ -81,3 +82,65 @@ def test_the_help_of_the_model_keys_is_read_from_gpt_config():
         shown = f" {{{', '.join(choices)}}}" if choices else ""
         assert f.metadata["help"] and lines[f"--{f.name}"].endswith(f.metadata["help"] + shown)
     assert lines["--mlp"].endswith("MLP kind {gelu, swiglu}")
+
+
+@pytest.mark.parametrize("old, new", sorted(tc.RENAMED["key"].items()))
+def test_an_old_key_is_refused_naming_its_new_name(old, new):
+    assert new in tc.KEYS and old not in tc.KEYS
+    for build in (lambda: tc.parse_args([f"--{old}=0.5"]), lambda: tc.parse_args([f"--{old}"]),
+                  lambda: tc.override(tc.TrainConfig(), **{old: 0.5})):
+        with pytest.raises(ValueError) as err:
+            build()
+        assert str(err.value) == f"--{old} was renamed --{new}"
+
+
+@pytest.mark.parametrize("old, new", sorted(tc.RENAMED["optimizer"].items()))
+def test_an_old_optimizer_name_is_refused_naming_its_new_name(old, new):
+    from train.optimizers import OPTIMIZERS
+
+    assert new in OPTIMIZERS and old not in OPTIMIZERS
+    with pytest.raises(ValueError) as err:
+        tc.parse_args([f"--optimizer={old}"])
+    assert str(err.value) == f"--optimizer={old} was renamed --optimizer={new}"
+
+
+def test_every_rename_names_a_group_field_or_key_of_today():
+    renamed = tc.RENAMED
+    assert set(renamed["group"].values()) <= set(tc.GROUPS)
+    assert not set(renamed["group"]) & set(tc.GROUPS)
+    for old, new in renamed["field"].items():
+        group, name = old.split(".")
+        group = renamed["group"].get(group, group)
+        fields = [f.name for f in dataclasses.fields(getattr(tc.TrainConfig(), group))]
+        assert new in fields and name not in fields, old
+
+
+# A run's config.json (and its checkpoints' metadata) as the versions before the renames
+# wrote it: nested, and (older still) flat.
+OLD_NESTED = {
+    "optimizer": {"name": "snoo_skewadam", "grad_clip": 0.5, "rounding": "none"},
+    "muon": {"lr": 0.03, "beta": 0.9}, "snoo": {"lr": 0.5, "k": 7},
+    "skewadam": {"lr": 3e-3, "weight_decay": 0.01, "clip": 1.0, "policies": "skew_adam"},
+    "kfac": {"lr": 0.2, "ema": 0.9, "damping": 1e-2},
+    "run": {"max_iters": 30},
+}
+OLD_FLAT = {"optimizer": "snoo_skewadam", "grad_clip": 0.5, "muon_lr": 0.03, "muon_beta": 0.9,
+            "snoo_lr": 0.5, "snoo_k": 7, "skew_lr": 3e-3, "skew_weight_decay": 0.01,
+            "kfac_lr": 0.2, "kfac_ema": 0.9, "kfac_damping": 1e-2, "max_iters": 30}
+
+
+@pytest.mark.parametrize("saved", [OLD_NESTED, OLD_FLAT], ids=["nested", "flat"])
+def test_a_config_saved_under_the_old_names_loads_under_the_new(saved):
+    expected = tc.override(
+        tc.TrainConfig(), optimizer="snoo_skew_adam", grad_clip=0.5, muon_learning_rate=0.03,
+        muon_beta=0.9, snoo_learning_rate=0.5, snoo_k=7, skew_learning_rate=3e-3,
+        skew_weight_decay=0.01, kfac_learning_rate=0.2, kfac_ema_decay=0.9,
+        kfac_damping=1e-2, max_iters=30)
+    assert tc.config_from_dict(saved) == expected
+    # what resuming compares (train.checkpoint.check_compatible): today's keys and values
+    flat = tc.flat_dict(saved)
+    assert {k: flat[k] for k in ("optimizer", "muon_learning_rate", "skew_learning_rate",
+                                 "kfac_ema_decay")} == {
+        "optimizer": "snoo_skew_adam", "muon_learning_rate": 0.03,
+        "skew_learning_rate": 3e-3, "kfac_ema_decay": 0.9}
+    assert not set(flat) & set(tc.RENAMED["key"])

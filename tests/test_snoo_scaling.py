@@ -94,6 +94,12 @@ def test_report_and_resume_with_a_fake_trainer(tmp_path):
     # and the report is rewritten from its JSON alone
     (tmp_path / "snoo_scaling.md").unlink()
     assert ss.rewrite_report(tmp_path).read_text() == text
+    # also from a JSON saved before the config's renames (`snoo_lr`)
+    saved["results"] = {k.replace("snoo_learning_rate", "snoo_lr"): v
+                        for k, v in saved["results"].items()}
+    assert any("@snoo_lr=" in k for k in saved["results"])
+    (tmp_path / "snoo_scaling.json").write_text(json.dumps(saved))
+    assert ss.rewrite_report(tmp_path).read_text() == text
 
 
 def test_study_cli_sends_the_suite_here_and_refuses_other_options(monkeypatch):

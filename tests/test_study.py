@@ -8,7 +8,13 @@ import pytest
 
 from benchmarks import study
 from benchmarks.study import inner_stack, steps_to_target
-from benchmarks.study_tools import ALIASES, paired_one_sided, stack_config, welch_one_sided
+from benchmarks.study_tools import (
+    ALIASES,
+    paired_one_sided,
+    renamed_stack,
+    stack_config,
+    welch_one_sided,
+)
 from train import config as tc
 
 
@@ -72,21 +78,28 @@ def test_steps_to_target_interpolates_between_evaluations():
 
 
 def test_stack_config_applies_overrides_and_aliases(tmp_path):
-    config = stack_config("shakespeare_char_cpu", "snoo_muon@snoo_k=7@snoo_lr=0.5", seed=3,
-                          steps=40, eval_interval=10, out_dir=str(tmp_path))
+    config = stack_config("shakespeare_char_cpu", "snoo_muon@snoo_k=7@snoo_learning_rate=0.5",
+                          seed=3, steps=40, eval_interval=10, out_dir=str(tmp_path))
     flat = tc.flat_dict(config)
-    assert [flat[k] for k in ("optimizer", "snoo_k", "snoo_lr")] == ["snoo_muon", 7, 0.5]
+    assert [flat[k] for k in ("optimizer", "snoo_k", "snoo_learning_rate")] == [
+        "snoo_muon", 7, 0.5]
     assert [flat[k] for k in ("seed", "max_iters", "eval_interval")] == [3, 40, 10]
     smooth = stack_config("shakespeare_char_cpu", "snoo_muon_smooth", seed=0, steps=1,
                           eval_interval=1, out_dir=str(tmp_path))
     assert ALIASES["snoo_muon_smooth"].startswith("snoo_muon@")
     assert (smooth.optimizer.name, smooth.muon.smoothing) == ("snoo_muon", 0.2)
     # Preset overrides apply to every stack; the cosine always ends at the run's last step.
-    gpu = stack_config("gpt2_small@warmup_iters=20@eval_iters=10", "muon@muon_lr=0.03", seed=0,
-                       steps=150, eval_interval=50, out_dir=str(tmp_path))
-    assert (gpu.model.n_layer, gpu.schedule.warmup_iters, gpu.run.eval_iters, gpu.muon.lr) == (
-        12, 20, 10, 0.03)
+    gpu = stack_config("gpt2_small@warmup_iters=20@eval_iters=10", "muon@muon_learning_rate=0.03",
+                       seed=0, steps=150, eval_interval=50, out_dir=str(tmp_path))
+    assert (gpu.model.n_layer, gpu.schedule.warmup_iters, gpu.run.eval_iters,
+            gpu.muon.learning_rate) == (12, 20, 10, 0.03)
     assert gpu.schedule.lr_decay_iters is None  # the preset's 5000: a 150-step run at peak
+    # the stacks of results saved before the config's renames
+    assert renamed_stack("snoo_skewadam@snoo_lr=0.5@snoo_k=7") == (
+        "snoo_skew_adam@snoo_learning_rate=0.5@snoo_k=7")
+    with pytest.raises(ValueError, match="--snoo_lr was renamed --snoo_learning_rate"):
+        stack_config("shakespeare_char_cpu", "snoo_muon@snoo_lr=0.5", seed=0, steps=1,
+                     eval_interval=1, out_dir=str(tmp_path))
     with pytest.raises(ValueError, match="snoo_kk"):
         stack_config("shakespeare_char_cpu", "snoo_muon@snoo_kk=7", seed=0, steps=1,
                      eval_interval=1, out_dir=str(tmp_path))

@@ -197,9 +197,9 @@ def test_plot_title_names_the_run_the_optimizer_and_the_shape(tracked):
 def test_run_title_names_a_mixture_of_experts_and_fits_the_figure(tmp_path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    config = tc.override(tc.get_preset("moe_tiny"), optimizer="snoo_skewadam")
+    config = tc.override(tc.get_preset("moe_tiny"), optimizer="snoo_skew_adam")
     title = run_title(config)
-    assert title == ("moe_tiny\nsnoo_skewadam, n_layer=4, n_embd=128, n_head=4, "
+    assert title == ("moe_tiny\nsnoo_skew_adam, n_layer=4, n_embd=128, n_head=4, "
                      "block_size=64\nmoe_every=2, n_experts=8, top_k=2")
     fig = plot_losses([{"step": 0, "val_loss": 1.0}], tmp_path / "loss.png", title=title)
     box = fig.axes[0].title.get_window_extent(FigureCanvasAgg(fig).get_renderer())

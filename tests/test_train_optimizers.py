@@ -62,9 +62,11 @@ def _curvature(params):
 
 
 # Each family's peak-lr key, and the group a hidden kernel belongs to.
-MAIN_LR = {"muon": "muon_lr", "snoo_muon": "muon_lr", "skewadam": "skew_lr",
-           "snoo_skewadam": "skew_lr", "adafactor": "skew_lr", "kfac": "kfac_lr",
-           "snoo_kfac": "kfac_lr", "adamw": "learning_rate", "snoo_adamw": "learning_rate"}
+MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
+           "skew_adam": "skew_learning_rate", "snoo_skew_adam": "skew_learning_rate",
+           "adafactor": "skew_learning_rate", "kfac": "kfac_learning_rate",
+           "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
+           "snoo_adamw": "learning_rate"}
 
 
 @pytest.mark.parametrize("name", sorted(MAIN_LR))

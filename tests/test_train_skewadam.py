@@ -1,4 +1,4 @@
-"""The trainer with SkewAdam (Malik, arXiv 2607.19058, 2026): `skewadam` and `snoo_skewadam`
+"""The trainer with SkewAdam (Malik, arXiv 2607.19058, 2026): `skew_adam` and `snoo_skew_adam`
 on a tiny MoE GPT, bf16 params with the rounding transforms, and the per-role state the run
 actually holds."""
 
@@ -38,7 +38,7 @@ def tiny_moe(corpus, tmp_path, **overrides) -> tc.TrainConfig:
     base = dict(
         n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8, moe_every=2,
         n_experts=4, top_k=2, expert_hidden=32, dtype="float32", param_dtype="bfloat16",
-        optimizer="skewadam", rounding="stochastic", skew_lr=1e-2, learning_rate=1e-2,
+        optimizer="skew_adam", rounding="stochastic", skew_learning_rate=1e-2, learning_rate=1e-2,
         min_lr=1e-3, warmup_iters=2, max_iters=10, lr_decay_iters=10, eval_interval=5,
         eval_iters=2, log_interval=1, checkpoint_every=10, mesh_data=1, num_samples=0,
         progress=False, snoo_k=3, data=str(corpus), out_dir=str(tmp_path / "run"))
@@ -64,7 +64,7 @@ def setup(config):
     return state, step, spec, batch
 
 
-def test_skewadam_bf16_moe_run_loss_falls(corpus, tmp_path):
+def test_skew_adam_bf16_moe_run_loss_falls(corpus, tmp_path):
     config = tiny_moe(corpus, tmp_path)
     result = train.run(config)
     evals = [h for h in result.history if "val_loss" in h]
@@ -116,7 +116,7 @@ def test_stochastic_rounding_keeps_steps_below_half_a_bf16_unit(corpus, tmp_path
     for dtype, rounding in (("float32", "none"), ("bfloat16", "none"),
                             ("bfloat16", "stochastic")):
         config = tiny_moe(corpus, tmp_path, param_dtype=dtype, rounding=rounding,
-                          skew_lr=1e-5, warmup_iters=0, skew_weight_decay=0.0)
+                          skew_learning_rate=1e-5, warmup_iters=0, skew_weight_decay=0.0)
         state, step, _, batch = setup(config)
         kernel = lambda s: np.asarray(s["params"]["blocks"][0]["mlp"]["c_fc"]["kernel"],
                                       np.float64)
@@ -130,7 +130,7 @@ def test_stochastic_rounding_keeps_steps_below_half_a_bf16_unit(corpus, tmp_path
 
 @pytest.mark.parametrize("rounding", ["stochastic", "dithered"])
 def test_rounding_acts_on_the_float32_update(rounding):
-    """`--rounding` with `skewadam` rounds p + u from SkewAdam's float32 update u (the
+    """`--rounding` with `skew_adam` rounds p + u from SkewAdam's float32 update u (the
     paper's step 5): the same as that rounding transform applied by hand to the update the float32
     stack computes for the same values. Appended after SkewAdam's cast it would round
     p + bf16(u) instead."""
@@ -141,7 +141,7 @@ def test_rounding_acts_on_the_float32_update(rounding):
     p32 = jax.tree.map(lambda x: x.astype(jnp.float32), p16)  # the same values
     grads = [jax.tree.map(lambda x, t=t: jnp.asarray(
         np.random.default_rng(t).normal(size=x.shape), jnp.float32), p32) for t in range(3)]
-    config = tc.override(tc.TrainConfig(), optimizer="skewadam", skew_lr=3e-2,
+    config = tc.override(tc.TrainConfig(), optimizer="skew_adam", skew_learning_rate=3e-2,
                                  warmup_iters=0, max_iters=10, seed=3)
     tx = build_optimizer(tc.override(config, rounding=rounding)).tx
     ref_tx = build_optimizer(tc.override(config, rounding="none")).tx
@@ -164,8 +164,8 @@ def test_rounding_acts_on_the_float32_update(rounding):
         params = new
 
 
-def test_snoo_skewadam_fast_path_matches_in_jit_decision(corpus, tmp_path):
-    config = tiny_moe(corpus, tmp_path, optimizer="snoo_skewadam", param_dtype="float32",
+def test_snoo_skew_adam_fast_path_matches_in_jit_decision(corpus, tmp_path):
+    config = tiny_moe(corpus, tmp_path, optimizer="snoo_skew_adam", param_dtype="float32",
                       rounding="none")
     runs = {}
     for hint in (True, False):
@@ -184,13 +184,13 @@ def test_snoo_skewadam_fast_path_matches_in_jit_decision(corpus, tmp_path):
 
 def test_config_choices_and_errors():
     assert set(tc.CHOICES["skew_policies"]) == set(POLICY_PRESETS)
-    config = tc.parse_args(["--optimizer=skewadam", "--skew_policies=expert_momentum",
+    config = tc.parse_args(["--optimizer=skew_adam", "--skew_policies=expert_momentum",
                             "--param_dtype=bfloat16", "--rounding=dithered"])
-    assert (config.skewadam.policies, config.optimizer.rounding) == ("expert_momentum",
+    assert (config.skew_adam.policies, config.optimizer.rounding) == ("expert_momentum",
                                                                       "dithered")
     with pytest.raises(ValueError, match="rounding='nearest'"):
         tc.parse_args(["--rounding=nearest"])
     with pytest.raises(ValueError, match="skew_policies='tiered'"):
         tc.parse_args(["--skew_policies=tiered"])
     with pytest.raises(ValueError, match="skew_weight_decay=-1.0: expected a finite number >= 0"):
-        tc.override(tc.TrainConfig(), optimizer="skewadam", skew_weight_decay=-1.0)
+        tc.override(tc.TrainConfig(), optimizer="skew_adam", skew_weight_decay=-1.0)

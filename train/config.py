@@ -3,19 +3,20 @@
 `TrainConfig` holds one small dataclass per group: `model` (a `models.GPTConfig`, whose
 `__post_init__` is the one validation of the model's fields; its `vocab_size` is set from
 the corpus by `train.run`), `optimizer` (the registered name, clipping, rounding), one per
-optimizer family (`adamw`, `muon`, `snoo`, `skewadam`, `kfac`), and `schedule`, `data`,
+optimizer family (`adamw`, `muon`, `snoo`, `skew_adam`, `kfac`), and `schedule`, `data`,
 `run`, `mesh`, `sample`. Each group validates its own fields on construction.
 
-The command line keeps one flat key per field (`--n_layer`, `--muon_lr`, `--kfac_damping`,
-`--snoo_k`...): `KEYS` maps each flat key to its `(group, field)`; `override(config,
-**flat)` is the same from Python. This module knows no optimizer: the registry
-(`train.optimizers`) checks `optimizer` names.
+The command line keeps one flat key per field (`--n_layer`, `--muon_learning_rate`,
+`--kfac_damping`, `--snoo_k`...): `KEYS` maps each flat key to its `(group, field)`;
+`override(config, **flat)` is the same from Python. This module knows no optimizer: the
+registry (`train.optimizers`) checks `optimizer` names. `RENAMED` holds the names of
+earlier versions: refused with the new name when given, mapped when a saved config is read.
 
 Example:
   >>> config = parse_args(["--preset=shakespeare_char_cpu", "--max_iters=100"])
   >>> config.run.max_iters, config.model.n_layer
   (100, 4)
-  >>> override(config, muon_lr=0.01, n_layer=2).muon.lr
+  >>> override(config, muon_learning_rate=0.01, n_layer=2).muon.learning_rate
   0.01
 
 References:
@@ -42,6 +43,7 @@ __all__ = [
     "GROUPS",
     "KEYS",
     "PRESETS",
+    "RENAMED",
     "AdamWConfig",
     "DataConfig",
     "KfacConfig",
@@ -125,6 +127,9 @@ class OptimizerConfig:
 
     def __post_init__(self):
         _validate(self, non_negative_float=("grad_clip",))
+        if self.name in RENAMED["optimizer"]:
+            raise ValueError(f"--optimizer={self.name} was renamed "
+                             f"--optimizer={RENAMED['optimizer'][self.name]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +152,7 @@ class AdamWConfig:
 class MuonConfig:
     """Muon on hidden matrices (Jordan et al. 2024)."""
 
-    lr: float = _field(0.02, "peak lr of the Muon group", key="muon_lr")
+    learning_rate: float = _field(0.02, "peak lr of the Muon group", key="muon_learning_rate")
     beta: float = _field(0.95, "Muon momentum", key="muon_beta")
     beta_warmup: int = _field(300, "steps warming Muon's momentum up from 0.85 (0 = "
                               "constant)", key="muon_beta_warmup")
@@ -156,7 +161,7 @@ class MuonConfig:
                                      "PR #137, EMA form; None = off)", key="muon_smoothing")
 
     def __post_init__(self):
-        _validate(self, positive_float=("lr",), unit_interval=("beta", "smoothing"),
+        _validate(self, positive_float=("learning_rate",), unit_interval=("beta", "smoothing"),
                   non_negative_float=("weight_decay",), non_negative=("beta_warmup",))
 
 
@@ -164,12 +169,12 @@ class MuonConfig:
 class SnooConfig:
     """Snoo, the sparse Nesterov outer optimizer (modded-nanogpt PR #128)."""
 
-    lr: float = _field(0.68, "Snoo outer learning rate", key="snoo_lr")
+    learning_rate: float = _field(0.68, "Snoo outer learning rate", key="snoo_learning_rate")
     momentum: float = _field(0.37, "Snoo outer Nesterov momentum", key="snoo_momentum")
     k: int = _field(28, "Snoo sync period in steps", key="snoo_k")
 
     def __post_init__(self):
-        _validate(self, positive_float=("lr",), unit_interval=("momentum",),
+        _validate(self, positive_float=("learning_rate",), unit_interval=("momentum",),
                   positive=("k",))
 
 
@@ -177,8 +182,9 @@ class SnooConfig:
 class SkewAdamConfig:
     """SkewAdam (and the Adafactor baseline, which shares its lr and decay)."""
 
-    lr: float = _field(1e-3, "peak lr of SkewAdam and Adafactor (the paper's 3e-4 is for "
-                       "its 6.8B model; 1e-3 is AdamW's lr for the CPU presets)", key="skew_lr")
+    learning_rate: float = _field(1e-3, "peak lr of SkewAdam and Adafactor (the paper's 3e-4 "
+                                  "is for its 6.8B model; 1e-3 is AdamW's lr for the CPU "
+                                  "presets)", key="skew_learning_rate")
     weight_decay: float = _field(0.05, "SkewAdam decoupled weight decay (backbone and "
                                  "experts; never the router)", key="skew_weight_decay")
     clip: float = _field(1.0, "SkewAdam per-tensor RMS clip (0 = off)", key="skew_clip")
@@ -187,17 +193,18 @@ class SkewAdamConfig:
                                     "uniform"))
 
     def __post_init__(self):
-        _validate(self, positive_float=("lr",), non_negative_float=("weight_decay", "clip"))
+        _validate(self, positive_float=("learning_rate",),
+                  non_negative_float=("weight_decay", "clip"))
 
 
 @dataclasses.dataclass(frozen=True)
 class KfacConfig:
     """K-FAC on hidden Dense kernels (+ biases); AdamW on the rest."""
 
-    lr: float | None = _field(None, "peak lr of the K-FAC group (None = learning_rate)",
-                              key="kfac_lr")
+    learning_rate: float | None = _field(None, "peak lr of the K-FAC group (None = "
+                                         "learning_rate)", key="kfac_learning_rate")
     damping: float = _field(1e-3, "K-FAC damping lambda", key="kfac_damping")
-    ema: float = _field(0.95, "K-FAC factor EMA decay rho", key="kfac_ema")
+    ema_decay: float = _field(0.95, "K-FAC factor EMA decay rho", key="kfac_ema_decay")
     momentum: float = _field(0.9, "K-FAC group heavy-ball momentum", key="kfac_momentum")
     mode: str = _field("pi", "K-FAC damping: factored (pi) or exact (eigen)", key="kfac_mode",
                        choices=("pi", "eigen"))
@@ -224,8 +231,8 @@ class KfacConfig:
                            "factors); else AdamW", key="kfac_experts")
 
     def __post_init__(self):
-        _validate(self, positive_float=("lr", "tau"), non_negative_float=("damping",),
-                  unit_interval=("ema", "momentum"),
+        _validate(self, positive_float=("learning_rate", "tau"),
+                  non_negative_float=("damping",), unit_interval=("ema_decay", "momentum"),
                   positive=("interval", "min_interval", "stats_stride"),
                   non_negative=("first", "warm_start"))
 
@@ -347,7 +354,7 @@ class TrainConfig:
     adamw: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
     muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)
     snoo: SnooConfig = dataclasses.field(default_factory=SnooConfig)
-    skewadam: SkewAdamConfig = dataclasses.field(default_factory=SkewAdamConfig)
+    skew_adam: SkewAdamConfig = dataclasses.field(default_factory=SkewAdamConfig)
     kfac: KfacConfig = dataclasses.field(default_factory=KfacConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -369,7 +376,7 @@ class TrainConfig:
 _GROUP_TYPES: dict[str, type] = _hints(TrainConfig)  # group -> its dataclass
 GROUPS: tuple[str, ...] = tuple(_GROUP_TYPES)
 #: The optimizer families: a checkpoint's config must match in these and `optimizer`.
-OPTIMIZER_GROUPS = ("optimizer", "adamw", "muon", "snoo", "skewadam", "kfac")
+OPTIMIZER_GROUPS = ("optimizer", "adamw", "muon", "snoo", "skew_adam", "kfac")
 
 
 def _keys() -> dict[str, tuple[str, str]]:
@@ -382,7 +389,7 @@ def _keys() -> dict[str, tuple[str, str]]:
     return keys
 
 
-#: Every flat key -> `(group, field)`: `--muon_lr` is `config.muon.lr`.
+#: Every flat key -> `(group, field)`: `--muon_learning_rate` is `config.muon.learning_rate`.
 KEYS: dict[str, tuple[str, str]] = _keys()
 
 
@@ -399,6 +406,46 @@ def _choices() -> dict[str, tuple[str, ...]]:
 
 #: The allowed values of every string key that has a fixed set.
 CHOICES: dict[str, tuple[str, ...]] = _choices()
+
+
+#: The names of earlier versions, old -> new, the one home of the renames (the library's
+#: names: `learning_rate`, `ema_decay`, `skew_adam`): flat keys, config groups, fields
+#: (`"group.field"`, under the old group's name) and optimizer names. Given now, an old
+#: key or optimizer name is refused with its new name; `config_from_dict` and `flat_dict`
+#: map those of saved configs (checkpoints, config.json), nested or flat.
+RENAMED: dict[str, dict[str, str]] = {
+    "key": {"muon_lr": "muon_learning_rate", "snoo_lr": "snoo_learning_rate",
+            "skew_lr": "skew_learning_rate", "kfac_lr": "kfac_learning_rate",
+            "kfac_ema": "kfac_ema_decay"},
+    "group": {"skewadam": "skew_adam"},
+    "field": {"muon.lr": "learning_rate", "snoo.lr": "learning_rate",
+              "skewadam.lr": "learning_rate", "kfac.lr": "learning_rate",
+              "kfac.ema": "ema_decay"},
+    "optimizer": {"skewadam": "skew_adam", "snoo_skewadam": "snoo_skew_adam"},
+}
+
+
+def _renamed_optimizer(name: Any) -> Any:
+    return RENAMED["optimizer"].get(name, name) if isinstance(name, str) else name
+
+
+def _upgrade(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved config dict (nested or flat) with the old names of `RENAMED` made new."""
+    if not any(isinstance(v, Mapping) for v in values.values()):  # flat
+        flat = {RENAMED["key"].get(key, key): value for key, value in values.items()}
+        if "optimizer" in flat:
+            flat["optimizer"] = _renamed_optimizer(flat["optimizer"])
+        return flat
+    nested = {}
+    for group, fields in values.items():
+        if isinstance(fields, Mapping):
+            fields = {RENAMED["field"].get(f"{group}.{name}", name): value
+                      for name, value in fields.items()}
+        nested[RENAMED["group"].get(group, group)] = fields
+    optimizer = nested.get("optimizer")
+    if isinstance(optimizer, Mapping) and "name" in optimizer:
+        nested["optimizer"] = {**optimizer, "name": _renamed_optimizer(optimizer["name"])}
+    return nested
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -444,7 +491,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the record's 2.92.
     "gpt2_medium_fineweb": dict(
         n_layer=24, n_head=16, n_embd=1024, block_size=1024, bias=False, dropout=0.0,
-        batch_size=64, grad_accum=8, optimizer="snoo_muon", muon_lr=0.027,
+        batch_size=64, grad_accum=8, optimizer="snoo_muon", muon_learning_rate=0.027,
         muon_weight_decay=0.01, learning_rate=3e-3, beta1=0.8, beta2=0.95, eps=1e-10,
         weight_decay=0.0, schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0,
         max_iters=5640, eval_interval=250, eval_iters=160, log_interval=10,
@@ -528,10 +575,9 @@ def config_to_dict(config: TrainConfig) -> dict[str, Any]:
 
 def flat_dict(config: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Every flat key with its value, from a config or a dict of `config_to_dict` (a flat
-    dict, as older checkpoints stored, passes through): what `train.checkpoint.
-    check_compatible` compares."""
-    if isinstance(config, TrainConfig):
-        config = config_to_dict(config)
+    dict, as older checkpoints stored, passes through; old names of `RENAMED` are made
+    new): what `train.checkpoint.check_compatible` compares."""
+    config = config_to_dict(config) if isinstance(config, TrainConfig) else _upgrade(config)
     if not any(isinstance(v, Mapping) for v in config.values()):
         return dict(config)
     return {key: config[group][name] for key, (group, name) in KEYS.items()
@@ -539,8 +585,10 @@ def flat_dict(config: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
-    """Inverse of `config_to_dict` (a flat dict of keys also works); unknown keys and
-    wrong types raise ValueError."""
+    """Inverse of `config_to_dict` (a flat dict of keys also works); the old names of
+    `RENAMED` (older runs' saved configs) are mapped to the new; unknown keys and wrong
+    types raise ValueError."""
+    values = _upgrade(values)
     if not any(isinstance(v, Mapping) for v in values.values()):
         return override(TrainConfig(), **values)
     groups = {}
@@ -571,6 +619,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _check_known(key: str) -> None:
+    if key in RENAMED["key"]:
+        raise ValueError(f"--{key} was renamed --{RENAMED['key'][key]}")
     if key not in KEYS:
         close = difflib.get_close_matches(key, KEYS, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else ""

@@ -87,7 +87,7 @@ def kfac_refresh_policy(config: TrainConfig) -> kfac_lib.RefreshPolicy:
     """The refresh policy of `kfac_refresh`.
 
     - `every`: `every(kfac_interval, first=kfac_first)`;
-    - `by_lr_phase`: `kfac_phases` (warmup, peak, decay, tail), peak at `kfac_lr`;
+    - `by_lr_phase`: `kfac_phases` (warmup, peak, decay, tail), peak at `kfac_learning_rate`;
     - `lr_ratio`: `lr_ratio(kfac_tau, max_interval=kfac_interval, min_interval=
       kfac_min_interval)`, skipping the warmup when `kfac_skip_warmup`.
     """
@@ -103,20 +103,20 @@ def kfac_refresh_policy(config: TrainConfig) -> kfac_lib.RefreshPolicy:
                          f" comma-separated intervals for {', '.join(kfac_lib.PHASES)}")
     parse = lambda v: None if v == "none" else v if v == "once" else int(v) if v.isdigit() else v
     intervals = dict(zip(kfac_lib.PHASES, map(parse, values), strict=True))
-    peak = config.adamw.learning_rate if k.lr is None else k.lr
+    peak = config.adamw.learning_rate if k.learning_rate is None else k.learning_rate
     return kfac_lib.by_lr_phase(peak, warmup_steps=warmup, intervals=intervals)
 
 
 def kfac_schedule(config: TrainConfig) -> optax.Schedule:
     """The learning rate of the K-FAC group (logged as `lr`; LR-aware policies read it)."""
-    return learning_rate_schedule(config, config.kfac.lr)
+    return learning_rate_schedule(config, config.kfac.learning_rate)
 
 
 def _kfac_group(config: TrainConfig) -> optax.GradientTransformation:
     k, a = config.kfac, config.adamw
     hidden = kfac_lib.kfac(
         kfac_schedule(config), damping=k.damping, momentum=k.momentum,
-        weight_decay=a.weight_decay, weight_decay_mask=decay_mask, ema_decay=k.ema,
+        weight_decay=a.weight_decay, weight_decay_mask=decay_mask, ema_decay=k.ema_decay,
         refresh=kfac_refresh_policy(config), mode=k.mode,
         graft=None if k.graft == "none" else k.graft, b2=a.beta2, eps=a.eps,
         layers=_kfac_layers)
@@ -282,6 +282,6 @@ def kfac(config: TrainConfig) -> TrainOptimizer:
 
 @register("snoo_kfac")
 def snoo_kfac(config: TrainConfig) -> TrainOptimizer:
-    """`kfac` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
+    """`kfac` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`, `snoo_k`)."""
     return TrainOptimizer(optax.chain(clipping(config), with_snoo(config, _kfac_group(config))),
                           kfac_schedule(config), sync_period=config.snoo.k, **_hooks(config))

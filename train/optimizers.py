@@ -224,9 +224,9 @@ def adamw_group(config: TrainConfig) -> optax.GradientTransformation:
 
 def with_snoo(config: TrainConfig, inner: optax.GradientTransformation
               ) -> optax.GradientTransformationExtraArgs:
-    """`inner` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
+    """`inner` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`, `snoo_k`)."""
     s = config.snoo
-    return optax_snoo.snoo(inner, learning_rate=s.lr, momentum=s.momentum, k=s.k)
+    return optax_snoo.snoo(inner, learning_rate=s.learning_rate, momentum=s.momentum, k=s.k)
 
 
 def rounding(config: TrainConfig) -> optax.GradientTransformation | None:
@@ -247,7 +247,7 @@ def adamw(config: TrainConfig) -> TrainOptimizer:
 
 @register("snoo_adamw")
 def snoo_adamw(config: TrainConfig) -> TrainOptimizer:
-    """`adamw` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
+    """`adamw` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`, `snoo_k`)."""
     return TrainOptimizer(optax.chain(clipping(config), with_snoo(config, adamw_group(config))),
                           learning_rate_schedule(config), sync_period=config.snoo.k)
 
@@ -256,19 +256,20 @@ def _muon_stack(config: TrainConfig, snoo_k: int | None) -> TrainOptimizer:
     m, a = config.muon, config.adamw
     beta = m.beta if m.beta_warmup == 0 else muon_momentum_warmup(
         min(0.85, m.beta), m.beta, m.beta_warmup)
-    lr = learning_rate_schedule(config, m.lr)
+    lr = learning_rate_schedule(config, m.learning_rate)
     stack = snoo_muon_stack(
         lr, learning_rate_schedule(config), muon_momentum=beta, muon_weight_decay=m.weight_decay,
         smoothing=m.smoothing, adam_b1=a.beta1, adam_b2=a.beta2, adam_eps=a.eps,
-        snoo_k=snoo_k, snoo_learning_rate=config.snoo.lr, snoo_momentum=config.snoo.momentum)
+        snoo_k=snoo_k, snoo_learning_rate=config.snoo.learning_rate,
+        snoo_momentum=config.snoo.momentum)
     return TrainOptimizer(optax.chain(clipping(config), stack), lr, sync_period=snoo_k)
 
 
 @register("muon")
 def muon(config: TrainConfig) -> TrainOptimizer:
-    """Muon on hidden matrices (`muon_lr`, momentum warmed up from 0.85 to `muon_beta` over
-    `muon_beta_warmup` steps); Adam without decay (`learning_rate`) on embeddings, head,
-    norms and biases. Logs Muon's lr."""
+    """Muon on hidden matrices (`muon_learning_rate`, momentum warmed up from 0.85 to
+    `muon_beta` over `muon_beta_warmup` steps); Adam without decay (`learning_rate`) on
+    embeddings, head, norms and biases. Logs Muon's lr."""
     return _muon_stack(config, None)
 
 
@@ -282,31 +283,31 @@ def snoo_muon(config: TrainConfig) -> TrainOptimizer:
 
 def _skew_adam(config: TrainConfig, rounding_tx: optax.GradientTransformation | None = None
                ) -> optax.GradientTransformation:
-    s, a = config.skewadam, config.adamw
+    s, a = config.skew_adam, config.adamw
     return optax_snoo.skew_adam(
-        learning_rate_schedule(config, s.lr), b1=a.beta1, b2=a.beta2, eps=a.eps,
+        learning_rate_schedule(config, s.learning_rate), b1=a.beta1, b2=a.beta2, eps=a.eps,
         weight_decay=s.weight_decay, policies=s.policies,
         clip_threshold=s.clip if s.clip > 0 else None, rounding=rounding_tx)
 
 
-@register("skewadam")
-def skewadam(config: TrainConfig) -> TrainOptimizer:
+@register("skew_adam")
+def skew_adam(config: TrainConfig) -> TrainOptimizer:
     """SkewAdam: roles from param paths (`experts`, `router`, else backbone), momentum for
-    the backbone only, factored second moments, no decay on the router; `skew_lr` on the
-    trainer's schedule, `beta1`/`beta2`/`eps` shared with AdamW (eps is SkewAdam's clamp
-    on the squared statistics), `skew_policies` picks the paper's ablations. `--rounding`
-    goes inside SkewAdam, so it rounds `p + u` from the float32 update rather than from an
-    update already cast to bf16."""
+    the backbone only, factored second moments, no decay on the router;
+    `skew_learning_rate` on the trainer's schedule, `beta1`/`beta2`/`eps` shared with AdamW
+    (eps is SkewAdam's clamp on the squared statistics), `skew_policies` picks the paper's
+    ablations. `--rounding` goes inside SkewAdam, so it rounds `p + u` from the float32
+    update rather than from an update already cast to bf16."""
     return TrainOptimizer(optax.chain(clipping(config), _skew_adam(config, rounding(config))),
-                          learning_rate_schedule(config, config.skewadam.lr),
+                          learning_rate_schedule(config, config.skew_adam.learning_rate),
                           rounds_itself=True)
 
 
-@register("snoo_skewadam")
-def snoo_skewadam(config: TrainConfig) -> TrainOptimizer:
-    """`skewadam` wrapped in Snoo (`snoo_lr`, `snoo_momentum`, `snoo_k`)."""
+@register("snoo_skew_adam")
+def snoo_skew_adam(config: TrainConfig) -> TrainOptimizer:
+    """`skew_adam` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`, `snoo_k`)."""
     return TrainOptimizer(optax.chain(clipping(config), with_snoo(config, _skew_adam(config))),
-                          learning_rate_schedule(config, config.skewadam.lr),
+                          learning_rate_schedule(config, config.skew_adam.learning_rate),
                           sync_period=config.snoo.k)
 
 
@@ -314,10 +315,11 @@ def snoo_skewadam(config: TrainConfig) -> TrainOptimizer:
 def adafactor(config: TrainConfig) -> TrainOptimizer:
     """optax's Adafactor as SkewAdam's baseline: factored second moment (dims >= 128), no
     momentum, its own beta2 schedule (decay 0.8), update clipping 1.0, absolute steps
-    (no parameter scaling) at `skew_lr` and decoupled decay `skew_weight_decay` (optax adds
-    its `weight_decay_rate` after the lr, so it gets `skew_weight_decay · lr(t)`)."""
-    lr = learning_rate_schedule(config, config.skewadam.lr)
-    wd = config.skewadam.weight_decay
+    (no parameter scaling) at `skew_learning_rate` and decoupled decay `skew_weight_decay`
+    (optax adds its `weight_decay_rate` after the lr, so it gets `skew_weight_decay ·
+    lr(t)`)."""
+    lr = learning_rate_schedule(config, config.skew_adam.learning_rate)
+    wd = config.skew_adam.weight_decay
     return TrainOptimizer(optax.chain(clipping(config), optax.adafactor(
         lr, multiply_by_parameter_scale=False, weight_decay_rate=lambda t: wd * lr(t))), lr)
 
