@@ -27,6 +27,7 @@ from train.data import (
     open_dataset,
     read_shard_header,
 )
+from train.errors import MISTAKE_EXIT_STATUS
 from train.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,7 +332,7 @@ def test_a_bad_jsonl_line_is_one_line_naming_file_and_line(line, why, tmp_path, 
     code = prep.main([str(src), f"--out={tmp_path / 'cli'}", "--tokenizer=bytes",
                       "--workers=2", "--no_progress"])
     captured = capsys.readouterr()
-    assert code == 1 and captured.out == ""
+    assert code == MISTAKE_EXIT_STATUS and captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith(f"error: {src}:3: ")
 
 
@@ -442,7 +443,7 @@ def test_gpt2_offline_and_uncached_is_one_line(tmp_path, monkeypatch, capsys):
     src.write_text("text")
     code = prep.main([str(src), f"--out={tmp_path / 'out'}", "--no_progress"])
     err = capsys.readouterr().err
-    assert code == 1 and tried and tried[0].startswith("https://")
+    assert code == MISTAKE_EXIT_STATUS and tried and tried[0].startswith("https://")
     assert err.count("\n") == 1 and err.startswith("error: tiktoken could not load GPT-2's")
     assert str(cache) in err and "TIKTOKEN_CACHE_DIR" in err
     assert not (tmp_path / "out").exists()

@@ -61,7 +61,8 @@ one process): `--workers=1` is its fastest setting.
 A progress bar over the input's bytes shows on a terminal (`--no_progress` hides it);
 the run ends with one line: documents, train/val tokens, files, MB of text per second.
 A mistake (a missing input, a bad JSON line, an existing `--out`, an unknown
-tokenizer, gpt2 offline and not cached) ends with one `error: ...` line, exit status 1.
+tokenizer, gpt2 offline and not cached) ends with one `error: ...` line, exit status 2
+(`train.errors.MISTAKE_EXIT_STATUS`).
 
 Examples:
   $ python -m train.prepare data/tinyshakespeare/input.txt --out=data/shakespeare_bytes \\
