@@ -29,6 +29,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_processes(config: tc.TrainConfig, command) -> list[subprocess.Popen]:
+    """`command(i) + config's flags` as processes 0 and 1 of one run, 4 CPU devices each."""
+    argv = [f"--{k}={v}" for k, v in tc.flat_dict(config).items()
+            if v is not None and k != "sample_start"]
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+    env = {**os.environ, "XLA_FLAGS": flags,
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    port = _free_port()
+    return [subprocess.Popen(
+        [*command(i), *argv, f"--coordinator=localhost:{port}", "--num_processes=2",
+         f"--process_id={i}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for i in range(2)]
+
+
 def _losses(history) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
@@ -47,16 +61,7 @@ def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path, opt
         warmup_iters=2, max_iters=4, lr_decay_iters=8, eval_interval=4, eval_iters=1,
         log_interval=1, checkpoint_every=4, snoo_k=2, kfac_interval=2, num_samples=0,
         progress=False, data=str(corpus), out_dir=str(tmp_path / "multi"), **mesh)
-    argv = [f"--{k}={v}" for k, v in tc.flat_dict(config).items()
-            if v is not None and k != "sample_start"]
-    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
-    env = {**os.environ, "XLA_FLAGS": flags,
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    port = _free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "train", *argv, f"--coordinator=localhost:{port}",
-         "--num_processes=2", f"--process_id={i}"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = _two_processes(config, lambda i: [sys.executable, "-m", "train"])
     # Meanwhile, the reference: one process, all 8 devices, 8 steps.
     reference = train.run(tc.override(config, out_dir=str(tmp_path / "one"),
                                               max_iters=8)).history
@@ -117,18 +122,9 @@ def test_each_process_reads_only_its_rows_of_token_shards(tmp_path):
         grad_accum=2, dtype="float32", optimizer="adamw", max_iters=2, eval_interval=2,
         eval_iters=1, log_interval=1, checkpoint_every=2, num_samples=0, progress=False,
         mesh_data=-1, data=str(folder), out_dir=str(tmp_path / "multi"))
-    argv = [f"--{k}={v}" for k, v in tc.flat_dict(config).items()
-            if v is not None and k != "sample_start"]
-    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
-    env = {**os.environ, "XLA_FLAGS": flags,
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    port = _free_port()
     logs = [tmp_path / f"reads{i}.jsonl" for i in range(2)]
-    procs = [subprocess.Popen(
-        [sys.executable, str(tmp_path / "record.py"), str(logs[i]), *argv,
-         f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
+    procs = _two_processes(
+        config, lambda i: [sys.executable, str(tmp_path / "record.py"), str(logs[i])])
     for i, proc in enumerate(procs):
         output, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"process {i}:\n{output}"

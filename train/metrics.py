@@ -381,13 +381,18 @@ def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *
         if points:
             ax.plot(*zip(*points, strict=True), label=label, alpha=alpha,
                     marker="o" if key != "loss" else None)
+    _save(fig, ax, "cross-entropy (nats/token)", path)
+    return fig
+
+
+def _save(fig: Any, ax: Any, ylabel: str, path: str | os.PathLike) -> None:
+    """Label a plot of a quantity against the step and write it."""
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    return fig
 
 
 class RefreshLog(Monitor):
@@ -460,12 +465,7 @@ def plot_refresh_events(rows: Sequence[dict[str, Any]], schedule: Callable[[Any]
     if rows:
         ax.scatter([r["step"] for r in rows], [r["lr"] for r in rows], color="C3", s=18,
                    zorder=3, label=f"refresh ({len(rows)})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("learning rate")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, ax, "learning rate", path)
 
 
 def _nbytes(tree: Any) -> int:
