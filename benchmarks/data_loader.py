@@ -7,9 +7,10 @@ Three measurements, each printed as a table (and `--out=DIR` writes `data_loader
    GPT-2 ids written here (`--loader_gib` in all, in the page cache), against the tokens a
    step consumes per second at nanoGPT's reported pace for that config (8 x A100 40GB,
    about 4 days for 600k steps: ~0.58 s/step, ~850k tokens/s for the job).
-2. **Prefetch**: the CPU recipe's tokens/s (`python -m train`'s own log, steps 10..N)
-   with `--prefetch=true` and `--prefetch=false`, alternated round by round, on the
-   shipped corpus as characters and as byte-token shards on disk.
+2. **Prefetch**: the CPU recipe's step (the trainer's, `benchmarks.throughput.ours`) fed
+   through `train.data.BatchPrefetcher` on and off, alternated round by round in one
+   process, on the shipped corpus as characters and as byte-token shards on disk; and
+   the time to read and place one batch.
 3. **Peak memory**: the resident-set peak of `python -m train` (a small GPT on GPT-2
    ids) on a shard set of `--sparse_gib` (sparse files) against one of a few thousand
    tokens, same model and steps.
@@ -97,15 +98,6 @@ def prepared_bytes_corpus(folder: Path) -> Path:
     return folder
 
 
-def _train(args: list[str], out: Path) -> tuple[float, list[dict]]:
-    subprocess.run([sys.executable, "-m", "train", *args, f"--out_dir={out}",
-                    "--progress=false", "--num_samples=0"], cwd=ROOT, check=True,
-                   capture_output=True, text=True)
-    history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rates = [h["tokens_per_sec"] for h in history if "tokens_per_sec" in h][1:]
-    return statistics.median(rates), history
-
-
 def batch_seconds(path: str | None, steps: int = 200) -> float:
     """Seconds to read one CPU-recipe batch (12 x 65 tokens) and place it on the device:
     what prefetching takes off the step's critical path."""
@@ -119,26 +111,46 @@ def batch_seconds(path: str | None, steps: int = 200) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def prefetch_rates(datasets: dict[str, str | None], steps: int, rounds: int,
-                   scratch: Path) -> dict:
+def prefetch_rates(datasets: dict[str, str | None], steps: int, rounds: int) -> dict:
+    """The CPU recipe's step (snoo_muon) fed from each dataset through the trainer's
+    `BatchPrefetcher`, on and off, in one process: alternating rounds of `steps` steps,
+    the metrics read every 10 steps as the trainer's log reads them."""
+    import jax
+
+    from benchmarks.throughput import ours
+    from train.config import get_preset
+    from train.sharding import batch_sharding, make_mesh, put_batch
+
+    config = get_preset("shakespeare_char_cpu")
+    sharding = batch_sharding(make_mesh(config))
     out = {}
     for name, path in datasets.items():
-        read = batch_seconds(path)
-        rows = {"true": [], "false": []}
-        for r in range(rounds):
-            for prefetch in ("true", "false"):
-                args = [f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=2",
-                        f"--checkpoint_every={steps}", f"--prefetch={prefetch}"]
-                if path:
-                    args.append(f"--data={path}")
-                rate, _ = _train(args, scratch / f"{name}_{prefetch}_{r}")
-                rows[prefetch].append(rate)
-        ratios = [a / b for a, b in zip(rows["true"], rows["false"], strict=True)]
-        step_s = 12 * 64 / statistics.median(rows["false"])
-        out[name] = {"prefetch_tokens_per_s": rows["true"], "no_prefetch_tokens_per_s":
-                     rows["false"], "median_ratio": statistics.median(ratios),
-                     "ratios": ratios, "batch_seconds": read, "step_seconds": step_s,
+        data, read = td.open_dataset(path), batch_seconds(path)
+
+        def make(step, data=data):
+            x, y = data.batch("train", step, batch_size=12, block_size=64, seed=0)
+            return put_batch(x, sharding), put_batch(y, sharding)
+
+        loaders = {on: td.BatchPrefetcher(make, enabled=on) for on in (True, False)}
+        variants = {on: ours(config, vocab=data.vocab_size, batch=loaders[on].get,
+                             sync_every=10) for on in (True, False)}
+        for variant in variants.values():
+            variant.run(20)  # compile and warm up
+        times = {True: [], False: []}
+        for _ in range(rounds):
+            for on, variant in variants.items():
+                t0 = time.perf_counter()
+                variant.run(steps)
+                times[on].append((time.perf_counter() - t0) / steps)
+        for loader in loaders.values():
+            loader.close()
+        ratios = [off / on for on, off in zip(times[True], times[False], strict=True)]
+        step_s = statistics.median(times[False])
+        out[name] = {"step_seconds_prefetch": times[True], "step_seconds_no_prefetch":
+                     times[False], "median_speedup": statistics.median(ratios),
+                     "speedups": ratios, "batch_seconds": read, "step_seconds": step_s,
                      "batch_share_of_step": read / step_s}
+        jax.clear_caches()
     return out
 
 
@@ -185,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="loader,prefetch,memory")
     parser.add_argument("--loader_gib", type=float, default=2.0)
     parser.add_argument("--loader_steps", type=int, default=20)
-    parser.add_argument("--prefetch_steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefetch_steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--sparse_gib", type=float, default=8.0)
     parser.add_argument("--out", default=None, help="folder for data_loader.json")
     args = parser.parse_args(argv)
@@ -207,13 +219,13 @@ def main(argv: list[str] | None = None) -> int:
             corpus = prepared_bytes_corpus(scratch / "bytes")
             r = results["prefetch"] = prefetch_rates(
                 {"characters (in memory)": None, "byte shards (memmap)": str(corpus)},
-                args.prefetch_steps, args.rounds, scratch)
+                args.prefetch_steps, args.rounds)
             for name, row in r.items():
-                print(f"prefetch, {name}: tokens/s on/off = {row['median_ratio']:.3f} "
-                      f"(rounds {', '.join(f'{x:.3f}' for x in row['ratios'])}); on "
-                      f"{statistics.median(row['prefetch_tokens_per_s']):,.0f}, off "
-                      f"{statistics.median(row['no_prefetch_tokens_per_s']):,.0f}; reading a "
-                      f"batch {row['batch_seconds'] * 1e6:,.0f} us = "
+                print(f"prefetch, {name}: step time off/on = {row['median_speedup']:.3f} "
+                      f"(rounds {', '.join(f'{x:.3f}' for x in row['speedups'])}); "
+                      f"{statistics.median(row['step_seconds_prefetch']) * 1e3:.1f} ms on, "
+                      f"{row['step_seconds'] * 1e3:.1f} ms off; reading a batch "
+                      f"{row['batch_seconds'] * 1e6:,.0f} us = "
                       f"{row['batch_share_of_step']:.2%} of a step", flush=True)
         if "memory" in only:
             r = results["memory"] = peak_memory(args.sparse_gib, scratch)

@@ -76,24 +76,37 @@ def _batches(config: TrainConfig, count: int = 4) -> list[tuple[np.ndarray, np.n
     return [(w[..., :-1], w[..., 1:]) for w in windows]
 
 
-def ours(config: TrainConfig) -> Variant:
-    """The trainer's step for `config` (its mesh, shardings, optimizer and Snoo hint)."""
-    gpt_config = model_config(config, VOCAB)
+def ours(config: TrainConfig, *, vocab: int = VOCAB,
+         batch: Callable[[int], tuple[jax.Array, jax.Array]] | None = None,
+         sync_every: int | None = None) -> Variant:
+    """The trainer's step for `config` (its mesh, shardings, optimizer and Snoo hint).
+
+    Args:
+      vocab: the data's vocabulary size (before padding).
+      batch: step -> the placed `(inputs, targets)` (default: 4 random batches in turn).
+      sync_every: read the metrics every this many steps, as the trainer's log does
+        (default: only at the end of `run`).
+    """
+    gpt_config = model_config(config, vocab)
     spec = build_optimizer(config)
     mesh = make_mesh(config)
     model, state = create_train_state(gpt_config, spec.tx, seed=config.run.seed, mesh=mesh)
     step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
-    data = batch_sharding(mesh)
-    batches = [(put_batch(x, data), put_batch(y, data)) for x, y in _batches(config)]
-    flops = flops_per_token(state["params"], gpt_config) * math.prod(batches[0][0].shape)
+    if batch is None:
+        data = batch_sharding(mesh)
+        batches = [(put_batch(x, data), put_batch(y, data)) for x, y in _batches(config)]
+        batch = lambda i: batches[i % len(batches)]
+    tokens = config.data.grad_accum * config.data.batch_size * config.model.block_size
+    flops = flops_per_token(state["params"], gpt_config) * tokens
     box = {"state": state, "i": 0}
 
     def run(n: int) -> None:
         for _ in range(n):
             i = box["i"]
-            box["state"], metrics = step(box["state"], *batches[i % len(batches)],
-                                         **spec.update_kwargs(i))
+            box["state"], metrics = step(box["state"], *batch(i), **spec.update_kwargs(i))
             box["i"] = i + 1
+            if sync_every and box["i"] % sync_every == 0:
+                jax.device_get(metrics)
         jax.block_until_ready(metrics)
 
     return Variant(f"ours {config.optimizer.name} {config.model.dtype}", run, flops)

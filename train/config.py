@@ -270,10 +270,7 @@ class DataConfig:
     prefetch: bool = _field(True, "read the next batch while the current step runs")
 
     def __post_init__(self):
-        _validate(self, positive=("batch_size", "grad_accum"))
-        if self.vocab_multiple is not None and self.vocab_multiple < 1:
-            raise ValueError(f"vocab_multiple={self.vocab_multiple}: expected a positive "
-                             "integer or None (automatic)")
+        _validate(self, positive=("batch_size", "grad_accum", "vocab_multiple"))
 
 
 @dataclasses.dataclass(frozen=True)
