@@ -121,7 +121,7 @@ def test_resume_with_other_data_is_refused(tmp_path):
     train.run(config)
     other = nanogpt_char_folder(tmp_path, "abcdefgh " * 200)
     with pytest.raises(ValueError, match=r"its data's tokenizer \(kind=bytes\) is not this "
-                                         r"--data's \(a character vocabulary of 9\)"):
+                                         r"--data's \(a vocabulary of 9 characters\)"):
         train.run(tc.override(config, data=str(other), max_iters=6, resume=True))
 
 

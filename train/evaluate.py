@@ -39,6 +39,7 @@ from train.loop import run_tokenizer
 from train.sample import load_params
 from train.sharding import make_mesh, tree_shardings
 from train.step import make_eval_step
+from train.tokenizer import describe_meta
 
 __all__ = ["evaluate_split", "main"]
 
@@ -64,10 +65,10 @@ def evaluate_split(out_dir: str | Path, *, split: str = "val", step: int | None 
     config = config_from_dict(meta["config"])
     dataset = open_dataset(config.data.path if data is None else data)
     tokenizer, _ = run_tokenizer(dataset)
-    saved = {k: v for k, v in meta["tokenizer"].items() if k != "sha256"}
-    if {k: v for k, v in tokenizer.items() if k != "sha256"} != saved:
-        raise ValueError(f"--data: its tokenizer ({_describe(tokenizer)}) is not the "
-                         f"checkpoint's ({_describe(saved)}); pass the run's data with --data")
+    if tokenizer != meta["tokenizer"]:  # as a resume checks (a tokenizer.json by content)
+        raise ValueError(f"--data: its tokenizer ({describe_meta(tokenizer)}) is not the "
+                         f"checkpoint's ({describe_meta(meta['tokenizer'])}); pass the run's "
+                         "data with --data")
     block_size = config.model.block_size
     mesh = make_mesh(override(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
     eval_step = make_eval_step(model_def, mesh=mesh, params_shardings=tree_shardings(params, mesh))
@@ -94,12 +95,6 @@ def evaluate_split(out_dir: str | Path, *, split: str = "val", step: int | None 
     return {"loss": total / n, "windows": n, "tokens": n * block_size,
             "split_tokens": dataset.num_tokens(split), "block_size": block_size,
             "step": meta["checkpoint_step"]}
-
-
-def _describe(tokenizer: dict) -> str:
-    if tokenizer.get("kind") == "chars":
-        return f"a vocabulary of {len(tokenizer['chars'])} characters"
-    return ", ".join(f"{k}={v}" for k, v in tokenizer.items())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

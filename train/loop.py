@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -57,6 +58,7 @@ from train.nonfinite import check_bad_steps
 from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, process_rows, put_batch, tree_shardings
 from train.step import create_train_state, make_eval_step, make_train_step
+from train.tokenizer import describe_meta
 
 __all__ = ["RunResult", "run", "run_tokenizer"]
 
@@ -93,7 +95,8 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, tokenizer: dict)
         saved = saved_tokenizer(meta)
         if saved != tokenizer:
             raise ValueError(f"cannot resume from {ckpt.directory}: its data's tokenizer "
-                             f"{_brief(saved)} is not this --data's {_brief(tokenizer)}")
+                             f"({describe_meta(saved)}) is not this --data's "
+                             f"({describe_meta(tokenizer)})")
 
     state, _, step = ckpt.restore_latest(like=state, check=check)
     log = Path(config.run.out_dir) / "metrics.jsonl"
@@ -145,7 +148,7 @@ def run(config: TrainConfig) -> RunResult:
         print(_startup_line(config, state, mesh, start, data), flush=True)
         out.mkdir(parents=True, exist_ok=True)  # the first output: the start succeeded
         if tokenizer_file is not None:
-            (out / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+            shutil.copyfile(tokenizer_file, out / "tokenizer.json")
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
     rows = process_rows(batch_sharding(mesh), d.batch_size)  # this process's slice
     put = lambda x: put_batch(x, batch_sharding(mesh), d.batch_size)
@@ -276,12 +279,6 @@ def run_tokenizer(data: TokenDataset) -> tuple[dict[str, Any], Path | None]:
     source = source if source.is_absolute() or data.root is None else data.root / source
     digest = hashlib.sha256(source.read_bytes()).hexdigest()  # a resume checks the same file
     return {**meta, "file": "tokenizer.json", "sha256": digest}, source
-
-
-def _brief(tokenizer: dict[str, Any]) -> str:
-    if tokenizer.get("kind") == "chars":
-        return f"(a character vocabulary of {len(tokenizer['chars'])})"
-    return f"({', '.join(f'{k}={v}' for k, v in tokenizer.items())})"
 
 
 def _finish(config, model, state, data, log, rates, out) -> RunResult:

@@ -52,6 +52,7 @@ __all__ = [
     "HFTokenizer",
     "TiktokenTokenizer",
     "Tokenizer",
+    "describe_meta",
     "from_meta",
     "get_tokenizer",
 ]
@@ -286,3 +287,10 @@ def from_meta(meta: Mapping[str, Any], root: str | os.PathLike | None = None) ->
         return HFTokenizer(path, eot=meta.get("eot"))
     raise ValueError(f"tokenizer {dict(meta)}: unknown kind {kind!r}; expected chars, bytes, "
                      "tiktoken or huggingface")
+
+
+def describe_meta(meta: Mapping[str, Any]) -> str:
+    """A tokenizer description (`to_meta()`) in words, for error messages."""
+    if meta.get("kind") == "chars":
+        return f"a vocabulary of {len(meta['chars'])} characters"
+    return ", ".join(f"{k}={v}" for k, v in meta.items() if k != "sha256")
