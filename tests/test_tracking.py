@@ -19,6 +19,7 @@ import types
 
 import numpy as np
 import pytest
+from test_faults import tiny as faults_tiny
 from tqdm import tqdm
 
 import train
@@ -39,13 +40,9 @@ event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
 
 
 def tiny(corpus, out, **overrides) -> tc.TrainConfig:
-    base = dict(
-        n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
-        max_iters=6, lr_decay_iters=6, eval_interval=3, eval_iters=1, log_interval=1,
-        checkpoint_every=3, mesh_data=1, num_samples=0, progress=False,
-        data=str(corpus), out_dir=str(out))
-    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+    """test_faults' tiny run, 6 steps long."""
+    return faults_tiny(corpus, out, **{**dict(max_iters=6, lr_decay_iters=6, eval_interval=3,
+                                              eval_iters=1, checkpoint_every=3), **overrides})
 
 
 # ------------------------------------------------------------------ reading event files
