@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["concrete_real", "is_integer", "is_real", "path_names", "path_to_str"]
+__all__ = ["check_float_dtype", "check_int_at_least", "check_non_negative", "check_positive",
+           "check_unit_interval", "concrete_real", "is_integer", "is_real", "path_names",
+           "path_to_str"]
 
 
 def path_names(path: Sequence[Any]) -> tuple[str, ...]:
@@ -69,3 +71,49 @@ def concrete_real(x: Any) -> float | None:
             and not jnp.issubdtype(x.dtype, jnp.complexfloating)):
         return float(x)
     return None
+
+
+# One rule for every constructor: a value known now (`concrete_real`: a number or a
+# concrete scalar array, such as `optax.inject_hyperparams` hands a factory) is checked;
+# a schedule or a tracer passes, since its values are only known later.
+
+
+def check_unit_interval(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` (when known now) lies in [0, 1)."""
+    if value is None and allow_none:
+        return
+    v = concrete_real(value)
+    if v is not None and not 0.0 <= v < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
+
+
+def check_non_negative(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` (when known now) is >= 0."""
+    if value is None and allow_none:
+        return
+    v = concrete_real(value)
+    if v is not None and not v >= 0:  # NaN fails too
+        raise ValueError(f"{name} must be >= 0 (a float or a schedule), got {value!r}.")
+
+
+def check_positive(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` (when known now) is > 0."""
+    v = concrete_real(value)
+    if v is not None and not v > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}.")
+
+
+def check_int_at_least(name: str, value: Any, minimum: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is a Python int (not a bool) >= ``minimum``."""
+    if not is_integer(value) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+def check_float_dtype(name: str, dtype: Any) -> None:
+    """Raise ``ValueError`` unless ``dtype`` is a floating dtype."""
+    try:
+        floating = jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.bfloat16), got {dtype!r}.")
