@@ -15,9 +15,12 @@ from optax_snoo._src.muon import (
     add_decoupled_weight_decay,
     muon,
     muon_momentum_warmup,
+    normuon,
     orthogonalize,
     scale_by_muon,
+    scale_by_normuon,
 )
+from optax_snoo._src.muon_sharding import NewtonSchulzPlan
 from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
 from optax_snoo._src.skew_adam import (
@@ -45,6 +48,7 @@ __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLICY_PRESETS",
     "MuonState",
+    "NewtonSchulzPlan",
     "RolePolicy",
     "RoundingState",
     "ScaleBySecondMomentState",
@@ -60,10 +64,12 @@ __all__ = [
     "modded_nanogpt",
     "muon",
     "muon_momentum_warmup",
+    "normuon",
     "orthogonalize",
     "recipes",
     "rounding",
     "scale_by_muon",
+    "scale_by_normuon",
     "scale_by_second_moment",
     "scale_by_skew_adam",
     "skew_adam",

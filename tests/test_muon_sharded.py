@@ -18,10 +18,15 @@ from jax.sharding import PartitionSpec as P
 
 import optax_snoo
 from benchmarks import hlo
-from optax_snoo import muon, scale_by_muon, snoo
+from optax_snoo import NewtonSchulzPlan, muon, scale_by_muon, snoo
 from optax_snoo._src.muon_sharding import plan_groups
 
 F32 = jnp.float32
+
+
+def planned(params):
+    """The keyword that tells Muon where `params` live (jit's tracers do not say)."""
+    return {"newton_schulz_plan": NewtonSchulzPlan.from_params(params)}
 
 
 def mesh_of(shape):
@@ -87,9 +92,9 @@ def test_sharded_equals_single_device_float32(layout, mesh_shape):
     mesh = mesh_of(mesh_shape)
     params = tree(shapes)
     sharded = place(params, mesh, specs)
-    make = lambda: scale_by_muon(0.9, ns_dtype=F32, nesterov=True)
-    single, _ = run(make(), params, 2)
-    dist, state = run(make(), sharded, 2)
+    make = lambda p: scale_by_muon(0.9, ns_dtype=F32, nesterov=True, **planned(p))
+    single, _ = run(make(params), params, 2)
+    dist, state = run(make(sharded), sharded, 2)
     for s, d in zip(single, dist, strict=True):
         for k in s:
             assert relative_error(d[k], s[k]) < 1e-6, (layout, k, relative_error(d[k], s[k]))
@@ -111,9 +116,10 @@ def test_sharded_bfloat16_within_bfloat16_rounding(mesh_shape):
 
     mesh = mesh_of(mesh_shape)
     params = tree(SHAPES)
-    make = lambda: scale_by_muon(0.9, shape_scale=None)
-    single, _ = run(make(), params, 1)
-    dist, _ = run(make(), place(params, mesh, SPECS), 1)
+    make = lambda p: scale_by_muon(0.9, shape_scale=None, **planned(p))
+    sharded = place(params, mesh, SPECS)
+    single, _ = run(make(params), params, 1)
+    dist, _ = run(make(sharded), sharded, 1)
     for i, k in enumerate(sorted(SHAPES)):
         assert relative_error(dist[0][k], single[0][k]) <= 2.0 ** -8, k
         g = np.asarray(normal(SHAPES[k], seed=(0, 7, i)), np.float64)
@@ -136,7 +142,7 @@ def test_trainer_style_jit_with_in_and_out_shardings():
     params = tree(SHAPES)
     sharded = place(params, mesh, SPECS)
     labels = {k: "muon" for k in SHAPES}
-    tx = muon(0.02, ns_dtype=F32, labels=labels, weight_decay=0.01)
+    tx = muon(0.02, ns_dtype=F32, labels=labels, weight_decay=0.01, **planned(sharded))
     state = tx.init(sharded)
     # As train.step does: leaves mirroring a param keep its sharding, the rest replicated.
     on_mesh = lambda x: (x.sharding if isinstance(x.sharding, NamedSharding)
@@ -187,7 +193,7 @@ def test_compiled_update_moves_each_matrix_once_in_and_out(ns_dtype, factor):
     share = per_device_param_bytes(params)
     before = compiled_cost(scale_by_muon(ns_dtype=F32, shard_newton_schulz=False), params)
     assert before.loop_collective_bytes >= 100 * share  # measured 120x: the issue's finding
-    after = compiled_cost(scale_by_muon(ns_dtype=ns_dtype), params)
+    after = compiled_cost(scale_by_muon(ns_dtype=ns_dtype, **planned(params)), params)
     assert after.loop_collective_bytes == 0
     assert set(after.by_kind) == {"all-to-all"} and after.counts["all-to-all"] == 2
     assert after.collective_bytes == factor * share
@@ -196,7 +202,7 @@ def test_compiled_update_moves_each_matrix_once_in_and_out(ns_dtype, factor):
 def test_mixed_tree_bytes_bounded_and_no_collectives_in_loops():
     mesh = mesh_of((2, 2, 2))
     sharded = place(tree(SHAPES), mesh, SPECS)
-    cost = compiled_cost(scale_by_muon(ns_dtype=F32), sharded)
+    cost = compiled_cost(scale_by_muon(ns_dtype=F32, **planned(sharded)), sharded)
     assert cost.loop_collective_bytes == 0
     # Padding (E = 3 on 8 devices, lone shapes) adds zero matrices: bounded by the
     # padded groups, at most 2x (in and out) of each group's padded per-device bytes.
@@ -223,12 +229,12 @@ def test_snoo_adds_no_collective():
     params = {f"w{i}": jax.device_put(normal((64, 128), seed=i), NamedSharding(mesh, P("fsdp")))
               for i in range(8)}
     labels = {k: "muon" for k in params}
-    inner = muon(0.02, ns_dtype=F32, labels=labels)
+    inner = muon(0.02, ns_dtype=F32, labels=labels, **planned(params))
     alone = compiled_cost(inner, params)
-    assert alone.collective_bytes > 0
+    assert alone.counts["all-to-all"] == 2 and alone.loop_collective_bytes == 0
     for sync in (True, False):
-        wrapped = compiled_cost(snoo(muon(0.02, ns_dtype=F32, labels=labels)), params,
-                                snoo_sync=sync)
+        wrapped = compiled_cost(snoo(muon(0.02, ns_dtype=F32, labels=labels, **planned(params))),
+                                params, snoo_sync=sync)
         assert wrapped.by_kind == alone.by_kind, (sync, wrapped.by_kind, alone.by_kind)
     assert compiled_cost(snoo(optax.adamw(1e-3)), params).collective_bytes == 0
 
@@ -283,7 +289,7 @@ def test_unknown_sharding_takes_the_plan_with_the_context_mesh(how):
     single, _ = jax.jit(ref_tx.update)(params, ref_tx.init(params), params)
     for k in FSDP_SHAPES:
         assert relative_error(dist[k], single[k]) < 1e-6, (k, relative_error(dist[k], single[k]))
-    known = compiled_cost(scale_by_muon(0.9, ns_dtype=F32), sharded)
+    known = compiled_cost(scale_by_muon(0.9, ns_dtype=F32, **planned(sharded)), sharded)
     assert cost.loop_collective_bytes == 0
     assert dict(cost.counts) == dict(known.counts) == {"all-to-all": 2 * 4}  # 4 groups
     assert cost.by_kind == known.by_kind
@@ -314,8 +320,9 @@ def test_unknown_sharding_of_any_layout_one_redistribution_each_way(how):
     assert sum(cost.counts.values()) - 2 * len(groups) <= 2 * len(SHAPES)
 
 
-def test_unknown_sharding_without_a_mesh_takes_the_per_leaf_path_and_is_right():
-    """No mesh= and no jax.set_mesh: the per-leaf path (the partitioner's), correctly."""
+def test_unknown_sharding_without_a_mesh_is_left_to_the_partitioner_and_is_right():
+    """No plan, no mesh= and no jax.set_mesh: the leaves are taken to be whole (stacked
+    by shape) and the partitioner splits the iteration as it likes, correctly."""
     mesh = mesh_of((1, 8, 1))
     params = tree(SHAPES)
     sharded = place(params, mesh, SPECS)
@@ -348,13 +355,41 @@ def test_plan_assigns_whole_matrices_evenly():
     assert all(g.size % 8 == 0 and g.size - g.count < 8 for g in groups)
 
 
+def test_plan_from_abstract_params_equals_plan_from_arrays():
+    """A plan read from abstract params carrying shardings (as a model built under
+    `nnx.eval_shape` and `jax.set_mesh` gives) is the concrete params' plan: the same
+    compiled update."""
+    mesh = mesh_of((2, 2, 2))
+    sharded = place(tree(SHAPES), mesh, SPECS)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            sharded)
+    assert NewtonSchulzPlan.from_params(abstract) == NewtonSchulzPlan.from_params(sharded)
+    from_abstract = compiled_cost(scale_by_muon(ns_dtype=F32, **planned(abstract)), sharded)
+    from_arrays = compiled_cost(scale_by_muon(ns_dtype=F32, **planned(sharded)), sharded)
+    assert from_abstract.by_kind == from_arrays.by_kind and from_abstract.loop_collective_bytes == 0
+
+
+def test_plan_with_a_mesh_is_the_mesh_argument():
+    mesh = mesh_of((1, 8, 1))
+    sharded = place(tree(FSDP_SHAPES), mesh, FSDP_SPECS)
+    by_plan = compiled_cost(scale_by_muon(ns_dtype=F32, newton_schulz_plan=NewtonSchulzPlan(
+        mesh=mesh)), sharded)
+    by_argument = compiled_cost(scale_by_muon(ns_dtype=F32, mesh=mesh), sharded)
+    assert by_plan.by_kind == by_argument.by_kind and by_plan.counts["all-to-all"] == 2 * 4
+
+
+def test_a_plan_that_is_not_a_plan_is_named():
+    with pytest.raises(ValueError, match="newton_schulz_plan must be a NewtonSchulzPlan"):
+        scale_by_muon(newton_schulz_plan={"w": None})
+
+
 def test_exports():
     assert optax_snoo.COEFFICIENT_PRESETS["polar_express"] == optax_snoo.POLAR_EXPRESS_COEFFICIENTS
 
 
 def test_one_instance_on_sharded_then_unsharded_params():
-    """The shardings seen by the latest init (or carried by concrete arrays) decide: the
-    same transform then runs on single-device params, eagerly and jitted."""
+    """A transform keeps no state of its own: concrete arrays say where they are, so one
+    instance runs on sharded params, then on single-device ones, eagerly and jitted."""
     mesh = mesh_of((1, 8, 1))
     params = tree({"row": SHAPES["row"]})
     tx = scale_by_muon(0.9, ns_dtype=F32)

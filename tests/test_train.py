@@ -164,7 +164,9 @@ def _step_setup(config):
     mesh = make_mesh(config)
     model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
                                       mesh=mesh)
-    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
+    shardings = tree_shardings(state, mesh)
+    spec = build_optimizer(config, params=shardings["params"])  # as the loop does
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=shardings)
     return mesh, state, step, spec, vocab_size
 
 

@@ -159,9 +159,16 @@ class MuonConfig:
     weight_decay: float = _field(0.0, "Muon decoupled weight decay", key="muon_weight_decay")
     smoothing: float | None = _field(None, "Muon update smoothing sigma (modded-nanogpt "
                                      "PR #137, EMA form; None = off)", key="muon_smoothing")
+    beta2: float = _field(0.95, "NorMuon's per-neuron second-moment decay (normuon stacks)",
+                          key="muon_beta2")
+    cautious: bool | None = _field(None, "decay only where the update and the weight agree "
+                                   "in sign (Muon and Adam groups; None = on for the normuon "
+                                   "stacks, as modded-nanogpt's record, off for muon)",
+                                   key="cautious_weight_decay")
 
     def __post_init__(self):
-        _validate(self, positive_float=("learning_rate",), unit_interval=("beta", "smoothing"),
+        _validate(self, positive_float=("learning_rate",),
+                  unit_interval=("beta", "smoothing", "beta2"),
                   non_negative_float=("weight_decay",), non_negative=("beta_warmup",))
 
 

@@ -140,6 +140,7 @@ def run(config: TrainConfig) -> RunResult:
     check_memory(config, config.model, optimizer.tx, list(mesh.devices.flat))  # before any compile
     model, state = create_train_state(config.model, optimizer.tx, seed=r.seed, mesh=mesh)
     shardings = tree_shardings(state, mesh)
+    optimizer = build_optimizer(config, params=shardings["params"])  # Muon's plan: same state
     ckpt = Checkpointer(out / "checkpoints")
     tokenizer, tokenizer_file = run_tokenizer(data)
     state, start = _start(config, ckpt, state, tokenizer)

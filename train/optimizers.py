@@ -107,6 +107,10 @@ class TrainOptimizer:
       prepare: `prepare(state, *, model, mesh, shardings, batch, start) -> state`, run
         once before the first step (K-FAC: the warm start); `batch(step, grad_accum)` is
         the run's train batch of `step`, placed on the mesh; identity by default.
+      for_params: `params -> TrainOptimizer`, the same optimizer told where the params
+        live (arrays, abstract arrays or their shardings): Muon's Newton-Schulz plan,
+        which a jitted update cannot read from its tracers. `None`: placement does not
+        matter. `build_optimizer(config, params)` applies it.
     """
 
     tx: optax.GradientTransformationExtraArgs
@@ -117,6 +121,7 @@ class TrainOptimizer:
     observe: Callable[[Any], Any] = _no_observation
     monitor: Callable[[Path, int], Monitor] = _no_monitor
     prepare: Callable[..., dict] = _unprepared
+    for_params: Callable[[Any], TrainOptimizer] | None = None
 
     @property
     def takes_curvature(self) -> bool:
@@ -252,17 +257,23 @@ def snoo_adamw(config: TrainConfig) -> TrainOptimizer:
                           learning_rate_schedule(config), sync_period=config.snoo.k)
 
 
-def _muon_stack(config: TrainConfig, snoo_k: int | None) -> TrainOptimizer:
+def _muon_stack(config: TrainConfig, snoo_k: int | None, *, normuon: bool = False,
+                params: Any = None) -> TrainOptimizer:
     m, a = config.muon, config.adamw
     beta = m.beta if m.beta_warmup == 0 else muon_momentum_warmup(
         min(0.85, m.beta), m.beta, m.beta_warmup)
     lr = learning_rate_schedule(config, m.learning_rate)
+    plan = None if params is None else optax_snoo.NewtonSchulzPlan.from_params(params)
     stack = snoo_muon_stack(
         lr, learning_rate_schedule(config), muon_momentum=beta, muon_weight_decay=m.weight_decay,
-        smoothing=m.smoothing, adam_b1=a.beta1, adam_b2=a.beta2, adam_eps=a.eps,
+        smoothing=m.smoothing, beta2=m.beta2 if normuon else None,
+        cautious_weight_decay=normuon if m.cautious is None else m.cautious,
+        newton_schulz_plan=plan, adam_b1=a.beta1, adam_b2=a.beta2, adam_eps=a.eps,
         snoo_k=snoo_k, snoo_learning_rate=config.snoo.learning_rate,
         snoo_momentum=config.snoo.momentum)
-    return TrainOptimizer(optax.chain(clipping(config), stack), lr, sync_period=snoo_k)
+    return TrainOptimizer(
+        optax.chain(clipping(config), stack), lr, sync_period=snoo_k,
+        for_params=lambda p: _muon_stack(config, snoo_k, normuon=normuon, params=p))
 
 
 @register("muon")
@@ -279,6 +290,22 @@ def snoo_muon(config: TrainConfig) -> TrainOptimizer:
     around Muon (hidden matrices) and Adam (embeddings, head, norms); use
     `--schedule=stable_cooldown` for the record's lr. Logs Muon's lr."""
     return _muon_stack(config, config.snoo.k)
+
+
+@register("normuon")
+def normuon(config: TrainConfig) -> TrainOptimizer:
+    """NorMuon (Li et al. 2025) on hidden matrices: `muon` with the per-neuron
+    second-moment normalisation after orthogonalisation (`muon_beta2`) and cautious
+    weight decay (`cautious_weight_decay`, on by default here), as modded-nanogpt's
+    current record runs it; Adam on the rest. Logs NorMuon's lr."""
+    return _muon_stack(config, None, normuon=True)
+
+
+@register("snoo_normuon")
+def snoo_normuon(config: TrainConfig) -> TrainOptimizer:
+    """modded-nanogpt's current stack adapted: Snoo around NorMuon (cautious decay) and
+    Adam. Logs NorMuon's lr."""
+    return _muon_stack(config, config.snoo.k, normuon=True)
 
 
 def _skew_adam(config: TrainConfig, rounding_tx: optax.GradientTransformation | None = None
@@ -324,8 +351,13 @@ def adafactor(config: TrainConfig) -> TrainOptimizer:
         lr, multiply_by_parameter_scale=False, weight_decay_rate=lambda t: wd * lr(t))), lr)
 
 
-def build_optimizer(config: TrainConfig) -> TrainOptimizer:
-    """Build `config.optimizer.name` from `OPTIMIZERS`.
+def build_optimizer(config: TrainConfig, params: Any = None) -> TrainOptimizer:
+    """Build `config.optimizer.name` from `OPTIMIZERS`, told where `params` live if given.
+
+    `params` (the params, abstract params or their shardings) lets an optimizer whose
+    update depends on placement plan for it (`TrainOptimizer.for_params`: Muon splits
+    Newton-Schulz over the devices by whole matrices); the state it initialises is the
+    same either way.
 
     With `rounding` other than "none", the stack is followed by that rounding transform
     (seeded with `seed`; stacks that round themselves place it inside), so bf16 params
@@ -336,6 +368,8 @@ def build_optimizer(config: TrainConfig) -> TrainOptimizer:
       ValueError: for an unknown name, listing the registry; for bad optimizer values.
     """
     spec = get_builder(config.optimizer.name)(config)
+    if params is not None and spec.for_params is not None:
+        spec = spec.for_params(params)
     rounding_tx = rounding(config)
     tx = spec.tx
     if rounding_tx is not None and not spec.rounds_itself:

@@ -48,8 +48,9 @@ share). Leaves whose rows do not divide by the device count keep the per-leaf pa
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -58,42 +59,188 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Group", "axes_of", "concrete_sharding", "describe_leaf", "from_stack",
-           "orthogonalize_sharded", "plan_groups", "spec_entries", "to_stack"]
+from optax_snoo._src.sharding import axes_of, concrete_sharding, is_split, spec_entries
+from optax_snoo._src.utils import path_to_str
+
+__all__ = ["Group", "NewtonSchulzPlan", "Placement", "describe_leaf", "from_stack",
+           "orthogonalize_leaves", "orthogonalize_sharded", "place_leaves", "plan_groups",
+           "to_stack"]
 
 
-def concrete_sharding(x: Any) -> NamedSharding | None:
-    """The `NamedSharding` of a concrete array on a multi-device mesh, else None.
+@dataclasses.dataclass(frozen=True)
+class NewtonSchulzPlan:
+    """Where Muon's leaves live, decided once, for `scale_by_muon(newton_schulz_plan=)`.
 
-    Under `jax.jit` the params are tracers; their type carries a sharding spec only for
-    Explicit mesh axes, which is used when present.
+    Under ``jax.jit`` on Auto mesh axes an update sees tracers whose type carries no
+    sharding, so the plan says where each leaf lives. Build it with
+    `NewtonSchulzPlan.from_params` from the params (concrete arrays or
+    `jax.ShapeDtypeStruct` s carrying shardings, e.g. from ``jax.eval_shape`` under
+    ``jax.set_mesh``), or as ``NewtonSchulzPlan(mesh=mesh)`` to split every leaf of
+    unknown sharding over ``mesh`` as FSDP lays it out (rows over all devices).
+
+    Attributes:
+      shardings: leaf path (``"blocks/0/attn/c_q/kernel"``, see
+        `optax_snoo.labels`) -> the leaf's `NamedSharding`, or None for a leaf that stays
+        whole (replicated, or on one device). A leaf not listed has unknown sharding.
+      mesh: the mesh to split leaves of unknown sharding over; None: the ``jax.set_mesh``
+        context of the update, if any (else the partitioner decides for them).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo import NewtonSchulzPlan, scale_by_muon
+      >>> params = {"w": jnp.ones((8, 16))}
+      >>> plan = NewtonSchulzPlan.from_params(params)
+      >>> plan.shardings  # one device: the leaf stays whole
+      {'w': None}
+      >>> tx = scale_by_muon(newton_schulz_plan=plan)
     """
-    if isinstance(x, jax.core.Tracer):
-        try:
-            sharding = jax.typeof(x).sharding
-        except (AttributeError, TypeError):
-            return None
-        spec_axes = [a for a in getattr(sharding, "spec", ()) if a is not None]
-        if not spec_axes or not isinstance(sharding, NamedSharding):
-            return None
-        return sharding if sharding.mesh.size > 1 else None
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
-        return sharding
-    return None
+
+    shardings: Mapping[str, NamedSharding | None] = dataclasses.field(default_factory=dict)
+    mesh: Any = None
+
+    @classmethod
+    def from_params(cls, params: Any, mesh: Any = None) -> NewtonSchulzPlan:
+        """The plan of `params`' leaves, read from their shardings.
+
+        Args:
+          params: the params (arrays, or `jax.ShapeDtypeStruct` s with shardings), or a
+            tree of their `NamedSharding` s, with the params' paths.
+          mesh: the mesh for leaves the plan does not list (see `NewtonSchulzPlan`).
+        """
+        return cls({path_to_str(path): _sharding_of(x)
+                    for path, x in jax.tree_util.tree_leaves_with_path(params)}, mesh)
 
 
-def spec_entries(sharding: NamedSharding, ndim: int) -> tuple[Any, ...]:
-    """The sharding's spec padded with None to ``ndim`` entries."""
-    spec = tuple(sharding.spec)
-    return spec + (None,) * (ndim - len(spec))
+def _sharding_of(x: Any) -> NamedSharding | None:
+    """A leaf's sharding on a multi-device mesh: the leaf may be the sharding itself."""
+    if isinstance(x, NamedSharding):
+        return x if x.mesh.size > 1 else None
+    return concrete_sharding(x)
 
 
-def _is_sharded(entries: Sequence[Any], mesh: Any) -> bool:
-    """Whether some axis of the spec splits the leaf (a mesh axis of size > 1)."""
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    return any(sizes[a] > 1 for e in entries if e is not None
-               for a in (e if isinstance(e, tuple) else (e,)))
+class Placement(NamedTuple):
+    """What is known at update time about where one leaf lives."""
+
+    sharding: NamedSharding | None   # the leaf's sharding when split over a mesh
+    whole: bool                      # known to stay whole (one device, or replicated)
+    unknown: bool                    # nothing known: a tracer the plan does not list
+
+
+def place_leaves(plan: NewtonSchulzPlan, paths: Sequence[str],
+                 arrays: Sequence[Sequence[Any]]) -> list[Placement]:
+    """Each leaf's `Placement`, from its arrays (gradient, momentum...) and the plan.
+
+    Concrete arrays (and tracers on Explicit axes) say where they are; other tracers
+    take the plan's entry for their path. Leaves split over another mesh than the first
+    one found keep the per-leaf path (one mesh per plan).
+    """
+    known = plan.shardings
+    single = jax.device_count() == 1
+    out = []
+    for path, xs in zip(paths, arrays, strict=True):
+        own = next((s for s in map(concrete_sharding, xs) if s is not None), None)
+        traced = any(isinstance(x, jax.core.Tracer) for x in xs)
+        if own is not None or not traced:
+            out.append(Placement(own, own is None, False))
+        elif path in known:
+            out.append(Placement(known[path], known[path] is None, False))
+        else:
+            out.append(Placement(None, single, not single))
+    meshes = [p.sharding.mesh for p in out if p.sharding is not None]
+    return [p._replace(sharding=None) if p.sharding is not None and p.sharding.mesh != meshes[0]
+            else p for p in out]
+
+
+def _stacked(xs: Sequence[jax.Array], indices: Sequence[int], axes: Sequence[tuple[int, int]],
+             newton_schulz: Callable[[jax.Array], jax.Array]) -> dict[int, jax.Array]:
+    """`newton_schulz` on the leaves ``xs[indices]``, one batched iteration per shape.
+
+    Each leaf becomes a stack ``(B, rows, cols)`` with ``rows <= cols`` (tall matrices
+    transposed, exact since ``NS(Xᵀ) = NS(X)ᵀ``), same-shape stacks are concatenated and
+    the results cut back into the leaves: one batched product per shape instead of one
+    per matrix (benchmarks/README.md, "Trainer step throughput").
+    """
+    buckets: dict[tuple[int, int], list[Leaf]] = {}
+    for i in indices:
+        shape = tuple(xs[i].shape)
+        leaf = describe_leaf(i, shape, axes[i], (None,) * len(shape))
+        buckets.setdefault((leaf.rows, leaf.cols), []).append(leaf)
+    out = {}
+    for leaves in buckets.values():
+        parts = [to_stack(xs[leaf.index], leaf) for leaf in leaves]
+        o = newton_schulz(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
+        start = 0
+        for leaf in leaves:
+            out[leaf.index] = from_stack(o[start:start + leaf.batch], leaf)
+            start += leaf.batch
+    return out
+
+
+def _one_leaf(x: jax.Array, axes: tuple[int, int],
+              newton_schulz: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """The iteration on one leaf as it lies: the partitioner decides for it."""
+    x = jnp.moveaxis(x, axes, (-2, -1))
+    return jnp.moveaxis(newton_schulz(x), (-2, -1), axes)
+
+
+def orthogonalize_leaves(xs: Sequence[jax.Array], axes: Sequence[tuple[int, int]],
+                         placements: Sequence[Placement], *,
+                         newton_schulz: Callable[[jax.Array], jax.Array], ns_dtype: Any,
+                         mesh: Any = None, split: bool = True) -> list[jax.Array]:
+    """Newton-Schulz on every leaf, each on the path its placement allows.
+
+    - Leaves split over a mesh (and, when ``mesh`` or the ``jax.set_mesh`` context names
+      one, leaves of unknown sharding): whole matrices to devices (`plan_groups`,
+      `orthogonalize_sharded`), no collective inside the iteration.
+    - Leaves known to stay whole, and leaves of unknown sharding when there is no mesh
+      to split over: stacked by shape, one batched iteration per shape.
+    - The rest (unknown sharding whose rows do not divide over the mesh, or
+      ``split=False``): one iteration per leaf, left to the partitioner.
+
+    Args:
+      xs: the leaves (float32), matrix axes anywhere.
+      axes: each leaf's normalised ``(fan_in, fan_out)`` axes.
+      placements: from `place_leaves`.
+      newton_schulz: the batched iteration on ``(..., rows, cols)``.
+      ns_dtype: the iteration dtype (the transfers use it).
+      mesh: the mesh for leaves of unknown sharding (None: the context's).
+      split: whether to split over devices at all (``scale_by_muon``'s
+        ``shard_newton_schulz``).
+
+    Returns:
+      The orthogonalised leaves, in order.
+    """
+    shardings = [p.sharding for p in placements]
+    unknown = [p.unknown for p in placements]
+    groups, local = [], list(range(len(xs)))
+    spread = _split_mesh(shardings, unknown, mesh) if split else None
+    if spread is not None:
+        # Leaves of unknown sharding are split only over a mesh the caller named.
+        named = mesh is not None or not jax.sharding.get_abstract_mesh().empty
+        groups, local = plan_groups([x.shape for x in xs], axes, shardings, spread.size,
+                                    unknown=unknown, mesh=spread if named else None)
+    # Stacked where no partitioner splits them: whole leaves, replicated leaves of a split
+    # mesh and, with no mesh anywhere, leaves of unknown sharding (taken to be on one
+    # device, jit's common case); else a leaf of unknown sharding keeps its own iteration.
+    assume_whole = split and spread is None
+    stack = [i for i in local if placements[i].whole or shardings[i] is not None
+             or (assume_whole and placements[i].unknown)]
+    out = _stacked(xs, stack, axes, newton_schulz)
+    out.update({i: _one_leaf(xs[i], axes[i], newton_schulz) for i in local if i not in out})
+    if groups:
+        out.update(orthogonalize_sharded(xs, groups, spread, shardings, newton_schulz, ns_dtype))
+    return [out[i] for i in range(len(xs))]
+
+
+def _split_mesh(shardings: Sequence[NamedSharding | None], unknown: Sequence[bool],
+                mesh: Any) -> Any:
+    """The mesh to split over: the known shardings' mesh; else, for leaves of unknown
+    sharding, `mesh` or the context's; None when there is nothing to split over."""
+    known = next((s.mesh for s in shardings if s is not None), None)
+    if known is not None or not any(unknown):
+        return known
+    spread = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    return None if spread.empty or spread.size == 1 else spread
 
 
 class Leaf(NamedTuple):
@@ -124,7 +271,7 @@ class Group(NamedTuple):
 
 
 def describe_leaf(index: int, shape: tuple[int, ...], axes: tuple[int, int],
-              entries: tuple[Any, ...]) -> Leaf:
+                  entries: tuple[Any, ...]) -> Leaf:
     fan_in, fan_out = axes
     batch_axes = [a for a in range(len(shape)) if a not in axes]
     rows, cols = shape[fan_in], shape[fan_out]
@@ -191,7 +338,7 @@ def plan_groups(shapes: Sequence[tuple[int, ...]], axes: Sequence[tuple[int, int
             if shape[row_axis] % num_devices == 0:
                 entries = tuple(spread if a == row_axis else None for a in range(len(shape)))
                 sharding = NamedSharding(mesh, P(*entries))
-        if entries is None or not _is_sharded(entries, sharding.mesh):
+        if entries is None or not is_split(entries, sharding.mesh):
             local.append(i)
             continue
         leaf = describe_leaf(i, tuple(shape), ax, entries)
@@ -220,13 +367,6 @@ def from_stack(x: jax.Array, leaf: Leaf) -> jax.Array:
     if leaf.transpose:
         x = jnp.swapaxes(x, -1, -2)
     return jnp.moveaxis(x, (-2, -1), leaf.axes)
-
-
-def axes_of(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one spec entry (None, a name, or a tuple of names)."""
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _local_newton_schulz(mesh: Any, spec: tuple[Any, Any, Any],

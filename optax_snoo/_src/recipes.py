@@ -22,6 +22,7 @@ from optax_snoo._src.muon import (
     muon_momentum_warmup,
     scale_by_muon,
 )
+from optax_snoo._src.muon_sharding import NewtonSchulzPlan
 from optax_snoo._src.snoo import snoo
 from optax_snoo._src.utils import is_real, path_to_str
 
@@ -150,6 +151,9 @@ def snoo_muon(
     ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     smoothing: float | optax.Schedule | None = None,
     smoothing_form: str = "ema",
+    beta2: float | optax.Schedule | None = None,
+    cautious_weight_decay: bool = False,
+    newton_schulz_plan: NewtonSchulzPlan | None = None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.999,
     adam_eps: float = 1e-8,
@@ -161,7 +165,9 @@ def snoo_muon(
 
     - ``"muon"`` (leaves `optax_snoo.labels.muon_adam_labels` gives to Muon):
       ``chain(scale_by_muon, add_decoupled_weight_decay, scale_by_learning_rate)``, i.e.
-      ``p <- p (1 - lr·wd·wd_mul) - lr·sqrt(max(1, fan_out/fan_in))·O``;
+      ``p <- p (1 - lr·wd·wd_mul) - lr·sqrt(max(1, fan_out/fan_in))·O`` (NorMuon with
+      ``beta2``; the decay only where ``O`` and ``p`` agree in sign with
+      ``cautious_weight_decay``: modded-nanogpt's current stack);
     - Adam without weight decay (``chain(scale_by_adam, scale_by_learning_rate)``) on
       every other leaf: one group ``"adam"`` for a single learning rate, or one group
       ``"adam_i"`` per ``(path pattern, learning rate)`` pair (first match wins);
@@ -179,6 +185,12 @@ def snoo_muon(
       ns_dtype: dtype of the Newton-Schulz iteration.
       smoothing: Muon update smoothing σ (float or schedule) or ``None``.
       smoothing_form: ``"ema"`` or ``"nesterov"``.
+      beta2: NorMuon's per-neuron second-moment decay, or ``None`` for Muon; see
+        `optax_snoo.scale_by_muon`.
+      cautious_weight_decay: decay only where the update and the weight agree in sign;
+        see `optax_snoo.add_decoupled_weight_decay`.
+      newton_schulz_plan: where the Muon leaves live under ``jax.jit``; see
+        `optax_snoo.NewtonSchulzPlan`.
       adam_b1: Adam beta1.
       adam_b2: Adam beta2.
       adam_eps: Adam epsilon.
@@ -220,8 +232,10 @@ def snoo_muon(
     transforms: dict[str, optax.GradientTransformation] = {
         "muon": optax.chain(
             scale_by_muon(muon_momentum, coefficients=coefficients, ns_dtype=ns_dtype,
-                          smoothing=smoothing, smoothing_form=smoothing_form),
-            add_decoupled_weight_decay(muon_weight_decay, weight_decay_multiplier),
+                          smoothing=smoothing, smoothing_form=smoothing_form, beta2=beta2,
+                          newton_schulz_plan=newton_schulz_plan),
+            add_decoupled_weight_decay(muon_weight_decay, weight_decay_multiplier,
+                                       cautious=cautious_weight_decay),
             optax.scale_by_learning_rate(muon_learning_rate),
         ),
     }

@@ -42,7 +42,7 @@ from optax_snoo._src.kfac.precondition import (
     pi_adjustment,
 )
 from optax_snoo._src.kfac.precondition import _check_mode as check_mode
-from optax_snoo._src.muon_sharding import axes_of, spec_entries
+from optax_snoo._src.sharding import axes_of, spec_entries
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

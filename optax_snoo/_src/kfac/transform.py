@@ -106,7 +106,7 @@ from optax_snoo._src.kfac.refresh import (
     needs_learning_rate,
     policy_step,
 )
-from optax_snoo._src.muon_sharding import concrete_sharding
+from optax_snoo._src.sharding import concrete_sharding
 from optax_snoo._src.utils import is_integer, is_real
 
 GRAFTS = (None, "adam", "sgd")
