@@ -1,4 +1,4 @@
-"""optax_snoo: Snoo, Muon, SkewAdam and K-FAC as composable optax transformations.
+"""optax_snoo: Snoo, Muon, SkewAdam, K-FAC and QK-clip as composable optax transformations.
 
 The transformations and their states are exported here; `optax_snoo.kfac`,
 `optax_snoo.labels`, `optax_snoo.rounding`, `optax_snoo.memory` and `optax_snoo.recipes`
@@ -18,6 +18,7 @@ from optax_snoo._src.muon import (
     orthogonalize,
     scale_by_muon,
 )
+from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
 from optax_snoo._src.skew_adam import (
@@ -45,6 +46,7 @@ __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLICY_PRESETS",
     "MuonState",
+    "QKHeads",
     "RolePolicy",
     "RoundingState",
     "ScaleBySecondMomentState",
@@ -61,9 +63,12 @@ __all__ = [
     "muon",
     "muon_momentum_warmup",
     "orthogonalize",
+    "qk_clip_heads",
+    "qk_clip_scales",
     "recipes",
     "rounding",
     "scale_by_muon",
+    "scale_by_qk_clip",
     "scale_by_second_moment",
     "scale_by_skew_adam",
     "skew_adam",
