@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import GPTConfig
-from models.layers import Dense, residual_std
+from models.layers import Dense, residual_std, sow
 
 
 @jax.custom_vjp
@@ -56,9 +56,10 @@ def _groups(q_BTNH: jax.Array, k_BSKH: jax.Array) -> tuple[str, tuple[int, ...]]
     return ("g", (B, T, K, N // K)) if N > K else ("", (B, T, K))
 
 
-def _causal_attention_fwd(q_BTNH, k_BSKH, v_BSKH):
-    # The forward pass in the backward's layouts (no unit axis, every product a bf16
-    # one on XLA:CPU), saving the float32 log-sum-exp as the backward reads it.
+def _attend(q_BTNH, k_BSKH, v_BSKH):
+    """The forward pass in the backward's layouts (no unit axis, every product a bf16 one
+    on XLA:CPU): the output, the float32 log-sum-exp as the backward reads it, and the
+    float32 logits ``(B, K[, G], T, S)`` with the non-causal ones at ``-inf``."""
     B, T, N, H = q_BTNH.shape
     g, grouped = _groups(q_BTNH, k_BSKH)
     q = q_BTNH.reshape(*grouped, H)
@@ -71,7 +72,18 @@ def _causal_attention_fwd(q_BTNH, k_BSKH, v_BSKH):
     p = (e / total).astype(v_BSKH.dtype)
     out = jnp.einsum(f"bk{g}ts,bskh->btk{g}h", p, v_BSKH, preferred_element_type=jnp.float32)
     lse = (m + jnp.log(total))[..., 0]
-    return out.reshape(B, T, N, H).astype(q_BTNH.dtype), (q_BTNH, k_BSKH, v_BSKH, lse)
+    return out.reshape(B, T, N, H).astype(q_BTNH.dtype), lse, s
+
+
+def _max_per_query_head(s, num_heads):
+    """The largest causal logit of each query head, ``(N,)``: query head ``n = j*G + i``
+    is group ``i`` of key head ``j``, as in ``_groups``."""
+    return jnp.max(s, axis=(0, *range(s.ndim - 2, s.ndim))).reshape(num_heads)
+
+
+def _causal_attention_fwd(q_BTNH, k_BSKH, v_BSKH):
+    out, lse, _ = _attend(q_BTNH, k_BSKH, v_BSKH)
+    return out, (q_BTNH, k_BSKH, v_BSKH, lse)
 
 
 def _causal_attention_bwd(residuals, dout_BTNH):
@@ -92,6 +104,47 @@ def _causal_attention_bwd(residuals, dout_BTNH):
 
 
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+
+
+@jax.custom_vjp
+def causal_attention_and_max_logits(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
+                                    ) -> tuple[jax.Array, jax.Array]:
+    """:func:`causal_attention` and each query head's largest pre-softmax logit.
+
+    The logits ``q . k / sqrt(H)`` (float32, causal positions only) are the ones the
+    softmax reads, so their maximum over the batch and the positions costs one reduction
+    and no second pass; it is what QK-clip (``optax_snoo.scale_by_qk_clip``) bounds. The
+    backward pass is :func:`causal_attention`'s; the maximum's cotangent is ignored (it is
+    a measurement, not part of the loss).
+
+    Args:
+      q_BTNH: queries ``(B, T, N, H)``.
+      k_BSKH: keys ``(B, T, K, H)`` with ``N % K == 0``.
+      v_BSKH: values, shaped like the keys.
+
+    Returns:
+      ``(out_BTNH, max_logits_N)``: the attention output in the queries' dtype and the
+      float32 maximum logit of each query head.
+
+    References:
+      Kimi Team, "Kimi K2: Open Agentic Intelligence", https://arxiv.org/abs/2507.20534,
+      2025 (QK-clip reads the per-head max logit of the forward pass).
+    """
+    out, _, s = _attend(q_BTNH, k_BSKH, v_BSKH)
+    return out, _max_per_query_head(s, q_BTNH.shape[2])
+
+
+def _with_max_logits_fwd(q_BTNH, k_BSKH, v_BSKH):
+    out, lse, s = _attend(q_BTNH, k_BSKH, v_BSKH)
+    return (out, _max_per_query_head(s, q_BTNH.shape[2])), (q_BTNH, k_BSKH, v_BSKH, lse)
+
+
+def _with_max_logits_bwd(residuals, cotangents):
+    dout_BTNH, _ = cotangents
+    return _causal_attention_bwd(residuals, dout_BTNH)
+
+
+causal_attention_and_max_logits.defvjp(_with_max_logits_fwd, _with_max_logits_bwd)
 
 
 class KVCache(NamedTuple):
@@ -143,7 +196,8 @@ class CausalSelfAttention(nnx.Module):
         self.n_head, self.n_kv_head, self.head_dim = N, K, H
 
     def __call__(
-        self, x_BTD: jax.Array, cache: KVCache | None = None, pos: jax.Array | int = 0
+        self, x_BTD: jax.Array, cache: KVCache | None = None, pos: jax.Array | int = 0,
+        *, max_logits: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         """Attend causally.
 
@@ -153,6 +207,9 @@ class CausalSelfAttention(nnx.Module):
             of earlier positions: the new ones are written at ``[pos, pos + T)`` and the
             queries attend to every cached position up to their own.
           pos: position of ``x_BTD[:, 0]`` (only used with a cache).
+          max_logits: also sow (``nnx.Intermediate`` ``"max_logits"``, inside an
+            ``nnx.capture``) each query head's largest pre-softmax logit ``(N,)`` float32,
+            from the same pass (:func:`causal_attention_and_max_logits`); not with a cache.
 
         Returns:
           ``(y_BTD, cache)``: the output (compute dtype) and the updated cache (``None``
@@ -162,7 +219,12 @@ class CausalSelfAttention(nnx.Module):
         q_BTNH = self.c_q(x_BTD).reshape(B, T, self.n_head, self.head_dim)
         k_BTKH = self.c_k(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
         v_BTKH = self.c_v(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
-        if cache is None:
+        if max_logits and cache is not None:
+            raise ValueError("max_logits=True is for training without a key/value cache")
+        if max_logits:
+            y_BTNH, max_logits_N = causal_attention_and_max_logits(q_BTNH, k_BTKH, v_BTKH)
+            sow(self, nnx.Intermediate, "max_logits", max_logits_N)
+        elif cache is None:
             y_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
         else:
             start = (0, pos, 0, 0)

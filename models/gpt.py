@@ -5,6 +5,8 @@ Shapes: ``B`` batch, ``T`` time, ``D`` width, ``V`` vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -42,10 +44,14 @@ class Block(nnx.Module):
         cache: KVCache | None = None,
         pos: jax.Array | int = 0,
         dropless: bool = False,
+        max_logits: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Apply the block to the float32 residual stream; returns it and the cache."""
+        """Apply the block to the float32 residual stream; returns it and the cache.
+
+        ``max_logits``: the attention sows its per-head max logits (see
+        :class:`CausalSelfAttention`)."""
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        y_BTD, cache = self.attn(self.ln_1(x_BTD), cache, pos)
+        y_BTD, cache = self.attn(self.ln_1(x_BTD), cache, pos, max_logits=max_logits)
         x_BTD = x_BTD + dropout(y_BTD, self.dropout_rate, keys[0])
         h_BTD = self.ln_2(x_BTD)
         y_BTD = self.mlp(h_BTD) if self.moe is None else self.moe(h_BTD, dropless=dropless)
@@ -119,6 +125,7 @@ class GPT(nnx.Module):
         *,
         dropout_key: jax.Array | None = None,
         dropless: bool = False,
+        max_logits: bool = False,
     ) -> jax.Array:
         """Next-token logits.
 
@@ -127,6 +134,8 @@ class GPT(nnx.Module):
           dropout_key: PRNG key enabling dropout (``config.dropout``) on the embeddings
             and residual branches; ``None`` (default) is deterministic.
           dropless: MoE blocks give every expert room for all tokens (no drops).
+          max_logits: every attention layer also sows its per-query-head max logit
+            (read them through :func:`forward`).
 
         Returns:
           ``logits_BTV`` in float32.
@@ -134,7 +143,7 @@ class GPT(nnx.Module):
         seq_len, block_size = tokens_BT.shape[1], self.config.block_size
         if seq_len > block_size:
             raise ValueError(f"Sequence length {seq_len} exceeds config.block_size={block_size}.")
-        logits_BTV, _ = self._run(tokens_BT, None, 0, dropout_key, dropless)
+        logits_BTV, _ = self._run(tokens_BT, None, 0, dropout_key, dropless, max_logits)
         return logits_BTV
 
     def decode(
@@ -175,7 +184,7 @@ class GPT(nnx.Module):
             KVCache.zeros(self.config, batch_size, max_len) for _ in range(self.config.n_layer)
         )
 
-    def _run(self, tokens_BT, cache, pos, dropout_key, dropless):
+    def _run(self, tokens_BT, cache, pos, dropout_key, dropless, max_logits=False):
         cfg = self.config
         T = tokens_BT.shape[1]
         pos_T = pos + jnp.arange(T)
@@ -191,6 +200,7 @@ class GPT(nnx.Module):
                 cache=None if cache is None else cache[i],
                 pos=pos,
                 dropless=dropless,
+                max_logits=max_logits,
             )
             new_cache.append(layer_cache)
         x_BTD = self.ln_f(x_BTD).astype(cfg.compute_dtype)
@@ -203,32 +213,35 @@ class GPT(nnx.Module):
         return logits_BTV.astype(jnp.float32), None if cache is None else tuple(new_cache)
 
 
-def _call(model: GPT, tokens_BT: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
-    return model(tokens_BT, dropout_key=dropout_key)
-
-
 def forward(
     model: GPT,
     tokens_BT: jax.Array,
     *,
     dropout_key: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, None]:
-    """Run the model through ``nnx.capture``: logits and the MoE auxiliary loss.
+    max_logits: bool = False,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array] | None]:
+    """Run the model through ``nnx.capture``: logits, the MoE auxiliary loss and, when
+    asked, each attention layer's per-head max logit.
 
     The model is called only inside ``nnx.capture``, so its MoE blocks can sow their
-    auxiliary losses without changing the model's state tree.
+    auxiliary losses (and its attention layers their max logits) without changing the
+    model's state tree.
 
     Args:
       model: the GPT.
       tokens_BT: int token ids.
       dropout_key: PRNG key enabling dropout, or ``None``.
+      max_logits: also return every attention layer's largest pre-softmax logit per query
+        head, from the same forward pass (what ``optax_snoo.scale_by_qk_clip`` takes).
+        Off, the computation is exactly the one without this option.
 
     Returns:
-      ``(logits_BTV, aux_loss, None)``: float32 logits and the sum of every sown auxiliary
-      loss, already scaled by its coefficient (a float32 scalar, 0.0 for a dense model).
-      The third element is always ``None``, kept so that callers unpacking three values
-      keep working (it held per-layer inputs before layer statistics moved to
-      ``optax_snoo.kfac.value_grad_and_stats``, which needs no model support).
+      ``(logits_BTV, aux_loss, max_logits)``: float32 logits; the sum of every sown
+      auxiliary loss, already scaled by its coefficient (a float32 scalar, 0.0 for a dense
+      model); and ``None``, or with ``max_logits=True`` a dict from each attention layer's
+      path (``"blocks/0/attn"``, the prefix of its ``c_q``/``c_k`` parameters) to the
+      float32 ``(n_head,)`` maximum of ``q . k / sqrt(head_dim)`` over the batch and the
+      causal positions.
 
     Example:
       >>> import jax.numpy as jnp
@@ -239,10 +252,19 @@ def forward(
       >>> logits, aux, _ = models.forward(model, jnp.zeros((2, 8), jnp.int32))
       >>> logits.shape, aux.shape
       ((2, 8, 65), ())
+      >>> _, _, max_logits = models.forward(model, jnp.zeros((2, 8), jnp.int32),
+      ...                                   max_logits=True)
+      >>> sorted(max_logits), max_logits["blocks/0/attn"].shape
+      (['blocks/0/attn', 'blocks/1/attn'], (4,))
     """
-    logits_BTV, captured = nnx.capture(_call, nnx.Intermediate)(model, tokens_BT, dropout_key)
+    call = lambda model, tokens_BT, key: model(tokens_BT, dropout_key=key, max_logits=max_logits)
+    logits_BTV, captured = nnx.capture(call, nnx.Intermediate)(model, tokens_BT, dropout_key)
     aux_loss = jnp.zeros((), jnp.float32)
+    layer_max_logits = {}
     for path, value in nnx.to_flat_state(captured):
         if path[-1] == "aux_loss":
             aux_loss = aux_loss + sum(jnp.asarray(v, jnp.float32) for v in value.get_value())
-    return logits_BTV, aux_loss, None
+        elif path[-1] == "max_logits":
+            layer = "/".join(str(part) for part in path[:-1])
+            layer_max_logits[layer] = functools.reduce(jnp.maximum, value.get_value())
+    return logits_BTV, aux_loss, layer_max_logits if max_logits else None

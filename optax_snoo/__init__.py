@@ -1,4 +1,4 @@
-"""optax_snoo: Snoo, Muon, SkewAdam and K-FAC as composable optax transformations.
+"""optax_snoo: Snoo, Muon, SkewAdam, K-FAC and QK-clip as composable optax transformations.
 
 The transformations and their states are exported here; `optax_snoo.kfac`,
 `optax_snoo.labels`, `optax_snoo.rounding`, `optax_snoo.memory` and `optax_snoo.recipes`
@@ -21,6 +21,7 @@ from optax_snoo._src.muon import (
     scale_by_normuon,
 )
 from optax_snoo._src.muon_sharding import NewtonSchulzPlan
+from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
 from optax_snoo._src.skew_adam import (
@@ -49,6 +50,7 @@ __all__ = [
     "POLICY_PRESETS",
     "MuonState",
     "NewtonSchulzPlan",
+    "QKHeads",
     "RolePolicy",
     "RoundingState",
     "ScaleBySecondMomentState",
@@ -66,10 +68,13 @@ __all__ = [
     "muon_momentum_warmup",
     "normuon",
     "orthogonalize",
+    "qk_clip_heads",
+    "qk_clip_scales",
     "recipes",
     "rounding",
     "scale_by_muon",
     "scale_by_normuon",
+    "scale_by_qk_clip",
     "scale_by_second_moment",
     "scale_by_skew_adam",
     "skew_adam",

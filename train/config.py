@@ -124,9 +124,12 @@ class OptimizerConfig:
     rounding: str = _field("none", "rounding of bf16 params after each update (any "
                            "optimizer; float32 params pass through)",
                            choices=("none", "stochastic", "dithered"))
+    qk_clip_tau: float = _field(0.0, "QK-clip (MuonClip): after each update, scale the query "
+                                "and key heads whose max attention logit exceeded this back "
+                                "to it (0 = off; Kimi K2 used 100)")
 
     def __post_init__(self):
-        _validate(self, non_negative_float=("grad_clip",))
+        _validate(self, non_negative_float=("grad_clip", "qk_clip_tau"))
         if self.name in RENAMED["optimizer"]:
             raise ValueError(f"--optimizer={self.name} was renamed "
                              f"--optimizer={RENAMED['optimizer'][self.name]}")

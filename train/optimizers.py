@@ -96,6 +96,9 @@ class TrainOptimizer:
         `update_kwargs(step)` gives the static sync hint.
       rounds_itself: the stack applies `--rounding` itself (`build_optimizer` then does
         not append it).
+      max_logits: `tx.update` takes `max_logits=` (QK-clip): the step's plain gradient
+        function then also returns every attention layer's per-head max logit, the max
+        over the micro-batches (set by `build_optimizer` for `--qk_clip_tau`).
       grad_fn: `None` for plain gradients; else `grad_fn(model, params) -> fn` with
         `fn(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux_loss)),
         (grads, update_args))`: the gradient and the extra keyword arguments of
@@ -117,6 +120,7 @@ class TrainOptimizer:
     learning_rate: optax.Schedule
     sync_period: int | None = None
     rounds_itself: bool = False
+    max_logits: bool = False
     grad_fn: Callable[[Any, Any], Callable[..., Any]] | None = None
     observe: Callable[[Any], Any] = _no_observation
     monitor: Callable[[Path, int], Monitor] = _no_monitor
@@ -351,6 +355,16 @@ def adafactor(config: TrainConfig) -> TrainOptimizer:
         lr, multiply_by_parameter_scale=False, weight_decay_rate=lambda t: wd * lr(t))), lr)
 
 
+def qk_clip(config: TrainConfig) -> optax.GradientTransformationExtraArgs | None:
+    """`--qk_clip_tau`: QK-clip of the GPT's query and key heads (`c_q`, `c_k` kernels and
+    biases of every block), or `None` when 0."""
+    tau, model = config.optimizer.qk_clip_tau, config.model
+    if tau == 0:
+        return None
+    return optax_snoo.scale_by_qk_clip(tau, optax_snoo.qk_clip_heads(model.n_head,
+                                                                     model.kv_heads))
+
+
 def build_optimizer(config: TrainConfig, params: Any = None) -> TrainOptimizer:
     """Build `config.optimizer.name` from `OPTIMIZERS`, told where `params` live if given.
 
@@ -359,19 +373,29 @@ def build_optimizer(config: TrainConfig, params: Any = None) -> TrainOptimizer:
     Newton-Schulz over the devices by whole matrices); the state it initialises is the
     same either way.
 
-    With `rounding` other than "none", the stack is followed by that rounding transform
-    (seeded with `seed`; stacks that round themselves place it inside), so bf16 params
-    land on stochastically (or dithered-) rounded values; float32 params pass through it
-    unchanged.
+    With `qk_clip_tau` > 0 the stack is followed by QK-clip (`qk_clip`), which then sees
+    the whole update, Snoo's outer step included. With `rounding` other than "none", the
+    stack (and clip) is followed by that rounding transform (seeded with `seed`), so bf16
+    params land on stochastically (or dithered-) rounded values of the clipped weights;
+    float32 params pass through it unchanged. Stacks that round themselves place it
+    inside; QK-clip after them leaves the clipped heads' bf16 weights rounded to nearest.
 
     Raises:
-      ValueError: for an unknown name, listing the registry; for bad optimizer values.
+      ValueError: for an unknown name, listing the registry; for bad optimizer values;
+        `qk_clip_tau` with an optimizer that computes its own gradients (K-FAC).
     """
-    spec = get_builder(config.optimizer.name)(config)
+    name = config.optimizer.name
+    spec = get_builder(name)(config)
     if params is not None and spec.for_params is not None:
         spec = spec.for_params(params)
-    rounding_tx = rounding(config)
-    tx = spec.tx
+    tx, clip_tx, rounding_tx = spec.tx, qk_clip(config), rounding(config)
+    if clip_tx is not None:
+        if spec.grad_fn is not None:
+            raise ValueError(f"qk_clip_tau={config.optimizer.qk_clip_tau}: not supported with "
+                             f"--optimizer={name}, whose own gradient function does not "
+                             "measure attention logits; use --qk_clip_tau=0")
+        tx = optax.chain(tx, clip_tx)
+        spec = dataclasses.replace(spec, max_logits=True)
     if rounding_tx is not None and not spec.rounds_itself:
         tx = optax.chain(tx, rounding_tx)
     return dataclasses.replace(spec, tx=optax.with_extra_args_support(tx))

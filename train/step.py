@@ -24,6 +24,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -106,22 +107,54 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
 
 
-def _plain_grad_fn(model: ModelDef, params: Any) -> Callable[..., Any]:
-    """`(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux)), (grads, {}))`."""
+#: Update arguments of a `grad_fn` combined over the micro-batches by their maximum (the
+#: others are averaged): a logit bound must hold on every micro-batch.
+MAXED_OVER_MICRO_BATCHES = frozenset({"max_logits"})
+
+
+def _plain_grad_fn(model: ModelDef, params: Any, *, max_logits: bool = False
+                   ) -> Callable[..., Any]:
+    """`(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux)), (grads, args))`:
+    `args` is `{}`, or with `max_logits` `{"max_logits": {layer: (n_head,)}}` from the
+    same forward pass (QK-clip's measurement)."""
 
     def loss_fn(params, inputs_BT, targets_BT, key):
-        logits_BTV, aux_loss, _ = models.forward(model.merge(params), inputs_BT,
-                                                 dropout_key=key)
+        logits_BTV, aux_loss, layer_max_logits = models.forward(
+            model.merge(params), inputs_BT, dropout_key=key, max_logits=max_logits)
         ce = cross_entropy(logits_BTV, targets_BT)
-        return ce + aux_loss, (ce, aux_loss)
+        return ce + aux_loss, (ce, aux_loss, layer_max_logits)
 
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
     def grad_fn(params, inputs_BT, targets_BT, key, step):
-        out, grads = value_and_grad(params, inputs_BT, targets_BT, key)
-        return out, (grads, {})
+        (loss, (ce, aux_loss, layer_max_logits)), grads = value_and_grad(
+            params, inputs_BT, targets_BT, key)
+        update_args = {} if layer_max_logits is None else {"max_logits": layer_max_logits}
+        return (loss, (ce, aux_loss)), (grads, update_args)
 
     return grad_fn
+
+
+def _accumulate(total: dict, update_args: dict) -> dict:
+    """One more micro-batch's update arguments: a max for `MAXED_OVER_MICRO_BATCHES`, else
+    a sum (divided by the count at the end)."""
+    return {name: jax.tree.map(jnp.maximum if name in MAXED_OVER_MICRO_BATCHES else jnp.add,
+                               total[name], value) for name, value in update_args.items()}
+
+
+def _accumulator(shapes: dict) -> dict:
+    """The start of `_accumulate`: `-inf` for a maximum, 0 for a sum (float32)."""
+    def start(name: str, shape: jax.ShapeDtypeStruct) -> jax.Array:
+        fill = -jnp.inf if name in MAXED_OVER_MICRO_BATCHES else 0.0
+        return jnp.full(shape.shape, fill, jnp.float32)
+
+    return {name: jax.tree.map(functools.partial(start, name), value)
+            for name, value in shapes.items()}
+
+
+def _finish_accumulation(total: dict, count: int) -> dict:
+    return {name: value if name in MAXED_OVER_MICRO_BATCHES else
+            jax.tree.map(lambda x: x / count, value) for name, value in total.items()}
 
 
 def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
@@ -144,17 +177,21 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
     `hints` are static keyword arguments of `tx.update`, `optimizer.update_kwargs(step)`
     on the host (Snoo's `snoo_sync`; one program is compiled per distinct value). With
     accumulation, the gradients and `grad_fn`'s update arguments are averaged over the
-    micro-batches (each with its own dropout key).
+    micro-batches (each with its own dropout key), except those of
+    `MAXED_OVER_MICRO_BATCHES` (QK-clip's `max_logits`), whose maximum is taken.
 
     Returns:
       The jitted step, returning `(state, metrics)` with float32 scalars `loss` (mean
       cross-entropy over all micro-batches), `aux_loss` (MoE, already scaled; it is added
       to the differentiated loss), `grad_norm` (before clipping) and `lr` (the main
       group's applied lr at this update), `skipped`, `bad_steps` and `skipped_steps`
-      unless `max_bad_steps` is `None`, and `observed`.
+      unless `max_bad_steps` is `None`, and `observed`; with `optimizer.max_logits`
+      (QK-clip) also `max_logit`, the largest attention logit of the step (before the
+      clip).
     """
     tx, lr_schedule = optimizer.tx, optimizer.learning_rate
-    make_grad_fn = optimizer.grad_fn or _plain_grad_fn
+    make_grad_fn = optimizer.grad_fn or functools.partial(_plain_grad_fn,
+                                                          max_logits=optimizer.max_logits)
     use_dropout = model.config.dropout > 0
 
     def train_step(state, inputs_ABT, targets_ABT, hints):
@@ -172,15 +209,19 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
                 inputs_BT, targets_BT, a = batch
                 (_, (ce, aux_loss)), grads_and_args = grad_fn(
                     params, inputs_BT, targets_BT, key_of(a), state["step"])
-                return jax.tree.map(jnp.add, total, grads_and_args), (ce, aux_loss)
+                grads, update_args = grads_and_args
+                total = (jax.tree.map(jnp.add, total[0], grads),
+                         _accumulate(total[1], update_args))
+                return total, (ce, aux_loss)
 
-            shapes = jax.eval_shape(grad_fn, params, inputs_ABT[0], targets_ABT[0], key_of(0),
-                                    state["step"])[1]
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+            grad_shapes, args_shapes = jax.eval_shape(
+                grad_fn, params, inputs_ABT[0], targets_ABT[0], key_of(0), state["step"])[1]
+            zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grad_shapes),
+                     _accumulator(args_shapes))
             (grads, update_args), (ce_A, aux_A) = jax.lax.scan(
                 micro_step, zeros, (inputs_ABT, targets_ABT, jnp.arange(A)))
             grads = jax.tree.map(lambda g, p: (g / A).astype(p.dtype), grads, params)
-            update_args = jax.tree.map(lambda c: c / A, update_args)
+            update_args = _finish_accumulation(update_args, A)
             ce, aux_loss = ce_A.mean(), aux_A.mean()
         extra = {**dict(hints), **update_args}
 
@@ -191,6 +232,9 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
 
         metrics = {"loss": ce, "aux_loss": aux_loss, "grad_norm": optax.tree.norm(grads),
                    "lr": jnp.asarray(lr_schedule(state["step"]), jnp.float32)}
+        if "max_logits" in update_args:
+            metrics["max_logit"] = jnp.max(jnp.stack(
+                [jnp.max(m) for m in jax.tree.leaves(update_args["max_logits"])]))
         if max_bad_steps is None:
             new_state = update(state)
         else:
