@@ -444,6 +444,16 @@ def test_config_mismatch_message():
         check_compatible(saved, {**saved, "n_layer": 6, "optimizer": "adamw"})
 
 
+def test_a_key_added_since_the_checkpoint_compares_at_its_default():
+    """A checkpoint written before a key existed trained at the key's default: it resumes
+    at that default and refuses any other value."""
+    current = tc.flat_dict(tc.TrainConfig())
+    older = {k: v for k, v in current.items() if k not in ("qk_clip_tau", "muon_beta2")}
+    check_compatible(older, current)
+    with pytest.raises(ValueError, match="qk_clip_tau: checkpoint has 0.0, this run has 50.0"):
+        check_compatible(older, {**current, "qk_clip_tau": 50.0})
+
+
 # ----------------------------------------------------------------------------- data
 
 

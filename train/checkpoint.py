@@ -45,7 +45,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from train.config import group_fields
+from train.config import TrainConfig, flat_dict, group_fields
 
 __all__ = ["CheckpointSaveError", "CheckpointWarning", "Checkpointer", "check_compatible",
            "saved_tokenizer"]
@@ -63,8 +63,11 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], *,
                      groups: Iterable[str] = ("model", "optimizer"), where: str = "") -> None:
     """Raise if the saved and current configs differ in any field of `groups`.
 
+    A key the saved config lacks (added since it was written) is compared at its
+    default, which is how that run trained.
+
     Args:
-      saved: config dict stored in a checkpoint.
+      saved: flat config dict stored in a checkpoint.
       current: config dict of this run.
       groups: config groups that must match (`train.config.GROUPS`).
       where: the checkpoint's location, for the message.
@@ -72,10 +75,11 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], *,
     Raises:
       ValueError: listing every differing key with both values (on one line).
     """
-    diffs = [f"{key}: checkpoint has {saved.get(key, '<missing>')!r}, this run has "
-             f"{current.get(key)!r}"
+    # A key the checkpoint's version did not have yet ran at its default.
+    saved = {**flat_dict(TrainConfig()), **saved}
+    diffs = [f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
              for group in groups for key in group_fields(group)
-             if saved.get(key, "<missing>") != current.get(key)]
+             if saved.get(key) != current.get(key)]
     if diffs:
         location = f" in {where}" if where else ""
         raise ValueError(f"cannot resume from the checkpoint{location}: its config differs "
