@@ -109,7 +109,7 @@ class RefMuon:
     def __init__(self, params, labels, *, lr, beta, triples, nesterov=True,
                  bias_correction=False, wd=0.0, wd_mul=None, smoothing=None,
                  smoothing_form="ema", adam_lr=None, b1=0.9, b2=0.999, eps=1e-8, adam_wd=0.0,
-                 shape_scale="modded"):
+                 shape_scale="modded", beta2=None, cautious=False):
         self.p = {k: np.asarray(v, np.float64) for k, v in params.items()}
         self.labels, self.triples = labels, triples
         self.lr, self.beta = const(lr), const(beta)
@@ -119,6 +119,8 @@ class RefMuon:
         self.wd, self.wd_mul = wd, wd_mul or {}
         self.b1, self.b2, self.eps, self.adam_wd = b1, b2, eps, adam_wd
         self.shape_scale = shape_scale
+        self.beta2, self.cautious = None if beta2 is None else const(beta2), cautious
+        self.nu = {}
         self.m = {k: np.zeros_like(v) for k, v in self.p.items()}
         self.v = {k: np.zeros_like(v) for k, v in self.p.items()}
         self.s = {k: np.zeros_like(v) for k, v in self.p.items()}
@@ -139,6 +141,8 @@ class RefMuon:
                 else:
                     v = beta * self.m[k] + (1 - beta) * g if self.nesterov else self.m[k]
                 o = ref_ns(v, self.triples)
+                if self.beta2 is not None:
+                    o = self.normuon(k, o, self.beta2(t))
                 if self.sigma is not None:
                     sigma = self.sigma(t)
                     self.s[k] = sigma * self.s[k] + (1 - sigma) * o
@@ -147,18 +151,37 @@ class RefMuon:
                 lr, wd = self.lr(t), self.wd * self.wd_mul.get(k, 1.0)
                 scale = (np.sqrt(max(1.0, fan_out / fan_in)) if self.shape_scale == "modded"
                          else 0.2 * np.sqrt(max(fan_in, fan_out)))  # Moonlight's
-                new = p * (1 - lr * wd) - lr * scale * o
+                new = p * (1 - lr * wd * self.decays(o, p)) - lr * scale * o
             else:
                 self.m[k] = self.b1 * self.m[k] + (1 - self.b1) * g
                 self.v[k] = self.b2 * self.v[k] + (1 - self.b2) * g * g
                 mhat = self.m[k] / (1 - self.b1 ** (t + 1))
                 vhat = self.v[k] / (1 - self.b2 ** (t + 1))
                 lr = self.adam_lr(t)
-                new = p - lr * (mhat / (np.sqrt(vhat) + self.eps) + self.adam_wd * p)
+                u = mhat / (np.sqrt(vhat) + self.eps)
+                new = p - lr * (u + self.adam_wd * self.decays(u, p) * p)
             updates[k] = new - p
             self.p[k] = new
         self.t += 1
         return updates
+
+    def decays(self, u, p):
+        """Where the decay applies: everywhere, or (cautious, Chen et al. 2025 and the
+        record's `_cautious_wd_and_update_inplace`) where update and weight agree in sign."""
+        return (u * p >= 0).astype(np.float64) if self.cautious else 1.0
+
+    def normuon(self, k, o, beta2):
+        """The record's `_apply_normuon_variance_reduction`, on its (out, in) layout: our
+        (..., in, out) matrices transposed, the mean square over the last axis when rows >=
+        cols, else over the second to last; the EMA; divided by its root (floor 1e-10);
+        rescaled to the Frobenius norm it had."""
+        m = np.swapaxes(o, -1, -2)
+        red = -1 if m.shape[-2] >= m.shape[-1] else -2
+        q = np.mean(m * m, axis=red, keepdims=True)
+        self.nu[k] = beta2 * self.nu.get(k, np.zeros_like(q)) + (1 - beta2) * q
+        d = m / np.sqrt(np.maximum(self.nu[k], 1e-10))
+        norm = lambda x: np.sqrt(np.sum(x * x, axis=(-2, -1), keepdims=True))
+        return np.swapaxes(d * norm(m) / np.maximum(norm(d), 1e-10), -1, -2)
 
 
 def normal(shape, seed, scale=1.0):
@@ -265,6 +288,68 @@ def test_trajectory_matches_float64_reference(name):
         assert 0 < err / adam_scale[k] < 3e-5, (name, k, err / adam_scale[k])
     for k, p in params.items():
         np.testing.assert_allclose(np.asarray(p, np.float64), ref.p[k], rtol=1e-5, atol=1e-5)
+
+
+# Every shape NorMuon treats differently: wide, tall, square (reduced over fan_in), and a
+# stack of wide matrices.
+NORMUON_PARAMS = {"wq": PARAMS["wq"], "mlp_proj": PARAMS["mlp_proj"],
+                  "attn_o": normal((12, 12), seed=6, scale=0.1), "experts": PARAMS["experts"],
+                  "norm": PARAMS["norm"]}
+NORMUON_CONFIGS = {
+    "normuon": dict(
+        ours=dict(learning_rate=0.02, beta=0.95, beta2=0.95, weight_decay=0.01,
+                  adam_learning_rate=3e-3),
+        ref=dict(lr=0.02, beta=0.95, triples=MODDED, beta2=0.95, wd=0.01, adam_lr=3e-3)),
+    "normuon_cautious_schedules": dict(
+        ours=dict(learning_rate=lambda t: 0.03 * cooldown(STEPS, xp=jnp)(t),
+                  beta=muon_momentum_warmup(0.85, 0.95, 50),
+                  beta2=optax.linear_schedule(0.8, 0.95, 40), coefficients="polar_express",
+                  weight_decay=0.05, adam_weight_decay=0.1, cautious_weight_decay=True),
+        ref=dict(lr=lambda t: 0.03 * cooldown(STEPS)(t),
+                 beta=lambda t: 0.85 + 0.10 * min(t / 50, 1), triples=PE_FOLDED,
+                 beta2=lambda t: 0.8 + 0.15 * min(t / 40, 1), wd=0.05, adam_wd=0.1,
+                 cautious=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMUON_CONFIGS))
+def test_normuon_trajectory_matches_float64_reference(name):
+    """NorMuon (and cautious decay on both groups) against the record's formulas in float64,
+    100 steps, on wide, tall, square and stacked matrices."""
+    cfg, labels = NORMUON_CONFIGS[name], ndim_labels(NORMUON_PARAMS)
+    tx = muon(ns_dtype=F32, labels=labels, **cfg["ours"])
+    ref = RefMuon(NORMUON_PARAMS, labels, **cfg["ref"])
+    update = jax.jit(tx.update)
+    params, state = NORMUON_PARAMS, tx.init(NORMUON_PARAMS)
+    for t in range(STEPS):
+        grads = normal_tree(NORMUON_PARAMS, t)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        expected = ref.step(grads)
+        for k in ("wq", "mlp_proj", "attn_o", "experts"):
+            err = np.max(np.abs(np.asarray(updates[k], np.float64) - expected[k]))
+            assert err / np.max(np.abs(expected[k])) < 1e-5, (name, t, k)
+    for k, p in params.items():
+        np.testing.assert_allclose(np.asarray(p, np.float64), ref.p[k], rtol=1e-5, atol=1e-5)
+    nu = state.inner_states["muon"].inner_state[0].nu
+    assert nu["wq"].shape == (1, 16) and nu["mlp_proj"].shape == (16, 1)
+    assert nu["attn_o"].shape == (1, 12) and nu["experts"].shape == (2, 1, 12)
+
+
+def test_normuon_keeps_the_frobenius_norm_and_evens_the_neurons():
+    """Properties: the update's Frobenius norm is the orthogonalised one's, and a matrix
+    whose orthogonalised rows differ in size comes out with rows of equal RMS at step 0."""
+    w = normal((8, 32), seed=7)
+    g = w * jnp.linspace(0.1, 3.0, 32)[None, :]  # columns (the longer axis) of unequal size
+    plain, _ = first_update(scale_by_muon(0.9, ns_dtype=F32, shape_scale=None), {"w": g})
+    normed, state = first_update(scale_by_muon(0.9, ns_dtype=F32, shape_scale=None,
+                                               beta2=0.5), {"w": g})
+    np.testing.assert_allclose(np.linalg.norm(normed["w"]), np.linalg.norm(plain["w"]),
+                               rtol=1e-5)
+    col_rms = np.sqrt(np.mean(np.square(np.asarray(normed["w"])), axis=0))
+    np.testing.assert_allclose(col_rms, col_rms.mean(), rtol=1e-4)
+    assert np.std(np.sqrt(np.mean(np.square(np.asarray(plain["w"])), axis=0))) > 1e-3
+    assert state.nu["w"].shape == (1, 32)
 
 
 # ----------------------------------------------------------------------------------------
