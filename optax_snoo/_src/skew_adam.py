@@ -45,7 +45,7 @@ import optax
 
 from optax_snoo._src import rounding as rounding_lib
 from optax_snoo._src.labels import describe, label_by_rules
-from optax_snoo._src.utils import concrete_real
+from optax_snoo._src.utils import check_non_negative, check_positive, check_unit_interval
 
 BACKBONE = "backbone"
 EXPERTS = "experts"
@@ -366,23 +366,17 @@ def _check_not_schedule(name: str, value: Any) -> None:
 
 def _check_decay(name: str, value: Any) -> None:
     _check_not_schedule(name, value)
-    v = concrete_real(value)
-    if v is not None and not 0 <= v < 1:
-        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    check_unit_interval(name, value)
 
 
 def _check_eps(eps: Any) -> None:
     _check_not_schedule("eps", eps)
-    v = concrete_real(eps)
-    if v is not None and not v > 0:
-        raise ValueError(f"eps must be > 0 (a clamp on the squared quantity), got {eps}")
+    check_positive("eps (a clamp on the squared quantity)", eps)
 
 
 def _check_clip(clip_threshold: Any) -> None:
     _check_not_schedule("clip_threshold", clip_threshold)
-    v = concrete_real(clip_threshold)
-    if v is not None and not v > 0:
-        raise ValueError(f"clip_threshold must be > 0 or None, got {clip_threshold}")
+    check_positive("clip_threshold", clip_threshold, allow_none=True)
 
 
 def _check_params(params: Any, name: str) -> None:
@@ -675,12 +669,8 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
       N. Malik, `Where Should Optimizer State Live? Tiered State Allocation for
       Memory-Efficient Mixture-of-Experts Training <https://arxiv.org/abs/2607.19058>`_, 2026.
     """
-    lr = concrete_real(learning_rate)
-    if lr is not None and not lr >= 0:
-        raise ValueError(f"learning_rate must be >= 0 or a schedule, got {learning_rate}")
-    wd = concrete_real(weight_decay)
-    if wd is not None and not wd >= 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    check_non_negative("learning_rate", learning_rate)
+    check_non_negative("weight_decay", weight_decay)
     _check_clip(clip_threshold)
     table = resolve_policies(policies, roles)
     labels = role_labeller(roles, table)
