@@ -16,14 +16,10 @@ import jax.numpy as jnp
 import optax
 
 from optax_snoo._src.labels import label_by_rules, muon_adam_labels, partition
-from optax_snoo._src.muon import (
-    Coefficients,
-    add_decoupled_weight_decay,
-    muon_momentum_warmup,
-    scale_by_muon,
-)
+from optax_snoo._src.muon import Coefficients, muon_momentum_warmup, scale_by_muon
 from optax_snoo._src.snoo import snoo
 from optax_snoo._src.utils import check_int_at_least, check_non_negative, is_real, path_to_str
+from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
 __all__ = [
     "RECORD_ADAM_GROUPS",

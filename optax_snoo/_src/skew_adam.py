@@ -19,8 +19,8 @@ The pieces are public on their own:
 - `scale_by_skew_adam`: the same denominator with an fp32 first moment:
   `m·sqrt(1-β2^t)/(1-β1^t)/den` (without momentum it is `scale_by_second_moment`).
 - `skew_adam`: `optax.partition` over roles of `scale_by_skew_adam` (with its per-tensor
-  RMS clipping, i.e. `optax.clip_by_block_rms` fused in) -> `optax.add_decayed_weights`
-  (`wd·p` in float32) ->
+  RMS clipping, i.e. `optax.clip_by_block_rms` fused in) ->
+  `optax_snoo.add_decoupled_weight_decay` (`wd·p` in float32) ->
   `optax.scale_by_learning_rate`, followed by a cast to the parameter dtype or by a
   rounding transform (`optax_snoo.rounding`).
 
@@ -46,6 +46,7 @@ import optax
 from optax_snoo._src import rounding as rounding_lib
 from optax_snoo._src.labels import describe, label_by_rules
 from optax_snoo._src.utils import check_non_negative, check_positive, check_unit_interval
+from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
 BACKBONE = "backbone"
 EXPERTS = "experts"
@@ -576,21 +577,6 @@ def cast_to_param_dtype() -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def _add_decayed_weights(weight_decay: optax.ScalarOrSchedule
-                         ) -> optax.GradientTransformation:
-    """`optax.add_decayed_weights` (same state) with `wd·p` formed in the update dtype:
-    optax multiplies in the param dtype, so for bf16 params `wd·p` was rounded to bf16
-    (a relative error up to 2^-9 of the decay term) before joining the float32 update."""
-    inner = optax.add_decayed_weights(weight_decay)
-
-    def update_fn(updates, state, params=None):
-        if params is not None:
-            params = jax.tree.map(lambda u, p: p.astype(u.dtype), updates, params)
-        return inner.update(updates, state, params)
-
-    return optax.GradientTransformation(inner.init, update_fn)
-
-
 def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
               b2: float = 0.999, eps: float = 1e-8,
               weight_decay: optax.ScalarOrSchedule = 0.05, *,
@@ -613,8 +599,8 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
     router    no        full                                   no
     ========  ========  =====================================  ============
 
-    Per role this is `optax.partition` of
-    `scale_by_skew_adam(clip_threshold=...) -> add_decayed_weights -> scale_by_learning_rate`
+    Per role this is `optax.partition` of `scale_by_skew_adam(clip_threshold=...) ->
+    add_decoupled_weight_decay -> scale_by_learning_rate`
     (the clipping equals a following `optax.clip_by_block_rms(clip_threshold)`), i.e.
     `u = u / max(1, RMS(u)/clip_threshold)` per tensor,
     then `p <- p - lr·(u + wd·p) = p(1 - lr·wd) - lr·u`. All arithmetic is in the role's
@@ -681,7 +667,7 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
                                     factored=policy.factored, stats_dtype=policy.stats_dtype,
                                     clip_threshold=clip_threshold)]
         if policy.weight_decay:
-            parts.append(_add_decayed_weights(weight_decay))
+            parts.append(add_decoupled_weight_decay(weight_decay))
         parts.append(optax.scale_by_learning_rate(learning_rate))
         groups[role] = optax.chain(*parts)
     return optax.chain(optax.partition(groups, labels), _resolve_rounding(rounding))
