@@ -23,11 +23,8 @@ The pieces are public on their own:
   `optax_snoo.add_decoupled_weight_decay` (`wd·p` in float32) ->
   `optax.scale_by_learning_rate`, followed by a cast to the parameter dtype or by a
   rounding transform (`optax_snoo.rounding`).
-
-Speed: every parameter-sized array is touched only by multiplications and one sum per
-reduction, each over its own `optimization_barrier` copy of the inputs, so XLA keeps no
-parameter-sized temporary (on XLA:CPU a fresh, page-faulted buffer on every step).
 """
+# No parameter-sized temporaries, for speed: docs/design.md, "Implementation notes".
 
 from __future__ import annotations
 
@@ -294,15 +291,11 @@ def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: A
     `(v_row, v_col, v)`.
 
     `1/den` is `(1/row, 1/col)` (vectors; `1/den` is their outer product) when factored,
-    else `(1/sqrt(max(v, eps)),)` (stored: a division or `rsqrt` inside XLA:CPU's
-    reductions costs more than reading it). Each reduction reads its own
-    `optimization_barrier` copy of `g`: XLA would otherwise merge the `g*g` of the row and
-    column means into one shared, parameter-sized temporary (on XLA:CPU a fresh buffer on
-    every step).
+    else `(1/sqrt(max(v, eps)),)`.
     """
+    # Barrier copies of g keep g*g unshared: docs/design.md, "Implementation notes".
     if isinstance(v, optax.MaskedNode):
         g_col = jax.lax.optimization_barrier(g)
-        # The column sums as a contraction: on XLA:CPU no slower than a reduce over -2.
         col_sum = jnp.einsum("...rc,...rc->...c", g_col, g_col,
                              precision=jax.lax.Precision.HIGHEST)
         v_row = b2 * v_row + (1 - b2) * jnp.mean(g * g, axis=-1)
@@ -321,8 +314,7 @@ def _clip_scale(x: jax.Array, inv_den: tuple[jax.Array, ...], scale: jax.Array,
 
     The sum reads `optimization_barrier` copies of its inputs, so it shares (and
     materialises) nothing with the update. Factored, it sums over rows first,
-    `Σ_j col_j⁻² Σ_i (x_ij / row_i)²`: one broadcast per element instead of two, the
-    cheaper reduction on XLA:CPU.
+    `Σ_j col_j⁻² Σ_i (x_ij / row_i)²`: one broadcast per element instead of two.
     """
     if clip_threshold is None:
         return scale
