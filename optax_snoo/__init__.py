@@ -12,7 +12,6 @@ from optax_snoo._src.muon import (
     COEFFICIENT_PRESETS,
     POLAR_EXPRESS_COEFFICIENTS,
     MuonState,
-    add_decoupled_weight_decay,
     muon,
     muon_momentum_warmup,
     normuon,
@@ -39,6 +38,7 @@ from optax_snoo._src.skew_adam import (
     skew_adam_roles,
 )
 from optax_snoo._src.snoo import SnooState, skip_update, snoo, snoo_is_sync_step
+from optax_snoo._src.weight_decay import DecoupledWeightDecayState, add_decoupled_weight_decay
 
 __version__ = "0.1.0"
 
@@ -48,6 +48,7 @@ __all__ = [
     "DEFAULT_ROLE_RULES",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLICY_PRESETS",
+    "DecoupledWeightDecayState",
     "MuonState",
     "NewtonSchulzPlan",
     "QKHeads",

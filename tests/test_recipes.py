@@ -28,7 +28,8 @@ def test_stable_cooldown_matches_spec(cooldown_frac, final):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"total_steps": 0}, "total_steps must be an integer >= 1"),
+    ({"total_steps": 0}, "total_steps must be an int >= 1, got 0"),
+    ({"total_steps": True}, "total_steps must be an int >= 1, got True"),
     ({"cooldown_frac": 0.0}, r"cooldown_frac must be in \(0, 1\]"),
     ({"final_lr_scale": 2.0}, r"final_lr_scale must be in \[0, 1\]"),
 ])
@@ -214,7 +215,8 @@ def test_snoo_muon_with_one_adam_lr_is_snoo_around_muon():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"muon_learning_rate": -1.0}, "muon_learning_rate must be >= 0, got -1.0"),
+    ({"muon_learning_rate": -1.0}, r"muon_learning_rate must be >= 0 \(a float or a schedule\), "
+                                   "got -1.0"),
     ({"adam_learning_rate": ()}, "at least one"),
     ({"adam_learning_rate": ((".*", -0.1),)}, r"adam_learning_rate\[0\] must be >= 0"),
 ])

@@ -263,9 +263,11 @@ def test_bf16_params_keep_fp32_slow_weights():
 
 # ---------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs, match", [
-    ({"k": 0}, "k must be an integer >= 1, got 0"),
-    ({"k": 2.5}, "k must be an integer >= 1, got 2.5"),
-    ({"learning_rate": -0.1}, "learning_rate must be >= 0, got -0.1"),
+    ({"k": 0}, "snoo: k must be an int >= 1, got 0"),
+    ({"k": 2.5}, "snoo: k must be an int >= 1, got 2.5"),
+    ({"learning_rate": -0.1}, r"snoo: learning_rate must be >= 0 \(a float or a schedule\), "
+                              "got -0.1"),
+    ({"learning_rate": jnp.asarray(-0.1)}, "snoo: learning_rate must be >= 0"),
     ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1.0"),
     ({"momentum": -0.2}, r"momentum must be in \[0, 1\), got -0.2"),
 ])

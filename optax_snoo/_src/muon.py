@@ -56,9 +56,9 @@ from optax_snoo._src.utils import (
     check_int_at_least,
     check_non_negative,
     check_unit_interval,
-    is_real,
     path_to_str,
 )
+from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
 Triples = tuple[tuple[float, float, float], ...]
 Coefficients = str | Sequence[Sequence[float]]
@@ -675,72 +675,6 @@ def normuon(learning_rate: optax.ScalarOrSchedule, *,
     return muon(learning_rate, beta2=beta2, **kwargs)
 
 
-def add_decoupled_weight_decay(
-    weight_decay: jax.typing.ArrayLike,
-    multiplier: optax.Params | Callable[[optax.Params], Any] | None = None,
-) -> optax.GradientTransformation:
-    r"""Add ``weight_decay * multiplier * p`` to each update, with a per-leaf multiplier.
-
-    Put it before ``optax.scale_by_learning_rate(lr)`` so that the decay is multiplied by
-    the (scheduled) learning rate, as in modded-nanogpt's Muon:
-    ``p ← p (1 - lr·wd·wd_mul) - lr·u``. Unlike ``optax.add_decayed_weights``
-    it takes a per-leaf factor (the record's ``wd_mul``: 2.0 on MLP weights) and skips
-    ``optax.MaskedNode`` leaves, so it works inside ``optax.partition``/``optax.masked``.
-    The sum is formed in float32 and cast back to the update dtype.
-
-    Args:
-      weight_decay: decay rate (float >= 0, or a traced array under
-        ``optax.inject_hyperparams``); a Python 0 makes the transform a no-op that needs
-        no params.
-      multiplier: per-leaf factors: a tree of floats with the params' structure, or a
-        callable ``params -> tree`` (it sees the params it is given, e.g. with
-        ``optax.MaskedNode`` on leaves masked out); ``None`` means 1.0 everywhere.
-
-    Returns:
-      A stateless ``optax.GradientTransformation``; ``update`` needs ``params``.
-
-    Example:
-      >>> import jax.numpy as jnp, optax
-      >>> from optax_snoo import add_decoupled_weight_decay
-      >>> params = {"mlp": jnp.ones((2, 2)), "attn": jnp.ones((2, 2))}
-      >>> tx = add_decoupled_weight_decay(0.01, {"mlp": 2.0, "attn": 1.0})
-      >>> updates, _ = tx.update(optax.tree.zeros_like(params), tx.init(params), params)
-      >>> round(float(updates["mlp"][0, 0]), 6), round(float(updates["attn"][0, 0]), 6)
-      (0.02, 0.01)
-
-    References:
-      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
-      <https://arxiv.org/abs/1711.05101>`_, 2019
-
-      Jordan, `modded-nanogpt: Speedrunning the NanoGPT baseline
-      <https://github.com/KellerJordan/modded-nanogpt>`_, 2024
-    """
-    check_non_negative("weight_decay", weight_decay)
-
-    def update_fn(updates: optax.Updates, state: optax.EmptyState,
-                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
-        if is_real(weight_decay) and weight_decay == 0:
-            return updates, state
-        if params is None:
-            raise ValueError(
-                f"Muon weight decay ({weight_decay!r}) needs the current params: pass "
-                "`params` to `update`.")
-        mul = multiplier(params) if callable(multiplier) else multiplier
-        if mul is None:
-            mul = jax.tree.map(lambda _: 1.0, params)
-        is_masked = lambda x: isinstance(x, optax.MaskedNode)
-
-        def decay(u: jax.Array, p: jax.Array, w: jax.typing.ArrayLike) -> jax.Array:
-            if is_masked(u):
-                return u
-            wd = weight_decay * jnp.asarray(w, jnp.float32)
-            return (u.astype(jnp.float32) + wd * p.astype(jnp.float32)).astype(u.dtype)
-
-        return jax.tree.map(decay, updates, params, mul, is_leaf=is_masked), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
-
-
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -765,6 +699,7 @@ def muon(
     adam_eps: float = 1e-8,
     adam_weight_decay: float = 0.0,
     adam_nesterov: bool = False,
+    cautious_weight_decay: bool = False,
     labels: Any | Callable[[optax.Params], Any] | None = None,
 ) -> optax.GradientTransformation:
     r"""Muon on matrices and matrix stacks, AdamW on every other leaf.
@@ -775,8 +710,16 @@ def muon(
       scale_by_learning_rate(learning_rate))``, i.e.
       ``p ← p (1 - lr·wd·wd_mul) - lr·s(fan_in, fan_out)·O`` with the shape scale ``s``
       of `scale_by_muon` (``sqrt(max(1, fan_out/fan_in))`` by default);
-    - ``"adam"``: ``optax.adamw(adam_learning_rate, adam_b1, adam_b2, adam_eps,
-      weight_decay=adam_weight_decay, nesterov=adam_nesterov)``.
+    - ``"adam"``: ``chain(optax.scale_by_adam(adam_b1, adam_b2, adam_eps,
+      nesterov=adam_nesterov), decoupled weight decay,
+      scale_by_learning_rate(adam_learning_rate))``: the numbers and the state tree of
+      ``optax.adamw(adam_learning_rate, adam_b1, adam_b2, adam_eps,
+      weight_decay=adam_weight_decay, nesterov=adam_nesterov)`` for float32 params (for
+      bf16 params ``wd·p`` is formed in float32, see `add_decoupled_weight_decay`).
+
+    Both decays are `add_decoupled_weight_decay`; with ``cautious_weight_decay=True``
+    both decay only where the update and the weight agree in sign (Chen et al., as in
+    modded-nanogpt's current record).
 
     Labels default to ``optax_snoo.labels.muon_adam_labels`` (hidden matrices and stacks to
     Muon; embeddings, head, norms, biases, scalars to Adam).
@@ -816,6 +759,9 @@ def muon(
       adam_weight_decay: AdamW decoupled weight decay.
       adam_nesterov: Nesterov momentum in the AdamW group (``optax.adamw(nesterov=)``);
         ``optax.contrib.muon(nesterov=True)`` does this, the record does not.
+      cautious_weight_decay: in both groups, decay only the entries where the update
+        (before the learning rate) and the weight agree in sign,
+        ``u + wd·mul·p·[u·p >= 0]``; see `add_decoupled_weight_decay`.
       labels: a tree of ``"muon"``/``"adam"`` strings with the params' structure, or a
         callable ``params -> tree``; overrides the default labelling.
 
@@ -858,11 +804,15 @@ def muon(
             smoothing_form=smoothing_form, shape_scale=shape_scale, beta2=beta2,
             shard_newton_schulz=shard_newton_schulz, newton_schulz_plan=newton_schulz_plan,
             mesh=mesh),
-        add_decoupled_weight_decay(weight_decay, weight_decay_multiplier),
+        add_decoupled_weight_decay(weight_decay, weight_decay_multiplier,
+                                   cautious=cautious_weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
-    adam_tx = optax.adamw(
-        learning_rate if adam_learning_rate is None else adam_learning_rate,
-        b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=adam_weight_decay,
-        nesterov=adam_nesterov)
+    # optax.adamw's chain (same state tree) with our decay, which can be cautious.
+    adam_tx = optax.chain(
+        optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps, nesterov=adam_nesterov),
+        add_decoupled_weight_decay(adam_weight_decay, cautious=cautious_weight_decay),
+        optax.scale_by_learning_rate(
+            learning_rate if adam_learning_rate is None else adam_learning_rate),
+    )
     return optax.partition({"muon": muon_tx, "adam": adam_tx}, labels)

@@ -16,15 +16,11 @@ import jax.numpy as jnp
 import optax
 
 from optax_snoo._src.labels import label_by_rules, muon_adam_labels, partition
-from optax_snoo._src.muon import (
-    Coefficients,
-    add_decoupled_weight_decay,
-    muon_momentum_warmup,
-    scale_by_muon,
-)
+from optax_snoo._src.muon import Coefficients, muon_momentum_warmup, scale_by_muon
 from optax_snoo._src.muon_sharding import NewtonSchulzPlan
 from optax_snoo._src.snoo import snoo
-from optax_snoo._src.utils import is_real, path_to_str
+from optax_snoo._src.utils import check_int_at_least, check_non_negative, is_real, path_to_str
+from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
 __all__ = [
     "RECORD_ADAM_GROUPS",
@@ -105,8 +101,7 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
     References:
       Jordan et al, `modded-nanogpt <https://github.com/KellerJordan/modded-nanogpt>`_, 2025.
     """
-    if not (isinstance(total_steps, int) and total_steps >= 1):
-        raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
+    check_int_at_least("total_steps", total_steps, 1)
     if not 0 < cooldown_frac <= 1:
         raise ValueError(f"cooldown_frac must be in (0, 1], got {cooldown_frac!r}")
     if not 0 <= final_lr_scale <= 1:
@@ -224,8 +219,7 @@ def snoo_muon(
              **({"adam_learning_rate": adam_learning_rate} if groups is None else
                 {f"adam_learning_rate[{i}]": lr for i, (_, lr) in enumerate(groups)})}
     for name, value in rates.items():
-        if is_real(value) and value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value!r}")
+        check_non_negative(name, value)
     if groups is not None and not groups:
         raise ValueError("adam_learning_rate: expected a learning rate or at least one "
                          "(pattern, learning rate) group, got no group")

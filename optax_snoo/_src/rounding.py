@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_snoo._src.utils import check_float_dtype
+
 
 class RoundingState(NamedTuple):
     """State of the rounding transforms: the update count and the raw (uint32) key data."""
@@ -153,10 +155,9 @@ def round_dithered(x: jax.Array, uniform: jax.Array, dtype: Any) -> jax.Array:
 def _rounding_transform(round_fn: Callable[[jax.Array, jax.Array, Any], jax.Array],
                         key: int | jax.Array, dtype: Any, name: str
                         ) -> optax.GradientTransformation:
+    check_float_dtype(f"{name}: dtype", dtype, allow_none=True)
     if dtype is not None:
         dtype = np.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"{name}: dtype must be a floating dtype or None, got {dtype}")
     if isinstance(key, int | np.integer):
         key = jax.random.key(int(key))
     if not isinstance(key, jax.Array | np.ndarray):

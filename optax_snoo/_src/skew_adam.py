@@ -19,15 +19,12 @@ The pieces are public on their own:
 - `scale_by_skew_adam`: the same denominator with an fp32 first moment:
   `m·sqrt(1-β2^t)/(1-β1^t)/den` (without momentum it is `scale_by_second_moment`).
 - `skew_adam`: `optax.partition` over roles of `scale_by_skew_adam` (with its per-tensor
-  RMS clipping, i.e. `optax.clip_by_block_rms` fused in) -> `optax.add_decayed_weights`
-  (`wd·p` in float32) ->
+  RMS clipping, i.e. `optax.clip_by_block_rms` fused in) ->
+  `optax_snoo.add_decoupled_weight_decay` (`wd·p` in float32) ->
   `optax.scale_by_learning_rate`, followed by a cast to the parameter dtype or by a
   rounding transform (`optax_snoo.rounding`).
-
-Speed: every parameter-sized array is touched only by multiplications and one sum per
-reduction, each over its own `optimization_barrier` copy of the inputs, so XLA keeps no
-parameter-sized temporary (on XLA:CPU a fresh, page-faulted buffer on every step).
 """
+# No parameter-sized temporaries, for speed: docs/design.md, "Implementation notes".
 
 from __future__ import annotations
 
@@ -45,7 +42,8 @@ import optax
 
 from optax_snoo._src import rounding as rounding_lib
 from optax_snoo._src.labels import describe, label_by_rules
-from optax_snoo._src.utils import concrete_real
+from optax_snoo._src.utils import check_non_negative, check_positive, check_unit_interval
+from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
 BACKBONE = "backbone"
 EXPERTS = "experts"
@@ -293,15 +291,11 @@ def _update_moment(g: jax.Array, v_row: Any, v_col: Any, v: Any, b2: Any, eps: A
     `(v_row, v_col, v)`.
 
     `1/den` is `(1/row, 1/col)` (vectors; `1/den` is their outer product) when factored,
-    else `(1/sqrt(max(v, eps)),)` (stored: a division or `rsqrt` inside XLA:CPU's
-    reductions costs more than reading it). Each reduction reads its own
-    `optimization_barrier` copy of `g`: XLA would otherwise merge the `g*g` of the row and
-    column means into one shared, parameter-sized temporary (on XLA:CPU a fresh buffer on
-    every step).
+    else `(1/sqrt(max(v, eps)),)`.
     """
+    # Barrier copies of g keep g*g unshared: docs/design.md, "Implementation notes".
     if isinstance(v, optax.MaskedNode):
         g_col = jax.lax.optimization_barrier(g)
-        # The column sums as a contraction: on XLA:CPU no slower than a reduce over -2.
         col_sum = jnp.einsum("...rc,...rc->...c", g_col, g_col,
                              precision=jax.lax.Precision.HIGHEST)
         v_row = b2 * v_row + (1 - b2) * jnp.mean(g * g, axis=-1)
@@ -320,8 +314,7 @@ def _clip_scale(x: jax.Array, inv_den: tuple[jax.Array, ...], scale: jax.Array,
 
     The sum reads `optimization_barrier` copies of its inputs, so it shares (and
     materialises) nothing with the update. Factored, it sums over rows first,
-    `Σ_j col_j⁻² Σ_i (x_ij / row_i)²`: one broadcast per element instead of two, the
-    cheaper reduction on XLA:CPU.
+    `Σ_j col_j⁻² Σ_i (x_ij / row_i)²`: one broadcast per element instead of two.
     """
     if clip_threshold is None:
         return scale
@@ -366,23 +359,17 @@ def _check_not_schedule(name: str, value: Any) -> None:
 
 def _check_decay(name: str, value: Any) -> None:
     _check_not_schedule(name, value)
-    v = concrete_real(value)
-    if v is not None and not 0 <= v < 1:
-        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    check_unit_interval(name, value)
 
 
 def _check_eps(eps: Any) -> None:
     _check_not_schedule("eps", eps)
-    v = concrete_real(eps)
-    if v is not None and not v > 0:
-        raise ValueError(f"eps must be > 0 (a clamp on the squared quantity), got {eps}")
+    check_positive("eps (a clamp on the squared quantity)", eps)
 
 
 def _check_clip(clip_threshold: Any) -> None:
     _check_not_schedule("clip_threshold", clip_threshold)
-    v = concrete_real(clip_threshold)
-    if v is not None and not v > 0:
-        raise ValueError(f"clip_threshold must be > 0 or None, got {clip_threshold}")
+    check_positive("clip_threshold", clip_threshold, allow_none=True)
 
 
 def _check_params(params: Any, name: str) -> None:
@@ -582,21 +569,6 @@ def cast_to_param_dtype() -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def _add_decayed_weights(weight_decay: optax.ScalarOrSchedule
-                         ) -> optax.GradientTransformation:
-    """`optax.add_decayed_weights` (same state) with `wd·p` formed in the update dtype:
-    optax multiplies in the param dtype, so for bf16 params `wd·p` was rounded to bf16
-    (a relative error up to 2^-9 of the decay term) before joining the float32 update."""
-    inner = optax.add_decayed_weights(weight_decay)
-
-    def update_fn(updates, state, params=None):
-        if params is not None:
-            params = jax.tree.map(lambda u, p: p.astype(u.dtype), updates, params)
-        return inner.update(updates, state, params)
-
-    return optax.GradientTransformation(inner.init, update_fn)
-
-
 def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
               b2: float = 0.999, eps: float = 1e-8,
               weight_decay: optax.ScalarOrSchedule = 0.05, *,
@@ -619,8 +591,8 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
     router    no        full                                   no
     ========  ========  =====================================  ============
 
-    Per role this is `optax.partition` of
-    `scale_by_skew_adam(clip_threshold=...) -> add_decayed_weights -> scale_by_learning_rate`
+    Per role this is `optax.partition` of `scale_by_skew_adam(clip_threshold=...) ->
+    add_decoupled_weight_decay -> scale_by_learning_rate`
     (the clipping equals a following `optax.clip_by_block_rms(clip_threshold)`), i.e.
     `u = u / max(1, RMS(u)/clip_threshold)` per tensor,
     then `p <- p - lr·(u + wd·p) = p(1 - lr·wd) - lr·u`. All arithmetic is in the role's
@@ -675,12 +647,8 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
       N. Malik, `Where Should Optimizer State Live? Tiered State Allocation for
       Memory-Efficient Mixture-of-Experts Training <https://arxiv.org/abs/2607.19058>`_, 2026.
     """
-    lr = concrete_real(learning_rate)
-    if lr is not None and not lr >= 0:
-        raise ValueError(f"learning_rate must be >= 0 or a schedule, got {learning_rate}")
-    wd = concrete_real(weight_decay)
-    if wd is not None and not wd >= 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    check_non_negative("learning_rate", learning_rate)
+    check_non_negative("weight_decay", weight_decay)
     _check_clip(clip_threshold)
     table = resolve_policies(policies, roles)
     labels = role_labeller(roles, table)
@@ -691,7 +659,7 @@ def skew_adam(learning_rate: optax.ScalarOrSchedule = 3e-4, b1: float = 0.9,
                                     factored=policy.factored, stats_dtype=policy.stats_dtype,
                                     clip_threshold=clip_threshold)]
         if policy.weight_decay:
-            parts.append(_add_decayed_weights(weight_decay))
+            parts.append(add_decoupled_weight_decay(weight_decay))
         parts.append(optax.scale_by_learning_rate(learning_rate))
         groups[role] = optax.chain(*parts)
     return optax.chain(optax.partition(groups, labels), _resolve_rounding(rounding))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.utils import is_integer, is_real
+from optax_snoo._src.utils import check_int_at_least, check_non_negative, check_unit_interval
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
@@ -97,12 +97,9 @@ def _validate(inner: Any, learning_rate: Any, momentum: Any, k: Any) -> None:
         raise ValueError(
             f"snoo: inner must be an optax.GradientTransformation (with init and update), "
             f"got {type(inner).__name__}: {inner!r}")
-    if not is_integer(k) or k < 1:
-        raise ValueError(f"snoo: k must be an integer >= 1, got {k!r}")
-    if is_real(learning_rate) and learning_rate < 0:
-        raise ValueError(f"snoo: learning_rate must be >= 0, got {learning_rate!r}")
-    if is_real(momentum) and not 0 <= momentum < 1:
-        raise ValueError(f"snoo: momentum must be in [0, 1), got {momentum!r}")
+    check_int_at_least("snoo: k", k, 1)
+    check_non_negative("snoo: learning_rate", learning_rate)
+    check_unit_interval("snoo: momentum", momentum)
 
 
 def snoo(

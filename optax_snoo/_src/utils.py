@@ -75,7 +75,12 @@ def concrete_real(x: Any) -> float | None:
 
 # One rule for every constructor: a value known now (`concrete_real`: a number or a
 # concrete scalar array, such as `optax.inject_hyperparams` hands a factory) is checked;
-# a schedule or a tracer passes, since its values are only known later.
+# a schedule or a tracer passes, since its values are only known later. With
+# ``allow_none=True`` a ``None`` passes and the message says that ``None`` is allowed.
+
+
+def _or_none(allow_none: bool) -> str:
+    return " or None" if allow_none else ""
 
 
 def check_unit_interval(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -84,7 +89,7 @@ def check_unit_interval(name: str, value: Any, *, allow_none: bool = False) -> N
         return
     v = concrete_real(value)
     if v is not None and not 0.0 <= v < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
+        raise ValueError(f"{name} must be in [0, 1){_or_none(allow_none)}, got {value!r}.")
 
 
 def check_non_negative(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -93,14 +98,17 @@ def check_non_negative(name: str, value: Any, *, allow_none: bool = False) -> No
         return
     v = concrete_real(value)
     if v is not None and not v >= 0:  # NaN fails too
-        raise ValueError(f"{name} must be >= 0 (a float or a schedule), got {value!r}.")
+        raise ValueError(f"{name} must be >= 0 (a float or a schedule){_or_none(allow_none)}, "
+                         f"got {value!r}.")
 
 
-def check_positive(name: str, value: Any) -> None:
+def check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` (when known now) is > 0."""
+    if value is None and allow_none:
+        return
     v = concrete_real(value)
     if v is not None and not v > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}.")
+        raise ValueError(f"{name} must be > 0{_or_none(allow_none)}, got {value!r}.")
 
 
 def check_int_at_least(name: str, value: Any, minimum: int) -> None:
@@ -109,11 +117,14 @@ def check_int_at_least(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
 
 
-def check_float_dtype(name: str, dtype: Any) -> None:
+def check_float_dtype(name: str, dtype: Any, *, allow_none: bool = False) -> None:
     """Raise ``ValueError`` unless ``dtype`` is a floating dtype."""
+    if dtype is None and allow_none:
+        return
     try:
         floating = jnp.issubdtype(dtype, jnp.floating)
     except TypeError:
         floating = False
     if not floating:
-        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.bfloat16), got {dtype!r}.")
+        raise ValueError(f"{name} must be a floating dtype (e.g. jnp.bfloat16)"
+                         f"{_or_none(allow_none)}, got {dtype!r}.")

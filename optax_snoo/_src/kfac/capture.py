@@ -50,7 +50,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 
 from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
-from optax_snoo._src.utils import is_integer, path_to_str
+from optax_snoo._src.utils import check_int_at_least, path_to_str
 
 _PASS = frozenset({"convert_element_type", "copy", "copy_p", "optimization_barrier",
                    "sharding_constraint"})
@@ -520,8 +520,7 @@ def curvature_from_stats(
       >>> c["l/kernel"].a.shape, float(c["l/kernel"].g[0, 0])
       ((4, 4), 1.0)
     """
-    if not is_integer(token_stride) or token_stride < 1:
-        raise ValueError(f"token_stride must be an int >= 1, got {token_stride!r}.")
+    check_int_at_least("token_stride", token_stride, 1)
     out = {}
     for path, s in stats.items():
         x, dy = s.inputs, s.out_grads

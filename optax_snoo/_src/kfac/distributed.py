@@ -65,8 +65,7 @@ def _local(mats: jax.Array, shifts: jax.Array, mode: str, floor_abs: float,
            floor_rel: float):
     one = lambda ms: _one(ms[0], ms[1], mode, floor_abs, floor_rel)
     if jax.default_backend() == "cpu":
-        # One matrix at a time: jax 0.10's XLA:CPU runs batched LAPACK calls on its
-        # intra-op pool, and several concurrent ones were seen to deadlock on 2 cores.
+        # One matrix at a time (batched LAPACK on CPU can deadlock, see precondition._eigh).
         return jax.lax.map(one, (mats, shifts))
     return jax.vmap(one)((mats, shifts))
 

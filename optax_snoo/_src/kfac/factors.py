@@ -152,15 +152,13 @@ def _gram(x_NM: jax.Array) -> jax.Array:
     Contracting the leading (token) axis of both operands is the layout of a weight
     gradient, so no transpose is materialised; bf16 products are exact in float32.
 
-    bf16 on the CPU backend: XLA:CPU runs a bf16 dot on its bf16 kernels only in the
-    canonical form (both operands row-major and untransposed, float32 accumulation);
-    otherwise it converts to float32 first. There ``xᵀ`` is copied out row-major and the
-    optimisation barriers keep XLA from folding the transpose back into the dot: the same
-    exact products and float32 sums, measured 0.5-0.6x the time of the folded form for
-    ``(768, 128)`` and ``(768, 512)`` (see `models.layers.matmul` for the same fact).
-    Not under a mesh (``jax.set_mesh``): flattening a token-sharded ``xᵀ`` would gather
-    it, where the plain product reduces ``(d, d)`` partial sums instead.
+    bf16 on the CPU backend (not under a mesh): ``xᵀ`` is copied out row-major behind
+    optimisation barriers, the same exact products and float32 sums in the form the CPU's
+    bf16 kernels take. Under a mesh (``jax.set_mesh``) the plain product is used, since
+    flattening a token-sharded ``xᵀ`` would gather it, where the plain product reduces
+    ``(d, d)`` partial sums instead.
     """
+    # Why the copy on CPU, and what it measured: docs/design.md, "Implementation notes".
     if (x_NM.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
             and jax.sharding.get_abstract_mesh().empty):
         x_MN = jax.lax.optimization_barrier(x_NM.T.reshape(-1)).reshape(x_NM.shape[::-1])

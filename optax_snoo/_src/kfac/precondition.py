@@ -89,9 +89,8 @@ def _check_mode(mode: str) -> None:
 
 def _eigh(m: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``eigh`` of a matrix or a stack. On CPU a stack goes through ``lax.map`` (one matrix
-    at a time): jax 0.10's XLA:CPU runs batched LAPACK calls on its intra-op thread pool,
-    and a program with several of them running concurrently (e.g. the expert factors of
-    two MoE layers in one refresh) was measured to deadlock on a 2-core machine."""
+    at a time)."""
+    # Batched LAPACK calls on CPU can deadlock: docs/design.md, "Implementation notes".
     eigh = lambda x: jnp.linalg.eigh(x, symmetrize_input=False)
     if m.ndim == 2 or jax.default_backend() != "cpu":
         return eigh(m)

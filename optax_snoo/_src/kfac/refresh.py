@@ -21,7 +21,6 @@ the signature above works too.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from optax_snoo._src.utils import check_int_at_least, is_integer, is_real
 
 RefreshPolicy = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 #: The phases of the learning-rate schedule that `by_lr_phase` tells apart, in order:
@@ -38,18 +39,13 @@ DEFAULT_PHASE_INTERVALS: dict[str, int | str | None] = {
     "warmup": None, "peak": 150, "decay": 300, "tail": 600}
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    check_int_at_least(name, value, minimum)
     return int(value)
 
 
 def _check_fraction(name: str, value: Any, low: float, high: float) -> float:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not low < value < high:
+    if not is_real(value) or not low < value < high:
         raise ValueError(f"{name} must be a float in ({low}, {high}), got {value!r}.")
     return float(value)
 
@@ -186,7 +182,7 @@ def by_lr_phase(
       Neural Networks <https://arxiv.org/abs/2107.01739>`_, 2021 (K-FAC update intervals
       that grow when the learning rate decays)
     """
-    if not isinstance(peak_lr, numbers.Real) or isinstance(peak_lr, bool) or peak_lr <= 0:
+    if not is_real(peak_lr) or not peak_lr > 0:
         raise ValueError(f"peak_lr must be a float > 0, got {peak_lr!r}.")
     warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
     peak_tol = _check_fraction("peak_tol", peak_tol, 0.0, 1.0)
@@ -196,7 +192,7 @@ def by_lr_phase(
         if name not in PHASES:
             raise ValueError(f"Unknown phase {name!r} in intervals; expected keys among "
                              f"{PHASES}.")
-        if not (value is None or value == "once" or (_is_int(value) and value >= 1)):
+        if not (value is None or value == "once" or (is_integer(value) and value >= 1)):
             raise ValueError(f"intervals[{name!r}] must be an int >= 1, 'once' or None, "
                              f"got {value!r}.")
         merged[name] = value
@@ -265,8 +261,7 @@ def lr_ratio(
       Kronecker-Factored Approximate Curvature for Deep Convolutional Neural Networks
       <https://arxiv.org/abs/1811.12019>`_, 2019 (refresh when the statistics change)
     """
-    if (not isinstance(threshold, numbers.Real) or isinstance(threshold, bool)
-            or threshold <= 0):
+    if not is_real(threshold) or not threshold > 0:
         raise ValueError(f"threshold must be a float > 0, got {threshold!r}.")
     min_interval = _check_int("min_interval", min_interval, 1)
     if max_interval is not None:

@@ -107,7 +107,12 @@ from optax_snoo._src.kfac.refresh import (
     policy_step,
 )
 from optax_snoo._src.sharding import concrete_sharding
-from optax_snoo._src.utils import is_integer, is_real
+from optax_snoo._src.utils import (
+    check_non_negative,
+    check_unit_interval,
+    is_integer,
+    is_real,
+)
 
 GRAFTS = (None, "adam", "sgd")
 
@@ -279,13 +284,10 @@ def scale_by_kfac(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-    if is_real(ema_decay) and not 0.0 <= ema_decay < 1.0:
-        raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}.")
-    if is_real(damping) and damping < 0:
-        raise ValueError(f"damping must be >= 0 (a float or a schedule), got {damping!r}.")
-    for name, value in (("eig_floor_abs", eig_floor_abs), ("eig_floor_rel", eig_floor_rel)):
-        if is_real(value) and value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value!r}.")
+    check_unit_interval("ema_decay", ema_decay)
+    check_non_negative("damping", damping)
+    check_non_negative("eig_floor_abs", eig_floor_abs)
+    check_non_negative("eig_floor_rel", eig_floor_rel)
     if is_integer(refresh):
         refresh = every(int(refresh))
     if not callable(refresh):
@@ -531,8 +533,7 @@ def kfac(
     """
     if graft not in GRAFTS:
         raise ValueError(f"graft must be one of {GRAFTS}, got {graft!r}.")
-    if is_real(momentum) and not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1) or None, got {momentum!r}.")
+    check_unit_interval("momentum", momentum, allow_none=True)
     direction = scale_by_kfac(
         damping=damping, ema_decay=ema_decay, refresh=refresh, learning_rate=learning_rate,
         mode=mode, eig_floor_abs=eig_floor_abs, eig_floor_rel=eig_floor_rel, layers=layers,
