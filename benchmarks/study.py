@@ -76,13 +76,13 @@ class Suite:
     eval_interval: int
 
 
-# Sized so that the three together (82 runs, 6 of them shared) take about an hour on 2 CPU
+# Sized so that the three together (92 runs, 6 of them shared) take about 70 minutes on 2 CPU
 # cores: a dense step costs 50-90 ms there, a moe_tiny step about 150 ms.
 SUITES: dict[str, Suite] = {
     # tiny shakespeare, nanoGPT's CPU recipe shape.
     "dense": Suite("shakespeare_char_cpu", (
-        "adamw", "muon", "snoo_adamw", "snoo_muon", "snoo_muon_smooth", "kfac", "snoo_kfac"),
-        seeds=5, steps=400, eval_interval=100),
+        "adamw", "muon", "snoo_adamw", "snoo_muon", "snoo_muon_smooth", "normuon",
+        "snoo_normuon", "kfac", "snoo_kfac"), seeds=5, steps=400, eval_interval=100),
     "moe": Suite("moe_tiny", ("adamw", "skew_adam", "snoo_skew_adam", "adafactor"),
                  seeds=5, steps=300, eval_interval=50),
     # Snoo around Muon at our scale: k, then the outer lr and momentum around (0.68, 0.37).

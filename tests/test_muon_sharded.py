@@ -433,3 +433,22 @@ def test_trainer_snoo_muon_on_eight_devices(corpus, tmp_path):
     _, adamw_cost = compiled(tiny(corpus, tmp_path, optimizer="snoo_adamw", **eight), 1)
     assert muon_cost.loop_collective_bytes == adamw_cost.loop_collective_bytes
     assert muon_cost.counts["all-to-all"] > adamw_cost.counts["all-to-all"]
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 2, 2)])
+def test_normuon_sharded_equals_single_device(mesh_shape):
+    """NorMuon's per-neuron statistics on leaves split over the mesh (rows, columns, both,
+    stacks): the single-device updates and second moments, and no collective inside the
+    Newton-Schulz loop (the statistics' reductions run outside it)."""
+    mesh = mesh_of(mesh_shape)
+    params = tree(SHAPES)
+    sharded = place(params, mesh, SPECS)
+    make = lambda p: scale_by_muon(0.9, ns_dtype=F32, beta2=0.9, **planned(p))
+    single, single_state = run(make(params), params, 3)
+    dist, dist_state = run(make(sharded), sharded, 3)
+    for s, d in zip(single, dist, strict=True):
+        for k in s:
+            assert relative_error(d[k], s[k]) < 1e-6, (k, relative_error(d[k], s[k]))
+    for k in SHAPES:
+        assert relative_error(dist_state.nu[k], single_state.nu[k]) < 1e-6, k
+    assert compiled_cost(make(sharded), sharded).loop_collective_bytes == 0

@@ -507,18 +507,20 @@ def scale_by_muon(
         mus = treedef.flatten_up_to(state.mu)
         leaf_axes = [_normalized_axes(jnp.shape(g), axes) for g in grads]
 
-        directions, mu = zip(*(_momentum(g, m, _at(beta, count), count, nesterov=nesterov,
-                                         bias_correction=bias_correction, mu_dtype=mu_dtype)
-                               for g, m in zip(grads, mus, strict=True)), strict=True)
-        ortho = orthogonalize_leaves(
-            directions, leaf_axes, place_leaves(plan, paths, list(zip(grads, mus, strict=True))),
-            newton_schulz=newton_schulz, ns_dtype=ns_dt, mesh=spread_mesh,
-            split=shard_newton_schulz)
+        beta_t = _at(beta, count)
+        moments = [_momentum(g, m, beta_t, count, nesterov=nesterov,
+                             bias_correction=bias_correction, mu_dtype=mu_dtype)
+                   for g, m in zip(grads, mus, strict=True)]
+        placements = place_leaves(plan, paths, list(zip(grads, mus, strict=True)))
+        ortho = orthogonalize_leaves([v for v, _ in moments], leaf_axes, placements,
+                                     newton_schulz=newton_schulz, ns_dtype=ns_dt,
+                                     mesh=spread_mesh, split=shard_newton_schulz)
         nu = state.nu
         if beta2 is not None:
-            ortho, nu = zip(*(_normuon(o, v, _at(beta2, count), a) for o, v, a in zip(
-                ortho, treedef.flatten_up_to(nu), leaf_axes, strict=True)), strict=True)
-            nu = treedef.unflatten(nu)
+            beta2_t = _at(beta2, count)
+            normed = [_normuon(o, v, beta2_t, a)
+                      for o, v, a in zip(ortho, treedef.flatten_up_to(nu), leaf_axes, strict=True)]
+            ortho, nu = [o for o, _ in normed], treedef.unflatten([v for _, v in normed])
         smooth = state.smooth
         if smoothing is not None:
             ortho, smooth = _smooth(ortho, treedef.flatten_up_to(smooth), _at(smoothing, count),
@@ -528,8 +530,8 @@ def scale_by_muon(
         new_updates = [(_shape_factor(scale_kind, g.shape[a[0]], g.shape[a[1]]) * o).astype(g.dtype)
                        for o, g, a in zip(ortho, grads, leaf_axes, strict=True)]
         return treedef.unflatten(new_updates), MuonState(
-            count=optax.safe_increment(count), mu=treedef.unflatten(list(mu)), smooth=smooth,
-            nu=nu)
+            count=optax.safe_increment(count), mu=treedef.unflatten([m for _, m in moments]),
+            smooth=smooth, nu=nu)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
