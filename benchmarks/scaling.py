@@ -146,14 +146,16 @@ def concrete(tree_like: Any) -> Any:
 
 def optimizer_step(tx: optax.GradientTransformation, tree: Tree, **kwargs) -> Step:
     # init on concrete sharded arrays, as the trainer does: state leaves inherit the
-    # params' shardings, and Muon sees them.
+    # params' shardings.
     state = tx.init(concrete(tree.params))
     return Step(lambda g, s, p: tx.update(g, s, p, **kwargs),
                 (tree.params, state, tree.params))
 
 
 def _muon(tree: Tree, **kw) -> optax.GradientTransformation:
-    return optax_snoo.muon(0.02, labels=tree.labels, weight_decay=0.01, **kw)
+    """Muon told where the tree's leaves live (the jitted update cannot see it)."""
+    return optax_snoo.muon(0.02, labels=tree.labels, weight_decay=0.01, newton_schulz_plan=
+                           optax_snoo.NewtonSchulzPlan.from_params(tree.params), **kw)
 
 
 @register_stack("adamw")

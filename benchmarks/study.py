@@ -168,9 +168,9 @@ def summarize(grid: dict[str, Any]) -> list[dict[str, Any]]:
         inner_finals = [r["val_loss"] for r in grid["runs"][inner]] if inner else []
         p_inner = (welch_one_sided(finals, inner_finals)[1]
                    if len(finals) > 1 and len(inner_finals) > 1 else None)
-        by_seed = {r["seed"]: r["val_loss"] for r in grid["runs"][inner]} if inner else {}
-        pairs = [(r["val_loss"], by_seed[r["seed"]]) for r in runs if r["seed"] in by_seed]
-        p_paired = paired_one_sided(*zip(*pairs, strict=True))[1] if len(pairs) > 1 else None
+        p_paired = _paired_p(runs, grid["runs"][inner]) if inner else None
+        p_base_paired = (_paired_p(runs, grid["runs"][grid["baseline"]])
+                         if stack != grid["baseline"] else None)
         aux = [r["aux_loss"] for r in runs if r["aux_loss"] is not None]
         rows.append({
             "stack": stack, "n": len(finals), "val_mean": statistics.mean(finals),
@@ -179,9 +179,18 @@ def summarize(grid: dict[str, Any]) -> list[dict[str, Any]]:
             "reached": len(reached), "wall_s": statistics.mean(r["wall_s"] for r in runs),
             "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in runs),
             "state_bytes": grid["state_bytes"][stack], "t": t, "p": p,
+            "p_paired": p_base_paired,
             "inner": inner, "p_inner": p_inner, "p_inner_paired": p_paired,
             "aux_loss": statistics.mean(aux) if aux else None})
     return rows
+
+
+def _paired_p(runs: Sequence[dict[str, Any]], others: Sequence[dict[str, Any]]) -> float | None:
+    """p of the paired one-sided t-test "runs' final val loss < others'", over the seeds
+    both have (None with fewer than two)."""
+    by_seed = {r["seed"]: r["val_loss"] for r in others}
+    pairs = [(r["val_loss"], by_seed[r["seed"]]) for r in runs if r["seed"] in by_seed]
+    return paired_one_sided(*zip(*pairs, strict=True))[1] if len(pairs) > 1 else None
 
 
 def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
@@ -211,18 +220,25 @@ def write_report(name: str, grid: dict[str, Any], rows: list[dict[str, Any]],
             f"{r['inner']}: {r['p_inner']:.4f}, paired {fmt_or_dash(r['p_inner_paired'], '.4f')}")
         line = (f"| {r['stack']} | {r['val_mean']:.4f} ± {r['val_std']:.4f} | {steps} | "
                 f"{r['wall_s']:.0f} | {r['tokens_per_sec']:,.0f} | "
-                f"{r['state_bytes'] / 2**20:.2f} MiB | {fmt_or_dash(r['p'], '.4f')} | "
-                f"{inner} |")
+                f"{r['state_bytes'] / 2**20:.2f} MiB | {_welch_and_paired(r)} | {inner} |")
         lines.append(line + (f" {fmt_or_dash(r['aux_loss'], '.4f')} |" if moe else ""))
-    lines += ["", "p: one-sided Welch t-test of the stack's final val loss against the "
+    lines += ["", "p: one-sided t-tests of the stack's final val loss against the "
               "baseline's (p < baseline) and, for a Snoo stack, against the stack it wraps "
-              "(p < inner: Welch, and paired by seed, since a seed fixes the init and the "
-              "batches). Steps to target: mean over the seeds that reached it.", ""]
+              "(p < inner): Welch's, and paired by seed, since a seed fixes the init and the "
+              "batches. Steps to target: mean over the seeds that reached it.", ""]
     (directory / f"{name}.md").write_text("\n".join(lines))
     (directory / f"{name}.json").write_text(json.dumps(
         {"command": command, "machine": machine, "grid": grid, "rows": rows}, indent=1) + "\n")
     _plot(grid, directory / f"{name}.png")
     return directory / f"{name}.md"
+
+
+def _welch_and_paired(row: dict[str, Any]) -> str:
+    """The baseline cell: Welch's p, then the paired one where there is one."""
+    if row["p"] is None:
+        return "-"
+    paired = row.get("p_paired")  # reports written before it was computed lack it
+    return f"{row['p']:.4f}" + ("" if paired is None else f", paired {paired:.4f}")
 
 
 def _plot(grid: dict[str, Any], path: Path) -> None:

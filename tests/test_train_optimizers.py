@@ -63,6 +63,7 @@ def _curvature(params):
 
 # Each family's peak-lr key, and the group a hidden kernel belongs to.
 MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
+           "normuon": "muon_learning_rate", "snoo_normuon": "muon_learning_rate",
            "skew_adam": "skew_learning_rate", "snoo_skew_adam": "skew_learning_rate",
            "adafactor": "skew_learning_rate", "kfac": "kfac_learning_rate",
            "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
