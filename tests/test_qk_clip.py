@@ -325,3 +325,38 @@ def test_cli_refuses_bad_qk_clip_in_one_line(flags, match, tmp_path, capsys):
     assert main([f"--out_dir={tmp_path / 'run'}", *flags]) == MISTAKE_EXIT_STATUS
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err and err.count("\n") == 1
+
+
+def test_matrix_qk_clip(tmp_path):
+    """The optax matrix, with the logits bound in (the matrix calls `update` without extra
+    args): jit = eager, a stable empty state, bf16 kept, `inject_hyperparams(tau)`,
+    `MultiSteps`, on an 8-device mesh, through Orbax; and as one group of `partition`
+    (the matrix's own partition check renames the leaves, which the heads are found by):
+    the attention leaves' updates are the clip's alone, the rest SGD's."""
+    import optax_matrix as m
+
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
+                          attn_params(np.random.default_rng(3), 4, 2))
+    logits = {"blocks/0/attn": jnp.asarray([30.0, 5.0, 12.0, 40.0])}  # two heads over TAU
+
+    def bound(tau):
+        clip = scale_by_qk_clip(tau, qk_clip_heads(4, 2))
+        return optax.GradientTransformation(
+            clip.init, lambda u, s, p=None: clip.update(u, s, p, max_logits=logits))
+
+    tx = bound(TAU)
+    m.check_jit_matches_eager(tx, params)
+    m.check_state_stable(tx, params)
+    m.check_dtype_preserved(tx, params)
+    m.check_inject_hyperparams(bound, params, dict(tau=TAU))
+    m.check_multisteps(tx, params)
+    m.check_sharded_state(tx, params)
+    m.check_orbax_roundtrip(tx, params, tmp_path)
+    labels = jax.tree.map_with_path(lambda path, _: "sgd" if "wte" in str(path) else "clip",
+                                    params)
+    part = optax.partition({"clip": tx, "sgd": optax.sgd(0.1)}, labels)
+    grads = jax.tree.map(jnp.ones_like, params)
+    u_part, _ = jax.jit(part.update)(grads, part.init(params), params)
+    u_alone, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    m.assert_trees_equal(u_part["blocks"], u_alone["blocks"])
+    np.testing.assert_allclose(u_part["wte"], -0.1 * np.ones_like(params["wte"]))

@@ -136,8 +136,11 @@ def qk_clip_scales(max_logits_N: jax.Array, tau: float | jax.Array, num_kv_heads
 def _clip_leaf(u: jax.Array, p: jax.Array, heads: QKHeads, scale_heads: jax.Array) -> jax.Array:
     """`u'` with `p + u' = (p + u) * scale` along the heads' axis, `u` where the scale is 1."""
     axis = heads.axis % p.ndim
-    per_entry = jnp.repeat(scale_heads, p.shape[axis] // heads.num_heads)
-    scale = per_entry.reshape([-1 if a == axis else 1 for a in range(p.ndim)])
+    # Indexed on the leaf's own shape: a factor vector shared by a kernel and its bias
+    # would carry the kernel's sharding to the bias under jit.
+    head_of = jax.lax.broadcasted_iota(jnp.int32, p.shape, axis) // (
+        p.shape[axis] // heads.num_heads)
+    scale = scale_heads[head_of]
     p32 = p.astype(jnp.float32)
     clipped = ((p32 + u.astype(jnp.float32)) * scale - p32).astype(u.dtype)
     return jnp.where(scale == 1.0, u, clipped)
