@@ -356,14 +356,16 @@ def test_plan_assigns_whole_matrices_evenly():
 
 
 def test_plan_from_abstract_params_equals_plan_from_arrays():
-    """A plan read from abstract params carrying shardings (as a model built under
-    `nnx.eval_shape` and `jax.set_mesh` gives) is the concrete params' plan: the same
+    """A plan read from abstract params carrying shardings, or from the tree of their
+    shardings (the trainer's state shardings), is the concrete params' plan: the same
     compiled update."""
     mesh = mesh_of((2, 2, 2))
     sharded = place(tree(SHAPES), mesh, SPECS)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             sharded)
     assert NewtonSchulzPlan.from_params(abstract) == NewtonSchulzPlan.from_params(sharded)
+    shardings = jax.tree.map(lambda x: x.sharding, sharded)
+    assert NewtonSchulzPlan.from_params(shardings) == NewtonSchulzPlan.from_params(sharded)
     from_abstract = compiled_cost(scale_by_muon(ns_dtype=F32, **planned(abstract)), sharded)
     from_arrays = compiled_cost(scale_by_muon(ns_dtype=F32, **planned(sharded)), sharded)
     assert from_abstract.by_kind == from_arrays.by_kind and from_abstract.loop_collective_bytes == 0

@@ -73,9 +73,10 @@ class NewtonSchulzPlan:
 
     Under ``jax.jit`` on Auto mesh axes an update sees tracers whose type carries no
     sharding, so the plan says where each leaf lives. Build it with
-    `NewtonSchulzPlan.from_params` from the params (concrete arrays or
-    `jax.ShapeDtypeStruct` s carrying shardings, e.g. from ``jax.eval_shape`` under
-    ``jax.set_mesh``), or as ``NewtonSchulzPlan(mesh=mesh)`` to split every leaf of
+    `NewtonSchulzPlan.from_params` from the params (concrete arrays, or
+    `jax.ShapeDtypeStruct` s carrying shardings), or from a tree of their
+    `NamedSharding` s (the ``out_shardings`` a jitted init is given), or as
+    ``NewtonSchulzPlan(mesh=mesh)`` to split every leaf of
     unknown sharding over ``mesh`` as FSDP lays it out (rows over all devices).
 
     Attributes:
