@@ -7,6 +7,9 @@
 #  3. SkewAdam's update time against AdamW's on the moe_tiny, moe_10m and dense GPT-2 trees
 #     (benchmarks/skewadam_speed.py, under a minute; SKEW_ROUNDS=0 skips it). On XLA:CPU
 #     it is 1.1-1.5x (no multi-output fusion); this is where the <= 1.0x target is checked.
+# Attention is the trainer's default choice by backend (--attention=auto: cuDNN's fused
+# flash attention where it runs the config, else XLA's); the throughput table's shape
+# line and each study run's start-up line print which ran (--attention=xla compares).
 # Fails with a message if JAX sees no GPU/TPU.
 #
 #   bash benchmarks/gpu.sh                                   # both parts

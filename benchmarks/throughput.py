@@ -59,12 +59,14 @@ VOCAB = 65  # tiny shakespeare's characters; the tokens are random, the shapes a
 class Variant:
     """One timed step: `run(n)` does `n` steps and blocks; `flops` per step (or None).
 
-    `run` returns None, or `(wall, cpu)` seconds when the steps ran in another process.
+    `run` returns None, or `(wall, cpu)` seconds when the steps ran in another process;
+    `attention`: the implementation ours ran (`models.resolve_attention`).
     """
 
     name: str
     run: Callable[[int], tuple[float, float] | None]
     flops: float | None
+    attention: str | None = None
     wall: list[float] = dataclasses.field(default_factory=list)
     cpu: list[float] = dataclasses.field(default_factory=list)
 
@@ -109,7 +111,8 @@ def ours(config: TrainConfig, *, vocab: int = VOCAB,
                 jax.device_get(metrics)
         jax.block_until_ready(metrics)
 
-    return Variant(f"ours {config.optimizer.name} {config.model.dtype}", run, flops)
+    return Variant(f"ours {config.optimizer.name} {config.model.dtype}", run, flops,
+                   attention=gpt_config.attention)
 
 
 def _reference_loss(params: dict, x_BT: jax.Array, y_BT: jax.Array, n_head: int) -> jax.Array:
@@ -214,12 +217,13 @@ def report(variants: Sequence[Variant], config: TrainConfig, load: tuple[Any, An
         r = [x / y for x, y in zip(a.wall, b.wall, strict=True)]
         return f"{statistics.median(r):.3f}", f"{min(r):.3f}-{max(r):.3f}"
 
+    attention = ", ".join(f"{v.name}: {v.attention}" for v in variants if v.attention)
     lines = [
         f"machine: {jax.device_count()} x {device.device_kind} ({jax.default_backend()}), "
         f"{os.cpu_count()} CPUs; load average {load[0]} before, {load[1]} after",
         f"shape: {m.n_layer} layers x {m.n_embd}, {m.n_head} heads, block "
         f"{m.block_size}, batch {d.batch_size} x {d.grad_accum}; "
-        f"{tokens:,} tokens/step; {len(variants[0].wall)} rounds", "",
+        f"{tokens:,} tokens/step; {len(variants[0].wall)} rounds; attention ({attention})", "",
         "| variant | ms/step (median, min) | tokens/s | CPU ms/step | speed vs reference "
         f"| tokens/s vs {variants[0].name} (paired by round) | its range "
         f"| step time vs {first_ours.name} (paired by round) | its range | MFU |",

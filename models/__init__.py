@@ -8,7 +8,13 @@ Example:
   >>> logits, aux_loss, _ = models.forward(model, jnp.zeros((2, 16), jnp.int32))
 """
 
-from models.attention import CausalSelfAttention, KVCache, causal_attention
+from models.attention import (
+    CausalSelfAttention,
+    KVCache,
+    causal_attention,
+    cudnn_attention_error,
+    resolve_attention,
+)
 from models.config import GPTConfig
 from models.generate import generate, sample_token
 from models.gpt import GPT, Block, forward
@@ -30,10 +36,12 @@ __all__ = [
     "MoE",
     "Routing",
     "causal_attention",
+    "cudnn_attention_error",
     "forward",
     "generate",
     "load_balance_loss",
     "logical_rules",
+    "resolve_attention",
     "route",
     "router_z_loss",
     "sample_token",

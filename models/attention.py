@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -147,6 +148,96 @@ def _with_max_logits_bwd(residuals, cotangents):
 causal_attention_and_max_logits.defvjp(_with_max_logits_fwd, _with_max_logits_bwd)
 
 
+def cudnn_attention_error(config: GPTConfig, platform: str, seq_len: int | None = None
+                          ) -> str | None:
+    """Why cuDNN's flash attention cannot compute ``config``'s attention on ``platform``,
+    or ``None`` when it can.
+
+    On a GPU the answer comes from compiling the forward and backward pass of one
+    sequence with ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (shapes
+    only, cached per shape): jax refuses there a cuDNN it does not find or too old, a
+    GPU's compute capability, a dtype or a head width that cuDNN does not support.
+
+    Args:
+      config: the model configuration (dtype, heads, head width, ``block_size``).
+      platform: the devices' platform (``"cpu"``, ``"gpu"``, ``"tpu"``).
+      seq_len: tokens per sequence (default ``config.block_size``).
+
+    Returns:
+      ``None``, or one line saying why not.
+    """
+    if platform != "gpu":
+        return f"cuDNN flash attention runs on NVIDIA GPUs, and the devices here are {platform}"
+    if config.dtype not in ("bfloat16", "float16"):
+        return f"cuDNN flash attention needs dtype bfloat16 or float16, not {config.dtype}"
+    return _cudnn_compile_error(seq_len or config.block_size, config.n_head, config.kv_heads,
+                                config.head_dim, config.dtype)
+
+
+@functools.cache
+def _cudnn_compile_error(T: int, N: int, K: int, H: int, dtype: str) -> str | None:
+    q = jax.ShapeDtypeStruct((1, T, N, H), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((1, T, K, H), jnp.dtype(dtype))
+
+    def loss(q_BTNH, k_BSKH, v_BSKH):
+        out = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
+                                           implementation="cudnn")
+        return out.astype(jnp.float32).sum()
+
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    except Exception as err:  # NotImplementedError, RuntimeError, ValueError, XLA's own
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        return (f"cuDNN does not run {N} query heads ({K} key/value) of width {H} over {T} "
+                f"tokens in {dtype}: {lines[0][:200]}")
+    return None
+
+
+def resolve_attention(config: GPTConfig, *, platform: str | None = None,
+                      max_logits: bool = False, seq_len: int | None = None) -> str:
+    """The attention implementation that computes ``config``'s model on ``platform``.
+
+    ``"auto"`` resolves by backend: ``"handwritten"`` (:func:`causal_attention`) on CPU,
+    where its backward pass is faster than autodiff (figures in benchmarks/README.md),
+    and whenever ``max_logits`` is asked (only its forward pass returns them); on a GPU
+    ``"cudnn"`` where cuDNN runs the config (:func:`cudnn_attention_error`), else
+    ``"xla"``; ``"xla"`` on other backends. An explicit name is checked: ``"cudnn"``
+    where it cannot run, or ``"xla"``/``"cudnn"`` with ``max_logits``, raise.
+
+    Args:
+      config: the model configuration (its ``attention``, dtype and heads).
+      platform: the devices' platform; default ``jax.default_backend()``.
+      max_logits: each head's max logit is needed too (QK-clip).
+      seq_len: tokens per sequence (default ``config.block_size``).
+
+    Returns:
+      ``"handwritten"``, ``"xla"`` or ``"cudnn"``.
+
+    Raises:
+      ValueError: an explicit name that cannot run here, saying why.
+
+    Example:
+      >>> import models
+      >>> models.resolve_attention(models.GPTConfig(), platform="cpu")
+      'handwritten'
+    """
+    name, platform = config.attention, platform or jax.default_backend()
+    if max_logits and name in ("xla", "cudnn"):
+        raise ValueError(f"attention={name!r} cannot return the max logits QK-clip reads "
+                         "(only the handwritten forward pass does); use attention='auto' "
+                         "or 'handwritten'")
+    if name == "cudnn" and (why := cudnn_attention_error(config, platform, seq_len)):
+        raise ValueError(f"attention='cudnn' is not available: {why}; use attention='auto' "
+                         "or 'xla'")
+    if name != "auto":
+        return name
+    if platform == "cpu" or max_logits:
+        return "handwritten"
+    if platform == "gpu" and cudnn_attention_error(config, platform, seq_len) is None:
+        return "cudnn"
+    return "xla"
+
+
 class KVCache(NamedTuple):
     """Keys and values of one attention layer for positions ``[0, S)``.
 
@@ -171,8 +262,10 @@ class CausalSelfAttention(nnx.Module):
     Projections ``c_q`` ``(D, N*H)``, ``c_k`` and ``c_v`` ``(D, K*H)``, ``c_proj``
     ``(N*H, D)``; the attention itself is ``jax.nn.dot_product_attention`` (softmax in
     float32), which shares each key/value head among ``N/K`` query heads without
-    copying it; without a cache its gradient comes from :func:`causal_attention`'s
-    hand-written backward pass.
+    copying it. Without a cache it is computed as ``config.attention`` names
+    (:func:`resolve_attention`): by default on CPU its gradient comes from
+    :func:`causal_attention`'s hand-written backward pass, on a GPU from cuDNN's fused
+    flash attention where it runs.
 
     Args:
       config: the model configuration.
@@ -194,6 +287,7 @@ class CausalSelfAttention(nnx.Module):
             N * H, D, names=("heads", "embed"), std=residual_std(config), rngs=rngs, **kw
         )
         self.n_head, self.n_kv_head, self.head_dim = N, K, H
+        self.config = config
 
     def __call__(
         self, x_BTD: jax.Array, cache: KVCache | None = None, pos: jax.Array | int = 0,
@@ -209,7 +303,8 @@ class CausalSelfAttention(nnx.Module):
           pos: position of ``x_BTD[:, 0]`` (only used with a cache).
           max_logits: also sow (``nnx.Intermediate`` ``"max_logits"``, inside an
             ``nnx.capture``) each query head's largest pre-softmax logit ``(N,)`` float32,
-            from the same pass (:func:`causal_attention_and_max_logits`); not with a cache.
+            from the same pass (:func:`causal_attention_and_max_logits`, so
+            ``config.attention`` must be ``"auto"`` or ``"handwritten"``); not with a cache.
 
         Returns:
           ``(y_BTD, cache)``: the output (compute dtype) and the updated cache (``None``
@@ -221,11 +316,16 @@ class CausalSelfAttention(nnx.Module):
         v_BTKH = self.c_v(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
         if max_logits and cache is not None:
             raise ValueError("max_logits=True is for training without a key/value cache")
+        if cache is None:
+            attention = resolve_attention(self.config, max_logits=max_logits, seq_len=T)
         if max_logits:
             y_BTNH, max_logits_N = causal_attention_and_max_logits(q_BTNH, k_BTKH, v_BTKH)
             sow(self, nnx.Intermediate, "max_logits", max_logits_N)
-        elif cache is None:
+        elif cache is None and attention == "handwritten":
             y_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
+        elif cache is None:
+            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                                  implementation=attention)
         else:
             start = (0, pos, 0, 0)
             k_BSKH = jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), start)

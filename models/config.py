@@ -13,6 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 
 MLP_KINDS = ("gelu", "swiglu")
+#: How attention is computed (``GPTConfig.attention``; see :func:`models.resolve_attention`).
+ATTENTION_KINDS = ("auto", "handwritten", "xla", "cudnn")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 _BOOLS = ("bias", "tie_embeddings")
 _REALS = ("dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef")
@@ -67,6 +69,12 @@ class GPTConfig:
         aux_loss_coef: coefficient of the Switch load-balancing loss (equals the
             coefficient under uniform routing).
         z_loss_coef: coefficient of the router z-loss ``mean(logsumexp(logits)^2)``.
+        attention: how attention is computed, not what (every kind gives the same function
+            and parameters): ``"handwritten"`` (:func:`models.causal_attention`, a
+            hand-written backward pass; the fastest on XLA:CPU and the one that returns
+            QK-clip's max logits), ``"xla"`` (autodiff of ``jax.nn.dot_product_attention``),
+            ``"cudnn"`` (its fused cuDNN flash attention: NVIDIA GPUs, bf16/fp16) or
+            ``"auto"`` (by backend: :func:`models.resolve_attention`).
     """
 
     vocab_size: int = _field(65, "number of token ids (the trainer sets it from the corpus)")
@@ -90,6 +98,9 @@ class GPTConfig:
     capacity_factor: float = _field(1.25, "MoE expert capacity factor")
     aux_loss_coef: float = _field(0.01, "MoE load-balancing loss coefficient")
     z_loss_coef: float = _field(0.0, "MoE router z-loss coefficient")
+    attention: str = _field("auto", "attention implementation (auto: handwritten on CPU, "
+                            "cudnn on a GPU where it fits, else xla; a compute choice: a run "
+                            "may resume with another)", choices=ATTENTION_KINDS)
 
     def __post_init__(self):
         def positive(name):
@@ -123,6 +134,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.mlp must be one of {MLP_KINDS}, got {self.mlp!r}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(
+                f"GPTConfig.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}."
+            )
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if value not in FLOAT_DTYPES:

@@ -18,6 +18,7 @@ def test_gpu_script_arguments_run_on_cpu_with_a_tiny_override():
     rows = [line for line in table.splitlines() if line.startswith("| ours")]
     assert len(rows) == 1 and "| n/a |" in rows[0]  # no MFU without a known peak
     assert rows[0].startswith("| ours snoo_muon bfloat16 |") and "128 tokens/step" in table
+    assert "attention (ours snoo_muon bfloat16: handwritten)" in table  # auto, on CPU
 
 
 def test_ours_against_the_reference_step():

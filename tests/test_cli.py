@@ -42,7 +42,8 @@ def test_start_up_line_and_no_mfu_where_no_peak_is_known(finished):
     out, proc = finished
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("train: ") and sum(x.startswith("train: ") for x in lines) == 1
-    for part in ("M parameters (n_layer=1, n_embd=32, block_size=16)", "optimizer adamw",
+    for part in ("M parameters (n_layer=1, n_embd=32, block_size=16), attention handwritten,",
+                 "optimizer adamw",
                  "1 cpu device(s)", "mesh data=1 fsdp=1 tensor=1", f"out_dir {out}"):
         assert part in lines[0], part
     assert lines[-1].startswith("done: step 6, val loss ") and "tokens/s" in lines[-1]
@@ -52,7 +53,8 @@ def test_start_up_line_and_no_mfu_where_no_peak_is_known(finished):
     assert all("mfu" not in h for h in rows)
 
 
-@pytest.mark.parametrize("case", ["rerun", "other_config", "mesh", "data", "memory"])
+@pytest.mark.parametrize("case", ["rerun", "other_config", "mesh", "data", "memory", "cudnn",
+                                  "qk_clip_attention"])
 def test_errors_are_one_line_and_a_non_zero_exit(finished, corpus, tmp_path, case):
     out, _ = finished
     argv, named = {
@@ -65,6 +67,11 @@ def test_errors_are_one_line_and_a_non_zero_exit(finished, corpus, tmp_path, cas
                  f"--data='{tmp_path}/missing.txt': no such file"),
         "memory": ([f"--out_dir={tmp_path}/b", "--block_size=1000000"],
                    "--block_size=1000000 with --batch_size=8: a train step needs at least"),
+        "cudnn": ([f"--out_dir={tmp_path}/c", "--attention=cudnn"],
+                  "attention='cudnn' is not available: cuDNN flash attention runs on NVIDIA "
+                  "GPUs, and the devices here are cpu"),
+        "qk_clip_attention": ([f"--out_dir={tmp_path}/q", "--attention=xla", "--qk_clip_tau=100"],
+                              "attention='xla' cannot return the max logits QK-clip reads"),
     }[case]
     data = [] if case == "data" else [f"--data={corpus}"]
     proc = cli(*TINY, *data, *argv)

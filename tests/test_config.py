@@ -71,6 +71,14 @@ def test_the_edges_of_each_range_are_accepted():
     assert tc.override(config, schedule="stable_cooldown", min_lr=1.0).schedule.min_lr == 1.0
 
 
+def test_an_unknown_attention_is_refused_naming_the_choices():
+    with pytest.raises(ValueError) as err:
+        tc.parse_args(["--attention=flash"])
+    assert str(err.value) == ("GPTConfig.attention must be one of ('auto', 'handwritten', "
+                              "'xla', 'cudnn'), got 'flash'.")
+    assert tc.CHOICES["attention"] == ("auto", "handwritten", "xla", "cudnn")
+
+
 def test_the_help_of_the_model_keys_is_read_from_gpt_config():
     lines = {line.split()[0]: line for line in tc.config_help().splitlines()
              if line.startswith("  --")}

@@ -36,10 +36,11 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from models import GPTConfig
+from models import GPTConfig, resolve_attention
 
 __all__ = [
     "CHOICES",
+    "COMPUTE_KEYS",
     "GROUPS",
     "KEYS",
     "PRESETS",
@@ -384,6 +385,8 @@ _GROUP_TYPES: dict[str, type] = _hints(TrainConfig)  # group -> its dataclass
 GROUPS: tuple[str, ...] = tuple(_GROUP_TYPES)
 #: The optimizer families: a checkpoint's config must match in these and `optimizer`.
 OPTIMIZER_GROUPS = ("optimizer", "adamw", "muon", "snoo", "skew_adam", "kfac")
+#: Keys that choose how a step is computed, not what: a checkpoint resumes with any value.
+COMPUTE_KEYS = ("attention",)
 
 
 def _keys() -> dict[str, tuple[str, str]]:
@@ -546,22 +549,26 @@ def group_fields(group: str) -> tuple[str, ...]:
 
     `"model"`: the GPT's keys plus `vocab_multiple` (it sets the padded vocabulary);
     `"optimizer"`: the optimizer's name, clipping and rounding plus every optimizer family
-    (`OPTIMIZER_GROUPS`); any other group of `GROUPS`: its own keys.
+    (`OPTIMIZER_GROUPS`); any other group of `GROUPS`: its own keys. Never the
+    `COMPUTE_KEYS` (`attention`).
     """
     if group not in GROUPS:
         raise ValueError(f"unknown group {group!r}; expected one of {GROUPS}")
     groups = OPTIMIZER_GROUPS if group == "optimizer" else (group,)
-    keys = tuple(key for key, (g, _) in KEYS.items() if g in groups)
+    keys = tuple(key for key, (g, _) in KEYS.items() if g in groups and key not in COMPUTE_KEYS)
     return (*keys, "vocab_multiple") if group == "model" else keys
 
 
 def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
     """`config.model` with `vocab_size` padded to `data.vocab_multiple` (None: to 64 above
-    1024 ids, nanoGPT's 50257 -> 50304, else unpadded as nanoGPT's character recipes).
+    1024 ids, nanoGPT's 50257 -> 50304, else unpadded as nanoGPT's character recipes) and
+    `attention` resolved for this backend (`models.resolve_attention`; QK-clip takes the
+    handwritten attention, whose forward pass returns the max logits).
 
     Raises:
       ValueError: a `mesh_tensor` that does not divide the padded vocabulary (the vocab
-        axis is sharded over it), naming the `--vocab_multiple` to pass.
+        axis is sharded over it), naming the `--vocab_multiple` to pass; an `--attention`
+        that cannot run here (`cudnn` off a GPU, `xla` or `cudnn` with QK-clip).
     """
     multiple = config.data.vocab_multiple
     if multiple is None:
@@ -572,7 +579,8 @@ def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
         raise ValueError(f"mesh_tensor={tensor} does not divide the vocabulary of {padded} "
                          f"(--vocab_multiple={config.data.vocab_multiple}); pass "
                          f"--vocab_multiple={math.lcm(multiple, tensor)}")
-    return dataclasses.replace(config.model, vocab_size=padded)
+    attention = resolve_attention(config.model, max_logits=config.optimizer.qk_clip_tau > 0)
+    return dataclasses.replace(config.model, vocab_size=padded, attention=attention)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:

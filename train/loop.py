@@ -256,16 +256,18 @@ def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Check
 
 def _startup_line(config: TrainConfig, state: Any, mesh: Any, start: int,
                   data: TokenDataset) -> str:
-    """One line: model size, optimizer, devices and mesh, the data, out_dir (and the
-    resumed step)."""
+    """One line: model size, attention, optimizer, devices and mesh, the data, out_dir (and
+    the resumed step)."""
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
     devices = mesh.devices.flat[0]
     axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
     resumed = f"; resuming at step {start}" if config.run.resume else ""
     m = config.model
     padded = f" (padded to {m.vocab_size:,})" if m.vocab_size != data.vocab_size else ""
+    why = " (QK-clip reads its max logits)" if config.optimizer.qk_clip_tau > 0 else ""
     return (f"train: {n / 1e6:.2f}M parameters (n_layer={m.n_layer}, n_embd={m.n_embd}, "
-            f"block_size={m.block_size}), optimizer {config.optimizer.name}, "
+            f"block_size={m.block_size}), attention {m.attention}{why}, "
+            f"optimizer {config.optimizer.name}, "
             f"{mesh.size} {devices.platform} device(s) ({devices.device_kind}), mesh {axes}; "
             f"data: {data.describe()}{padded}; out_dir {config.run.out_dir}{resumed}")
 

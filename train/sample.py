@@ -101,7 +101,7 @@ def load_params(out_dir: str | Path, step: int | None = None
     meta = ckpt.restore_meta(step)
     tokenizer = saved_tokenizer(meta)
     vocab_size = meta.get("vocab_size") or len(tokenizer["chars"])
-    config = config_from_dict(meta["config"])
+    config = override(config_from_dict(meta["config"]), attention="auto")  # for this backend
     tx = build_optimizer(config).tx
     mesh = make_mesh(override(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
     model_def, like = create_train_state(config.model, tx, seed=config.run.seed, mesh=mesh)
