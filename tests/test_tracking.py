@@ -160,7 +160,8 @@ def test_wandb_gets_the_same_scalars_config_and_name(tracked):
     assert kind == "init"
     assert init["project"] == "optax-snoo-tests" and init["name"] == "tiny_run"
     assert init["dir"] == str(tracked["out"]) and init["resume"] is None
-    assert init["config"] == tc.flat_dict(config)  # the command line's keys
+    # The command line's keys, with the attention implementation the run resolved to.
+    assert init["config"] == {**tc.flat_dict(config), "attention": "handwritten"}
     assert init["config"]["n_layer"] == 1 and init["config"]["optimizer"] == "snoo_adamw"
     assert (tracked["out"] / "wandb_run_id").read_text().strip() == init["id"]
     assert rest[-1] == ("finish",) and ("finish",) not in rest[:-1]

@@ -291,9 +291,16 @@ class Checkpointer:
         self._pending = []
 
     def close(self) -> None:
-        """Finish pending saves and release the manager."""
+        """Finish pending saves and the clean-up of leftover temporary folders, and release
+        the manager."""
         try:
             self.wait()
+            # Orbax awaits its clean-up thread only in `save`: a run stopped before its
+            # first save (a refused --resume) would exit with it running, and the thread
+            # would print a traceback at interpreter shutdown.
+            cleanup = getattr(self.manager, "_cleanup_tmp_directory_future", None)
+            if cleanup is not None:
+                cleanup.result()
         finally:
             self.manager.close()
 

@@ -142,8 +142,12 @@ def run(config: TrainConfig) -> RunResult:
     shardings = tree_shardings(state, mesh)
     optimizer = build_optimizer(config, params=shardings["params"])  # Muon's plan: same state
     ckpt = Checkpointer(out / "checkpoints")
-    tokenizer, tokenizer_file = run_tokenizer(data)
-    state, start = _start(config, ckpt, state, tokenizer)
+    try:
+        tokenizer, tokenizer_file = run_tokenizer(data)
+        state, start = _start(config, ckpt, state, tokenizer)
+    except BaseException:
+        ckpt.close()  # a refused start: nothing pending, but Orbax's clean-up must end
+        raise
     lead = jax.process_index() == 0
     if lead:
         print(_startup_line(config, state, mesh, start, data), flush=True)
