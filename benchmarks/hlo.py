@@ -27,6 +27,7 @@ Usage::
     stats.collective_bytes, stats.by_kind, stats.flops, stats.in_loops, stats.eigh
     refresh = analyze(text, eigh_branch=True)   # a K-FAC refresh step
     plain = analyze(text, eigh_branch=False)    # a step without refresh
+    across = analyze(text, only=spans_blocks(4))  # collectives between 4-device blocks
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
 
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -84,6 +88,66 @@ def _bytes(type_str: str) -> float:
 
 def _elements(type_str: str) -> int:
     return sum(math.prod(s) for _, s in _arrays(type_str))
+
+
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*"
+                          r"(?:,\s*device_ids=\(([^)]*\)?)\)\s*)?\{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+
+
+def replica_groups(remainder: str) -> list[list[int]] | None:
+    """The device groups of a collective's attributes (None where none are written: one
+    group of every device). Reads the explicit (``{{0,1},{2,3}}``), iota
+    (``[2,4]<=[4,2]T(1,0)``) and named-mesh (``mesh['a'=2,'b'=4] {'a'}``, optionally with
+    ``device_ids=([2,4]T(1,0))`` or ``device_ids=(0,4,1,5,...)`` placing the devices on
+    the mesh) forms."""
+    m = _MESH_GROUPS.search(remainder)
+    if m:
+        axes = [(a.split("=")[0].strip(" '"), int(a.split("=")[1]))
+                for a in m.group(1).split(",") if a.strip()]
+        names = [a.strip(" '") for a in m.group(3).split(",") if a.strip()]
+        size_all = math.prod(s for _, s in axes)
+        ids = np.arange(size_all)
+        if m.group(2):
+            iota = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", m.group(2).strip())
+            if iota:
+                ids = ids.reshape([int(x) for x in iota.group(1).split(",")])
+                if iota.group(2):
+                    ids = ids.transpose([int(x) for x in iota.group(2).split(",")])
+            else:
+                ids = np.array([int(x) for x in m.group(2).split(",") if x.strip()])
+        ids = ids.reshape([s for _, s in axes])
+        grouped = [i for i, (n, _) in enumerate(axes) if n in names]
+        rest = [i for i in range(len(axes)) if i not in grouped]
+        size = math.prod(axes[i][1] for i in grouped)
+        return ids.transpose(rest + grouped).reshape(-1, size).tolist()
+    m = _IOTA_GROUPS.search(remainder)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    m = _LIST_GROUPS.search(remainder)
+    if m and m.group(1):
+        return [[int(x) for x in g.split(",") if x]
+                for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    return None
+
+
+def spans_blocks(block: int) -> Callable[[list[list[int]] | None], bool]:
+    """A filter for `analyze(only=)`: collectives whose groups join devices of different
+    blocks of `block` consecutive device ids (e.g. the replicas of a mesh whose first
+    axis is the replica axis). A collective without groups spans every device."""
+
+    def spans(groups):
+        if groups is None:
+            return True
+        return any(len({d // block for d in g}) > 1 for g in groups)
+
+    return spans
 
 
 def _split_type(rest: str) -> tuple[str, str, str]:
@@ -175,7 +239,8 @@ def _is_eigh(opcode: str, remainder: str) -> bool:
     return bool(target) and any(t in target.group(1) for t in _EIGH_TARGETS)
 
 
-def analyze(hlo_text: str, eigh_branch: bool | None = None) -> Cost:
+def analyze(hlo_text: str, eigh_branch: bool | None = None,
+            only: Callable[[list[list[int]] | None], bool] | None = None) -> Cost:
     """Loop-aware per-device collective bytes and FLOPs of compiled HLO text.
 
     Args:
@@ -184,6 +249,8 @@ def analyze(hlo_text: str, eigh_branch: bool | None = None) -> Cost:
         refresh) counts: None, its most expensive branch; True, the most expensive branch
         with one (a refresh step); False, the most expensive without (a plain step).
         Other conditionals always count their most expensive branch.
+      only: count only the collectives whose `replica_groups` this predicate accepts
+        (e.g. `spans_blocks(n)`); None counts them all.
 
     Raises:
       ValueError: for a while loop without a known trip count (its cost per step is
@@ -213,10 +280,11 @@ def analyze(hlo_text: str, eigh_branch: bool | None = None) -> Cost:
         total = Cost()
         for _, type_str, opcode, remainder in comps.get(name, []):
             if opcode in COLLECTIVES:
-                operand_bytes = sum(_bytes(t) for t in operand_types(remainder))
-                kind = COLLECTIVES[opcode]
-                total.by_kind[kind] += max(_bytes(type_str), operand_bytes)
-                total.counts[kind] += 1
+                if only is None or only(replica_groups(remainder)):
+                    operand_bytes = sum(_bytes(t) for t in operand_types(remainder))
+                    kind = COLLECTIVES[opcode]
+                    total.by_kind[kind] += max(_bytes(type_str), operand_bytes)
+                    total.counts[kind] += 1
             elif opcode == "dot":
                 lhs = operand_types(remainder)[0]
                 dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", remainder)

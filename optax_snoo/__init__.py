@@ -37,7 +37,7 @@ from optax_snoo._src.skew_adam import (
     skew_adam,
     skew_adam_roles,
 )
-from optax_snoo._src.snoo import SnooState, skip_update, snoo, snoo_is_sync_step
+from optax_snoo._src.snoo import SnooState, diloco, skip_update, snoo, snoo_is_sync_step
 from optax_snoo._src.weight_decay import DecoupledWeightDecayState, add_decoupled_weight_decay
 
 __version__ = "0.1.0"
@@ -60,6 +60,7 @@ __all__ = [
     "add_decoupled_weight_decay",
     "assign_roles",
     "cast_to_param_dtype",
+    "diloco",
     "dithered_rounding",
     "kfac",
     "labels",

@@ -103,3 +103,21 @@ def test_unknown_trip_count_is_an_error():
 
     with pytest.raises(ValueError, match="trip count"):
         hlo.analyze(compiled_text(f, jnp.ones((4,))))
+
+
+@pytest.mark.parametrize("attrs, groups", [
+    ("replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=[2,4]<=[8], dimensions={0}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, use_global_device_ids=true",
+     [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+     "{'axis_2'}, use_global_device_ids=true", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+     "{'axis_0'}, dimensions={0}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("to_apply=%add", None),
+])
+def test_replica_groups_in_every_written_form(attrs, groups):
+    assert hlo.replica_groups(attrs) == groups
+    spans = hlo.spans_blocks(4)(groups)
+    assert spans == (groups is None or groups[0] == [0, 4])

@@ -5,9 +5,15 @@ sync, `slow - fast`, is taken as a pseudo-gradient for Nesterov SGD on a slow co
 params kept in the optimizer state; the params jump to the new slow weights. In between,
 the inner optimizer runs alone.
 
+With `replica_axis`, Snoo is one worker of DiLoCo: the pseudo-gradient is averaged over the
+replicas on sync steps only, so inner steps exchange nothing across replicas. `diloco`
+runs it over a tree whose leaves carry a leading replica axis.
+
 References:
   Kallusky et al, `Snoo: sparse Nesterov outer optimizer, modded-nanogpt GPT-2 Medium
   record <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
+  Douillard et al, `DiLoCo: Distributed Low-Communication Training of Language Models
+  <https://arxiv.org/abs/2311.08455>`_, 2023.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from optax_snoo._src.utils import check_int_at_least, check_non_negative, check_
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
-__all__ = ["SnooState", "skip_update", "snoo", "snoo_is_sync_step"]
+__all__ = ["SnooState", "diloco", "skip_update", "snoo", "snoo_is_sync_step"]
 
 
 class SnooState(NamedTuple):
@@ -92,6 +98,27 @@ def skip_update(opt_state: optax.OptState) -> optax.OptState:
     return jax.tree.map(advance, opt_state, is_leaf=_is_snoo_state)
 
 
+def _check_replica_axis(replica_axis: Any) -> None:
+    ok = replica_axis is None or (isinstance(replica_axis, str) and replica_axis) or (
+        isinstance(replica_axis, tuple) and replica_axis
+        and all(isinstance(a, str) and a for a in replica_axis))
+    if not ok:
+        raise ValueError(f"snoo: replica_axis must be None, an axis name (str) or a tuple of "
+                         f"axis names, got {replica_axis!r}")
+
+
+def _check_axis_bound(replica_axis: str | tuple[str, ...]) -> None:
+    """Raise at trace time when `replica_axis` names no axis of the surrounding map."""
+    for name in (replica_axis,) if isinstance(replica_axis, str) else replica_axis:
+        try:
+            jax.lax.axis_size(name)
+        except NameError:
+            raise ValueError(
+                f"snoo: replica_axis={name!r} is not an axis of the surrounding map; call "
+                f"update inside jax.vmap(..., axis_name={name!r}) (optax_snoo.diloco does), "
+                f"jax.shard_map over a mesh with that axis, or jax.pmap") from None
+
+
 def _validate(inner: Any, learning_rate: Any, momentum: Any, k: Any) -> None:
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise ValueError(
@@ -109,6 +136,7 @@ def snoo(
     k: int = 28,
     *,
     slow_dtype: Any = "float32",
+    replica_axis: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` in Snoo, the sparse Nesterov outer optimizer.
 
@@ -139,6 +167,13 @@ def snoo(
       slow_dtype: dtype of the slow weights and outer momentum (float32 even for bf16
         params). Any dtype-like; the default is the string `"float32"` rather than
         `jnp.float32` because `optax.inject_hyperparams` takes callables for schedules.
+      replica_axis: None (one worker), or the name of a mapped axis over DiLoCo replicas
+        (`jax.vmap(..., axis_name=)`, `jax.shard_map`, `jax.pmap`): on sync steps only,
+        `d` is replaced by its mean over that axis (`jax.lax.pmean`, one all-reduce of
+        each device's share of the params), so every replica takes the same outer step
+        and starts again from the same slow weights. Under `jax.vmap`, keep `count`
+        unmapped (as `diloco` does): a mapped count turns the sync conditional into a
+        select that would run the all-reduce on every step.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` with state `SnooState`. `update` needs
@@ -161,6 +196,7 @@ def snoo(
       record <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
     """
     _validate(inner, learning_rate, momentum, k)
+    _check_replica_axis(replica_axis)
     slow_dtype = jnp.dtype(slow_dtype)
     inner = optax.with_extra_args_support(inner)
 
@@ -180,10 +216,19 @@ def snoo(
 
         def leaf(s, b, p, u):
             d = s - (p.astype(slow_dtype) + u.astype(slow_dtype))
+            return nesterov(s, b, d)
+
+        def nesterov(s, b, d):
             b = (mu * b + d).astype(slow_dtype)
             return (s - eta * (d + mu * b)).astype(slow_dtype), b
 
-        out = jax.tree.map(leaf, slow, buf, params, inner_updates)
+        if replica_axis is None:
+            out = jax.tree.map(leaf, slow, buf, params, inner_updates)
+        else:
+            # DiLoCo: the replicas' mean pseudo-gradient, one all-reduce of the whole tree.
+            d = jax.tree.map(lambda s, p, u: s - (p.astype(slow_dtype) + u.astype(slow_dtype)),
+                             slow, params, inner_updates)
+            out = jax.tree.map(nesterov, slow, buf, jax.lax.pmean(d, replica_axis))
         is_pair = lambda x: type(x) is tuple
         return tuple(jax.tree.map(lambda o, i=i: o[i], out, is_leaf=is_pair) for i in range(2))
 
@@ -198,6 +243,8 @@ def snoo(
         if snoo_sync is not None and not isinstance(snoo_sync, bool):
             raise ValueError(
                 f"snoo: snoo_sync must be a static Python bool or None, got {snoo_sync!r}")
+        if replica_axis is not None:
+            _check_axis_bound(replica_axis)
         outer_count = state.count // k
         eta = learning_rate(outer_count) if callable(learning_rate) else learning_rate
         mu = momentum(outer_count) if callable(momentum) else momentum
@@ -244,5 +291,122 @@ def snoo(
         return new_updates, SnooState(
             count=optax.safe_increment(state.count), slow=slow, momentum=buf,
             inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_count(x: Any) -> bool:
+    return jnp.ndim(x) == 0 and jnp.issubdtype(jnp.result_type(x), jnp.integer)
+
+
+def _replica_axes(state: Any) -> Any:
+    """vmap axes of a state over replicas: the integer scalars (step counts, Snoo's
+    included) once for all replicas, every other leaf on axis 0."""
+    return jax.tree.map(lambda x: None if _is_count(x) else 0, state)
+
+
+def _num_replicas(tree: Any, what: str) -> int:
+    leaves = jax.tree.leaves(tree)
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
+    if not leaves or len(sizes) != 1 or None in sizes:
+        shapes = [jnp.shape(x) for x in leaves]
+        raise ValueError(f"diloco: every leaf of {what} must have the same leading replica "
+                         f"axis (M, ...); got shapes {shapes}")
+    return sizes.pop()
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    learning_rate: ScalarOrSchedule = 0.68,
+    momentum: ScalarOrSchedule = 0.37,
+    k: int = 28,
+    *,
+    slow_dtype: Any = "float32",
+    axis_name: str = "diloco",
+) -> optax.GradientTransformationExtraArgs:
+    """DiLoCo: M replicas of `snoo(inner)` that average their pseudo-gradients on sync steps.
+
+    Params, gradients and updates carry a leading replica axis `(M, ...)`: replica `r`
+    trains `params[r]` on its own data with its own inner state, and exchanges nothing with
+    the others until a sync step (`count % k == 0`), where the pseudo-gradients
+    `slow - fast` are averaged over the replicas (`snoo(..., replica_axis=axis_name)`
+    under `jax.vmap(..., axis_name=axis_name)`) and the one outer Nesterov step moves every
+    replica to the same new slow weights. Under `jax.jit`, shard the leading axis over a
+    mesh axis (`P("diloco", ...)`): inner steps then compile to no collective across that
+    axis and a sync step to one all-reduce of each device's share of the params. With
+    M = 1 this is `snoo(inner, ...)` on `params[0]`.
+
+    The state's leaves carry the replica axis too (the slow weights and outer momentum,
+    equal on every replica, included), except its integer scalars (step counts: Snoo's
+    and the inner optimizer's), kept once for all replicas: so the sync stays a
+    conditional that runs the all-reduce once per `k` steps (a mapped count would make it a
+    select, running it every step), and M = 1 is `snoo` bit for bit.
+    `update` takes Snoo's static `snoo_sync` hint; other extra arguments are mapped over
+    their leading axis.
+
+    Args:
+      inner: each replica's inner optimizer (its state is per replica).
+      learning_rate: outer step size η (float or schedule of the outer-step count).
+      momentum: outer Nesterov momentum μ in [0, 1) (float or schedule).
+      k: sync period H (integer >= 1).
+      slow_dtype: dtype of the slow weights and outer momentum.
+      axis_name: the name of the replica axis inside the map.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` over replica-stacked trees. `update`
+      needs `params`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"w": jnp.ones((2, 3))}  # two replicas of a 3-vector
+      >>> tx = optax_snoo.diloco(optax.sgd(0.1), k=4)
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.array([[1.0, 1, 1], [3, 3, 3]])}  # each replica its own data
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)  # t = 0 syncs: equal replicas
+      >>> bool(jnp.all(params["w"][0] == params["w"][1])), int(state.count)
+      (True, 1)
+
+    References:
+      Douillard et al, `DiLoCo: Distributed Low-Communication Training of Language Models
+      <https://arxiv.org/abs/2311.08455>`_, 2023.
+      Kallusky et al, `SNOO: Step-K Nesterov Outer Optimizer
+      <https://arxiv.org/abs/2510.15830>`_, 2025.
+      Douillard et al, `Streaming DiLoCo with overlapping communication
+      <https://arxiv.org/abs/2501.18512>`_, 2025.
+    """
+    if not isinstance(axis_name, str) or not axis_name:
+        raise ValueError(f"diloco: axis_name must be a non-empty str, got {axis_name!r}")
+    tx = snoo(inner, learning_rate, momentum, k, slow_dtype=slow_dtype,
+              replica_axis=axis_name)
+
+    def init_fn(params):
+        _num_replicas(params, "params")
+        one = jax.eval_shape(tx.init, jax.tree.map(lambda x: x[0], params))
+        return jax.vmap(tx.init, out_axes=_replica_axes(one), axis_name=axis_name)(params)
+
+    def update_fn(updates, state, params=None, *, snoo_sync: bool | None = None,
+                  **extra_args):
+        if params is None:
+            raise ValueError("diloco: update needs params (each replica's fast weights)")
+        m = _num_replicas(params, "params")
+        if _num_replicas(updates, "updates") != m:
+            raise ValueError(f"diloco: updates have {_num_replicas(updates, 'updates')} "
+                             f"replicas, params {m}")
+        axes = _replica_axes(state)
+
+        def one(u, s, p, extra):
+            return tx.update(u, s, p, snoo_sync=snoo_sync, **extra)
+
+        try:
+            return jax.vmap(one, in_axes=(0, axes, 0, 0), out_axes=(0, axes),
+                            axis_name=axis_name)(updates, state, params, extra_args)
+        except ValueError as e:
+            if "out_axes" not in str(e):
+                raise
+            raise ValueError(
+                "diloco: an integer scalar of the inner state (a step count) depends on each "
+                "replica's data (optax.apply_if_finite's do); every replica must take the "
+                "same steps (skip one with optax_snoo.skip_update on all replicas)") from e
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
