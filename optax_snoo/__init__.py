@@ -37,7 +37,14 @@ from optax_snoo._src.skew_adam import (
     skew_adam,
     skew_adam_roles,
 )
-from optax_snoo._src.snoo import SnooState, diloco, skip_update, snoo, snoo_is_sync_step
+from optax_snoo._src.snoo import (
+    SnooState,
+    diloco,
+    over_replicas,
+    skip_update,
+    snoo,
+    snoo_is_sync_step,
+)
 from optax_snoo._src.weight_decay import DecoupledWeightDecayState, add_decoupled_weight_decay
 
 __version__ = "0.1.0"
@@ -70,6 +77,7 @@ __all__ = [
     "muon_momentum_warmup",
     "normuon",
     "orthogonalize",
+    "over_replicas",
     "qk_clip_heads",
     "qk_clip_scales",
     "recipes",

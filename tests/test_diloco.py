@@ -192,7 +192,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="replica_axis='replicas' is not an axis"):
         jax.vmap(optax_snoo.snoo(optax.sgd(0.1), replica_axis="replicas").update,
                  axis_name="diloco")(params, jax.vmap(tx.init)(params), params)
-    with pytest.raises(ValueError, match="axis_name must be a non-empty str"):
+    with pytest.raises(ValueError, match="diloco: axis_name must be a non-empty str"):
         optax_snoo.diloco(optax.sgd(0.1), axis_name=None)
     dl = optax_snoo.diloco(optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"same leading replica axis \(M, ...\); got shapes "

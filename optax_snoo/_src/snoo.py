@@ -29,7 +29,7 @@ from optax_snoo._src.utils import check_int_at_least, check_non_negative, check_
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
-__all__ = ["SnooState", "diloco", "skip_update", "snoo", "snoo_is_sync_step"]
+__all__ = ["SnooState", "diloco", "over_replicas", "skip_update", "snoo", "snoo_is_sync_step"]
 
 
 class SnooState(NamedTuple):
@@ -310,9 +310,82 @@ def _num_replicas(tree: Any, what: str) -> int:
     sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
     if not leaves or len(sizes) != 1 or None in sizes:
         shapes = [jnp.shape(x) for x in leaves]
-        raise ValueError(f"diloco: every leaf of {what} must have the same leading replica "
+        raise ValueError(f"over_replicas: every leaf of {what} must have the same leading replica "
                          f"axis (M, ...); got shapes {shapes}")
     return sizes.pop()
+
+
+def over_replicas(tx: optax.GradientTransformation, axis_name: str = "diloco", *,
+                  spmd_axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+    """Run `tx` on every replica of replica-stacked trees, under `jax.vmap(axis_name=)`.
+
+    Params, updates and state leaves carry a leading replica axis `(M, ...)`, except the
+    state's integer scalars (step counts), kept once for all replicas: every replica takes
+    the same steps, and a Snoo sync stays a conditional (a mapped count would make it a
+    select that runs the replicas' all-reduce on every step). A Snoo inside `tx` with
+    `replica_axis=axis_name` makes this DiLoCo (`diloco`); elsewhere in `tx` replicas
+    exchange nothing. `update` takes Snoo's static `snoo_sync`; other extra arguments are
+    mapped over their leading axis.
+
+    Args:
+      tx: the per-replica transformation, e.g. `optax.chain(clip, snoo(...,
+        replica_axis="diloco"))`.
+      axis_name: the replica axis's name inside the map.
+      spmd_axis_name: the mesh axis the replica axis is sharded over, if any: sharding
+        constraints inside `tx` then keep the replicas on it (`jax.vmap`'s argument).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` over replica-stacked trees.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> tx = optax_snoo.over_replicas(optax.adam(0.1))
+      >>> state = tx.init({"w": jnp.zeros((4, 3))})  # 4 replicas of a 3-vector
+      >>> state[0].count.shape, state[0].mu["w"].shape
+      ((), (4, 3))
+
+    References:
+      Douillard et al, `DiLoCo: Distributed Low-Communication Training of Language Models
+      <https://arxiv.org/abs/2311.08455>`_, 2023.
+    """
+    if not isinstance(axis_name, str) or not axis_name:
+        raise ValueError(f"over_replicas: axis_name must be a non-empty str, got {axis_name!r}")
+    tx = optax.with_extra_args_support(tx)
+
+    def init_fn(params):
+        _num_replicas(params, "params")
+        one = jax.eval_shape(tx.init, jax.tree.map(lambda x: x[0], params))
+        return jax.vmap(tx.init, out_axes=_replica_axes(one), axis_name=axis_name,
+                        spmd_axis_name=spmd_axis_name)(params)
+
+    def update_fn(updates, state, params=None, *, snoo_sync: bool | None = None,
+                  **extra_args):
+        if params is None:
+            raise ValueError("over_replicas: update needs params (each replica's fast weights)")
+        m = _num_replicas(params, "params")
+        if _num_replicas(updates, "updates") != m:
+            raise ValueError(f"over_replicas: updates have {_num_replicas(updates, 'updates')} "
+                             f"replicas, params {m}")
+        axes = _replica_axes(state)
+
+        hint = {} if snoo_sync is None else {"snoo_sync": snoo_sync}
+
+        def one(u, s, p, extra):
+            return tx.update(u, s, p, **hint, **extra)
+
+        try:
+            return jax.vmap(one, in_axes=(0, axes, 0, 0), out_axes=(0, axes),
+                            axis_name=axis_name, spmd_axis_name=spmd_axis_name)(
+                updates, state, params, extra_args)
+        except ValueError as e:
+            if "out_axes" not in str(e):
+                raise
+            raise ValueError(
+                "over_replicas: an integer scalar of the state (a step count) depends on "
+                "each replica's data (optax.apply_if_finite's do); every replica must take "
+                "the same steps (skip one with optax_snoo.skip_update on all replicas)") from e
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def diloco(
@@ -377,36 +450,5 @@ def diloco(
     """
     if not isinstance(axis_name, str) or not axis_name:
         raise ValueError(f"diloco: axis_name must be a non-empty str, got {axis_name!r}")
-    tx = snoo(inner, learning_rate, momentum, k, slow_dtype=slow_dtype,
-              replica_axis=axis_name)
-
-    def init_fn(params):
-        _num_replicas(params, "params")
-        one = jax.eval_shape(tx.init, jax.tree.map(lambda x: x[0], params))
-        return jax.vmap(tx.init, out_axes=_replica_axes(one), axis_name=axis_name)(params)
-
-    def update_fn(updates, state, params=None, *, snoo_sync: bool | None = None,
-                  **extra_args):
-        if params is None:
-            raise ValueError("diloco: update needs params (each replica's fast weights)")
-        m = _num_replicas(params, "params")
-        if _num_replicas(updates, "updates") != m:
-            raise ValueError(f"diloco: updates have {_num_replicas(updates, 'updates')} "
-                             f"replicas, params {m}")
-        axes = _replica_axes(state)
-
-        def one(u, s, p, extra):
-            return tx.update(u, s, p, snoo_sync=snoo_sync, **extra)
-
-        try:
-            return jax.vmap(one, in_axes=(0, axes, 0, 0), out_axes=(0, axes),
-                            axis_name=axis_name)(updates, state, params, extra_args)
-        except ValueError as e:
-            if "out_axes" not in str(e):
-                raise
-            raise ValueError(
-                "diloco: an integer scalar of the inner state (a step count) depends on each "
-                "replica's data (optax.apply_if_finite's do); every replica must take the "
-                "same steps (skip one with optax_snoo.skip_update on all replicas)") from e
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return over_replicas(snoo(inner, learning_rate, momentum, k, slow_dtype=slow_dtype,
+                              replica_axis=axis_name), axis_name)
