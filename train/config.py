@@ -320,9 +320,13 @@ class MeshConfig:
     data: int = _field(-1, "data-parallel axis size", key="mesh_data")
     fsdp: int = _field(1, "fully-sharded data-parallel axis size", key="mesh_fsdp")
     tensor: int = _field(1, "tensor-parallel axis size", key="mesh_tensor")
+    diloco: int = _field(1, "DiLoCo replicas, a mesh axis before the others: each trains on "
+                         "its own rows of the batch and they average Snoo's pseudo-gradient "
+                         "every snoo_k steps (needs an optimizer wrapped in Snoo)",
+                         key="mesh_diloco")
 
     def __post_init__(self):
-        _validate(self)
+        _validate(self, positive=("diloco",))  # no -1: the replicas are chosen, not filled
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value == 0 or value < -1:

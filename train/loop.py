@@ -56,7 +56,14 @@ from train.metrics import (
 )
 from train.nonfinite import check_bad_steps
 from train.optimizers import build_optimizer
-from train.sharding import batch_sharding, make_mesh, process_rows, put_batch, tree_shardings
+from train.sharding import (
+    batch_sharding,
+    make_mesh,
+    process_rows,
+    put_batch,
+    replica_zero,
+    tree_shardings,
+)
 from train.step import create_train_state, make_eval_step, make_train_step
 from train.tokenizer import describe_meta
 
@@ -92,6 +99,11 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, tokenizer: dict)
 
     def check(meta):
         check_compatible(flat_dict(meta["config"]), flat_dict(config), where=str(ckpt.directory))
+        saved_replicas = flat_dict(meta["config"]).get("mesh_diloco", 1)
+        if saved_replicas != config.mesh.diloco:  # the state's replica axis has this size
+            raise ValueError(f"cannot resume from {ckpt.directory}: it trained "
+                             f"--mesh_diloco={saved_replicas} replicas, this run asks for "
+                             f"--mesh_diloco={config.mesh.diloco}")
         saved = saved_tokenizer(meta)
         if saved != tokenizer:
             raise ValueError(f"cannot resume from {ckpt.directory}: its data's tokenizer "
@@ -137,9 +149,14 @@ def run(config: TrainConfig) -> RunResult:
     config = dataclasses.replace(config, model=model_config(config, data.vocab_size))
     d, r = config.data, config.run
     mesh = make_mesh(config)
-    check_memory(config, config.model, optimizer.tx, list(mesh.devices.flat))  # before any compile
-    model, state = create_train_state(config.model, optimizer.tx, seed=r.seed, mesh=mesh)
+    check_memory(config, config.model, optimizer.replica_tx,  # before any compile
+                 list(mesh.devices.flat))
+    model, state = create_train_state(config.model, optimizer.replica_tx, seed=r.seed, mesh=mesh)
     shardings = tree_shardings(state, mesh)
+    # Evaluation, sampling and the FLOPs count see replica 0 (all of the params without
+    # DiLoCo replicas): its fast weights, as a single-replica Snoo run evaluates its own.
+    replica0, params0_shardings = replica_zero(shardings["params"], mesh)
+    params0_shapes = jax.eval_shape(replica0, state["params"])
     optimizer = build_optimizer(config, params=shardings["params"])  # Muon's plan: same state
     ckpt = Checkpointer(out / "checkpoints")
     try:
@@ -150,7 +167,7 @@ def run(config: TrainConfig) -> RunResult:
         raise
     lead = jax.process_index() == 0
     if lead:
-        print(_startup_line(config, state, mesh, start, data), flush=True)
+        print(_startup_line(config, params0_shapes, mesh, start, data), flush=True)
         out.mkdir(parents=True, exist_ok=True)  # the first output: the start succeeded
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, out / "tokenizer.json")
@@ -169,7 +186,7 @@ def run(config: TrainConfig) -> RunResult:
     monitor = optimizer.monitor(out, start)
     train_step = make_train_step(model, optimizer, mesh=mesh, state_shardings=shardings,
                                  max_bad_steps=r.max_bad_steps)
-    eval_step = make_eval_step(model, mesh=mesh, params_shardings=shardings["params"])
+    eval_step = make_eval_step(model, mesh=mesh, params_shardings=params0_shardings)
     evals = {split: [put(a) for a in data.eval_batches(
         split, num_batches=r.eval_iters, batch_size=d.batch_size,
         block_size=config.model.block_size, seed=r.seed, rows=rows)]
@@ -178,7 +195,7 @@ def run(config: TrainConfig) -> RunResult:
                      trackers=open_trackers(config, out, start=start) if lead else ())
     tokens_per_step = d.batch_size * d.grad_accum * config.model.block_size
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
-    flops = flops_per_token(state["params"], config.model) * tokens_per_step
+    flops = flops_per_token(params0_shapes, config.model) * tokens_per_step
     meta = {"config": config_to_dict(config), "tokenizer": tokenizer,
             "vocab_size": data.vocab_size, "seed": r.seed}
     batches = BatchPrefetcher(train_batch, enabled=d.prefetch)  # the next step's, meanwhile
@@ -197,7 +214,8 @@ def run(config: TrainConfig) -> RunResult:
         is_eval_step = (step > start or not r.resume) and (
             step % r.eval_interval == 0 or is_save_step or is_last_step)
         if is_eval_step:
-            losses = {s: float(eval_step(state["params"], *evals[s])) for s in evals}
+            params0 = replica0(state["params"])
+            losses = {s: float(eval_step(params0, *evals[s])) for s in evals}
             log.write(step=step, train_loss=losses["train"], val_loss=losses["val"])
             speed = "" if not rates else f", {rates[-1]:,.0f} tokens/s" + (
                 f", MFU {mfu:.1%}" if mfu is not None else "")
@@ -244,7 +262,7 @@ def run(config: TrainConfig) -> RunResult:
     batches.close()
     ckpt.close()
     monitor.finish()
-    result = _finish(config, model, state, data, log, rates, out)
+    result = _finish(config, model, replica0(state["params"]), data, log, rates, out)
     log.close()  # the trackers (W&B's run ends here)
     result.final["wall_s"] = time.perf_counter() - t_start
     return result
@@ -258,11 +276,11 @@ def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Check
                         checkpoints=ckpt.steps())
 
 
-def _startup_line(config: TrainConfig, state: Any, mesh: Any, start: int,
+def _startup_line(config: TrainConfig, params: Any, mesh: Any, start: int,
                   data: TokenDataset) -> str:
-    """One line: model size, attention, optimizer, devices and mesh, the data, out_dir (and
-    the resumed step)."""
-    n = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+    """One line: model size (one replica's `params`), attention, optimizer, devices and
+    mesh, the data, out_dir (and the resumed step)."""
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     devices = mesh.devices.flat[0]
     axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
     resumed = f"; resuming at step {start}" if config.run.resume else ""
@@ -288,16 +306,17 @@ def run_tokenizer(data: TokenDataset) -> tuple[dict[str, Any], Path | None]:
     return {**meta, "file": "tokenizer.json", "sha256": digest}, source
 
 
-def _finish(config, model, state, data, log, rates, out) -> RunResult:
-    """Write loss.png and samples.txt (process 0); summarise the run (all of it, across
-    resumes: the metrics log's earlier lines count too)."""
+def _finish(config, model, params, data, log, rates, out) -> RunResult:
+    """Write loss.png and samples.txt (process 0, sampled from `params`: replica 0's);
+    summarise the run (all of it, across resumes: the metrics log's earlier lines count
+    too)."""
     from train.sample import generate_text  # here: `python -m train.sample` runs cleanly
 
     lead = jax.process_index() == 0
     whole = log.whole_run
     if lead:
         plot_losses(whole, out / "loss.png", title=run_title(config))
-    params, s = state["params"], config.sample
+    s = config.sample
     if s.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
         params = multihost_utils.process_allgather(params, tiled=True)
     if s.num_samples > 0 and lead:

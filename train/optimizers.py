@@ -39,6 +39,7 @@ import optax_snoo
 from optax_snoo import muon_momentum_warmup, snoo_is_sync_step
 from optax_snoo.recipes import snoo_muon as snoo_muon_stack
 from optax_snoo.recipes import stable_cooldown_schedule
+from train.sharding import REPLICA_AXIS
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
@@ -113,7 +114,11 @@ class TrainOptimizer:
       for_params: `params -> TrainOptimizer`, the same optimizer told where the params
         live (arrays, abstract arrays or their shardings): Muon's Newton-Schulz plan,
         which a jitted update cannot read from its tracers. `None`: placement does not
-        matter. `build_optimizer(config, params)` applies it.
+        matter. `build_optimizer(config, params)` applies it (not with DiLoCo replicas,
+        whose Newton-Schulz runs inside each replica's vmapped update).
+      replica_tx: one replica's transformation (`build_optimizer` sets it): `tx` itself,
+        or with `--mesh_diloco` > 1 the transformation `tx` runs on every replica of
+        replica-stacked params (`optax_snoo.over_replicas`).
     """
 
     tx: optax.GradientTransformationExtraArgs
@@ -126,6 +131,7 @@ class TrainOptimizer:
     monitor: Callable[[Path, int], Monitor] = _no_monitor
     prepare: Callable[..., dict] = _unprepared
     for_params: Callable[[Any], TrainOptimizer] | None = None
+    replica_tx: optax.GradientTransformation | None = None
 
     @property
     def takes_curvature(self) -> bool:
@@ -231,11 +237,18 @@ def adamw_group(config: TrainConfig) -> optax.GradientTransformation:
                        weight_decay=a.weight_decay, mask=decay_mask)
 
 
+def snoo_replica_axis(config: TrainConfig) -> str | None:
+    """Snoo's `replica_axis`: the `diloco` mesh axis with `--mesh_diloco` > 1, else None."""
+    return REPLICA_AXIS if config.mesh.diloco > 1 else None
+
+
 def with_snoo(config: TrainConfig, inner: optax.GradientTransformation
               ) -> optax.GradientTransformationExtraArgs:
-    """`inner` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`, `snoo_k`)."""
+    """`inner` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`, `snoo_k`; with
+    `--mesh_diloco` > 1 averaging the pseudo-gradient over the replicas)."""
     s = config.snoo
-    return optax_snoo.snoo(inner, learning_rate=s.learning_rate, momentum=s.momentum, k=s.k)
+    return optax_snoo.snoo(inner, learning_rate=s.learning_rate, momentum=s.momentum, k=s.k,
+                           replica_axis=snoo_replica_axis(config))
 
 
 def rounding(config: TrainConfig) -> optax.GradientTransformation | None:
@@ -274,7 +287,9 @@ def _muon_stack(config: TrainConfig, snoo_k: int | None, *, normuon: bool = Fals
         cautious_weight_decay=normuon if m.cautious is None else m.cautious,
         newton_schulz_plan=plan, adam_b1=a.beta1, adam_b2=a.beta2, adam_eps=a.eps,
         snoo_k=snoo_k, snoo_learning_rate=config.snoo.learning_rate,
-        snoo_momentum=config.snoo.momentum)
+        snoo_momentum=config.snoo.momentum, snoo_replica_axis=snoo_replica_axis(config),
+        # Over DiLoCo replicas (a vmap over `diloco`) the partitioner splits the iteration.
+        shard_newton_schulz=config.mesh.diloco == 1)
     return TrainOptimizer(
         optax.chain(clipping(config), stack), lr, sync_period=snoo_k,
         for_params=lambda p: _muon_stack(config, snoo_k, normuon=normuon, params=p))
@@ -386,7 +401,12 @@ def build_optimizer(config: TrainConfig, params: Any = None) -> TrainOptimizer:
     """
     name = config.optimizer.name
     spec = get_builder(name)(config)
-    if params is not None and spec.for_params is not None:
+    replicas = config.mesh.diloco
+    if replicas > 1 and (spec.sync_period is None or spec.grad_fn is not None):
+        raise ValueError(f"--mesh_diloco={replicas}: DiLoCo needs an optimizer wrapped in Snoo "
+                         f"(snoo_adamw, snoo_muon, snoo_normuon, snoo_skew_adam); got "
+                         f"--optimizer={name}")
+    if params is not None and spec.for_params is not None and replicas == 1:
         spec = spec.for_params(params)
     tx, clip_tx, rounding_tx = spec.tx, qk_clip(config), rounding(config)
     if clip_tx is not None:
@@ -398,5 +418,9 @@ def build_optimizer(config: TrainConfig, params: Any = None) -> TrainOptimizer:
         spec = dataclasses.replace(spec, max_logits=True)
     if rounding_tx is not None and not spec.rounds_itself:
         tx = optax.chain(tx, rounding_tx)
-    return dataclasses.replace(spec, tx=optax.with_extra_args_support(tx))
+    tx = optax.with_extra_args_support(tx)
+    if replicas > 1:  # every replica its own state; Snoo's syncs average across them
+        return dataclasses.replace(spec, replica_tx=tx, tx=optax_snoo.over_replicas(
+            tx, REPLICA_AXIS, spmd_axis_name=REPLICA_AXIS))
+    return dataclasses.replace(spec, tx=tx, replica_tx=tx)
 

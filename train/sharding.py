@@ -1,5 +1,10 @@
 """The device mesh `("data", "fsdp", "tensor")` and the shardings of state and batches.
 
+With `--mesh_diloco=M` > 1 the mesh is `("diloco", "data", "fsdp", "tensor")`: M DiLoCo
+replicas, each a `(data, fsdp, tensor)` mesh of its own; params and optimizer state carry
+a leading replica axis over `diloco`, and batches split their rows over all of
+`("diloco", "data", "fsdp")` (each replica its own rows).
+
 Parameters are sharded by their logical axis names (`models.logical_rules`: `embed` over
 `fsdp`; `mlp`, `heads`, `kv`, `vocab` over `tensor`); optimizer-state leaves created from
 sharded parameters inherit those shardings; every other leaf (counts, scalars, RNG) is
@@ -32,17 +37,21 @@ from train.config import TrainConfig
 
 __all__ = [
     "MESH_AXES",
+    "REPLICA_AXIS",
     "batch_sharding",
     "make_mesh",
     "mesh_shape",
     "process_rows",
     "put_batch",
+    "replica_axis",
+    "replica_zero",
     "replicated",
     "tree_shardings",
 ]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
+REPLICA_AXIS = "diloco"
 
 
 def mesh_shape(config: TrainConfig, num_devices: int) -> tuple[int, int, int]:
@@ -68,11 +77,40 @@ def mesh_shape(config: TrainConfig, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(config: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The `("data", "fsdp", "tensor")` mesh (Auto axes) over the first devices needed."""
+    """The `("data", "fsdp", "tensor")` mesh (Auto axes) over the first devices needed;
+    with `--mesh_diloco=M` > 1, `("diloco", "data", "fsdp", "tensor")`, each replica's
+    axes sized from its `devices / M` devices.
+
+    Raises:
+      ValueError: if the devices do not split into M replicas of the asked axes.
+    """
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(config, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+    replicas = config.mesh.diloco
+    if replicas == 1:
+        shape = mesh_shape(config, len(devices))
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                             devices=devices[:math.prod(shape)])
+    if len(devices) % replicas:
+        raise ValueError(f"--mesh_diloco={replicas}: {len(devices)} devices do not split into "
+                         f"{replicas} replicas")
+    shape = (replicas, *mesh_shape(config, len(devices) // replicas))
+    return jax.make_mesh(shape, (REPLICA_AXIS, *MESH_AXES), axis_types=(AxisType.Auto,) * 4,
                          devices=devices[:math.prod(shape)])
+
+
+def replica_axis(mesh: Mesh) -> int:
+    """The number of DiLoCo replicas of `mesh` (1 without a `diloco` axis)."""
+    return mesh.shape.get(REPLICA_AXIS, 1)
+
+
+def replica_zero(shardings: Any, mesh: Mesh) -> tuple[Any, Any]:
+    """`(take, shardings0)`: `take(tree)` is replica 0 of a replica-stacked tree sharded
+    as `shardings` (each leaf `x[0]`, jitted, laid out as `shardings0`: the leaf's spec
+    without its `diloco` axis). Without a `diloco` axis, the identity and `shardings`."""
+    if replica_axis(mesh) == 1:
+        return (lambda tree: tree), shardings
+    out = jax.tree.map(lambda s: NamedSharding(mesh, P(*s.spec[1:])), shardings)
+    return jax.jit(lambda tree: jax.tree.map(lambda x: x[0], tree), out_shardings=out), out
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -80,9 +118,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    return (REPLICA_AXIS, *BATCH_AXES) if REPLICA_AXIS in mesh.axis_names else BATCH_AXES
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of `(A, B, T)` token arrays: B over `("data", "fsdp")`."""
-    return NamedSharding(mesh, P(None, BATCH_AXES, None))
+    """Sharding of `(A, B, T)` token arrays: B over `("data", "fsdp")` (and first
+    `diloco`: replica r holds the r-th block of B / M rows)."""
+    return NamedSharding(mesh, P(None, _batch_axes(mesh), None))
 
 
 def tree_shardings(tree: Any, mesh: Mesh) -> Any:
@@ -96,9 +139,11 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
 
 
 def _check_divisible(batch_size: int, mesh: Mesh) -> None:
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    axes = _batch_axes(mesh)
+    ways = math.prod(mesh.shape[a] for a in axes)
     if batch_size % ways:
-        raise ValueError(f"batch_size={batch_size} must be divisible by mesh data*fsdp={ways}")
+        raise ValueError(f"batch_size={batch_size} must be divisible by mesh "
+                         f"{'*'.join(axes)}={ways}")
 
 
 def process_rows(sharding: NamedSharding, batch_size: int) -> slice:

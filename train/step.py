@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 import models
 from train.nonfinite import counters, update_if_finite
-from train.sharding import batch_sharding, replicated, tree_shardings
+from train.sharding import REPLICA_AXIS, batch_sharding, replica_axis, replicated, tree_shardings
 
 if TYPE_CHECKING:
     from train.optimizers import TrainOptimizer
@@ -90,16 +90,39 @@ def create_train_state(gpt_config: models.GPTConfig, tx: optax.GradientTransform
     """Initialise the model (sharded by its logical names) and the optimizer state.
 
     The optimizer state is created eagerly from the sharded params, so leaves that mirror
-    a parameter inherit its sharding; everything else is replicated on `mesh`.
+    a parameter inherit its sharding; everything else is replicated on `mesh`. On a mesh
+    with M > 1 DiLoCo replicas (`--mesh_diloco`), `tx` is one replica's optimizer
+    (`TrainOptimizer.replica_tx`): the params and every optimizer-state leaf but the
+    integer scalars (step counts, kept once as `optax_snoo.over_replicas` does) are
+    stacked M times on a leading axis over `diloco`, every replica starting the same.
     """
     with jax.set_mesh(mesh), nnx.logical_axis_rules(models.logical_rules()):
         model = models.GPT(gpt_config, rngs=nnx.Rngs(seed))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
-        state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0),
+        trained = {"params": params, "opt_state": tx.init(params)}
+        if replica_axis(mesh) > 1:
+            trained = _stack_replicas(trained, mesh)
+        state = {**trained, "step": jnp.int32(0),
                  "rng": jax.random.key_data(jax.random.key(seed)), **counters()}
     state = jax.device_put(state, tree_shardings(state, mesh))
     return ModelDef(graphdef, rest, gpt_config), state
+
+
+def _is_count(x: Any) -> bool:
+    return jnp.ndim(x) == 0 and jnp.issubdtype(jnp.result_type(x), jnp.integer)
+
+
+def _stack_replicas(tree: Any, mesh: Mesh) -> Any:
+    """`tree` on every replica: each leaf but the integer scalars with a leading axis of
+    size M sharded over `diloco` (the rest of its sharding kept)."""
+    replicas = replica_axis(mesh)
+    shardings = tree_shardings(tree, mesh)
+    stacked = jax.tree.map(lambda x, s: s if _is_count(x) else jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(REPLICA_AXIS, *s.spec)), tree, shardings)
+    stack = lambda t: jax.tree.map(
+        lambda x: x if _is_count(x) else jnp.broadcast_to(x, (replicas, *jnp.shape(x))), t)
+    return jax.jit(stack, out_shardings=stacked)(tree)
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -194,28 +217,30 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
                                                           max_logits=optimizer.max_logits)
     use_dropout = model.config.dropout > 0
 
-    def train_step(state, inputs_ABT, targets_ABT, hints):
-        params, A = state["params"], inputs_ABT.shape[0]
+    replicas = replica_axis(mesh)
+
+    def gradients(params, inputs_ABT, targets_ABT, key, step):
+        """(grads, update_args, ce, aux_loss) of one replica's batch."""
+        A = inputs_ABT.shape[0]
         grad_fn = make_grad_fn(model, params)
-        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         keys_A = jax.random.split(key, A if use_dropout else 1)
         key_of = lambda a: keys_A[a] if use_dropout else None
 
         if A == 1:
             (_, (ce, aux_loss)), (grads, update_args) = grad_fn(
-                params, inputs_ABT[0], targets_ABT[0], key_of(0), state["step"])
+                params, inputs_ABT[0], targets_ABT[0], key_of(0), step)
         else:
             def micro_step(total, batch):
                 inputs_BT, targets_BT, a = batch
                 (_, (ce, aux_loss)), grads_and_args = grad_fn(
-                    params, inputs_BT, targets_BT, key_of(a), state["step"])
+                    params, inputs_BT, targets_BT, key_of(a), step)
                 grads, update_args = grads_and_args
                 total = (jax.tree.map(jnp.add, total[0], grads),
                          _accumulate(total[1], update_args))
                 return total, (ce, aux_loss)
 
             grad_shapes, args_shapes = jax.eval_shape(
-                grad_fn, params, inputs_ABT[0], targets_ABT[0], key_of(0), state["step"])[1]
+                grad_fn, params, inputs_ABT[0], targets_ABT[0], key_of(0), step)[1]
             zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grad_shapes),
                      _accumulator(args_shapes))
             (grads, update_args), (ce_A, aux_A) = jax.lax.scan(
@@ -223,6 +248,24 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
             grads = jax.tree.map(lambda g, p: (g / A).astype(p.dtype), grads, params)
             update_args = _finish_accumulation(update_args, A)
             ce, aux_loss = ce_A.mean(), aux_A.mean()
+        return grads, update_args, ce, aux_loss
+
+    def train_step(state, inputs_ABT, targets_ABT, hints):
+        params, step = state["params"], state["step"]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+        if replicas == 1:
+            grads, update_args, ce, aux_loss = gradients(params, inputs_ABT, targets_ABT,
+                                                         key, step)
+            grad_norm = optax.tree.norm(grads)
+        else:  # replica r: its params, rows [r B/M, (r+1) B/M) and dropout key
+            split = lambda x: x.reshape(x.shape[0], replicas, -1, *x.shape[2:])
+            keys_M = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(replicas))
+            grads, update_args, ce_M, aux_M = jax.vmap(
+                gradients, in_axes=(0, 1, 1, 0, None), spmd_axis_name=REPLICA_AXIS)(
+                params, split(inputs_ABT), split(targets_ABT), keys_M, step)
+            ce, aux_loss = ce_M.mean(), aux_M.mean()
+            # The replicas' rms, each norm taken on its own devices: one scalar crosses.
+            grad_norm = jnp.sqrt(jnp.mean(jax.vmap(optax.tree.norm)(grads) ** 2))
         extra = {**dict(hints), **update_args}
 
         def update(state):
@@ -230,7 +273,7 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
             return {**state, "params": optax.apply_updates(state["params"], updates),
                     "opt_state": opt_state, "step": state["step"] + 1}
 
-        metrics = {"loss": ce, "aux_loss": aux_loss, "grad_norm": optax.tree.norm(grads),
+        metrics = {"loss": ce, "aux_loss": aux_loss, "grad_norm": grad_norm,
                    "lr": jnp.asarray(lr_schedule(state["step"]), jnp.float32)}
         if "max_logits" in update_args:
             metrics["max_logit"] = jnp.max(jnp.stack(

@@ -155,6 +155,8 @@ def snoo_muon(
     snoo_k: int | None = 28,
     snoo_learning_rate: float = 0.68,
     snoo_momentum: float = 0.37,
+    snoo_replica_axis: str | None = None,
+    shard_newton_schulz: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """`snoo(partition({muon, adam...}))`: Snoo around Muon on hidden matrices and Adam.
 
@@ -192,6 +194,10 @@ def snoo_muon(
       snoo_k: Snoo sync period, or ``None`` for the inner partition alone.
       snoo_learning_rate: Snoo outer lr η.
       snoo_momentum: Snoo outer momentum μ.
+      snoo_replica_axis: Snoo's `replica_axis` (DiLoCo's replicas; see `optax_snoo.diloco`).
+      shard_newton_schulz: `scale_by_muon`'s: whole matrices to devices on sharded params
+        (False leaves the iteration to the partitioner, as inside `optax_snoo.over_replicas`
+        over a sharded replica axis, whose mesh axis the plan must not use).
 
     Returns:
       A `GradientTransformationExtraArgs`; `update` needs `params`.
@@ -227,7 +233,8 @@ def snoo_muon(
         "muon": optax.chain(
             scale_by_muon(muon_momentum, coefficients=coefficients, ns_dtype=ns_dtype,
                           smoothing=smoothing, smoothing_form=smoothing_form, beta2=beta2,
-                          newton_schulz_plan=newton_schulz_plan),
+                          newton_schulz_plan=newton_schulz_plan,
+                          shard_newton_schulz=shard_newton_schulz),
             add_decoupled_weight_decay(muon_weight_decay, weight_decay_multiplier,
                                        cautious=cautious_weight_decay),
             optax.scale_by_learning_rate(muon_learning_rate),
@@ -244,7 +251,8 @@ def snoo_muon(
         inner = partition(transforms, _labels_with_adam_groups(groups))
     if snoo_k is None:
         return optax.with_extra_args_support(inner)
-    return snoo(inner, snoo_learning_rate, snoo_momentum, snoo_k)
+    return snoo(inner, snoo_learning_rate, snoo_momentum, snoo_k,
+                replica_axis=snoo_replica_axis)
 
 
 def modded_nanogpt(
