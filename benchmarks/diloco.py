@@ -17,10 +17,15 @@ replicas; its sync step all-reduces the pseudo-gradient, each device's share of 
 (float32); data-parallel moves the gradients across replicas on every step.
 
     python -m benchmarks.diloco            # the table, M = 2, 4, 8, k = 28
+    python -m benchmarks.diloco --trainer  # also the trainer's GPT step (CPU recipe's model)
+
+With `--trainer`, the same counts for the trainer's compiled step on the
+`shakespeare_char_cpu` model at batch 16 (`--mesh_diloco=2 --mesh_fsdp=4` with `snoo_adamw`, against
+`--mesh_data=2 --mesh_fsdp=4` with `adamw`).
 
 References:
   Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
-  https://arxiv.org/abs/2311.08455, 2023.
+  https://arxiv.org/abs/2311.08105, 2023.
 """
 
 from __future__ import annotations
@@ -128,13 +133,12 @@ def cross_replica_bytes(text: str, replicas: int, devices: int = 8) -> tuple[flo
 def table(replica_counts: tuple[int, ...] = (2, 4, 8), k: int = 28) -> str:
     full = param_bytes(init_params(jax.random.key(0)))
     lines = [f"params: {full} bytes (float32); k = {k}; bytes per device per step",
-             "", "| M | fsdp | share of params | DiLoCo inner: across / all | DiLoCo sync: "
+             "", "| M | fsdp | params / fsdp | DiLoCo inner: across / all | DiLoCo sync: "
              "across / all | DiLoCo per step (mean over k) | data-parallel: across / all |",
              "|---|---|---|---|---|---|---|"]
     for m in replica_counts:
         fsdp = 8 // m
-        share = full - WIDTHS[1] * 4 + WIDTHS[1] * 4 * fsdp  # b1 is not sharded
-        share /= fsdp
+        share = full / fsdp  # a device's part of one replica's params
         programs = diloco_programs(m, k)
         inner = cross_replica_bytes(programs["inner"], m)
         sync = cross_replica_bytes(programs["sync"], m)
@@ -146,12 +150,68 @@ def table(replica_counts: tuple[int, ...] = (2, 4, 8), k: int = 28) -> str:
     return "\n".join(lines)
 
 
+def trainer_step_costs(config: Any, block: int) -> tuple[dict[Any, tuple[float, float]], int]:
+    """The trainer's compiled step for `config`: per static hint (`snoo_sync` False and
+    True, or None for an optimizer without Snoo), (bytes across blocks of `block`
+    devices, all collective bytes) per device; and one replica's float32 params bytes.
+    The batch is zeros of the config's shape."""
+    import dataclasses
+
+    from train.config import model_config
+    from train.optimizers import build_optimizer
+    from train.sharding import batch_sharding, make_mesh, replica_axis, tree_shardings
+    from train.step import create_train_state, make_train_step
+
+    config = dataclasses.replace(config, model=model_config(config, 64))
+    optimizer, mesh = build_optimizer(config), make_mesh(config)
+    model, state = create_train_state(config.model, optimizer.replica_tx, seed=0, mesh=mesh)
+    step = make_train_step(model, optimizer, mesh=mesh,
+                           state_shardings=tree_shardings(state, mesh))
+    d = config.data
+    x = jax.device_put(jnp.zeros((d.grad_accum, d.batch_size, config.model.block_size),
+                                 jnp.int32), batch_sharding(mesh))
+    hints = (None,) if optimizer.sync_period is None else (False, True)
+    out = {}
+    for hint in hints:
+        kwargs = {} if hint is None else {"snoo_sync": hint}
+        text = step.lower(state, x, x, **kwargs).compile().as_text()
+        out[hint] = (hlo.analyze(text, only=hlo.spans_blocks(block)).collective_bytes,
+                     hlo.analyze(text).collective_bytes)
+    params = sum(x.size * 4 for x in jax.tree.leaves(state["params"])) // replica_axis(mesh)
+    return out, params
+
+
+def trainer_table(k: int = 28) -> str:
+    from train.config import get_preset, override
+
+    base = override(get_preset("shakespeare_char_cpu"), snoo_k=k, mesh_data=1, mesh_fsdp=4,
+                    batch_size=16)  # 12 rows do not split over 8 devices
+    diloco, params = trainer_step_costs(override(base, optimizer="snoo_adamw",
+                                                 mesh_diloco=2), 4)
+    dp, _ = trainer_step_costs(override(base, optimizer="adamw", mesh_data=2), 4)
+    mean = (diloco[True][0] + (k - 1) * diloco[False][0]) / k
+    return "\n".join([
+        f"trainer step, shakespeare_char_cpu model ({params} bytes of float32 params; share "
+        f"over fsdp=4: {params / 4:.0f}), k = {k}; bytes per device",
+        "", "| program | across replicas | all collectives |", "|---|---|---|",
+        f"| DiLoCo (`snoo_adamw --mesh_diloco=2 --mesh_fsdp=4`) inner step | "
+        f"{diloco[False][0]:.0f} | {diloco[False][1]:.0f} |",
+        f"| DiLoCo sync step | {diloco[True][0]:.0f} | {diloco[True][1]:.0f} |",
+        f"| DiLoCo mean per step over k | {mean:.0f} | |",
+        f"| data-parallel AdamW (`--mesh_data=2 --mesh_fsdp=4`), every step | "
+        f"{dp[None][0]:.0f} | {dp[None][1]:.0f} |"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--replicas", default="2,4,8")
     parser.add_argument("--k", type=int, default=28)
+    parser.add_argument("--trainer", action="store_true")
     args = parser.parse_args()
     print(table(tuple(int(m) for m in args.replicas.split(",")), args.k))
+    if args.trainer:
+        print()
+        print(trainer_table(args.k))
 
 
 if __name__ == "__main__":

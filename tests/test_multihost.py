@@ -48,11 +48,14 @@ def _losses(history) -> dict[int, float]:
 
 
 # adamw data-parallel; snoo_muon and kfac with the params sharded over fsdp (8 devices),
-# so Muon's whole-matrix Newton-Schulz and K-FAC's distributed refresh run across hosts.
+# so Muon's whole-matrix Newton-Schulz and K-FAC's distributed refresh run across hosts;
+# snoo_adamw as DiLoCo, one replica per process (fsdp over its 4 devices); its restore
+# takes one device per replica.
 @pytest.mark.parametrize("optimizer,mesh", [
     ("adamw", dict(mesh_data=-1)),
     ("snoo_muon", dict(mesh_data=1, mesh_fsdp=-1)),
     ("kfac", dict(mesh_data=1, mesh_fsdp=-1)),
+    ("snoo_adamw", dict(mesh_diloco=2, mesh_data=1, mesh_fsdp=-1)),
 ])
 def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path, optimizer, mesh):
     config = tc.override(

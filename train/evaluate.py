@@ -70,7 +70,7 @@ def evaluate_split(out_dir: str | Path, *, split: str = "val", step: int | None 
                          f"checkpoint's ({describe_meta(meta['tokenizer'])}); pass the run's "
                          "data with --data")
     block_size = config.model.block_size
-    mesh = make_mesh(override(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
+    mesh = make_mesh(override(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1, mesh_diloco=1))
     eval_step = make_eval_step(model_def, mesh=mesh, params_shardings=tree_shardings(params, mesh))
     total, n = 0.0, 0
     group: list[tuple[np.ndarray, np.ndarray]] = []

@@ -102,13 +102,33 @@ def load_params(out_dir: str | Path, step: int | None = None
     tokenizer = saved_tokenizer(meta)
     vocab_size = meta.get("vocab_size") or len(tokenizer["chars"])
     config = override(config_from_dict(meta["config"]), attention="auto")  # for this backend
+    # One device; a DiLoCo run's replicas are restored there and replica 0 is used (as the
+    # run evaluated and sampled it).
+    replicas = config.mesh.diloco
+    config = override(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1, mesh_diloco=1)
     tx = build_optimizer(config).tx
-    mesh = make_mesh(override(config, mesh_data=1, mesh_fsdp=1, mesh_tensor=1))
+    mesh = make_mesh(config)
     model_def, like = create_train_state(config.model, tx, seed=config.run.seed, mesh=mesh)
+    if replicas > 1:
+        like = {**like, **_stacked_like({k: like[k] for k in ("params", "opt_state")},
+                                        replicas)}
     state, _ = ckpt.restore(step, like=like)
     ckpt.close()
-    return model_def, state["params"], {**meta, "tokenizer": tokenizer, "vocab_size": vocab_size,
-                                        "checkpoint_step": step}
+    params = state["params"] if replicas == 1 else jax.tree.map(lambda x: x[0],
+                                                                  state["params"])
+    return model_def, params, {**meta, "tokenizer": tokenizer, "vocab_size": vocab_size,
+                               "checkpoint_step": step}
+
+
+def _stacked_like(tree, replicas: int):
+    """Abstract `tree` with a leading axis of `replicas` on every leaf but the integer
+    scalars (the layout `train.step.create_train_state` gives DiLoCo replicas)."""
+    def stacked(x):
+        if x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype, sharding=x.sharding)
+
+    return jax.tree.map(stacked, tree)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

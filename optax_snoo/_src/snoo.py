@@ -13,7 +13,7 @@ References:
   Kallusky et al, `Snoo: sparse Nesterov outer optimizer, modded-nanogpt GPT-2 Medium
   record <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
   Douillard et al, `DiLoCo: Distributed Low-Communication Training of Language Models
-  <https://arxiv.org/abs/2311.08455>`_, 2023.
+  <https://arxiv.org/abs/2311.08105>`_, 2023.
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def over_replicas(tx: optax.GradientTransformation, axis_name: str = "diloco", *
 
     References:
       Douillard et al, `DiLoCo: Distributed Low-Communication Training of Language Models
-      <https://arxiv.org/abs/2311.08455>`_, 2023.
+      <https://arxiv.org/abs/2311.08105>`_, 2023.
     """
     if not isinstance(axis_name, str) or not axis_name:
         raise ValueError(f"over_replicas: axis_name must be a non-empty str, got {axis_name!r}")
@@ -442,7 +442,7 @@ def diloco(
 
     References:
       Douillard et al, `DiLoCo: Distributed Low-Communication Training of Language Models
-      <https://arxiv.org/abs/2311.08455>`_, 2023.
+      <https://arxiv.org/abs/2311.08105>`_, 2023.
       Kallusky et al, `SNOO: Step-K Nesterov Outer Optimizer
       <https://arxiv.org/abs/2510.15830>`_, 2025.
       Douillard et al, `Streaming DiLoCo with overlapping communication
