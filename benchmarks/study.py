@@ -104,7 +104,8 @@ def inner_stack(stack: str, stacks: Sequence[str]) -> str | None:
 
 
 def optimizer_state_bytes(config) -> int:
-    """Bytes of the optimizer state of `config` on its model, from shapes only."""
+    """Bytes of the optimizer state of `config` on its model, from shapes only (one
+    replica's with `--mesh_diloco`)."""
     from flax import nnx
 
     import models
@@ -116,7 +117,7 @@ def optimizer_state_bytes(config) -> int:
     vocab = open_dataset(config.data.path).vocab_size
     gpt = nnx.eval_shape(lambda: models.GPT(model_config(config, vocab), rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(nnx.split(gpt, nnx.Param, ...)[1])
-    tx = build_optimizer(config).tx
+    tx = build_optimizer(config).replica_tx  # with DiLoCo replicas: one replica's state
     return state_bytes(jax.eval_shape(tx.init, params))
 
 
