@@ -407,7 +407,8 @@ def diloco(
     replica to the same new slow weights. Under `jax.jit`, shard the leading axis over a
     mesh axis (`P("diloco", ...)`): inner steps then compile to no collective across that
     axis and a sync step to one all-reduce of each device's share of the params. With
-    M = 1 this is `snoo(inner, ...)` on `params[0]`.
+    M = 1 this is `snoo(inner, ...)` on `params[0]`, bit for bit. (Streaming DiLoCo's
+    fragments synchronised at staggered steps are not implemented.)
 
     The state's leaves carry the replica axis too (the slow weights and outer momentum,
     equal on every replica, included), except its integer scalars (step counts: Snoo's
