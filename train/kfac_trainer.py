@@ -112,14 +112,16 @@ def kfac_schedule(config: TrainConfig) -> optax.Schedule:
     return learning_rate_schedule(config, config.kfac.learning_rate)
 
 
-def _kfac_group(config: TrainConfig) -> optax.GradientTransformation:
+def _kfac_group(config: TrainConfig, params: Any = None) -> optax.GradientTransformation:
+    """The K-FAC and AdamW groups; `params` (arrays, abstract arrays or their shardings):
+    where the kernels live, so the jitted update preconditions them there."""
     k, a = config.kfac, config.adamw
     hidden = kfac_lib.kfac(
         kfac_schedule(config), damping=k.damping, momentum=k.momentum,
         weight_decay=a.weight_decay, weight_decay_mask=decay_mask, ema_decay=k.ema_decay,
         refresh=kfac_refresh_policy(config), mode=k.mode,
         graft=None if k.graft == "none" else k.graft, b2=a.beta2, eps=a.eps,
-        layers=_kfac_layers)
+        layers=_kfac_layers, shardings=params)
     return optax_snoo.labels.partition(
         {"kfac": hidden, "adamw": adamw_group(config)},
         optax_snoo.labels.label_by_rules(kfac_rules(k.experts)))
@@ -272,16 +274,22 @@ def _hooks(config: TrainConfig) -> dict[str, Any]:
     return dict(grad_fn=grad_fn, prepare=prepare, observe=_observe, monitor=monitor)
 
 
+def _kfac_stack(config: TrainConfig, snoo: bool, params: Any = None) -> TrainOptimizer:
+    group = _kfac_group(config, params)
+    return TrainOptimizer(
+        optax.chain(clipping(config), with_snoo(config, group) if snoo else group),
+        kfac_schedule(config), sync_period=config.snoo.k if snoo else None,
+        for_params=lambda p: _kfac_stack(config, snoo, p), **_hooks(config))
+
+
 @register("kfac")
 def kfac(config: TrainConfig) -> TrainOptimizer:
     """K-FAC on hidden Dense kernels and biases, grafted to Adam's norm by default
     (`kfac_*` options), AdamW on embeddings, head and norms. Logs the K-FAC group's lr."""
-    return TrainOptimizer(optax.chain(clipping(config), _kfac_group(config)),
-                          kfac_schedule(config), **_hooks(config))
+    return _kfac_stack(config, snoo=False)
 
 
 @register("snoo_kfac")
 def snoo_kfac(config: TrainConfig) -> TrainOptimizer:
     """`kfac` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`, `snoo_k`)."""
-    return TrainOptimizer(optax.chain(clipping(config), with_snoo(config, _kfac_group(config))),
-                          kfac_schedule(config), sync_period=config.snoo.k, **_hooks(config))
+    return _kfac_stack(config, snoo=True)
