@@ -18,6 +18,7 @@ from test_train import _step_setup
 
 import models
 import train
+from benchmarks import hlo
 from optax_snoo import kfac
 from train import config as tc
 from train.kfac_trainer import (
@@ -122,6 +123,25 @@ def _assert_factors_close(state, expected):
         states[0][0].factors, states[1][0].factors)
     assert kfac.refresh_events(state["opt_state"])[0]["refresh"] == kfac.refresh_events(
         expected["opt_state"])[0]["refresh"]
+
+
+def test_stats_every_reduces_the_factors_only_on_statistics_steps(corpus, tmp_path):
+    """fsdp over 8 devices, --kfac_stats_every=4: the statistics' all-reduce (the whole
+    factors' bytes) is in the branch of statistics steps; the other steps skip it."""
+    config = tiny(corpus, tmp_path, bias=False, mesh_fsdp=8, kfac_stats_every=4)
+    mesh, state, step, _, _ = _step_setup(config)
+    x = put_batch(np.zeros((1, 8, config.model.block_size), np.int32), batch_sharding(mesh))
+    text = step.lower(state, x, x).compile().as_text()
+    is_state = lambda s: isinstance(s, kfac.ScaleByKfacState)
+    factors = [s.factors for s in jax.tree.leaves(state["opt_state"], is_leaf=is_state)
+               if is_state(s)]
+    factor_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(factors))
+    taken, skipped = (hlo.analyze(text, eigh_branch=False, cheapest=c).by_kind["all-reduce"]
+                      for c in (False, True))
+    # Not all of factor_bytes: XLA reduces equal factors once (c_q, c_k and c_v share
+    # their input, so their A); the rest of the difference is the update's scalar norms,
+    # which the guard's cheapest branch skips too.
+    assert factor_bytes / 2 < taken - skipped <= factor_bytes + 256
 
 
 def test_eight_devices_match_one(corpus, tmp_path):

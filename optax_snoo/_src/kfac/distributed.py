@@ -8,9 +8,11 @@ each group to a multiple of ``N`` and splits its stack axis over all the mesh's 
 inverse ``Q diag(1/(s + shift)) Qᵀ``) on its ``K/N`` matrices only, then one
 ``all_gather`` per group makes the results replicated again. Per device that is the
 total work divided by ``N``, plus at most one padded matrix per group. Without a mesh (or
-with one device) the same grouped computation runs locally. The math is that of
-`optax_snoo.kfac.refresh_inverse` for each layer: eigenvalues floored per matrix, then
-factored (pi) or exact (eigen) damping.
+with one device) the same grouped computation runs locally. The math is
+`precondition.refresh_stack` (per matrix: the eigenvalue floor, the pi inverse, the
+XLA:CPU one-matrix-at-a-time workaround) and `precondition.assemble_inverse` (the
+`EigenInverse` scale), the same functions `optax_snoo.kfac.refresh_inverse` runs for one
+layer.
 
 The factors themselves stay replicated (the batch statistics are reduced over the data
 axes where they are computed); only the eigendecompositions are split. kfac-jax splits

@@ -1,9 +1,11 @@
 """`scale_by_kfac`: K-FAC as an optax transformation with learning-rate-aware refresh.
 
 The transformation receives each step's batch factors as an extra argument,
-keeps their debiased moving averages (every step, cheap), recomputes the inverses only on
-refresh steps (inside ``lax.cond``: no ``eigh`` on other steps) and applies the cached
-inverses on every step. Before the first refresh the cache is the identity.
+keeps their debiased moving averages (every step, or every ``stats_every``-th), recomputes
+the inverses only on refresh steps (inside ``lax.cond``: no ``eigh`` on other steps) and
+applies the cached inverses on every step, in three functions: `update_factors`,
+`refresh_when_due` and `precondition_blocks`. Before the first refresh the cache is the
+identity.
 
 **Which parameters.** A preconditioned layer is a kernel leaf of the params tree, named by
 its key path (``("l1", "kernel")``; nnx ``Variable.value`` suffixes are ignored). The
