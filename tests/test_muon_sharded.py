@@ -556,3 +556,30 @@ def test_several_matrices_per_device_keep_their_own_values(count, mesh_shape, sp
         for k in s:
             assert relative_error(d[k], s[k]) < 1e-6, (k, relative_error(d[k], s[k]))
     assert compiled_cost(make(sharded), sharded).loop_collective_bytes == 0
+
+
+def test_zero_padding_leaves_newton_schulz_unchanged_on_the_block():
+    """Zero rows or columns added on either side change Newton-Schulz's result on the
+    original block not at all (the Frobenius norm and X Xᵀ's nonzero block are the same,
+    and the padding stays zero): exactly in the float64 reference; `orthogonalize` in
+    float32 keeps the padding exactly zero and the block to float32 rounding (the
+    matmuls block differently by size). The plan pads only its transfers (never an
+    iterated matrix), so it does not depend on this; a plan padding matrices to a
+    common shape could."""
+    from test_muon import MODDED, ref_ns
+
+    x = np.random.default_rng(0).standard_normal((12, 20))
+    ref64 = ref_ns(x, MODDED)
+    ref32 = np.asarray(optax_snoo.orthogonalize(jnp.asarray(x, F32), "modded", F32))
+    for pad in (((0, 4), (0, 0)), ((3, 0), (0, 0)), ((0, 0), (0, 9)), ((2, 3), (5, 1)),
+                ((0, 16), (0, 0))):  # the last makes it tall: transposed inside
+        (r0, _), (c0, _) = pad
+        inside = (slice(r0, r0 + 12), slice(c0, c0 + 20))
+        for out, ref, tol in ((ref_ns(np.pad(x, pad), MODDED), ref64, 1e-13),
+                              (np.asarray(optax_snoo.orthogonalize(
+                                  jnp.asarray(np.pad(x, pad), F32), "modded", F32)),
+                               ref32, 1e-6)):
+            assert relative_error(out[inside], ref) < tol, (pad, relative_error(out[inside], ref))
+            rest = np.array(out, copy=True)
+            rest[inside] = 0.0
+            assert not rest.any(), pad
