@@ -584,14 +584,17 @@ def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array],
                            for owned in ex.owners]).reshape(n_k, n_p, length)
         k = jax.lax.axis_index(ex.rep) if ex.rep else 0
         mine = jax.lax.dynamic_index_in_dim(table, k, 0, keepdims=False)
-        x = jax.lax.all_to_all(mine, ex.pieces, 0, 0, tiled=True)
+        # (Stacks split only on their stack axis: every device holds whole matrices.)
+        trade = ((lambda v: jax.lax.all_to_all(v, ex.pieces, 0, 0, tiled=True))
+                 if ex.pieces else (lambda v: v))
+        x = trade(mine)
         branches = [iterate(p) for p in profiles]
         if len(branches) == 1:
             y = branches[0](x)
         else:
-            owner = k * n_p + jax.lax.axis_index(ex.pieces)
+            owner = k * n_p + (jax.lax.axis_index(ex.pieces) if ex.pieces else 0)
             y = jax.lax.switch(jnp.asarray(profile_of)[owner], branches, x)
-        y = jax.lax.all_to_all(y, ex.pieces, 0, 0, tiled=True)
+        y = trade(y)
         y = jax.lax.all_gather(y, ex.rep, axis=0, tiled=False) if ex.rep else y[None]
         y = y.reshape(n_k * n_p, length)
         outs = []
