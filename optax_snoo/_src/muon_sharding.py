@@ -59,6 +59,7 @@ share). Leaves whose rows do not divide by the device count keep the per-leaf pa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -513,9 +514,35 @@ def _chunk_order(group: Group, pieces: tuple[str, ...], mesh: Any) -> np.ndarray
     return np.asarray(order)
 
 
+def _runs(ex: Exchange, flips: Mapping[tuple[int, int], np.ndarray]
+          ) -> list[list[tuple[int, int, bool, list[int]]]]:
+    """Each owner's matrices as runs ``(group, part, flip, matrices)`` of consecutive
+    items alike, so that a run moves and iterates as one slice (LPT deals a group's
+    matrices round-robin: one strided slice per owner and group)."""
+    out = []
+    for owned in ex.owners:
+        runs: list[tuple[int, int, bool, list[int]]] = []
+        for g, j, i in owned:
+            flip = bool(flips[(g, j)][i])
+            if runs and runs[-1][:3] == (g, j, flip):
+                runs[-1][3].append(i)
+            else:
+                runs.append((g, j, flip, [i]))
+        out.append(runs)
+    return out
+
+
+def _pick(stack: jax.Array, index: Sequence[int]) -> jax.Array:
+    """``stack[index]``, as a (strided) slice where the indices are evenly spaced."""
+    step = index[1] - index[0] if len(index) > 1 else 1
+    if step > 0 and all(b - a == step for a, b in itertools.pairwise(index)):
+        return stack[index[0]:index[-1] + 1:step]
+    return stack[np.asarray(index)]
+
+
 def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array], jax.Array],
                    ns_dtype: Any, wire: Any) -> Callable[..., tuple[jax.Array, ...]]:
-    """The per-device body of an `Exchange`, on each leaf's local block
+    """The per-device body of an `Exchange`, on each part's local block
     ``(B/H, rows/R, cols/C)``: the pieces of every owner's matrices to that owner (one
     all-to-all over the piece axes), the owner's own iteration (a `lax.switch` on its
     index among the distinct lists of shapes owners hold; none where all hold the same),
@@ -524,7 +551,7 @@ def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array],
     sizes = _sizes(mesh)
     n_p = math.prod(sizes[a] for a in ex.pieces)
     n_k = math.prod(sizes[a] for a in ex.rep)
-    where, length = ex.offsets(mesh)
+    _, length = ex.offsets(mesh)
     grids = [_piece_grid(g, mesh) for g in ex.groups]
     blocks = [(g.rows // r, g.cols // c) for g, (r, c) in zip(ex.groups, grids, strict=True)]
     orders = [_chunk_order(g, ex.pieces, mesh) for g in ex.groups]
@@ -536,7 +563,8 @@ def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array],
     flips = {(g, j): np.repeat([leaf.transpose and leaf.rows == leaf.cols for leaf in part],
                                [leaf.batch // n_stack for leaf in part])
              for (g, j) in inputs for part in [parts[g][j]]}
-    keys = [tuple((g, bool(flips[(g, j)][i])) for g, j, i in owned) for owned in ex.owners]
+    runs = _runs(ex, flips)
+    keys = [tuple((g, flip, len(index)) for g, _, flip, index in owned) for owned in runs]
     profiles = sorted(set(keys))
     profile_of = np.asarray([profiles.index(key) for key in keys], np.int32)
 
@@ -548,40 +576,45 @@ def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array],
             parts.append(jnp.zeros((rows, length - used), wire))
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
-    def iterate(profile: tuple[tuple[int, bool], ...]) -> Callable[[jax.Array], jax.Array]:
+    def iterate(profile: tuple[tuple[int, bool, int], ...]) -> Callable[[jax.Array], jax.Array]:
         def run(x: jax.Array) -> jax.Array:
             mats, off = [], 0
-            for g, _ in profile:
+            for g, _, count in profile:  # (pieces, count, ...) -> (count, rows, cols)
                 (n_r, n_c), (rb, cb) = grids[g], blocks[g]
-                chunks = x[:, off:off + rb * cb].reshape(n_p, rb, cb)[orders[g]]
-                off += rb * cb
-                mats.append(chunks.reshape(n_r, n_c, rb, cb).transpose(0, 2, 1, 3)
-                            .reshape(n_r * rb, n_c * cb))
+                chunks = x[:, off:off + count * rb * cb].reshape(n_p, count, rb, cb)[orders[g]]
+                off += count * rb * cb
+                mats.append(chunks.reshape(n_r, n_c, count, rb, cb).transpose(2, 0, 3, 1, 4)
+                            .reshape(count, n_r * rb, n_c * cb))
             outs: list[Any] = [None] * len(profile)
             kinds: dict[tuple[int, int, bool], list[int]] = {}
-            for j, (_, flip) in enumerate(profile):
-                kinds.setdefault((*mats[j].shape, flip), []).append(j)
-            for (_, _, flip), js in kinds.items():  # one batched iteration per shape
-                v = jax.lax.bitcast_convert_type(jnp.stack([mats[j] for j in js]), ns_dtype)
+            for k, (_, flip, _) in enumerate(profile):
+                kinds.setdefault((*mats[k].shape[1:], flip), []).append(k)
+            for (_, _, flip), ks in kinds.items():  # one batched iteration per shape
+                v = [mats[k] for k in ks]
+                v = jax.lax.bitcast_convert_type(v[0] if len(v) == 1 else jnp.concatenate(v),
+                                                 ns_dtype)
                 v = jnp.swapaxes(v, -1, -2) if flip else v
                 v = newton_schulz(v)
                 v = jnp.swapaxes(v, -1, -2) if flip else v
                 v = jax.lax.bitcast_convert_type(v.astype(ns_dtype), wire)
-                for k, j in enumerate(js):
-                    outs[j] = v[k]
-            parts = []
-            for j, (g, _) in enumerate(profile):
+                start = 0
+                for k in ks:
+                    outs[k] = v[start:start + profile[k][2]]
+                    start += profile[k][2]
+            back = []
+            for k, (g, _, count) in enumerate(profile):
                 (n_r, n_c), (rb, cb) = grids[g], blocks[g]
-                chunks = outs[j].reshape(n_r, rb, n_c, cb).transpose(0, 2, 1, 3)
-                parts.append(chunks.reshape(n_p, rb, cb)[np.argsort(orders[g])])
-            return payload(parts, n_p)
+                chunks = outs[k].reshape(count, n_r, rb, n_c, cb).transpose(1, 3, 0, 2, 4)
+                back.append(chunks.reshape(n_p, count, rb, cb)[np.argsort(orders[g])])
+            return payload(back, n_p)
         return run
 
     def body(*stacks: jax.Array) -> tuple[jax.Array, ...]:
         # Every owner's row: my pieces of its matrices, in its order (replicas hold the
         # same pieces; each sends only the rows of its own replica's owners).
-        table = jnp.stack([payload([stacks[inputs[(g, j)]][i] for g, j, i in owned], 1)[0]
-                           for owned in ex.owners]).reshape(n_k, n_p, length)
+        table = jnp.stack([payload([_pick(stacks[inputs[(g, j)]], index)
+                                    for g, j, _, index in owned], 1)[0]
+                           for owned in runs]).reshape(n_k, n_p, length)
         k = jax.lax.axis_index(ex.rep) if ex.rep else 0
         mine = jax.lax.dynamic_index_in_dim(table, k, 0, keepdims=False)
         # (Stacks split only on their stack axis: every device holds whole matrices.)
@@ -597,14 +630,22 @@ def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array],
         y = trade(y)
         y = jax.lax.all_gather(y, ex.rep, axis=0, tiled=False) if ex.rep else y[None]
         y = y.reshape(n_k * n_p, length)
+        # Each part's results: the runs of all owners, back in the part's order.
+        found: dict[tuple[int, int], list[tuple[list[int], jax.Array]]] = {}
+        for o, owned in enumerate(runs):
+            off = 0
+            for g, j, _, index in owned:
+                rb, cb = blocks[g]
+                size = len(index) * rb * cb
+                found.setdefault((g, j), []).append(
+                    (index, y[o, off:off + size].reshape(len(index), rb, cb)))
+                off += size
         outs = []
-        for (g, j), stack in zip(inputs, stacks, strict=True):
-            rb, cb = blocks[g]
-            mats = []
-            for i in range(stack.shape[0]):
-                o, off = where[(g, j, i)]
-                mats.append(y[o, off:off + rb * cb].reshape(rb, cb))
-            outs.append(jnp.stack(mats))
+        for g, j in inputs:
+            index = np.concatenate([i for i, _ in found[(g, j)]])
+            out = jnp.concatenate([v for _, v in found[(g, j)]])
+            order = np.argsort(index)
+            outs.append(out if (order == np.arange(len(order))).all() else out[order])
         return tuple(outs)
 
     return body
