@@ -84,10 +84,12 @@ from optax_snoo._src.kfac.blocks import (
     default_specs,
     flatten_nested,
     flatten_params,
+    from_layer,
     match_curvature,
     nested,
     resolve_blocks,
     template_specs,
+    to_layer,
 )
 from optax_snoo._src.kfac.distributed import precondition_split, refresh_all, split_layouts
 from optax_snoo._src.kfac.factors import LayerCurvature
@@ -311,7 +313,8 @@ def scale_by_kfac(
 
     def kernel_sharding(block, grad):
         """The sharding to precondition ``grad`` in (None: leave it to the partitioner)."""
-        if not distributed_precondition or block.stack or grad.ndim != 2:
+        if (not distributed_precondition or block.stack or grad.ndim != 2
+                or block.kernel_axes is not None):
             return None
         sharding = concrete_sharding(grad) or seen_shardings.get(block.names)
         context = jax.sharding.get_abstract_mesh()
@@ -339,7 +342,8 @@ def scale_by_kfac(
                 seen_shardings.pop(b.names, None)
             factors[b.names] = LayerCurvature(
                 a=_replicated_like(jnp.zeros(b.a_shape, jnp.float32), kernel),
-                g=_replicated_like(jnp.zeros(b.g_shape, jnp.float32), kernel))
+                g=_replicated_like(jnp.zeros(b.g_shape, jnp.float32), kernel),
+                kernel_axes=b.kernel_axes)
             inverses[b.names] = jax.tree.map(
                 lambda x, k=kernel: _replicated_like(x, k),
                 identity_inverse(b.a_shape, b.g_shape, mode))
@@ -358,7 +362,8 @@ def scale_by_kfac(
         entries, treedef = flatten_params(updates)
         old_factors = flatten_nested(state.factors, LayerCurvature)
         old_inverses = flatten_nested(state.inverses, (PiInverse, EigenInverse))
-        specs = {n: (tuple(f.a.shape), tuple(f.g.shape)) for n, f in old_factors.items()}
+        specs = {n: (tuple(f.a.shape), tuple(f.g.shape), f.kernel_axes)
+                 for n, f in old_factors.items()}
         blocks = resolve_blocks(specs, entries, bias_name)
 
         # (1) factor moving averages.
@@ -420,7 +425,8 @@ def scale_by_kfac(
         leaves = [leaf for _, leaf in entries]
         for b, inverse in zip(blocks, inverses, strict=True):
             kernel = leaves[b.kernel]
-            grad = jnp.reshape(kernel, (*b.stack, b.d_in, b.d_out)).astype(jnp.float32)
+            grad = jnp.reshape(to_layer(kernel, b.kernel_axes),
+                               (*b.stack, b.d_in, b.d_out)).astype(jnp.float32)
             sharding = kernel_sharding(b, kernel)
             layouts = None if sharding is None else split_layouts(sharding, b.d_in, b.d_out)
             if layouts is not None:
@@ -438,8 +444,8 @@ def scale_by_kfac(
                 grad, bias_row = _common_sharding(grad, bias_row.astype(jnp.float32))
                 grad = jnp.concatenate([grad, bias_row], axis=-2)
             out = apply_inverse(inverse, grad)
-            leaves[b.kernel] = jnp.reshape(out[..., :b.d_in, :], kernel.shape).astype(
-                kernel.dtype)
+            leaves[b.kernel] = from_layer(out[..., :b.d_in, :], b.kernel_axes,
+                                          kernel.shape).astype(kernel.dtype)
             if b.bias is not None:
                 bias = leaves[b.bias]
                 leaves[b.bias] = jnp.reshape(out[..., b.d_in, :], bias.shape).astype(bias.dtype)
