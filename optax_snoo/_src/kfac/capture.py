@@ -19,18 +19,32 @@ products inside are inlined (their custom rules are not used).
 
 Layouts. The ``dot_general`` dimension numbers give, on the kernel's side, batch axes
 (a stack of independent layers, e.g. MoE experts ``E``), contracting axes (``d_in``) and
-free axes (``d_out``). Supported are kernels whose axes are, in order,
-``(*batch, *contracting, *free)``: ``nnx.Linear`` ``(in, out)``, ``nnx.Einsum`` kernels
-such as ``"btd,dnh->btnh"`` (``d_in = d``, ``d_out = n·h``) or ``"btnh,nhd->btd"``, and
-expert stacks ``(E, in, out)`` with ``E`` a batch axis. The ``x`` side may be in any
-layout. Not captured (skipped with a warning when ``layers=None``, an error when the
-kernel is named in ``layers``): other kernel layouts (e.g. a transposed ``(out, in)``
-use), a kernel used by more than one product (weight sharing), and products inside
-``scan`` / ``while`` / ``cond`` bodies.
+free axes (``d_out``), in any order and also through ``transpose`` (``x @ W.T`` on a
+PyTorch-style ``(out, in)`` kernel): the statistics follow the product, and
+`LayerStats.kernel_axes` (passed on as `LayerCurvature.kernel_axes`) records the
+permutation of the kernel's axes to ``(*batch, *contracting, *free)``, so `scale_by_kfac`
+preconditions the gradient in the kernel's own layout. ``nnx.Linear`` ``(in, out)``,
+``nnx.Einsum`` kernels such as ``"btd,dnh->btnh"`` (``d_in = d``, ``d_out = n·h``) and
+expert stacks ``(E, in, out)`` need no permutation. The ``x`` side may be in any layout.
+
+Convolutions (``conv_general_dilated`` with a params-leaf kernel, ``nnx.Conv``; any
+spatial rank, strides, padding, dilations) record the input and turn it into its patches
+(``conv_general_dilated_patches``): ``d_in = in_channels · window``, one row per example
+and output position (Grosse & Martens 2016). Grouped and depthwise convolutions
+(``feature_group_count`` or ``batch_group_count`` > 1) are not captured.
+
+A kernel read by several products in the same layout (weight sharing) gets all their
+rows, concatenated (`LayerStats.uses`; K-FAC-expand, see `curvature_from_stats`).
+Not captured, each named with its reason (a warning when ``layers=None``, an error
+when the kernel is named in ``layers``): products inside ``scan`` / ``while`` / ``cond``
+bodies, a kernel used in different layouts, grouped convolutions, and a leaf called
+``kernel`` that reaches the loss only through other ops (``x @ (2 * W)``).
+`describe` lists what is captured, and why not.
 
 Statistics (`LayerStats`, keyed by the kernel's path, `optax_snoo._src.utils.
 path_to_str`): ``inputs`` ``(*stack, N, d_in)`` and ``out_grads`` ``(*stack, N, d_out)``,
-the ``N`` tokens being every free axis of ``x`` flattened in order (``B·T`` for a
+the ``N`` tokens being every free axis of ``x`` flattened in order (a convolution's
+examples and output positions) (``B·T`` for a
 ``(B, T, d)`` input; the capacity slots ``C`` of an expert buffer ``(E, C, d)``), in the
 dtypes the product saw. ``out_grads`` are the gradients of the loss as written: for a
 mean over ``M`` tokens they are ``1/M`` of the per-token gradients (`layer_factors` and
@@ -470,12 +484,13 @@ def value_grad_and_stats(
     layers: Collection[str] | None = None,
     bias_name: str = "bias",
 ) -> tuple[Any, Any, dict[str, LayerStats]]:
-    r"""Loss, gradients and K-FAC statistics of every dense layer, in one backward pass.
+    r"""Loss, gradients and K-FAC statistics of every layer, in one backward pass.
 
     Works on any JAX loss: the layers are found in the jaxpr of
     ``loss_fn(params, *args)`` (see the module docstring for what is captured), so a
-    Flax NNX model of ``nnx.Linear`` / ``nnx.Einsum`` layers, a plain-JAX model or
-    expert stacks need no changes. ``args`` are closed over (Python values stay static).
+    Flax NNX model of ``nnx.Linear`` / ``nnx.Einsum`` / ``nnx.Conv`` layers, a plain-JAX
+    model, PyTorch-layout ``(out, in)`` kernels, shared kernels or expert stacks need no
+    changes. `describe` says what it captures. ``args`` are closed over (Python values stay static).
 
     Args:
       loss_fn: ``loss_fn(params, *args) -> loss`` (a float scalar), or ``(loss, aux)``
@@ -495,8 +510,9 @@ def value_grad_and_stats(
       `LayerStats`. Feed K-FAC with `curvature_from_stats`.
 
     Raises:
-      ValueError: a kernel named in ``layers`` that no product uses, or one that cannot
-        be captured (its layout, weight sharing, a loop body).
+      ValueError: a kernel named in ``layers`` that cannot be captured, with the reason
+        (a loop body, uses in different layouts, a grouped convolution, no matmul or
+        convolution reads it as its kernel).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -522,6 +538,9 @@ def value_grad_and_stats(
 
       Botev and Martens, `KFAC-JAX <https://github.com/google-deepmind/kfac-jax>`_, 2022
       (the jaxpr tracer this follows)
+
+      Grosse and Martens, `A Kronecker-factored approximate Fisher matrix for
+      convolution layers <https://arxiv.org/abs/1602.01407>`_, 2016
     """
     trace = _trace(loss_fn, params, args, layers, "value_grad_and_stats")
     if trace.skipped:
