@@ -208,3 +208,52 @@ def test_one_by_one_conv_update_is_the_dense_update():
     else:
         raise AssertionError("expected a ValueError")
     assert optax.tree_utils.tree_norm(u_c) > 0
+
+
+def test_scanned_layers_match_the_unrolled_stack():
+    """An ``nnx.scan`` over a stack of ``nnx.Linear`` (kernel ``(L, in, out)``, bias
+    ``(L, out)``) gets per-layer factors stacked ``(L, ...)`` and, preconditioned as a
+    stack, the update of the same layers unrolled as separate leaves."""
+    from flax import nnx
+
+    n_layers, d = 3, 4
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return nnx.Linear(d, d, rngs=nnx.Rngs(key))
+
+    graphdef, stacked = nnx.split(make(jax.random.split(jax.random.key(0), n_layers)),
+                                  nnx.Param)
+    stacked = {"blocks": nnx.to_pure_dict(stacked), "head": {"kernel": _normal(d, 2)}}
+    x = _normal(5, 6, d)
+
+    def scanned_loss(p, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h, layer):
+            return jnp.tanh(layer(h))
+        h = body(x, nnx.merge(graphdef, p["blocks"]))
+        return jnp.mean(jnp.sin(h @ p["head"]["kernel"]))
+
+    unrolled = {f"l{i}": {"kernel": stacked["blocks"]["kernel"][i],
+                          "bias": stacked["blocks"]["bias"][i]} for i in range(n_layers)}
+    unrolled["head"] = stacked["head"]
+
+    def unrolled_loss(p, x):
+        h = x
+        for i in range(n_layers):
+            h = jnp.tanh(h @ p[f"l{i}"]["kernel"] + p[f"l{i}"]["bias"])
+        return jnp.mean(jnp.sin(h @ p["head"]["kernel"]))
+
+    assert kfac.describe(scanned_loss, stacked, x)["blocks/kernel"] == (
+        "dense, d_in 4, d_out 4, scanned stack (3,), with bias blocks/bias")
+    u_s, c_s = _kfac_update(scanned_loss, stacked, (x,), "pi")
+    u_u, c_u = _kfac_update(unrolled_loss, unrolled, (x,), "pi")
+    assert c_s["blocks/kernel"].a.shape == (3, 5, 5)
+    for i in range(n_layers):
+        for f in ("a", "g"):
+            np.testing.assert_allclose(_f64(getattr(c_s["blocks/kernel"], f)[i]),
+                                       _f64(getattr(c_u[f"l{i}/kernel"], f)), rtol=1e-5,
+                                       atol=1e-8)
+        for leaf in ("kernel", "bias"):
+            np.testing.assert_allclose(_f64(u_s["blocks"][leaf][i]), _f64(u_u[f"l{i}"][leaf]),
+                                       rtol=1e-4, atol=1e-6)

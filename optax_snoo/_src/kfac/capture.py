@@ -35,10 +35,19 @@ and output position (Grosse & Martens 2016). Grouped and depthwise convolutions
 
 A kernel read by several products in the same layout (weight sharing) gets all their
 rows, concatenated (`LayerStats.uses`; K-FAC-expand, see `curvature_from_stats`).
+
+Scanned layers (``jax.lax.scan`` / ``nnx.scan`` over a stacked params leaf passed as the
+scan's ``xs``, as MaxText and levanter compile their layers): a product in the body
+whose kernel is the iteration's slice is captured per layer, the scan re-run with the
+perturbations as extra ``xs`` and the inputs as extra outputs; the statistics are
+stacked ``(L, N, ·)`` (`LayerStats.scanned`) and the factors ``(L, d, d)``, preconditioned
+as a stack like expert stacks.
+
 Not captured, each named with its reason (a warning when ``layers=None``, an error
-when the kernel is named in ``layers``): products inside ``scan`` / ``while`` / ``cond``
-bodies, a kernel used in different layouts, grouped convolutions, and a leaf called
-``kernel`` that reaches the loss only through other ops (``x @ (2 * W)``).
+when the kernel is named in ``layers``): products inside ``while`` / ``cond`` bodies or
+nested scans, a kernel a scan body reads whole (a constant of the loop), convolutions
+inside a scan, a kernel used in different layouts, grouped convolutions, and a leaf
+called ``kernel`` that reaches the loss only through other ops (``x @ (2 * W)``).
 `describe` lists what is captured, and why not.
 
 Statistics (`LayerStats`, keyed by the kernel's path, `optax_snoo._src.utils.
@@ -54,6 +63,7 @@ mean over ``M`` tokens they are ``1/M`` of the per-token gradients (`layer_facto
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Collection
@@ -71,6 +81,7 @@ _PASS = frozenset({"convert_element_type", "copy", "copy_p", "optimization_barri
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat",
                     "remat2", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 _HIGHEST = jax.lax.Precision.HIGHEST
+_FIXED = "fixed"   # provenance inside a scan body: a constant or the carry, not a slice
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
@@ -91,6 +102,8 @@ class LayerStats:
         repeats over (a convolution's spatial output size; 1 for a matmul).
       uses: static: number of products that read this kernel (weight sharing); their
         rows are concatenated along ``N``.
+      scanned: static: the first stack axis is the layer axis of a stacked leaf a
+        ``scan`` walks (one layer per iteration, each seeing all ``N`` tokens).
     """
 
     inputs: jax.Array
@@ -99,10 +112,12 @@ class LayerStats:
     kernel_axes: tuple[int, ...] | None = None
     locations: int = 1
     uses: int = 1
+    scanned: bool = False
 
 
-jax.tree_util.register_dataclass(LayerStats, data_fields=["inputs", "out_grads"],
-                                 meta_fields=["has_bias", "kernel_axes", "locations", "uses"])
+jax.tree_util.register_dataclass(
+    LayerStats, data_fields=["inputs", "out_grads"],
+    meta_fields=["has_bias", "kernel_axes", "locations", "uses", "scanned"])
 
 
 # ------------------------------------------------------------------------------ analysis
@@ -126,10 +141,16 @@ class _Site:
     x_free: tuple[int, ...] = ()
     locations: int = 1               # conv: output positions per example
     conv: dict | None = None         # conv: the arguments of conv_general_dilated_patches
+    scanned: bool = False            # in a scan body: records and perturbations (L, ...)
     index: int = -1
 
+    @property
+    def pert_shape(self) -> tuple[int, ...]:
+        return (*self.stack[:1], *self.out_aval.shape) if self.scanned else self.out_aval.shape
+
     def signature(self) -> tuple:
-        return (self.kind, self.kernel_axes, self.stack, self.d_in, self.d_out, self.locations)
+        return (self.kind, self.kernel_axes, self.stack, self.d_in, self.d_out, self.locations,
+                self.scanned)
 
 
 @dataclasses.dataclass
@@ -137,8 +158,9 @@ class _Action:
     kind: str                  # "site" | "fast" | "inline"
     site: _Site | None = None
     x_input: int = -1          # fast: call input holding x
-    plan: dict | None = None   # inline: the body's plan
+    plan: dict | None = None   # inline / scan: the body's plan
     inner: str = ""            # inline: the param holding the body
+    indices: tuple[int, ...] = ()  # scan: the sites inside its body
 
 
 def _axes_or_none(axes: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -217,11 +239,16 @@ class _Analysis:
     """Walks a jaxpr once, deciding for every equation what the interpreter does.
 
     Provenance: a var derived from params leaf ``i`` through pass-through ops and
-    transposes maps to ``(i, perm)``, its axis ``j`` being the leaf's axis ``perm[j]``.
+    transposes maps to ``(i, perm, scan)``, its axis ``j`` being the leaf's axis
+    ``perm[j]``; ``scan`` is None outside loops, inside a scan body the leaf axis its
+    ``xs`` slices (one layer per iteration), or ``_FIXED`` for the scan's constants and
+    carry.
     """
 
-    def __init__(self, paths: list[str], wanted: Collection[str] | None):
+    def __init__(self, paths: list[str], shapes: list[tuple[int, ...]],
+                 wanted: Collection[str] | None):
         self.paths = paths
+        self.shapes = shapes
         self.wanted = wanted
         self.sites: list[_Site] = []
         self.problems: dict[int, str] = {}
@@ -248,20 +275,29 @@ class _Analysis:
                 self.other(side[0], f"{name} with another params leaf")
             return None
         kernel_pos = 0 if sides[0] is not None else 1
-        leaf, perm = sides[kernel_pos]
+        leaf, perm, scan = sides[kernel_pos]
         if not self.wants(leaf):
             return None
         if in_loop:
-            self.problem(leaf, "it feeds a matmul or convolution inside a scan/while/cond "
-                               "body")
+            self.problem(leaf, "it feeds a matmul or convolution inside a while/cond body "
+                               "or a nested scan")
+            return None
+        if scan == _FIXED:
+            self.problem(leaf, "a scan body reads it whole on every iteration (a stacked "
+                               "leaf sliced by the scan's xs is captured per layer)")
             return None
         if name == "conv_general_dilated":
-            layout = _conv_layout(eqn, kernel_pos, perm)
+            layout = (_conv_layout(eqn, kernel_pos, perm) if scan is None else
+                      "it feeds a convolution inside a scan body")
         else:
             layout = _dot_layout(eqn, kernel_pos, perm)
         if isinstance(layout, str):
             self.problem(leaf, layout)
             return None
+        if scan is not None:      # a slice of the stacked leaf: one layer per iteration
+            inner = layout["kernel_axes"] or tuple(range(len(perm)))
+            layout.update(kernel_axes=_axes_or_none((scan, *inner)), scanned=True,
+                          stack=(self.shapes[leaf][scan], *layout["stack"]))
         return _Site(leaf=leaf, path=self.paths[leaf], kernel_pos=kernel_pos,
                      out_aval=eqn.outvars[0].aval,
                      x_dtype=eqn.invars[1 - kernel_pos].aval.dtype, **layout)
@@ -305,7 +341,27 @@ class _Analysis:
         site.out_aval = eqn.outvars[0].aval
         return _Action("fast", site=site, x_input=ins[1 - site.kernel_pos])
 
-    def walk(self, jaxpr: Any, prov: dict, in_loop: bool = False) -> dict:
+    def scan(self, eqn: Any, in_prov: list) -> _Action | None:
+        """A scan whose body reads slices of stacked params leaves through its ``xs``."""
+        p = eqn.params
+        fixed = p["num_consts"] + p["num_carry"]
+        body = _open(p["jaxpr"])
+        body_prov = {}
+        for i, (v, src) in enumerate(zip(body.invars, in_prov, strict=True)):
+            if src is None:
+                continue
+            leaf, perm, _ = src
+            body_prov[v] = ((leaf, perm, _FIXED) if i < fixed
+                            else (leaf, perm[1:], perm[0]))
+        start = len(self.sites)
+        sub_plan = self.walk(body, body_prov, in_scan=True)
+        if not sub_plan:
+            return None
+        return _Action("scan", plan=sub_plan,
+                       indices=tuple(s.index for s in self.sites[start:]))
+
+    def walk(self, jaxpr: Any, prov: dict, in_loop: bool = False,
+             in_scan: bool = False) -> dict:
         plan: dict[int, _Action] = {}
         prov = dict(prov)
         for n, eqn in enumerate(jaxpr.eqns):
@@ -321,8 +377,14 @@ class _Analysis:
                     prov[eqn.outvars[0]] = in_prov[0]
                 continue
             if name == "transpose" and in_prov[0] is not None:
-                leaf, perm = in_prov[0]
-                prov[eqn.outvars[0]] = (leaf, tuple(perm[a] for a in eqn.params["permutation"]))
+                leaf, perm, scan = in_prov[0]
+                prov[eqn.outvars[0]] = (
+                    leaf, tuple(perm[a] for a in eqn.params["permutation"]), scan)
+                continue
+            if name == "scan" and not in_loop and not in_scan:
+                action = self.scan(eqn, in_prov)
+                if action is not None:
+                    plan[n] = action
                 continue
             site = self.site(eqn, prov, in_loop)
             if site is not None:
@@ -342,7 +404,7 @@ class _Analysis:
                 body = _open(body)
                 sub_prov = {v: p for v, p in zip(body.invars, in_prov, strict=True)
                             if p is not None}
-                sub_plan = self.walk(body, sub_prov, in_loop)
+                sub_plan = self.walk(body, sub_prov, in_loop, in_scan)
                 if sub_plan:
                     plan[n] = _Action("inline", plan=sub_plan, inner=key)
                 continue
@@ -426,7 +488,9 @@ def _run(jaxpr: Any, consts: list, args: list, plan: dict, perts: list,
     for n, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         action = plan.get(n)
-        if action is not None and action.kind == "inline":
+        if action is not None and action.kind == "scan":
+            ans = _run_scan(eqn, invals, action, perts, records)
+        elif action is not None and action.kind == "inline":
             body = eqn.params[action.inner]
             body_consts = body.consts if isinstance(body, jex.core.ClosedJaxpr) else []
             with eqn.ctx.manager:
@@ -454,16 +518,45 @@ def _run(jaxpr: Any, consts: list, args: list, plan: dict, perts: list,
     return [read(v) for v in jaxpr.outvars]
 
 
+def _run_scan(eqn: Any, invals: list, action: _Action, perts: list, records: list) -> list:
+    """A scan with captured products in its body: their perturbations enter as extra
+    ``xs`` (one slice per iteration) and their inputs leave as extra ``ys``."""
+    p = eqn.params
+    body = p["jaxpr"]
+    nc, ncar = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+
+    def step(carry, inputs):
+        xs_i, perts_i = inputs
+        local_perts = list(perts)
+        for i, pert in zip(action.indices, perts_i, strict=True):
+            local_perts[i] = pert
+        local_records = [None] * len(records)
+        out = _run(_open(body), list(body.consts), [*consts, *carry, *xs_i], action.plan,
+                   local_perts, local_records)
+        return out[:ncar], (out[ncar:], [local_records[i] for i in action.indices])
+
+    with eqn.ctx.manager:
+        carry, (ys, recorded) = jax.lax.scan(
+            step, list(init), (list(xs), [perts[i] for i in action.indices]),
+            length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    for i, x in zip(action.indices, recorded, strict=True):
+        records[i] = x
+    return [*carry, *ys]
+
+
 def _standard(site: _Site, x: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``x`` (a convolution's input patches) ``(*stack, N, d_in)`` and ``dy``
     ``(*stack, N, d_out)`` of one product."""
+    # A scanned site's records lead with the layer axis: the first stack axis.
+    lead = (lambda axes: (0, *(a + 1 for a in axes))) if site.scanned else tuple
     if site.kind == "conv":
         x = jax.lax.conv_general_dilated_patches(x, precision=_HIGHEST, **site.conv)
         x = jnp.transpose(x, site.out_perm)
     else:
-        x = jnp.transpose(x, (*site.x_batch, *site.x_free, *site.x_contract))
+        x = jnp.transpose(x, lead((*site.x_batch, *site.x_free, *site.x_contract)))
     x = x.reshape(*site.stack, -1, site.d_in)
-    dy = jnp.transpose(dy, site.out_perm).reshape(*site.stack, -1, site.d_out)
+    dy = jnp.transpose(dy, lead(site.out_perm)).reshape(*site.stack, -1, site.d_out)
     return x, dy
 
 
@@ -511,8 +604,8 @@ def value_grad_and_stats(
 
     Raises:
       ValueError: a kernel named in ``layers`` that cannot be captured, with the reason
-        (a loop body, uses in different layouts, a grouped convolution, no matmul or
-        convolution reads it as its kernel).
+        (a while/cond body, uses in different layouts, a grouped convolution, no matmul
+        or convolution reads it as its kernel).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -551,7 +644,7 @@ def value_grad_and_stats(
                       f"these kernels get no curvature): {lines}.", stacklevel=2)
     analysis, jaxpr, plan = trace.analysis, trace.closed.jaxpr, trace.plan
     leaves = jax.tree_util.tree_leaves(params)
-    perts = [jnp.zeros(s.out_aval.shape, s.out_aval.dtype) for s in analysis.sites]
+    perts = [jnp.zeros(s.pert_shape, s.out_aval.dtype) for s in analysis.sites]
     consts = list(trace.closed.consts)
 
     def total(leaves, perts):
@@ -572,7 +665,7 @@ def value_grad_and_stats(
             jnp.concatenate(xs, axis=-2) if len(xs) > 1 else xs[0],
             jnp.concatenate(dys_, axis=-2) if len(dys_) > 1 else dys_[0],
             _bias_sibling(path, trace.shapes, s, bias_name), s.kernel_axes, s.locations,
-            len(sites))
+            len(sites), s.scanned)
     return value, jax.tree_util.tree_unflatten(trace.treedef, grads), stats
 
 
@@ -609,11 +702,11 @@ def _trace(loss_fn: Callable[..., Any], params: Any, args: tuple,
         return loss_fn(jax.tree_util.tree_unflatten(treedef, leaves), *args)
 
     closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(leaves)
-    analysis = _Analysis(paths, wanted)
-    jaxpr = closed.jaxpr
-    plan = analysis.walk(jaxpr, {v: (i, tuple(range(v.aval.ndim)))
-                                 for i, v in enumerate(jaxpr.invars)})
     shapes = [tuple(jnp.shape(leaf)) for leaf in leaves]
+    analysis = _Analysis(paths, shapes, wanted)
+    jaxpr = closed.jaxpr
+    plan = analysis.walk(jaxpr, {v: (i, tuple(range(v.aval.ndim)), None)
+                                 for i, v in enumerate(jaxpr.invars)})
     captured, skipped = analysis.finish(shapes)
     return _Trace(closed, jax.tree.structure(out_shape), treedef, paths,
                   dict(zip(paths, shapes, strict=True)), analysis, plan, captured, skipped)
@@ -632,10 +725,11 @@ def describe(
     ``params`` and ``args`` may be ``jax.ShapeDtypeStruct``) and describes every leaf:
 
     - a captured kernel: ``"dense"`` or ``"conv"`` with ``d_in``/``d_out``, then any of
-      ``"expert stack (E,)"``, ``"transposed"`` (stored in another axis order than
-      ``(*stack, *in, *out)``: `LayerCurvature.kernel_axes`), ``"shared by k
-      products"``, ``"with bias b"``, and ``"also read by gather"`` when other ops read
-      it too (their share of its gradient is preconditioned with these factors);
+      ``"scanned stack (L,)"``, ``"expert stack (E,)"``, ``"transposed"`` (stored in
+      another axis order than ``(*stack, *in, *out)``: `LayerCurvature.kernel_axes`),
+      ``"shared by k products"``, ``"with bias b"``, and ``"also read by gather"``
+      when other ops read it too (their share of its gradient is preconditioned with
+      these factors);
     - a kernel that will not be preconditioned: ``"skipped: <why>"`` (the reasons
       `value_grad_and_stats` warns or raises with);
     - any other leaf: ``"first-order: read by <ops>"`` (or ``"unused"``).
@@ -680,8 +774,10 @@ def describe(
         words = [s.kind, f"d_in {s.d_in}", f"d_out {s.d_out}"]
         if s.kind == "conv":
             words.append(f"{s.locations} locations")
-        if s.stack:
-            words.append(f"expert stack {s.stack}")
+        if s.scanned:
+            words.append(f"scanned stack ({s.stack[0]},)")
+        if s.stack[s.scanned:]:
+            words.append(f"expert stack {s.stack[s.scanned:]}")
         if s.kernel_axes is not None:
             words.append(f"{'transposed' if s.kind == 'dense' else 'kernel axes'} "
                          f"{s.kernel_axes}")
@@ -777,7 +873,8 @@ def curvature_from_stats(
     out = {}
     for path, s in stats.items():
         x, dy = s.inputs, s.out_grads
-        stacked = x.ndim > 2
+        layers_only = s.scanned and x.ndim == 3   # (L, N, d): every layer sees every token
+        stacked = x.ndim > 2 and not layers_only
         n = x.shape[-2]
         if stacked and num_tokens is None:
             raise ValueError(
@@ -802,6 +899,9 @@ def curvature_from_stats(
             f = layer_factors(x3, dy3, s.has_bias, mask=mask, num_tokens=m, stacked=True)
             f = LayerCurvature(f.a.reshape(*lead, *f.a.shape[1:]),
                                f.g.reshape(*lead, *f.g.shape[1:]))
+        elif layers_only:
+            f = jax.vmap(functools.partial(layer_factors, has_bias=s.has_bias,
+                                           num_tokens=m))(x, dy)
         else:
             f = layer_factors(x, dy, s.has_bias, num_tokens=m)
         out[path] = LayerCurvature(f.a, f.g, s.kernel_axes)

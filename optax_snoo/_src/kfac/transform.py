@@ -24,8 +24,9 @@ computes the curvature). The factor shapes define the layer:
 - the kernel's axes after the stack axes (permuted first by the template's
   `LayerCurvature.kernel_axes` when it gives them: a PyTorch ``(out, in)`` kernel, a
   convolution's ``(H, W, in, out)``; the update comes back in the kernel's own layout)
-  must split, in order, into axes of total size ``d_in`` then ``d_out`` (``(d_model, heads, head_dim)`` works with
-  ``d_out = heads·head_dim``); the kernel gradient is reshaped to ``(d_in, d_out)``;
+  must split, in order, into axes of total size ``d_in`` then ``d_out``
+  (``(d_model, heads, head_dim)`` works with ``d_out = heads·head_dim``); the kernel
+  gradient is reshaped to ``(d_in, d_out)``;
 - ``d_in' = d_in + 1`` means "with bias" (the ``bias_name`` sibling is required).
 
 **Curvature extra argument.** ``update(grads, state, params, curvature=C)`` where ``C`` is
