@@ -196,8 +196,10 @@ def _snoo_muon_sync(tree: Tree, mesh) -> Step:
 
 
 @register_stack("kfac")
-def _kfac(tree: Tree, mesh) -> Step | None:
-    """The trainer's `kfac` stack and its batch factors from one batch's statistics."""
+def kfac_stack(tree: Tree, mesh, statistics: bool = True) -> Step | None:
+    """The trainer's `kfac` stack and its batch factors from one batch's statistics;
+    `statistics=False`: a step without them (`curvature=None`), as the trainer's steps
+    between statistics steps are with `--kfac_stats_every` > 1."""
     if tree.train_config is None:
         return None
     from flax import nnx
@@ -239,7 +241,8 @@ def _kfac(tree: Tree, mesh) -> Step | None:
         jax.eval_shape(tx.init, tree.params), shardings)
 
     def step(grads, state, params, stats):
-        return tx.update(grads, state, params, curvature=curvature_fn.from_stats(stats, 0))
+        curvature = curvature_fn.from_stats(stats, 0) if statistics else None
+        return tx.update(grads, state, params, curvature=curvature)
 
     return Step(step, (tree.params, state, tree.params, stats),
                 rows=(("kfac refresh", True), ("kfac", False)))

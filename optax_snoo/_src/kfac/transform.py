@@ -117,9 +117,9 @@ from optax_snoo._src.kfac.refresh import (
 )
 from optax_snoo._src.sharding import concrete_sharding
 from optax_snoo._src.utils import (
-    check_int_at_least,
     check_non_negative,
     check_unit_interval,
+    concrete_real,
     is_integer,
     is_real,
     path_names,
@@ -248,7 +248,7 @@ def update_factors(state: ScaleByKfacState, blocks: list[Block], entries: list,
     # fused reduction per factor instead of an isfinite map and an all-reduce (~8x
     # cheaper on CPU); a sum that overflows float32 also counts as non-finite.
     use = jnp.isfinite(sum(jnp.sum(x) for c in batch for x in c))
-    if stats_every > 1:
+    if not (is_integer(stats_every) and stats_every == 1):  # (an array under inject_hyperparams)
         use = use & (state.count % stats_every == 0)
     new_weight = ema_decay ** stats_every * weight + 1.0
     new_frac = 1.0 / new_weight
@@ -440,7 +440,11 @@ def scale_by_kfac(
     check_non_negative("damping", damping)
     check_non_negative("eig_floor_abs", eig_floor_abs)
     check_non_negative("eig_floor_rel", eig_floor_rel)
-    check_int_at_least("stats_every", stats_every, 1)
+    known_every = concrete_real(stats_every)
+    if (callable(stats_every) or isinstance(stats_every, bool | float)
+            or (known_every is not None
+                and (known_every < 1 or known_every != int(known_every)))):
+        raise ValueError(f"stats_every must be an int >= 1, got {stats_every!r}.")
     if is_integer(refresh):
         refresh = every(int(refresh))
     if not callable(refresh):
