@@ -316,7 +316,7 @@ def test_unsupported_uses_warn_raise_and_describe():
                                jax.tree_util.tree_flatten_with_path(p)[0]]
     assert described["t/kernel"] == "dense, d_in 4, d_out 4, transposed (1, 0)"
     assert described["s/kernel"] == "dense, d_in 4, d_out 4, shared by 2 products"
-    assert described["loop/kernel"].startswith("skipped: it feeds a matmul")
+    assert described["loop/kernel"].startswith("skipped: a scan body reads it whole")
     # A K-FAC transform told to precondition a kernel the statistics lack says where to look.
     tx = kfac.kfac(0.1, layers=kfac.layers_from_params(p, ["ok/kernel", "scaled/kernel"]))
     state = tx.init(p)
