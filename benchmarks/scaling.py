@@ -230,8 +230,10 @@ def _snoo_muon_sync(tree: Tree, mesh) -> Step:
 
 
 @register_stack("kfac")
-def _kfac(tree: Tree, mesh) -> Step | None:
-    """The trainer's `kfac` stack and its batch factors from one batch's statistics."""
+def kfac_stack(tree: Tree, mesh, statistics: bool = True) -> Step | None:
+    """The trainer's `kfac` stack and its batch factors from one batch's statistics;
+    `statistics=False`: a step without them (`curvature=None`), as the trainer's steps
+    between statistics steps are with `--kfac_stats_every` > 1."""
     if tree.train_config is None:
         return None
     from flax import nnx
@@ -246,7 +248,7 @@ def _kfac(tree: Tree, mesh) -> Step | None:
 
     experts = tree.config.moe_every > 0  # MoE trees: per-expert factors, split like the rest
     config = override(tree.train_config, optimizer="kfac", kfac_experts=experts)
-    tx = build_optimizer(config).tx
+    tx = build_optimizer(config, params=tree.params).tx  # told where the kernels live
     curvature_fn = kfac_curvature_fn(tree.params, config.kfac.stats_stride, experts)
     graphdef, _, rest = nnx.split(
         nnx.eval_shape(lambda: models.GPT(tree.config, rngs=nnx.Rngs(0))), nnx.Param, ...)
@@ -264,10 +266,6 @@ def _kfac(tree: Tree, mesh) -> Step | None:
     stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(
         mesh, P(*[None] * (s.ndim - 2), BATCH_AXES if s.shape[-2] % split == 0 else None,
                 None))), stats)
-    # The trainer's init sees concrete sharded params, and K-FAC records the kernels'
-    # shardings from them (to precondition each gradient where it lives); an init on the
-    # abstract params does the same (its factors are zeros on one device, then dropped).
-    tx.init(tree.params)
     # Abstract state on the shardings the compiled init gives it (no gigabytes of zeros);
     # the constants it places on one device are replicated, as a concrete init's are.
     shardings = jax.jit(tx.init).lower(tree.params).compile().output_shardings
@@ -277,7 +275,8 @@ def _kfac(tree: Tree, mesh) -> Step | None:
         jax.eval_shape(tx.init, tree.params), shardings)
 
     def step(grads, state, params, stats):
-        return tx.update(grads, state, params, curvature=curvature_fn.from_stats(stats, 0))
+        curvature = curvature_fn.from_stats(stats, 0) if statistics else None
+        return tx.update(grads, state, params, curvature=curvature)
 
     return Step(step, (tree.params, state, tree.params, stats),
                 rows=(("kfac refresh", True), ("kfac", False)))

@@ -20,9 +20,15 @@ import models
 import train
 from optax_snoo import kfac
 from train import config as tc
-from train.kfac_trainer import kfac_curvature_fn, kfac_refresh_policy, kfac_schedule
+from train.kfac_trainer import (
+    grad_and_curvature_fn,
+    kfac_curvature_fn,
+    kfac_refresh_policy,
+    kfac_schedule,
+)
 from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, put_batch
+from train.step import ModelDef
 
 # Runs of the same config compile the same programs: cached for this module.
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -179,6 +185,15 @@ def test_strided_statistics_average_to_the_full_ones():
         kfac_curvature_fn(params, 5).from_stats(stats, jnp.int32(0))
     with pytest.raises(ValueError, match="kfac_stats_stride"):
         kfac_curvature_fn(params, 0)
+    # --kfac_stats_every=2: factors on even steps only (offset step // 2), zeros between.
+    grad_fn = jax.jit(grad_and_curvature_fn(ModelDef(graphdef, rest, config), strided, 2))
+    for step in (2, 3):
+        got = grad_fn(params, x, x, None, jnp.int32(step))[1][1]["curvature"]
+        want = strided.from_stats(stats, jnp.int32(1))
+        if step == 3:
+            want = jax.tree.map(jnp.zeros_like, want)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(
+            np.max(np.abs(b)))), got, want)
 
 
 def test_kfac_options_are_checked(corpus, tmp_path):

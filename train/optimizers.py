@@ -112,8 +112,8 @@ class TrainOptimizer:
         the run's train batch of `step`, placed on the mesh; identity by default.
       for_params: `params -> TrainOptimizer`, the same optimizer told where the params
         live (arrays, abstract arrays or their shardings): Muon's Newton-Schulz plan,
-        which a jitted update cannot read from its tracers. `None`: placement does not
-        matter. `build_optimizer(config, params)` applies it.
+        K-FAC's kernel shardings, which a jitted update cannot read from its tracers.
+        `None`: placement does not matter. `build_optimizer(config, params)` applies it.
     """
 
     tx: optax.GradientTransformationExtraArgs
