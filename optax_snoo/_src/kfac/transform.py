@@ -23,9 +23,12 @@ computes the curvature). The factor shapes define the layer:
 
 - ``a`` ``(*stack, d_in', d_in')`` and ``g`` ``(*stack, d_out, d_out)``; leading axes are
   a stack of independent layers (MoE experts ``(E, d_in, d_out)``);
-- the kernel's axes after the stack axes must split, in order, into axes of total size
-  ``d_in`` then ``d_out`` (``(d_model, heads, head_dim)`` works with
-  ``d_out = heads·head_dim``); the kernel gradient is reshaped to ``(d_in, d_out)``;
+- the kernel's axes after the stack axes (permuted first by the template's
+  `LayerCurvature.kernel_axes` when it gives them: a PyTorch ``(out, in)`` kernel, a
+  convolution's ``(H, W, in, out)``; the update comes back in the kernel's own layout)
+  must split, in order, into axes of total size ``d_in`` then ``d_out``
+  (``(d_model, heads, head_dim)`` works with ``d_out = heads·head_dim``); the kernel
+  gradient is reshaped to ``(d_in, d_out)``;
 - ``d_in' = d_in + 1`` means "with bias" (the ``bias_name`` sibling is required).
 
 **Curvature extra argument.** ``update(grads, state, params, curvature=C)`` where ``C`` is
@@ -89,10 +92,12 @@ from optax_snoo._src.kfac.blocks import (
     default_specs,
     flatten_nested,
     flatten_params,
+    from_layer,
     match_curvature,
     nested,
     resolve_blocks,
     template_specs,
+    to_layer,
 )
 from optax_snoo._src.kfac.distributed import precondition_split, refresh_all, split_layouts
 from optax_snoo._src.kfac.factors import LayerCurvature
@@ -309,7 +314,8 @@ def precondition_blocks(entries: list, blocks: list[Block], inverses: list[Inver
     leaves = [leaf for _, leaf in entries]
     for b, inverse, sharding in zip(blocks, inverses, shardings, strict=True):
         kernel = leaves[b.kernel]
-        grad = jnp.reshape(kernel, (*b.stack, b.d_in, b.d_out)).astype(jnp.float32)
+        grad = jnp.reshape(to_layer(kernel, b.kernel_axes),
+                           (*b.stack, b.d_in, b.d_out)).astype(jnp.float32)
         layouts = None if sharding is None else split_layouts(sharding, b.d_in, b.d_out)
         if layouts is not None:
             bias = None if b.bias is None else leaves[b.bias]
@@ -326,8 +332,8 @@ def precondition_blocks(entries: list, blocks: list[Block], inverses: list[Inver
             grad, bias_row = _common_sharding(grad, bias_row.astype(jnp.float32))
             grad = jnp.concatenate([grad, bias_row], axis=-2)
         out = apply_inverse(inverse, grad)
-        leaves[b.kernel] = jnp.reshape(out[..., :b.d_in, :], kernel.shape).astype(
-            kernel.dtype)
+        leaves[b.kernel] = from_layer(out[..., :b.d_in, :], b.kernel_axes,
+                                      kernel.shape).astype(kernel.dtype)
         if b.bias is not None:
             bias = leaves[b.bias]
             leaves[b.bias] = jnp.reshape(out[..., b.d_in, :], bias.shape).astype(bias.dtype)
@@ -462,7 +468,8 @@ def scale_by_kfac(
 
     def sharding_of(block, grad):
         """The sharding to precondition ``grad`` in (None: leave it to the partitioner)."""
-        if not distributed_precondition or block.stack or grad.ndim != 2:
+        if (not distributed_precondition or block.stack or grad.ndim != 2
+                or block.kernel_axes is not None):
             return None
         sharding = concrete_sharding(grad) or known_shardings.get(block.names)
         context = jax.sharding.get_abstract_mesh()
@@ -494,7 +501,8 @@ def scale_by_kfac(
             kernel = entries[b.kernel][1]
             factors[b.names] = LayerCurvature(
                 a=_replicated_like(jnp.zeros(b.a_shape, jnp.float32), kernel),
-                g=_replicated_like(jnp.zeros(b.g_shape, jnp.float32), kernel))
+                g=_replicated_like(jnp.zeros(b.g_shape, jnp.float32), kernel),
+                kernel_axes=b.kernel_axes)
             inverses[b.names] = jax.tree.map(
                 lambda x, k=kernel: _replicated_like(x, k),
                 identity_inverse(b.a_shape, b.g_shape, mode))
@@ -511,7 +519,7 @@ def scale_by_kfac(
                 "factors, see optax_snoo.kfac.value_grad_and_stats); pass curvature=None "
                 "explicitly for a step without statistics.")
         entries, treedef = flatten_params(updates)
-        specs = {n: (tuple(f.a.shape), tuple(f.g.shape))
+        specs = {n: (tuple(f.a.shape), tuple(f.g.shape), f.kernel_axes)
                  for n, f in flatten_nested(state.factors, LayerCurvature).items()}
         blocks = resolve_blocks(specs, entries, bias_name)
         factors, weight = update_factors(state, blocks, entries, curvature, ema_decay,
