@@ -239,7 +239,7 @@ def _is_eigh(opcode: str, remainder: str) -> bool:
     return bool(target) and any(t in target.group(1) for t in _EIGH_TARGETS)
 
 
-def analyze(hlo_text: str, eigh_branch: bool | None = None,
+def analyze(hlo_text: str, eigh_branch: bool | None = None, cheapest: bool = False,
             only: Callable[[list[list[int]] | None], bool] | None = None) -> Cost:
     """Loop-aware per-device collective bytes and FLOPs of compiled HLO text.
 
@@ -248,7 +248,9 @@ def analyze(hlo_text: str, eigh_branch: bool | None = None,
       eigh_branch: how a conditional with an eigendecomposition in some branches (K-FAC's
         refresh) counts: None, its most expensive branch; True, the most expensive branch
         with one (a refresh step); False, the most expensive without (a plain step).
-        Other conditionals always count their most expensive branch.
+        Other conditionals count their most expensive branch, or with ``cheapest`` their
+        least expensive one (a step that takes no optional branch, e.g. K-FAC's step
+        between statistics steps with ``--kfac_stats_every``).
       only: count only the collectives whose `replica_groups` this predicate accepts
         (e.g. `spans_blocks(n)`); None counts them all.
 
@@ -315,9 +317,10 @@ def analyze(hlo_text: str, eigh_branch: bool | None = None,
                 if eigh_branch is not None and any(has_eigh(b) for b in branches):
                     branches = [b for b in branches if has_eigh(b) == eigh_branch]
                 if branches:
-                    worst = max((cost(b) for b in branches),
-                                key=lambda c: (c.collective_bytes, c.flops))
-                    total.add(worst)
+                    pick = min if cheapest and not (eigh_branch is not None and any(
+                        has_eigh(b) for b in _branches(remainder))) else max
+                    total.add(pick((cost(b) for b in branches),
+                                   key=lambda c: (c.collective_bytes, c.flops)))
             elif opcode != "reduce":
                 for attr, callee in _CALLS.findall(remainder):
                     if attr in ("calls", "to_apply"):

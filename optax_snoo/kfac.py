@@ -1,7 +1,7 @@
 """K-FAC as optax transformations, with learning-rate-aware refresh schedules.
 
-- `value_grad_and_stats`, `curvature_from_stats`: layer statistics of any JAX model
-  (read from the loss's jaxpr) and the factors they give;
+- `value_grad_and_stats`, `curvature_from_stats`, `describe`: layer statistics of any JAX
+  model (read from the loss's jaxpr), the factors they give, and what is captured;
 - `layer_factors`: batch Kronecker factors ``(A, G)`` of a dense layer or expert stack;
 - `refresh_inverse` / `apply_inverse` / `precondition`: one layer's damped inverse;
 - `every`, `by_lr_phase`, `lr_ratio`, `refresh_steps`: when to refresh;
@@ -11,7 +11,12 @@
 """
 
 from optax_snoo._src.kfac.blocks import layers_from_params
-from optax_snoo._src.kfac.capture import LayerStats, curvature_from_stats, value_grad_and_stats
+from optax_snoo._src.kfac.capture import (
+    LayerStats,
+    curvature_from_stats,
+    describe,
+    value_grad_and_stats,
+)
 from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
 from optax_snoo._src.kfac.grafting import GraftState, graft
 from optax_snoo._src.kfac.host import (
@@ -69,6 +74,7 @@ __all__ = [
     "by_lr_phase",
     "clipped_eigh",
     "curvature_from_stats",
+    "describe",
     "estimate_factors",
     "event_row",
     "every",

@@ -71,14 +71,16 @@ def test_dot_flops_in_a_scan_and_against_cost_analysis():
     assert compiled.cost_analysis()["flops"] < 1.5 * dot
 
 
-def test_conditional_counts_its_most_expensive_branch():
+def test_conditional_counts_its_most_expensive_or_cheapest_branch():
     x = jnp.ones((32, 32), jnp.float32)
 
     def f(p, x):
         return jax.lax.cond(p, lambda x: x @ x @ x, lambda x: x + 1.0, x)
 
-    cost = hlo.analyze(compiled_text(f, True, x))
+    text = compiled_text(f, True, x)
+    cost = hlo.analyze(text)
     assert 2 * 2 * 32**3 <= cost.flops < 2 * 2 * 32**3 * 1.05
+    assert hlo.analyze(text, cheapest=True).flops < 2 * 32 * 32  # the x + 1 branch
 
 
 def test_eigh_counts_9n3_per_matrix_and_picks_the_refresh_or_plain_branch():

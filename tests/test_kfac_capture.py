@@ -7,6 +7,7 @@ kept, our GPT (against the gradient identity ``∇W = Σ xᵀ dy``), the error p
 """
 
 import functools
+import re
 import warnings
 
 import jax
@@ -16,6 +17,7 @@ import optax
 import pytest
 
 from optax_snoo import kfac
+from optax_snoo._src.utils import path_to_str
 
 RNG = np.random.default_rng(0)
 
@@ -217,7 +219,7 @@ def test_custom_vjp_matmul_is_kept_whole():
 @pytest.mark.parametrize("moe", [0, 2])
 def test_gpt_statistics_reproduce_the_gradients(moe):
     """On our GPT (dense with biases; MoE with experts, routers and an untied head) every
-    kernel is captured under its path (the tied head and the embeddings are not kernels),
+    kernel is captured under its path (the tied head as ``wte/embedding`` used transposed),
     its statistics satisfy ``∇W = Σ_tokens xᵀ dy`` (per expert for stacks) against a
     float64 sum, and the head's output gradient is ``(softmax - onehot) / M`` in float64.
     (Equal, bit for bit, to the model's former hand-written taps, in bf16 and float32.)"""
@@ -244,53 +246,83 @@ def test_gpt_statistics_reproduce_the_gradients(moe):
             ((tuple(getattr(q, "key", q) for q in path), leaf) for path, leaf in
              jax.tree_util.tree_flatten_with_path(grads)[0])}
     expected = {k for k in flat if k.endswith("kernel") or "experts" in k}
-    assert set(stats) == expected
+    tied = "wte/embedding" if cfg.tie_embeddings else "lm_head/kernel"
+    assert set(stats) == expected | {tied}
+    head = stats[tied]
+    assert head.kernel_axes == ((1, 0) if cfg.tie_embeddings else None)
     for path, s in stats.items():
+        if path == "wte/embedding":   # its gradient also has the lookup's (a gather) share
+            continue
         g = flat[path]
         w = np.einsum("...ti,...to->...io", np.asarray(s.inputs, np.float64),
                       np.asarray(s.out_grads, np.float64))
         bias = path[:-len("kernel")] + "bias"
         assert s.has_bias == (bias in flat), path
         assert_close(w.reshape(g.shape), g, rtol=1e-4, atol=1e-7, what=path)
-    if "lm_head/kernel" in stats:
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        onehot = np.eye(cfg.vocab_size)[np.asarray(tokens)]
-        assert_close(stats["lm_head/kernel"].out_grads, ((probs - onehot) / 16).reshape(16, -1),
-                     rtol=1e-4, atol=1e-8)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    onehot = np.eye(cfg.vocab_size)[np.asarray(tokens)]
+    assert_close(head.out_grads, ((probs - onehot) / 16).reshape(16, -1), rtol=1e-4, atol=1e-8)
 
 
 # ------------------------------------------------------------------------ the errors
-def test_unsupported_uses_warn_or_raise():
+def test_unsupported_uses_warn_raise_and_describe():
+    """Every kernel not captured is named with its reason (a warning; an error when named
+    in layers=; the transform's first trace points to describe), and describe lists
+    every leaf: the transposed and shared kernels are captured."""
     p = {"t": {"kernel": _normal(4, 4)}, "s": {"kernel": _normal(4, 4)},
-         "loop": {"kernel": _normal(4, 4)}, "ok": {"kernel": _normal(4, 2)}}
+         "loop": {"kernel": _normal(4, 4)}, "ok": {"kernel": _normal(4, 2)},
+         "scaled": {"kernel": _normal(2, 2)}, "mixed": {"kernel": _normal(2, 2)},
+         "grouped": {"kernel": _normal(3, 1, 2)}}   # (W, in / groups, out)
     x = _normal(5, 4)
 
     def loss_fn(p):
-        h = jax.lax.dot_general(x, p["t"]["kernel"], (((1,), (1,)), ((), ())))  # x @ Wᵀ
-        h = jnp.tanh(h @ p["s"]["kernel"]) @ p["s"]["kernel"]                  # shared
+        h = x @ p["t"]["kernel"].T                                                # transposed
+        h = jnp.tanh(h @ p["s"]["kernel"]) @ p["s"]["kernel"]                    # shared
         h = jax.lax.scan(lambda c, _: (jnp.tanh(c @ p["loop"]["kernel"]), None), h,
                          None, length=2)[0]
-        return jnp.sum(h @ p["ok"]["kernel"])
+        h = h @ p["ok"]["kernel"]
+        h = h @ (2.0 * p["scaled"]["kernel"])                                    # not a kernel use
+        h = h @ p["mixed"]["kernel"] + h @ p["mixed"]["kernel"].T                # two layouts
+        g = jax.lax.conv_general_dilated(h.reshape(1, 5, 2), p["grouped"]["kernel"], (1,),
+                                         "SAME", dimension_numbers=("NWC", "WIO", "NWC"),
+                                         feature_group_count=2)
+        return jnp.sum(g)
 
-    with pytest.warns(UserWarning, match="t/kernel.*layout") as record:
+    with pytest.warns(UserWarning, match="not captured") as record:
         _, _, stats = kfac.value_grad_and_stats(loss_fn, p)
     message = str(record[0].message)
-    assert "s/kernel: it feeds 2 matmuls" in message and "loop/kernel" in message
-    assert set(stats) == {"ok/kernel"}
-    for name, words in (("t", "layout"), ("s", "weight sharing"), ("loop", "scan")):
-        with pytest.raises(ValueError, match=words):
+    reasons = {"loop": "scan", "scaled": "only through mul", "mixed": "different layouts",
+               "grouped": "feature_group_count=2"}
+    for name, words in reasons.items():
+        assert re.search(f"{name}/kernel: [^;]*{words}", message), (name, message)
+    assert set(stats) == {"t/kernel", "s/kernel", "ok/kernel"}
+    assert stats["t/kernel"].kernel_axes == (1, 0) and stats["s/kernel"].uses == 2
+    for name, words in reasons.items():
+        with pytest.raises(ValueError, match=f"cannot capture {name}/kernel: .*{words}"):
             kfac.value_grad_and_stats(loss_fn, p, layers=[f"{name}/kernel"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _, _, stats = kfac.value_grad_and_stats(loss_fn, p, layers=["ok/kernel"])
-    assert set(stats) == {"ok/kernel"}
+        _, _, stats = kfac.value_grad_and_stats(loss_fn, p, layers=["ok/kernel", "t/kernel"])
+    assert set(stats) == {"ok/kernel", "t/kernel"}
     with pytest.raises(ValueError, match="not paths of params leaves"):
         kfac.value_grad_and_stats(loss_fn, p, layers=["nope/kernel"])
     q = {"unused": {"kernel": _normal(2, 2)}, "ok": p["ok"]}
-    with pytest.raises(ValueError, match="no matmul uses"):
+    with pytest.raises(ValueError, match="unused/kernel: the loss does not read it"):
         kfac.value_grad_and_stats(lambda q: jnp.sum(x @ q["ok"]["kernel"]), q,
                                   layers=["unused/kernel"])
+    described = kfac.describe(loss_fn, p)
+    assert list(described) == [path_to_str(k) for k, _ in
+                               jax.tree_util.tree_flatten_with_path(p)[0]]
+    assert described["t/kernel"] == "dense, d_in 4, d_out 4, transposed (1, 0)"
+    assert described["s/kernel"] == "dense, d_in 4, d_out 4, shared by 2 products"
+    assert described["loop/kernel"].startswith("skipped: a scan body reads it whole")
+    # A K-FAC transform told to precondition a kernel the statistics lack says where to look.
+    tx = kfac.kfac(0.1, layers=kfac.layers_from_params(p, ["ok/kernel", "scaled/kernel"]))
+    state = tx.init(p)
+    with pytest.raises(ValueError, match="scaled/kernel.*kfac.describe"):
+        tx.update(p, state, p, curvature={"ok/kernel": kfac.curvature_from_stats(stats)[
+            "ok/kernel"]})
 
 
 def test_has_aux_and_args_closed_over():

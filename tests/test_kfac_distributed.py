@@ -102,7 +102,7 @@ def _split_update(mode, mesh, distributed, scale=1):
     """One refreshing update under jit (out shardings = the gradients'), and its program."""
     params, grads, curvature = _split_problem(mesh, scale)
     tx = kfac.scale_by_kfac(refresh=kfac.every(1, first=0), mode=mode, damping=1e-2,
-                            distributed_precondition=distributed)
+                            distributed_precondition=distributed, shardings=params)
     with jax.set_mesh(mesh):
         state = tx.init(params)
         update = jax.jit(tx.update, out_shardings=(jax.tree.map(lambda g: g.sharding, grads),
@@ -173,30 +173,32 @@ def test_split_preconditioning_moves_shares_not_whole_gradients(mode, max_moved)
     assert ours.flops <= theirs.flops * 1.01
 
 
-def test_split_shardings_survive_a_traced_init_and_follow_the_update_mesh():
-    """An init under `jax.eval_shape` keeps the shardings an eager init recorded (the
-    update under jit still moves shares only); an update on another mesh ignores them."""
+def test_split_shardings_given_explicitly_and_follow_the_update_mesh():
+    """Under jit on Auto axes the gradients carry no sharding: given as `shardings=`
+    (here the params' `NamedSharding` s), the update moves shares only; on another mesh
+    than theirs, nothing is split."""
     mesh = jax.make_mesh((1, 8, 1), ("data", "fsdp", "tensor"),
                          axis_types=(AxisType.Auto,) * 3)
     params, grads, curvature = _split_problem(mesh)
-    tx = kfac.scale_by_kfac(refresh=kfac.every(1, first=0), damping=1e-2)
 
-    def gathered(mesh_now, state):
+    def gathered(mesh_now, state, shardings):
+        tx = kfac.scale_by_kfac(refresh=kfac.every(1, first=0), damping=1e-2,
+                                shardings=shardings)
         with jax.set_mesh(mesh_now):
             text = jax.jit(tx.update).lower(grads, state, params,
                                             curvature=curvature).compile().as_text()
         return hlo.analyze(text, eigh_branch=False).by_kind.get("all-gather", 0)
 
     with jax.set_mesh(mesh):
-        state = tx.init(params)
-        jax.eval_shape(tx.init, params)
+        state = kfac.scale_by_kfac().init(params)
     kernel = 4 * 64 * 128  # l1's kernel, bytes
-    assert gathered(mesh, state) < kernel
+    given = jax.tree.map(lambda x: x.sharding, params)
+    assert gathered(mesh, state, given) < kernel
     other = jax.make_mesh((2, 4, 1), ("data", "fsdp", "tensor"),
                           axis_types=(AxisType.Auto,) * 3)
     unsharded = jax.tree.map(np.asarray, (params, grads, state))
     params, grads, state = jax.device_put(unsharded, NamedSharding(other, P()))
-    assert gathered(other, state) == 0  # replicated on the other mesh: nothing split
+    assert gathered(other, state, given) == 0  # replicated on the other mesh: nothing split
 
 
 def test_grafting_norms_do_not_gather_a_column_split_leaf():

@@ -18,11 +18,18 @@ from test_train import _step_setup
 
 import models
 import train
+from benchmarks import hlo
 from optax_snoo import kfac
 from train import config as tc
-from train.kfac_trainer import kfac_curvature_fn, kfac_refresh_policy, kfac_schedule
+from train.kfac_trainer import (
+    grad_and_curvature_fn,
+    kfac_curvature_fn,
+    kfac_refresh_policy,
+    kfac_schedule,
+)
 from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, put_batch
+from train.step import ModelDef
 
 # Runs of the same config compile the same programs: cached for this module.
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -118,6 +125,25 @@ def _assert_factors_close(state, expected):
         expected["opt_state"])[0]["refresh"]
 
 
+def test_stats_every_reduces_the_factors_only_on_statistics_steps(corpus, tmp_path):
+    """fsdp over 8 devices, --kfac_stats_every=4: the statistics' all-reduce (the whole
+    factors' bytes) is in the branch of statistics steps; the other steps skip it."""
+    config = tiny(corpus, tmp_path, bias=False, mesh_fsdp=8, kfac_stats_every=4)
+    mesh, state, step, _, _ = _step_setup(config)
+    x = put_batch(np.zeros((1, 8, config.model.block_size), np.int32), batch_sharding(mesh))
+    text = step.lower(state, x, x).compile().as_text()
+    is_state = lambda s: isinstance(s, kfac.ScaleByKfacState)
+    factors = [s.factors for s in jax.tree.leaves(state["opt_state"], is_leaf=is_state)
+               if is_state(s)]
+    factor_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(factors))
+    taken, skipped = (hlo.analyze(text, eigh_branch=False, cheapest=c).by_kind["all-reduce"]
+                      for c in (False, True))
+    # Not all of factor_bytes: XLA reduces equal factors once (c_q, c_k and c_v share
+    # their input, so their A); the rest of the difference is the update's scalar norms,
+    # which the guard's cheapest branch skips too.
+    assert factor_bytes / 2 < taken - skipped <= factor_bytes + 256
+
+
 def test_eight_devices_match_one(corpus, tmp_path):
     """data=2, fsdp=2, tensor=2: the statistics are over the global batch and the factors
     stay replicated, so the trajectory (through two refreshes) is the 1-device one."""
@@ -179,6 +205,15 @@ def test_strided_statistics_average_to_the_full_ones():
         kfac_curvature_fn(params, 5).from_stats(stats, jnp.int32(0))
     with pytest.raises(ValueError, match="kfac_stats_stride"):
         kfac_curvature_fn(params, 0)
+    # --kfac_stats_every=2: factors on even steps only (offset step // 2), zeros between.
+    grad_fn = jax.jit(grad_and_curvature_fn(ModelDef(graphdef, rest, config), strided, 2))
+    for step in (2, 3):
+        got = grad_fn(params, x, x, None, jnp.int32(step))[1][1]["curvature"]
+        want = strided.from_stats(stats, jnp.int32(1))
+        if step == 3:
+            want = jax.tree.map(jnp.zeros_like, want)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(
+            np.max(np.abs(b)))), got, want)
 
 
 def test_kfac_options_are_checked(corpus, tmp_path):

@@ -66,12 +66,14 @@ FACTOR_SIZES = {5, 6, 3, 4}
 
 # ------------------------------------------------------------------ float64 reference
 class ReferenceKfac:
-    """K-FAC in float64 numpy: weight-normalised factor EMA, refresh per the policy
-    oracle (only once statistics exist), exact or pi damping on the refreshed snapshot,
-    identity before the first refresh."""
+    """K-FAC in float64 numpy: weight-normalised factor EMA (on every `stats_every`-th
+    step, with decay rho^stats_every), refresh per the policy oracle (only once statistics
+    exist), exact or pi damping on the refreshed snapshot, identity before the first
+    refresh."""
 
-    def __init__(self, rho, damping, mode, should_refresh):
+    def __init__(self, rho, damping, mode, should_refresh, stats_every=1):
         self.rho, self.damping, self.mode, self.should_refresh = rho, damping, mode, should_refresh
+        self.stats_every = stats_every
         self.weight = 0.0
         self.factors = {n: None for n in LAYERS}
         self.snapshot = None
@@ -88,7 +90,16 @@ class ReferenceKfac:
         return np.linalg.solve(a_hat, grad) @ np.linalg.inv(g_hat)
 
     def update(self, t, grads, curvature, lr):
-        self.weight = self.rho * self.weight + 1.0
+        if t % self.stats_every == 0:
+            self._average(curvature)
+        if self.weight > 0 and self.should_refresh(t, lr, self.last_step, self.last_lr):
+            self.snapshot = {n: f for n, f in self.factors.items()}
+            self.last_step, self.last_lr = t, lr
+            self.refreshes.append(t)
+        return self._precondition(grads)
+
+    def _average(self, curvature):
+        self.weight = self.rho ** self.stats_every * self.weight + 1.0
         frac = 1.0 / self.weight
         for n in LAYERS:
             a_b, g_b = (np.asarray(x, np.float64) for x in curvature[n]["kernel"])
@@ -96,10 +107,8 @@ class ReferenceKfac:
                 self.factors[n] = (np.zeros_like(a_b), np.zeros_like(g_b))
             a, g = self.factors[n]
             self.factors[n] = ((1 - frac) * a + frac * a_b, (1 - frac) * g + frac * g_b)
-        if self.should_refresh(t, lr, self.last_step, self.last_lr):
-            self.snapshot = {n: f for n, f in self.factors.items()}
-            self.last_step, self.last_lr = t, lr
-            self.refreshes.append(t)
+
+    def _precondition(self, grads):
         out = {"scale": np.asarray(grads["scale"], np.float64)}
         for n, (shape, nstack, has_bias) in LAYERS.items():
             kernel = np.asarray(grads[n]["kernel"], np.float64)
@@ -153,6 +162,9 @@ CASES = {
     "eigen-lr_ratio-extra-arg": dict(mode="eigen",
                                      policy=lr_ratio(0.2, max_interval=15, min_interval=2),
                                      oracle=_oracle_ratio(0.2, 15, 2), lr_arg=True),
+    # statistics on every 3rd step (EMA decay rho^3), refreshes on others too
+    "pi-every-stats_every3": dict(mode="pi", policy=every(7, first=3),
+                                  oracle=_oracle_every(7, 3), lr_arg=False, stats_every=3),
 }
 
 
@@ -162,8 +174,8 @@ def test_matches_float64_reference_over_many_steps(case):
     rho, lam = 0.9, 0.03
     tx = scale_by_kfac(damping=lam, ema_decay=rho, refresh=cfg["policy"],
                        learning_rate=None if cfg["lr_arg"] else SCHEDULE, mode=cfg["mode"],
-                       layers=TEMPLATE)
-    ref = ReferenceKfac(rho, lam, cfg["mode"], cfg["oracle"])
+                       layers=TEMPLATE, stats_every=cfg.get("stats_every", 1))
+    ref = ReferenceKfac(rho, lam, cfg["mode"], cfg["oracle"], cfg.get("stats_every", 1))
     params = make_params()
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -435,6 +447,7 @@ def test_bad_curvature_and_layers_raise():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mode="exact"), "mode"), (dict(ema_decay=1.0), "ema_decay"),
+    (dict(stats_every=0), "stats_every"),
     (dict(damping=-1.0), "damping"), (dict(eig_floor_rel=-1.0), "eig_floor_rel"),
     (dict(refresh="often"), "refresh"),
 ])

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import optax_snoo
 from benchmarks import hlo
 from optax_snoo import NewtonSchulzPlan, muon, scale_by_muon, snoo
-from optax_snoo._src.muon_sharding import plan_groups
+from optax_snoo._src.muon_sharding import newton_schulz_flops, plan_exchanges, plan_groups
 
 F32 = jnp.float32
 
@@ -202,29 +202,104 @@ def test_compiled_update_moves_each_matrix_once_in_and_out(ns_dtype, factor):
     assert after.collective_bytes == factor * share
 
 
-def test_mixed_tree_bytes_bounded_and_no_collectives_in_loops():
+def plan_of(sharded, mesh):
+    """The groups and exchanges Muon plans for `sharded` (last two axes the matrix)."""
+    values = list(sharded.values())
+    groups, _ = plan_groups([v.shape for v in values], [(v.ndim - 2, v.ndim - 1) for v in values],
+                            [v.sharding for v in values], mesh.size)
+    return plan_exchanges(groups, mesh)
+
+
+def planned_bytes(exchanges, mesh, itemsize=4):
+    """Per device: the payload in and out (the largest owner's pieces, from every piece
+    holder) and, where axes replicate the matrices, the all-gather of all of them."""
+    total = 0
+    for ex in exchanges:
+        _, length = ex.offsets(mesh)
+        n_p = int(np.prod([mesh.shape[a] for a in ex.pieces]))
+        n_k = int(np.prod([mesh.shape[a] for a in ex.rep]))
+        # No all-to-all where only the stack axis is split: the matrices are whole.
+        total += length * n_p * itemsize * (2 * bool(ex.pieces) + (n_k if ex.rep else 0))
+    return total
+
+
+def test_mixed_tree_moves_what_the_plan_says_and_no_collectives_in_loops():
+    """SPECS on (2, 2, 2): rows, columns, both, transposed squares, expert stacks of 3,
+    a replicated leaf. The compiled update moves exactly the plan's payloads: one
+    all-to-all in and one out per set of piece axes, an all-gather where axes replicate."""
     mesh = mesh_of((2, 2, 2))
     sharded = place(tree(SHAPES), mesh, SPECS)
     cost = compiled_cost(scale_by_muon(ns_dtype=F32, **planned(sharded)), sharded)
+    exchanges = plan_of({k: v for k, v in sharded.items() if k != "rep"}, mesh)
+    # Pieces over fsdp (rows or columns), and over fsdp and tensor (either orientation).
+    assert sorted(ex.pieces for ex in exchanges) == [("fsdp",), ("fsdp", "tensor")]
     assert cost.loop_collective_bytes == 0
-    # Padding (E = 3 on 8 devices, lone shapes) adds zero matrices: bounded by the
-    # padded groups, at most 2x (in and out) of each group's padded per-device bytes.
-    groups, _ = plan_groups([v.shape for v in sharded.values()],
-                            [(v.ndim - 2, v.ndim - 1) for v in sharded.values()],
-                            [v.sharding for v in sharded.values()], 8)
-    def split(entry):
-        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-        return int(np.prod([mesh.shape[a] for a in axes]))
+    assert cost.collective_bytes == planned_bytes(exchanges, mesh)
+    assert cost.counts["all-to-all"] == 2 * len(exchanges)
+    assert cost.counts["all-gather"] == sum(bool(ex.rep) for ex in exchanges)
+    assert set(cost.by_kind) == {"all-to-all", "all-gather"}
 
-    # Each device's share of each group's padded stack (zero matrices pad E = 3 and lone
-    # shapes to a multiple of 8): in and out, at most 2x of it.
-    shares = [g.size * g.rows * g.cols * 4 / np.prod([split(e) for e in g.spec])
-              for g in groups]
-    assert 0 < cost.collective_bytes <= 2 * sum(shares), (cost.collective_bytes, shares)
-    # Per group: one all-to-all in, one out, one all-gather where axes replicate.
-    assert cost.counts["all-to-all"] == 2 * len(groups)
-    assert cost.counts["all-gather"] <= len(groups)
-    assert set(cost.by_kind) <= {"all-to-all", "all-gather"}
+
+def layers(n_layers, experts, width=32):
+    """A small transformer's Muon matrices: per layer qkv (rows over fsdp), the attention
+    output (columns), the MLP's up (columns) and down (rows) projections, then an expert
+    stack (rows): 1-3 matrices per shape, groups smaller than the mesh."""
+    shapes, specs = {}, {}
+    for i in range(n_layers):
+        for name, shape, spec in (("qkv", (width, 3 * width), P("fsdp", None)),
+                                  ("o", (width, width), P(None, "fsdp")),
+                                  ("up", (width, 4 * width), P(None, "fsdp")),
+                                  ("down", (4 * width, width), P("fsdp", None))):
+            shapes[f"{i}/{name}"], specs[f"{i}/{name}"] = shape, spec
+    shapes["experts"], specs["experts"] = (experts, width // 2, width), P(None, "fsdp", None)
+    return shapes, specs
+
+
+def newton_schulz_total(shapes):
+    return sum(np.prod(s[:-2], dtype=int) * newton_schulz_flops(*sorted(s[-2:]))
+               for s in shapes.values())
+
+
+@pytest.mark.parametrize("n_layers,experts,mesh_shape", [(2, 10, (1, 8, 1)), (2, 6, (2, 2, 2))])
+def test_mixed_shapes_share_one_assignment(n_layers, experts, mesh_shape):
+    """Groups smaller than the mesh (1-3 matrices per shape, an expert stack whose count
+    does not divide 8) share one assignment of whole matrices to devices: float32 bytes
+    per device <= 3x its share (the floor is 2x: each matrix in and out), Newton-Schulz
+    FLOPs per device <= 1.3 total/N + one matrix (the compiled programs' FLOPs), no
+    collective in the loop, and devices holding several matrices of different shapes
+    return each leaf's own single-device update. Stacks split on their stack axis are
+    assigned within each slice, beside the rest: over data and their columns over fsdp
+    on (2, 2, 2); over fsdp only on (1, 8, 1), where every device holds its matrix
+    whole already (no transfer)."""
+    mesh = mesh_of(mesh_shape)
+    shapes, specs = layers(n_layers, experts)
+    extra = ("by_data", (4, 16, 32), P("data", None, "fsdp")) if mesh.shape["data"] > 1 else (
+        "by_fsdp", (8, 16, 32), P("fsdp", None, None))
+    shapes[extra[0]], specs[extra[0]] = extra[1:]
+    params = tree(shapes)
+    sharded = place(params, mesh, specs)
+
+    def update_and_cost(p):  # one compiled program each: its update and its HLO
+        tx = scale_by_muon(0.9, ns_dtype=F32, **planned(p))
+        state = tx.init(p)
+        compiled = jax.jit(tx.update).lower(p, state, p).compile()
+        return compiled(p, state, p)[0], hlo.analyze(compiled.as_text())
+
+    single, whole = update_and_cost(params)
+    dist, cost = update_and_cost(sharded)
+    for k in shapes:
+        assert relative_error(dist[k], single[k]) < 1e-6, (k, relative_error(dist[k], single[k]))
+    exchanges = plan_of(sharded, mesh)
+    assert len(exchanges) == 2
+    assert max(len(owned) for owned in exchanges[0].owners) >= 3
+    share = per_device_param_bytes(sharded)
+    assert cost.loop_collective_bytes == 0
+    assert cost.collective_bytes == planned_bytes(exchanges, mesh)
+    assert cost.collective_bytes <= 3 * share, cost.collective_bytes / share
+    largest = max(newton_schulz_flops(*sorted(s[-2:])) for s in shapes.values())
+    assert newton_schulz_total(shapes) <= whole.flops < 1.05 * newton_schulz_total(shapes)
+    assert cost.flops <= 1.3 * whole.flops / mesh.size + largest, (
+        cost.flops / (whole.flops / mesh.size))
 
 
 def test_snoo_adds_no_collective():
@@ -294,7 +369,8 @@ def test_unknown_sharding_takes_the_plan_with_the_context_mesh(how):
         assert relative_error(dist[k], single[k]) < 1e-6, (k, relative_error(dist[k], single[k]))
     known = compiled_cost(scale_by_muon(0.9, ns_dtype=F32, **planned(sharded)), sharded)
     assert cost.loop_collective_bytes == 0
-    assert dict(cost.counts) == dict(known.counts) == {"all-to-all": 2 * 4}  # 4 groups
+    # 4 shapes, rows or columns over fsdp: one assignment, one all-to-all in and one out.
+    assert dict(cost.counts) == dict(known.counts) == {"all-to-all": 2}
     assert cost.by_kind == known.by_kind
 
 
@@ -319,8 +395,9 @@ def test_unknown_sharding_of_any_layout_one_redistribution_each_way(how):
                             [None] * len(params), 8, unknown=[True] * len(params),
                             mesh=mesh)
     assert cost.loop_collective_bytes == 0
-    assert cost.counts["all-to-all"] >= 2 * len(groups)  # the plan's own, in and out
-    assert sum(cost.counts.values()) - 2 * len(groups) <= 2 * len(SHAPES)
+    assert len(plan_exchanges(groups, mesh)) == 1  # all assumed rows over the whole mesh
+    assert cost.counts["all-to-all"] >= 2  # the plan's own, in and out
+    assert sum(cost.counts.values()) - 2 <= 2 * len(SHAPES)
 
 
 def test_unknown_sharding_without_a_mesh_is_left_to_the_partitioner_and_is_right():
@@ -350,12 +427,21 @@ def test_plan_assigns_whole_matrices_evenly():
     assert local == [8, 9]  # replicated leaves (size-1 axes too) keep the per-leaf path
     by_shape = {(g.rows, g.cols): g for g in groups}
     # Square (tensor, fsdp) matrices are transposed to join the (fsdp, tensor) ones.
-    assert by_shape[(768, 768)].count == 5 and by_shape[(768, 768)].size == 8
+    assert by_shape[(768, 768)].count == 5
     # (3072, 768) is transposed to (768, 3072) and its sharding swapped: one group.
     assert by_shape[(768, 3072)].count == 2
     assert [leaf.transpose for leaf in by_shape[(768, 3072)].leaves] == [False, True]
-    assert by_shape[(128, 256)].count == 3 and by_shape[(128, 256)].size == 8
-    assert all(g.size % 8 == 0 and g.size - g.count < 8 for g in groups)
+    assert by_shape[(128, 256)].count == 3
+    # All split over fsdp (rows, columns or both; tensor has size 1), replicated over
+    # data: one assignment of the 10 matrices to the 8 devices, each matrix once, the
+    # largest alone (no device holds more than the largest matrix: the floor).
+    (ex,) = plan_exchanges(groups, mesh)
+    assert ex.pieces == ("fsdp",) and ex.rep == ("data",) and len(ex.owners) == 8
+    owned = [item for items in ex.owners for item in items]
+    assert sorted(owned) == sorted({*owned}) and len(owned) == 10
+    load = [sum(ex.groups[g].rows * ex.groups[g].cols for g, _, _ in items)
+            for items in ex.owners]
+    assert max(load) == 768 * 3072 and load.count(768 * 3072) == 2
 
 
 def test_plan_from_abstract_params_equals_plan_from_arrays():
@@ -380,7 +466,7 @@ def test_plan_with_a_mesh_is_the_mesh_argument():
     by_plan = compiled_cost(scale_by_muon(ns_dtype=F32, newton_schulz_plan=NewtonSchulzPlan(
         mesh=mesh)), sharded)
     by_argument = compiled_cost(scale_by_muon(ns_dtype=F32, mesh=mesh), sharded)
-    assert by_plan.by_kind == by_argument.by_kind and by_plan.counts["all-to-all"] == 2 * 4
+    assert by_plan.by_kind == by_argument.by_kind and by_plan.counts["all-to-all"] == 2
 
 
 def test_a_plan_that_is_not_a_plan_is_named():
@@ -477,3 +563,30 @@ def test_several_matrices_per_device_keep_their_own_values(count, mesh_shape, sp
         for k in s:
             assert relative_error(d[k], s[k]) < 1e-6, (k, relative_error(d[k], s[k]))
     assert compiled_cost(make(sharded), sharded).loop_collective_bytes == 0
+
+
+def test_zero_padding_leaves_newton_schulz_unchanged_on_the_block():
+    """Zero rows or columns added on either side change Newton-Schulz's result on the
+    original block not at all (the Frobenius norm and X Xᵀ's nonzero block are the same,
+    and the padding stays zero): exactly in the float64 reference; `orthogonalize` in
+    float32 keeps the padding exactly zero and the block to float32 rounding (the
+    matmuls block differently by size). The plan pads only its transfers (never an
+    iterated matrix), so it does not depend on this; a plan padding matrices to a
+    common shape could."""
+    from test_muon import MODDED, ref_ns
+
+    x = np.random.default_rng(0).standard_normal((12, 20))
+    ref64 = ref_ns(x, MODDED)
+    ref32 = np.asarray(optax_snoo.orthogonalize(jnp.asarray(x, F32), "modded", F32))
+    for pad in (((0, 4), (0, 0)), ((3, 0), (0, 0)), ((0, 0), (0, 9)), ((2, 3), (5, 1)),
+                ((0, 16), (0, 0))):  # the last makes it tall: transposed inside
+        (r0, _), (c0, _) = pad
+        inside = (slice(r0, r0 + 12), slice(c0, c0 + 20))
+        for out, ref, tol in ((ref_ns(np.pad(x, pad), MODDED), ref64, 1e-13),
+                              (np.asarray(optax_snoo.orthogonalize(
+                                  jnp.asarray(np.pad(x, pad), F32), "modded", F32)),
+                               ref32, 1e-6)):
+            assert relative_error(out[inside], ref) < tol, (pad, relative_error(out[inside], ref))
+            rest = np.array(out, copy=True)
+            rest[inside] = 0.0
+            assert not rest.any(), pad

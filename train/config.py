@@ -238,13 +238,15 @@ class KfacConfig:
                              key="kfac_warm_start")
     stats_stride: int = _field(1, "factors from every n-th position of each sequence "
                                "(rotating; 1 = all tokens)", key="kfac_stats_stride")
+    stats_every: int = _field(1, "factor statistics every n-th step only (their EMA decay "
+                              "ema_decay^n)", key="kfac_stats_every")
     experts: bool = _field(False, "K-FAC also on the MoE expert stacks (per-expert "
                            "factors); else AdamW", key="kfac_experts")
 
     def __post_init__(self):
         _validate(self, positive_float=("learning_rate", "tau"),
                   non_negative_float=("damping",), unit_interval=("ema_decay", "momentum"),
-                  positive=("interval", "min_interval", "stats_stride"),
+                  positive=("interval", "min_interval", "stats_stride", "stats_every"),
                   non_negative=("first", "warm_start"))
 
 

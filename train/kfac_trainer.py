@@ -6,7 +6,7 @@ whose hooks carry everything else, so `train.step` and `train.loop` know nothing
 K-FAC:
 
 - `grad_fn`: the gradient and the batch Kronecker factors from one backward pass
-  (`models.value_grad_and_stats`, called in `_grad_and_curvature_fn` only), handed to
+  (`models.value_grad_and_stats`, called in `grad_and_curvature_fn` only), handed to
   `tx.update` as `curvature=`;
 - `prepare`: the warm start (`kfac_warm_start` batches estimate the factors before step
   0, `optax_snoo.kfac.warm_start`);
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KFAC_RULES",
     "CurvatureFn",
+    "grad_and_curvature_fn",
     "kfac_curvature_fn",
     "kfac_refresh_policy",
     "kfac_schedule",
@@ -112,14 +113,16 @@ def kfac_schedule(config: TrainConfig) -> optax.Schedule:
     return learning_rate_schedule(config, config.kfac.learning_rate)
 
 
-def _kfac_group(config: TrainConfig) -> optax.GradientTransformation:
+def _kfac_group(config: TrainConfig, params: Any = None) -> optax.GradientTransformation:
+    """The K-FAC and AdamW groups; `params` (arrays, abstract arrays or their shardings):
+    where the kernels live, so the jitted update preconditions them there."""
     k, a = config.kfac, config.adamw
     hidden = kfac_lib.kfac(
         kfac_schedule(config), damping=k.damping, momentum=k.momentum,
         weight_decay=a.weight_decay, weight_decay_mask=decay_mask, ema_decay=k.ema_decay,
         refresh=kfac_refresh_policy(config), mode=k.mode,
         graft=None if k.graft == "none" else k.graft, b2=a.beta2, eps=a.eps,
-        layers=_kfac_layers)
+        layers=_kfac_layers, shardings=params, stats_every=k.stats_every)
     return optax_snoo.labels.partition(
         {"kfac": hidden, "adamw": adamw_group(config)},
         optax_snoo.labels.label_by_rules(kfac_rules(k.experts)))
@@ -175,12 +178,15 @@ def kfac_curvature_fn(params: optax.Params, stride: int = 1, experts: bool = Fal
     return CurvatureFn(layers, from_stats)
 
 
-def _grad_and_curvature_fn(model: Any, curvature_fn: CurvatureFn):
+def grad_and_curvature_fn(model: Any, curvature_fn: CurvatureFn, stats_every: int = 1):
     """`(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux)), (grads,
     {"curvature": ...}))`: the gradient and the K-FAC batch factors
-    `curvature_fn.from_stats(stats, step)` from one backward pass
+    `curvature_fn.from_stats(stats, step // stats_every)` from one backward pass
     (`optax_snoo.kfac.value_grad_and_stats`, which reads the layers from the loss's jaxpr:
-    the one capture call of the trainer)."""
+    the one capture call of the trainer). With `stats_every > 1` the factors are computed
+    (under `lax.cond`) only on steps that are multiples of it, the statistics steps of
+    `kfac(stats_every=...)` (the train step is the K-FAC update count); zeros, which
+    the transform ignores, on the others."""
 
     def grad_fn(params, inputs_BT, targets_BT, key, step):
         def loss_fn(params):
@@ -191,7 +197,13 @@ def _grad_and_curvature_fn(model: Any, curvature_fn: CurvatureFn):
 
         out, grads, stats = kfac_lib.value_grad_and_stats(
             loss_fn, params, has_aux=True, layers=curvature_fn.layers)
-        return out, (grads, {"curvature": curvature_fn.from_stats(stats, step)})
+        if stats_every == 1:
+            return out, (grads, {"curvature": curvature_fn.from_stats(stats, step)})
+        factors = lambda s: curvature_fn.from_stats(s, step // stats_every)
+        zeros = lambda s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                       jax.eval_shape(factors, s))
+        curvature = jax.lax.cond(step % stats_every == 0, factors, zeros, stats)
+        return out, (grads, {"curvature": curvature})
 
     return grad_fn
 
@@ -202,7 +214,7 @@ def make_curvature_estimate(model: Any, *, mesh: Any, params_shardings: Any,
     """`estimate(params, inputs_ABT, targets_ABT, index) -> curvature`: the batch factors
     averaged over the `A` micro-batches (no update, no dropout; `index` plays the step for
     `curvature_fn`), one batch of a K-FAC warm start (`optax_snoo.kfac.warm_start`)."""
-    grad_fn = _grad_and_curvature_fn(model, curvature_fn)
+    grad_fn = grad_and_curvature_fn(model, curvature_fn)
 
     def estimate(params, inputs_ABT, targets_ABT, index):
         A = inputs_ABT.shape[0]
@@ -247,7 +259,8 @@ def _hooks(config: TrainConfig) -> dict[str, Any]:
     stride, experts = config.kfac.stats_stride, config.kfac.experts
 
     def grad_fn(model, params):
-        return _grad_and_curvature_fn(model, kfac_curvature_fn(params, stride, experts))
+        return grad_and_curvature_fn(model, kfac_curvature_fn(params, stride, experts),
+                                      config.kfac.stats_every)
 
     def prepare(state, *, model, mesh, shardings, batch, start):
         """Warm-start batches are the train windows of steps `max_iters, max_iters + 1,
@@ -272,16 +285,22 @@ def _hooks(config: TrainConfig) -> dict[str, Any]:
     return dict(grad_fn=grad_fn, prepare=prepare, observe=_observe, monitor=monitor)
 
 
+def _kfac_stack(config: TrainConfig, snoo: bool, params: Any = None) -> TrainOptimizer:
+    group = _kfac_group(config, params)
+    return TrainOptimizer(
+        optax.chain(clipping(config), with_snoo(config, group) if snoo else group),
+        kfac_schedule(config), sync_period=config.snoo.k if snoo else None,
+        for_params=lambda p: _kfac_stack(config, snoo, p), **_hooks(config))
+
+
 @register("kfac")
 def kfac(config: TrainConfig) -> TrainOptimizer:
     """K-FAC on hidden Dense kernels and biases, grafted to Adam's norm by default
     (`kfac_*` options), AdamW on embeddings, head and norms. Logs the K-FAC group's lr."""
-    return TrainOptimizer(optax.chain(clipping(config), _kfac_group(config)),
-                          kfac_schedule(config), **_hooks(config))
+    return _kfac_stack(config, snoo=False)
 
 
 @register("snoo_kfac")
 def snoo_kfac(config: TrainConfig) -> TrainOptimizer:
     """`kfac` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`, `snoo_k`)."""
-    return TrainOptimizer(optax.chain(clipping(config), with_snoo(config, _kfac_group(config))),
-                          kfac_schedule(config), sync_period=config.snoo.k, **_hooks(config))
+    return _kfac_stack(config, snoo=True)

@@ -113,9 +113,10 @@ class TrainOptimizer:
         the run's train batch of `step`, placed on the mesh; identity by default.
       for_params: `params -> TrainOptimizer`, the same optimizer told where the params
         live (arrays, abstract arrays or their shardings): Muon's Newton-Schulz plan,
-        which a jitted update cannot read from its tracers. `None`: placement does not
-        matter. `build_optimizer(config, params)` applies it (not with DiLoCo replicas,
-        whose Newton-Schulz runs inside each replica's vmapped update).
+        K-FAC's kernel shardings, which a jitted update cannot read from its tracers.
+        `None`: placement does not matter. `build_optimizer(config, params)` applies it
+        (not with DiLoCo replicas, whose Newton-Schulz runs inside each replica's vmapped
+        update).
       replica_tx: one replica's transformation (`build_optimizer` sets it): `tx` itself,
         or with `--mesh_diloco` > 1 the transformation `tx` runs on every replica of
         replica-stacked params (`optax_snoo.over_replicas`).

@@ -394,11 +394,12 @@ def scale_by_muon(
     dtype; no learning rate and no sign are applied (chain with
     ``optax.scale_by_learning_rate``, or use `muon`).
 
-    Sharded params (``shard_newton_schulz=True``): leaves split over a multi-device mesh
-    are stacked by shape, the stacks split over all devices by whole matrices, each
-    device runs the iteration on its own matrices, and the results return to the
-    leaves' shardings: no collective inside the iteration, one redistribution in and
-    one out per step, the single-device result (float32 iteration: to ~1e-6 relative).
+    Sharded params (``shard_newton_schulz=True``): the whole matrices of the leaves
+    split over a multi-device mesh, of every shape, are assigned to devices in one
+    balanced assignment, each device runs the iteration on its own matrices, and the
+    results return to the leaves' shardings: no collective inside the iteration, one
+    redistribution in and one out per step, the single-device result (float32
+    iteration: to ~1e-6 relative).
     Where each leaf lives is read from the arrays when they are concrete (or typed on
     Explicit mesh axes); under ``jax.jit`` on Auto mesh axes it comes from
     ``newton_schulz_plan`` (`NewtonSchulzPlan.from_params` on the params or their

@@ -12,27 +12,37 @@ every iteration. The plan here instead gives each device whole matrices:
    transposed products round differently, 2e-6 relative in float32 on 512x512, 1.5% in
    bfloat16);
 2. stacks with the same shape and the same sharding of their matrix axes are
-   concatenated into one group and padded with zero matrices to a multiple of the device
-   count N (a zero matrix orthogonalises to zero);
-3. in one ``jax.shard_map`` over the group's own sharding, each device keeps its slice
-   of the stack along the mesh axes that replicate the matrices (a local slice), and one
-   all-to-all over the axes that split the matrices trades pieces, so that every device
-   holds ``S/N`` whole matrices (the flattened mesh: axes splitting the stack, then
-   replicating axes, then row axes, then column axes);
-4. the batched iteration runs on them, so the loop holds no collective;
-5. the all-to-all is reversed and, where axes replicate the matrices, the slices are
-   all-gathered (every replica needs every result); the stack is sliced into the
+   concatenated into one group;
+3. groups whose matrices are split over the same mesh axes (rows or columns, any
+   shape, expert stacks of any count) share one assignment of whole matrices to
+   devices ("owners", `plan_exchanges`): largest first, each matrix to the device whose
+   load (Newton-Schulz FLOPs or bytes, each relative to its mean) grows least;
+4. in one ``jax.shard_map`` per such exchange, each device lays out, for every owner,
+   its pieces of that owner's matrices side by side (zero-padded to the largest
+   owner's length), and one all-to-all over the piece axes delivers to every owner all
+   pieces of its matrices (devices along the axes that replicate the matrices serve
+   the owners of their own replica);
+5. each owner reassembles its matrices and runs the batched iteration per shape on
+   them (a ``lax.switch`` on the owner's index picks its code where owners hold
+   different sets of shapes), so the loop holds no collective;
+6. the all-to-all is reversed and, where axes replicate the matrices, the results are
+   all-gathered (every replica needs every result); the stacks are cut into the
    leaves, constrained to each leaf's sharding.
 
-Per device and step, with ``s`` its padded share of the group's params and ``K`` the
-size of the replicating axes: ``s/K`` in, ``s/K`` back, plus ``s`` gathered when
-``K > 1``: at most 2x the share.
+Per device and step, with ``m`` the elements of the largest owner's matrices and ``K``
+the size of the replicating axes: ``m`` in, ``m`` back, plus ``K m`` gathered when
+``K > 1``. Where same-shape groups are multiples of the device count every owner holds
+exactly its share (2x the share in all, in float32); otherwise an owner holds at most
+about one matrix more than its share, and never less than the largest matrix: whole
+matrices cost at least ``2 max(largest matrix, share)`` per device. Stacks split on
+their stack axis (experts over a mesh axis) are assigned within each slice, every
+slice alike, so their matrices never leave the slice.
 
 Transfers are in the iteration dtype (the iteration casts to it first, and its output
 is exactly representable in it), so bfloat16 Newton-Schulz moves half the bytes of
 float32.
-Per device, the FLOPs are ``ceil(S/N)`` matrices of each group: at most one matrix per
-group above ``total / N``.
+Per device, the FLOPs are those of the largest owner's matrices: at most about one
+matrix above ``total / N``.
 
 Leaves of unknown sharding (the update traced under ``jax.jit`` with Auto mesh axes, and
 ``init`` never saw concrete arrays: it ran under ``jax.jit`` / ``jax.eval_shape``, or
@@ -49,6 +59,7 @@ share). Leaves whose rows do not divide by the device count keep the per-leaf pa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -62,8 +73,9 @@ from jax.sharding import PartitionSpec as P
 from optax_snoo._src.sharding import axes_of, concrete_sharding, is_split, spec_entries
 from optax_snoo._src.utils import path_to_str
 
-__all__ = ["Group", "NewtonSchulzPlan", "Placement", "describe_leaf", "from_stack",
-           "orthogonalize_leaves", "orthogonalize_sharded", "place_leaves", "plan_groups",
+__all__ = ["Exchange", "Group", "NewtonSchulzPlan", "Placement", "describe_leaf",
+           "from_stack", "newton_schulz_flops", "orthogonalize_leaves",
+           "orthogonalize_sharded", "place_leaves", "plan_exchanges", "plan_groups",
            "to_stack"]
 
 
@@ -258,13 +270,12 @@ class Leaf(NamedTuple):
 
 
 class Group(NamedTuple):
-    """Same-shape stacks concatenated along their stack axis, padded to ``size``."""
+    """Stacks of one shape and one sharding of ``(B, rows, cols)``."""
 
     rows: int
     cols: int
     spec: tuple[Any, Any, Any]
     leaves: tuple[Leaf, ...]
-    size: int                    # padded stack length, a multiple of the device count
 
     @property
     def count(self) -> int:
@@ -322,9 +333,9 @@ def plan_groups(shapes: Sequence[tuple[int, ...]], axes: Sequence[tuple[int, int
         stack axis over all its axes of size > 1); None: they keep the per-leaf path.
 
     Returns:
-      ``(groups, local)``: groups of same-shape, same-sharding stacks, each padded to a
-      multiple of N, and the indices of the leaves that keep the per-leaf iteration
-      (unsharded, or of unknown sharding without a mesh).
+      ``(groups, local)``: groups of same-shape, same-sharding stacks (`plan_exchanges`
+      assigns their matrices to devices), and the indices of the leaves that keep the
+      per-leaf iteration (unsharded, or of unknown sharding without a mesh).
     """
     buckets: dict[tuple[Any, ...], list[Leaf]] = {}
     local = []
@@ -345,11 +356,8 @@ def plan_groups(shapes: Sequence[tuple[int, ...]], axes: Sequence[tuple[int, int
         leaf = describe_leaf(i, tuple(shape), ax, entries)
         buckets.setdefault((leaf.rows, leaf.cols, leaf.spec), []).append(leaf)
     _merge_transposed_squares(buckets)
-    groups = []
-    for (rows, cols, spec), members in buckets.items():
-        count = sum(m.batch for m in members)
-        size = -(-count // num_devices) * num_devices
-        groups.append(Group(rows, cols, spec, tuple(members), size))
+    groups = [Group(rows, cols, spec, tuple(members))
+              for (rows, cols, spec), members in buckets.items()]
     return groups, local
 
 
@@ -370,54 +378,275 @@ def from_stack(x: jax.Array, leaf: Leaf) -> jax.Array:
     return jnp.moveaxis(x, (-2, -1), leaf.axes)
 
 
-def _local_newton_schulz(mesh: Any, spec: tuple[Any, Any, Any],
-                         newton_schulz: Callable[[jax.Array], jax.Array], ns_dtype: Any,
-                         wire: Any) -> Callable[[jax.Array], jax.Array]:
-    """The per-device body for a stack of sharding ``spec``: whole matrices in, the
-    iteration, pieces back, with explicit collectives.
+class Exchange(NamedTuple):
+    """Groups whose matrices are split over the same mesh axes, with one assignment of
+    their whole matrices to devices ("owners") across all their shapes.
 
-    Each device holds a ``(S/H, rows/R, cols/C)`` block (H, R, C: the sizes of the mesh
-    axes splitting the stack, the rows and the columns; the other axes, of total size
-    K, replicate it). It keeps its K-th slice of the stack (a local slice), swaps
-    pieces with the R*C devices holding the other pieces of the same matrices (one
-    all-to-all), so that it holds ``S/(H K R C)`` whole matrices, runs the iteration,
-    swaps back (one all-to-all) and gathers the slices over the replicating axes (one
-    all-gather; none where nothing replicates).
+    Owner ``o = k * P + p`` is the device at index ``k`` of the replicating axes and ``p``
+    of the piece axes (both flattened in mesh order; ``P`` devices hold the pieces of one
+    matrix, ``K`` copies of them replicate it). Where axes split the stacks themselves,
+    each slice of the stacks has its own ``K * P`` owners, assigned alike.
     """
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    used = axes_of(spec[0]) + axes_of(spec[1]) + axes_of(spec[2])
-    rep = tuple(a for a in mesh.axis_names if a not in used and sizes[a] > 1)
-    row_axes = tuple(a for a in axes_of(spec[1]) if sizes[a] > 1)
-    col_axes = tuple(a for a in axes_of(spec[2]) if sizes[a] > 1)
-    n_rep = math.prod(sizes[a] for a in rep)
-    n_r, n_c = math.prod(sizes[a] for a in row_axes), math.prod(sizes[a] for a in col_axes)
-    pieces = row_axes + col_axes
 
-    def body(bits: jax.Array, flip: jax.Array) -> jax.Array:
-        if rep:
-            n = bits.shape[0] // n_rep
-            bits = jax.lax.dynamic_slice_in_dim(bits, jax.lax.axis_index(rep) * n, n, 0)
-            flip = jax.lax.dynamic_slice_in_dim(flip, jax.lax.axis_index(rep) * n, n, 0)
-        s, rb, cb = bits.shape[0] // (n_r * n_c), bits.shape[1], bits.shape[2]
-        if pieces:  # chunk j of my stack goes to piece-holder j; I get my chunk's pieces
-            bits = jax.lax.all_to_all(bits, pieces, 0, 0, tiled=True)
-            bits = bits.reshape(n_r, n_c, s, rb, cb).transpose(2, 0, 3, 1, 4)
-            bits = bits.reshape(s, n_r * rb, n_c * cb)
-            flip = jax.lax.dynamic_slice_in_dim(flip, jax.lax.axis_index(pieces) * s, s, 0)
-        x = jax.lax.bitcast_convert_type(bits, ns_dtype)
-        if x.shape[-1] == x.shape[-2]:  # squares stored transposed iterate as they are
-            orient = lambda v: jnp.where(flip[:, None, None], jnp.swapaxes(v, -1, -2), v)
-            x = orient(newton_schulz(orient(x)))
+    stack: tuple[str, ...]       # mesh axes splitting the stacks, as their spec names them
+    pieces: tuple[str, ...]      # mesh axes splitting the matrices, in mesh order
+    rep: tuple[str, ...]         # the other mesh axes of size > 1, in mesh order
+    groups: tuple[Group, ...]
+    # per owner, its matrices in order: (group, part of the group (`_parts`), matrix of
+    # the part's slice of its stack)
+    owners: tuple[tuple[tuple[int, int, int], ...], ...]
+
+    def offsets(self, mesh: Any) -> tuple[dict[tuple[int, int, int], tuple[int, int]], int]:
+        """``{matrix: (owner, offset)}`` in a piece-holder's flat payload, and the payload
+        length per owner (the largest owner's; the others are zero-padded)."""
+        where, longest = {}, 0
+        for o, owned in enumerate(self.owners):
+            off = 0
+            for item in owned:
+                where[item] = (o, off)
+                off += _piece_size(self.groups[item[0]], mesh)
+            longest = max(longest, off)
+        return where, longest
+
+
+def _parts(group: Group, mesh: Any) -> list[tuple[Leaf, ...]]:
+    """The leaves of `group` as the exchange takes them: concatenated into one stack
+    (free, the stack axis is whole on every device), or one by one where the stack axis
+    is split (concatenating would move matrices between the slices)."""
+    return ([(leaf,) for leaf in group.leaves] if _split_axes(group.spec[0], mesh)
+            else [group.leaves])
+
+
+def _sizes(mesh: Any) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def _split_axes(entry: Any, mesh: Any) -> tuple[str, ...]:
+    sizes = _sizes(mesh)
+    return tuple(a for a in axes_of(entry) if sizes[a] > 1)
+
+
+def _piece_grid(group: Group, mesh: Any) -> tuple[int, int]:
+    """(R, C): how many pieces the rows and the columns of a matrix are split into."""
+    sizes = _sizes(mesh)
+    return (math.prod(sizes[a] for a in _split_axes(group.spec[1], mesh)),
+            math.prod(sizes[a] for a in _split_axes(group.spec[2], mesh)))
+
+
+def _piece_size(group: Group, mesh: Any) -> int:
+    n_r, n_c = _piece_grid(group, mesh)
+    return (group.rows // n_r) * (group.cols // n_c)
+
+
+def newton_schulz_flops(rows: int, cols: int, iterations: int = 5) -> int:
+    """Matmul FLOPs of the iteration on one ``rows x cols`` matrix (rows <= cols):
+    ``X Xᵀ``, ``A A`` and ``B X`` per iteration."""
+    return iterations * (4 * rows * rows * cols + 2 * rows ** 3)
+
+
+def plan_exchanges(groups: Sequence[Group], mesh: Any) -> list[Exchange]:
+    """Assign the whole matrices of `groups` to devices, one assignment per way of
+    splitting them.
+
+    Groups whose stacks are split over the same mesh axes and whose matrices are split
+    over the same mesh axes (rows or columns, either, any shape: FSDP's and tensor
+    parallelism's leaves, expert stacks of any count) form one `Exchange`. Their
+    matrices, largest first, each go to the owner whose heavier relative load
+    (Newton-Schulz FLOPs or bytes, each over its mean) grows least, ties to the lowest
+    index: the longest-processing-time rule (Graham, "Bounds on multiprocessing timing
+    anomalies", SIAM J. Appl. Math., 1969). Same-shape groups of a multiple of N
+    matrices so give every owner exactly its share; otherwise an owner holds at most
+    about one matrix more than its share, instead of every group padded to a multiple
+    of N. Stacks split over the mesh are assigned within their slice (every slice alike).
+
+    Args:
+      groups: from `plan_groups`.
+      mesh: the mesh of their shardings.
+
+    Returns:
+      The exchanges, each covering some of `groups`.
+    """
+    sizes = _sizes(mesh)
+    classes: dict[tuple[tuple[str, ...], tuple[str, ...]], list[Group]] = {}
+    for group in groups:
+        split = set(_split_axes(group.spec[1], mesh) + _split_axes(group.spec[2], mesh))
+        key = (_split_axes(group.spec[0], mesh), tuple(a for a in mesh.axis_names if a in split))
+        classes.setdefault(key, []).append(group)
+    exchanges = []
+    for (stack, pieces), members in classes.items():
+        rep = tuple(a for a in mesh.axis_names
+                    if a not in pieces and a not in stack and sizes[a] > 1)
+        n_owners = math.prod(sizes[a] for a in pieces + rep)
+        n_stack = math.prod(sizes[a] for a in stack)
+        items = [(g, j, i) for g, group in enumerate(members)
+                 for j, part in enumerate(_parts(group, mesh))
+                 for i in range(sum(leaf.batch for leaf in part) // n_stack)]
+        flops = [newton_schulz_flops(group.rows, group.cols) for group in members]
+        size = [group.rows * group.cols for group in members]
+        mean_f = sum(flops[g] for g, _, _ in items) / n_owners
+        mean_b = sum(size[g] for g, _, _ in items) / n_owners
+        items.sort(key=lambda it: -(flops[it[0]] / mean_f + size[it[0]] / mean_b))
+        load_f, load_b = [0.0] * n_owners, [0.0] * n_owners
+        owned: list[list[tuple[int, int, int]]] = [[] for _ in range(n_owners)]
+        for item in items:
+            g = item[0]
+            o = min(range(n_owners), key=lambda o: (
+                max((load_f[o] + flops[g]) / mean_f, (load_b[o] + size[g]) / mean_b), o))
+            load_f[o] += flops[g]
+            load_b[o] += size[g]
+            owned[o].append(item)
+        exchanges.append(Exchange(stack, pieces, rep, tuple(members),
+                                  tuple(map(tuple, owned))))
+    return exchanges
+
+
+def _chunk_order(group: Group, pieces: tuple[str, ...], mesh: Any) -> np.ndarray:
+    """For each piece of a matrix, (row block, column block) in row-major order, the
+    index along `pieces` (flattened in that order) of the device holding it."""
+    sizes = _sizes(mesh)
+    row_axes, col_axes = _split_axes(group.spec[1], mesh), _split_axes(group.spec[2], mesh)
+    order = []
+    for pr in np.ndindex(*[sizes[a] for a in row_axes]):
+        for pc in np.ndindex(*[sizes[a] for a in col_axes]):
+            at = dict(zip(row_axes + col_axes, pr + pc, strict=True))
+            order.append(int(np.ravel_multi_index([at[a] for a in pieces],
+                                                  [sizes[a] for a in pieces])))
+    return np.asarray(order)
+
+
+def _runs(ex: Exchange, flips: Mapping[tuple[int, int], np.ndarray]
+          ) -> list[list[tuple[int, int, bool, list[int]]]]:
+    """Each owner's matrices as runs ``(group, part, flip, matrices)`` of consecutive
+    items alike, so that a run moves and iterates as one slice (LPT deals a group's
+    matrices round-robin: one strided slice per owner and group)."""
+    out = []
+    for owned in ex.owners:
+        runs: list[tuple[int, int, bool, list[int]]] = []
+        for g, j, i in owned:
+            flip = bool(flips[(g, j)][i])
+            if runs and runs[-1][:3] == (g, j, flip):
+                runs[-1][3].append(i)
+            else:
+                runs.append((g, j, flip, [i]))
+        out.append(runs)
+    return out
+
+
+def _pick(stack: jax.Array, index: Sequence[int]) -> jax.Array:
+    """``stack[index]``, as a (strided) slice where the indices are evenly spaced."""
+    step = index[1] - index[0] if len(index) > 1 else 1
+    if step > 0 and all(b - a == step for a, b in itertools.pairwise(index)):
+        return stack[index[0]:index[-1] + 1:step]
+    return stack[np.asarray(index)]
+
+
+def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array], jax.Array],
+                   ns_dtype: Any, wire: Any) -> Callable[..., tuple[jax.Array, ...]]:
+    """The per-device body of an `Exchange`, on each part's local block
+    ``(B/H, rows/R, cols/C)``: the pieces of every owner's matrices to that owner (one
+    all-to-all over the piece axes), the owner's own iteration (a `lax.switch` on its
+    index among the distinct lists of shapes owners hold; none where all hold the same),
+    the pieces back (one all-to-all) and, where axes replicate the matrices, one
+    all-gather of the results. The code is the same in every slice of the stacks."""
+    sizes = _sizes(mesh)
+    n_p = math.prod(sizes[a] for a in ex.pieces)
+    n_k = math.prod(sizes[a] for a in ex.rep)
+    _, length = ex.offsets(mesh)
+    grids = [_piece_grid(g, mesh) for g in ex.groups]
+    blocks = [(g.rows // r, g.cols // c) for g, (r, c) in zip(ex.groups, grids, strict=True)]
+    orders = [_chunk_order(g, ex.pieces, mesh) for g in ex.groups]
+    parts = [_parts(group, mesh) for group in ex.groups]
+    inputs = {(g, j): n for n, (g, j) in enumerate(
+        (g, j) for g in range(len(ex.groups)) for j in range(len(parts[g])))}
+    # Squares stored transposed (joined to their transpose's group) iterate transposed back.
+    n_stack = math.prod(sizes[a] for a in ex.stack)
+    flips = {(g, j): np.repeat([leaf.transpose and leaf.rows == leaf.cols for leaf in part],
+                               [leaf.batch // n_stack for leaf in part])
+             for (g, j) in inputs for part in [parts[g][j]]}
+    runs = _runs(ex, flips)
+    keys = [tuple((g, flip, len(index)) for g, _, flip, index in owned) for owned in runs]
+    profiles = sorted(set(keys))
+    profile_of = np.asarray([profiles.index(key) for key in keys], np.int32)
+
+    def payload(parts: list[jax.Array], rows: int) -> jax.Array:
+        """``(rows, length)``: the parts flattened side by side, zero-padded."""
+        parts = [p.reshape(rows, -1) for p in parts]
+        used = sum(p.shape[1] for p in parts)
+        if used < length or not parts:
+            parts.append(jnp.zeros((rows, length - used), wire))
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+    def iterate(profile: tuple[tuple[int, bool, int], ...]) -> Callable[[jax.Array], jax.Array]:
+        def run(x: jax.Array) -> jax.Array:
+            mats, off = [], 0
+            for g, _, count in profile:  # (pieces, count, ...) -> (count, rows, cols)
+                (n_r, n_c), (rb, cb) = grids[g], blocks[g]
+                chunks = x[:, off:off + count * rb * cb].reshape(n_p, count, rb, cb)[orders[g]]
+                off += count * rb * cb
+                mats.append(chunks.reshape(n_r, n_c, count, rb, cb).transpose(2, 0, 3, 1, 4)
+                            .reshape(count, n_r * rb, n_c * cb))
+            outs: list[Any] = [None] * len(profile)
+            kinds: dict[tuple[int, int, bool], list[int]] = {}
+            for k, (_, flip, _) in enumerate(profile):
+                kinds.setdefault((*mats[k].shape[1:], flip), []).append(k)
+            for (_, _, flip), ks in kinds.items():  # one batched iteration per shape
+                v = [mats[k] for k in ks]
+                v = jax.lax.bitcast_convert_type(v[0] if len(v) == 1 else jnp.concatenate(v),
+                                                 ns_dtype)
+                v = jnp.swapaxes(v, -1, -2) if flip else v
+                v = newton_schulz(v)
+                v = jnp.swapaxes(v, -1, -2) if flip else v
+                v = jax.lax.bitcast_convert_type(v.astype(ns_dtype), wire)
+                start = 0
+                for k in ks:
+                    outs[k] = v[start:start + profile[k][2]]
+                    start += profile[k][2]
+            back = []
+            for k, (g, _, count) in enumerate(profile):
+                (n_r, n_c), (rb, cb) = grids[g], blocks[g]
+                chunks = outs[k].reshape(count, n_r, rb, n_c, cb).transpose(1, 3, 0, 2, 4)
+                back.append(chunks.reshape(n_p, count, rb, cb)[np.argsort(orders[g])])
+            return payload(back, n_p)
+        return run
+
+    def body(*stacks: jax.Array) -> tuple[jax.Array, ...]:
+        # Every owner's row: my pieces of its matrices, in its order (replicas hold the
+        # same pieces; each sends only the rows of its own replica's owners).
+        table = jnp.stack([payload([_pick(stacks[inputs[(g, j)]], index)
+                                    for g, j, _, index in owned], 1)[0]
+                           for owned in runs]).reshape(n_k, n_p, length)
+        k = jax.lax.axis_index(ex.rep) if ex.rep else 0
+        mine = jax.lax.dynamic_index_in_dim(table, k, 0, keepdims=False)
+        # (Stacks split only on their stack axis: every device holds whole matrices.)
+        trade = ((lambda v: jax.lax.all_to_all(v, ex.pieces, 0, 0, tiled=True))
+                 if ex.pieces else (lambda v: v))
+        x = trade(mine)
+        branches = [iterate(p) for p in profiles]
+        if len(branches) == 1:
+            y = branches[0](x)
         else:
-            x = newton_schulz(x)
-        bits = jax.lax.bitcast_convert_type(x.astype(ns_dtype), wire)
-        if pieces:
-            bits = bits.reshape(s, n_r, rb, n_c, cb).transpose(1, 3, 0, 2, 4)
-            bits = bits.reshape(n_r * n_c * s, rb, cb)
-            bits = jax.lax.all_to_all(bits, pieces, 0, 0, tiled=True)
-        if rep:
-            bits = jax.lax.all_gather(bits, rep, axis=0, tiled=True)
-        return bits
+            owner = k * n_p + (jax.lax.axis_index(ex.pieces) if ex.pieces else 0)
+            y = jax.lax.switch(jnp.asarray(profile_of)[owner], branches, x)
+        y = trade(y)
+        y = jax.lax.all_gather(y, ex.rep, axis=0, tiled=False) if ex.rep else y[None]
+        y = y.reshape(n_k * n_p, length)
+        # Each part's results: the runs of all owners, back in the part's order.
+        found: dict[tuple[int, int], list[tuple[list[int], jax.Array]]] = {}
+        for o, owned in enumerate(runs):
+            off = 0
+            for g, j, _, index in owned:
+                rb, cb = blocks[g]
+                size = len(index) * rb * cb
+                found.setdefault((g, j), []).append(
+                    (index, y[o, off:off + size].reshape(len(index), rb, cb)))
+                off += size
+        outs = []
+        for g, j in inputs:
+            index = np.concatenate([i for i, _ in found[(g, j)]])
+            out = jnp.concatenate([v for _, v in found[(g, j)]])
+            order = np.argsort(index)
+            outs.append(out if (order == np.arange(len(order))).all() else out[order])
+        return tuple(outs)
 
     return body
 
@@ -450,31 +679,27 @@ def orthogonalize_sharded(
     # float convert across the collective and send float32.
     wire = jnp.dtype(f"uint{8 * ns_dtype.itemsize}")
     results = {}
-    for group in groups:
-        spec = P(*group.spec)
-        body = jax.shard_map(_local_newton_schulz(mesh, group.spec, newton_schulz, ns_dtype,
-                                                  wire),
-                             mesh=mesh, in_specs=(spec, P(group.spec[0])), out_specs=spec,
+    for ex in plan_exchanges(groups, mesh):
+        parts = [(group, part) for group in ex.groups for part in _parts(group, mesh)]
+        specs = tuple(P(*group.spec) for group, _ in parts)
+        body = jax.shard_map(_exchange_body(ex, mesh, newton_schulz, ns_dtype, wire),
+                             mesh=mesh, in_specs=specs, out_specs=specs,
                              # the all-gather over the replicating axes makes the
                              # result replicated there; the checker cannot infer it
                              check_vma=False)
-        parts = [to_stack(xs[leaf.index], leaf).astype(ns_dtype) for leaf in group.leaves]
-        pad = group.size - group.count
-        if pad:
-            parts.append(jnp.zeros((pad, group.rows, group.cols), ns_dtype))
-        stack = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-        stack = jax.lax.with_sharding_constraint(jax.lax.bitcast_convert_type(stack, wire),
-                                                 NamedSharding(mesh, spec))
-        # Which matrices of the stack are stored transposed (static; padding is not).
-        flip = np.repeat([leaf.transpose for leaf in group.leaves] + [False],
-                         [leaf.batch for leaf in group.leaves] + [pad])
-        out = jax.lax.bitcast_convert_type(body(stack, jnp.asarray(flip)), ns_dtype
-                                           ).astype(out_dtype)
-        start = 0
-        for leaf in group.leaves:
-            y = from_stack(out[start:start + leaf.batch], leaf)
-            start += leaf.batch
-            if shardings[leaf.index] is not None:
-                y = jax.lax.with_sharding_constraint(y, shardings[leaf.index])
-            results[leaf.index] = y
+        stacks = []
+        for (_, part), spec in zip(parts, specs, strict=True):
+            stack = [to_stack(xs[leaf.index], leaf).astype(ns_dtype) for leaf in part]
+            stack = stack[0] if len(stack) == 1 else jnp.concatenate(stack, axis=0)
+            stacks.append(jax.lax.with_sharding_constraint(
+                jax.lax.bitcast_convert_type(stack, wire), NamedSharding(mesh, spec)))
+        for (_, part), out in zip(parts, body(*stacks), strict=True):
+            out = jax.lax.bitcast_convert_type(out, ns_dtype).astype(out_dtype)
+            start = 0
+            for leaf in part:
+                y = from_stack(out[start:start + leaf.batch], leaf)
+                start += leaf.batch
+                if shardings[leaf.index] is not None:
+                    y = jax.lax.with_sharding_constraint(y, shardings[leaf.index])
+                results[leaf.index] = y
     return results

@@ -80,18 +80,40 @@ class Block:
     d_out: int
     a_shape: tuple[int, ...]
     g_shape: tuple[int, ...]
+    kernel_axes: tuple[int, ...] | None = None  # `LayerCurvature.kernel_axes`
 
 
-def resolve_blocks(specs: dict[Names, tuple[tuple[int, ...], tuple[int, ...]]],
-                    entries: list[tuple[Names, Any]], bias_name: str) -> list[Block]:
-    """Match factor shapes to kernel (and bias) leaves; ValueError on any inconsistency."""
+def to_layer(kernel: jax.Array, axes: tuple[int, ...] | None) -> jax.Array:
+    """A kernel (or its gradient) in the ``(*stack, *inputs, *outputs)`` axis order."""
+    return kernel if axes is None else jnp.transpose(kernel, axes)
+
+
+def from_layer(x: jax.Array, axes: tuple[int, ...] | None, shape: tuple[int, ...]
+               ) -> jax.Array:
+    """The inverse of `to_layer`: ``x`` (any shape of the same size) back to ``shape``."""
+    if axes is None:
+        return jnp.reshape(x, shape)
+    x = jnp.reshape(x, tuple(shape[a] for a in axes))
+    return jnp.transpose(x, tuple(int(i) for i in np.argsort(axes)))
+
+
+def resolve_blocks(specs: dict[Names, tuple], entries: list[tuple[Names, Any]],
+                   bias_name: str) -> list[Block]:
+    """Match factor shapes ``(a_shape, g_shape[, kernel_axes])`` to kernel (and bias)
+    leaves; ValueError on any inconsistency."""
     index = {names: i for i, (names, leaf) in enumerate(entries) if not is_masked(leaf)}
     blocks, claimed = [], {}
-    for names, (a_shape, g_shape) in sorted(specs.items()):
+    for names, (a_shape, g_shape, *rest) in sorted(specs.items()):
+        axes = rest[0] if rest else None
         where = label(names)
         if names not in index:
             raise ValueError(f"K-FAC layer {where}: no such parameter in the params tree.")
         k_shape = tuple(np.shape(entries[index[names]][1]))
+        if axes is not None:
+            if sorted(axes) != list(range(len(k_shape))):
+                raise ValueError(f"K-FAC layer {where}: kernel_axes {axes} is not a "
+                                 f"permutation of the axes of the kernel {k_shape}.")
+            k_shape = tuple(k_shape[a] for a in axes)
         a_shape, g_shape = tuple(a_shape), tuple(g_shape)
         stack = a_shape[:-2]
         if (len(a_shape) < 2 or len(g_shape) < 2 or a_shape[-1] != a_shape[-2]
@@ -131,7 +153,8 @@ def resolve_blocks(specs: dict[Names, tuple[tuple[int, ...], tuple[int, ...]]],
             raise ValueError(
                 f"K-FAC layer {where}: the kernel axes {rest} cannot be split into leading "
                 f"axes of size {d_in} (inputs) and trailing axes of size {d_out} (outputs).")
-        blocks.append(Block(names, index[names], bias, stack, d_in, d_out, a_shape, g_shape))
+        blocks.append(Block(names, index[names], bias, stack, d_in, d_out, a_shape, g_shape,
+                            None if axes is None else tuple(axes)))
     return blocks
 
 
@@ -149,7 +172,7 @@ def default_specs(entries: list[tuple[Names, Any]], bias_name: str):
 
 def template_specs(layers: Any, entries: list[tuple[Names, Any]]):
     masked = {names for names, leaf in entries if is_masked(leaf)}
-    return {names: (tuple(np.shape(c.a)), tuple(np.shape(c.g)))
+    return {names: (tuple(np.shape(c.a)), tuple(np.shape(c.g)), c.kernel_axes)
             for names, c in flatten_curvature(layers, "layers").items()
             if names not in masked}
 
@@ -171,14 +194,24 @@ def match_curvature(curvature: Any, blocks: list[Block],
     out = []
     for b in blocks:
         if b.names not in given:
-            raise ValueError(f"curvature has no LayerCurvature for the K-FAC layer "
-                             f"{label(b.names)}.")
+            raise ValueError(
+                f"curvature has no LayerCurvature for the K-FAC layer {label(b.names)}, "
+                "which this transform preconditions: the statistics did not capture it "
+                "(kfac.describe(loss_fn, params, *batch) says why; value_grad_and_stats("
+                "..., layers=[...]) raises then), or layers= names a kernel it should not.")
         c = given[b.names]
         if tuple(np.shape(c.a)) != b.a_shape or tuple(np.shape(c.g)) != b.g_shape:
             raise ValueError(
                 f"curvature for {label(b.names)}: a {np.shape(c.a)} and g {np.shape(c.g)}, "
-                f"expected {b.a_shape} and {b.g_shape}.")
-        out.append(LayerCurvature(jnp.asarray(c.a, jnp.float32), jnp.asarray(c.g, jnp.float32)))
+                f"expected {b.a_shape} and {b.g_shape} (for captured kernels, build layers= "
+                "with jax.eval_shape of curvature_from_stats).")
+        if c.kernel_axes != b.kernel_axes:
+            raise ValueError(
+                f"curvature for {label(b.names)} follows the kernel axes {c.kernel_axes}, "
+                f"the transform was initialised with {b.kernel_axes} (None: the kernel's "
+                "own order): build layers= with jax.eval_shape of curvature_from_stats.")
+        out.append(LayerCurvature(jnp.asarray(c.a, jnp.float32), jnp.asarray(c.g, jnp.float32),
+                                  b.kernel_axes))
     return out
 
 

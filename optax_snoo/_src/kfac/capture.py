@@ -19,18 +19,41 @@ products inside are inlined (their custom rules are not used).
 
 Layouts. The ``dot_general`` dimension numbers give, on the kernel's side, batch axes
 (a stack of independent layers, e.g. MoE experts ``E``), contracting axes (``d_in``) and
-free axes (``d_out``). Supported are kernels whose axes are, in order,
-``(*batch, *contracting, *free)``: ``nnx.Linear`` ``(in, out)``, ``nnx.Einsum`` kernels
-such as ``"btd,dnh->btnh"`` (``d_in = d``, ``d_out = n·h``) or ``"btnh,nhd->btd"``, and
-expert stacks ``(E, in, out)`` with ``E`` a batch axis. The ``x`` side may be in any
-layout. Not captured (skipped with a warning when ``layers=None``, an error when the
-kernel is named in ``layers``): other kernel layouts (e.g. a transposed ``(out, in)``
-use), a kernel used by more than one product (weight sharing), and products inside
-``scan`` / ``while`` / ``cond`` bodies.
+free axes (``d_out``), in any order and also through ``transpose`` (``x @ W.T`` on a
+PyTorch-style ``(out, in)`` kernel): the statistics follow the product, and
+`LayerStats.kernel_axes` (passed on as `LayerCurvature.kernel_axes`) records the
+permutation of the kernel's axes to ``(*batch, *contracting, *free)``, so `scale_by_kfac`
+preconditions the gradient in the kernel's own layout. ``nnx.Linear`` ``(in, out)``,
+``nnx.Einsum`` kernels such as ``"btd,dnh->btnh"`` (``d_in = d``, ``d_out = n·h``) and
+expert stacks ``(E, in, out)`` need no permutation. The ``x`` side may be in any layout.
+
+Convolutions (``conv_general_dilated`` with a params-leaf kernel, ``nnx.Conv``; any
+spatial rank, strides, padding, dilations) record the input and turn it into its patches
+(``conv_general_dilated_patches``): ``d_in = in_channels · window``, one row per example
+and output position (Grosse & Martens 2016). Grouped and depthwise convolutions
+(``feature_group_count`` or ``batch_group_count`` > 1) are not captured.
+
+A kernel read by several products in the same layout (weight sharing) gets all their
+rows, concatenated (`LayerStats.uses`; K-FAC-expand, see `curvature_from_stats`).
+
+Scanned layers (``jax.lax.scan`` / ``nnx.scan`` over a stacked params leaf passed as the
+scan's ``xs``, as MaxText and levanter compile their layers): a product in the body
+whose kernel is the iteration's slice is captured per layer, the scan re-run with the
+perturbations as extra ``xs`` and the inputs as extra outputs; the statistics are
+stacked ``(L, N, ·)`` (`LayerStats.scanned`) and the factors ``(L, d, d)``, preconditioned
+as a stack like expert stacks.
+
+Not captured, each named with its reason (a warning when ``layers=None``, an error
+when the kernel is named in ``layers``): products inside ``while`` / ``cond`` bodies or
+nested scans, a kernel a scan body reads whole (a constant of the loop), convolutions
+inside a scan, a kernel used in different layouts, grouped convolutions, and a leaf
+called ``kernel`` that reaches the loss only through other ops (``x @ (2 * W)``).
+`describe` lists what is captured, and why not.
 
 Statistics (`LayerStats`, keyed by the kernel's path, `optax_snoo._src.utils.
 path_to_str`): ``inputs`` ``(*stack, N, d_in)`` and ``out_grads`` ``(*stack, N, d_out)``,
-the ``N`` tokens being every free axis of ``x`` flattened in order (``B·T`` for a
+the ``N`` tokens being every free axis of ``x`` flattened in order (a convolution's
+examples and output positions) (``B·T`` for a
 ``(B, T, d)`` input; the capacity slots ``C`` of an expert buffer ``(E, C, d)``), in the
 dtypes the product saw. ``out_grads`` are the gradients of the loss as written: for a
 mean over ``M`` tokens they are ``1/M`` of the per-token gradients (`layer_factors` and
@@ -40,6 +63,7 @@ mean over ``M`` tokens they are ``1/M`` of the per-token gradients (`layer_facto
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Collection
@@ -56,27 +80,44 @@ _PASS = frozenset({"convert_element_type", "copy", "copy_p", "optimization_barri
                    "sharding_constraint"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat",
                     "remat2", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_HIGHEST = jax.lax.Precision.HIGHEST
+_FIXED = "fixed"   # provenance inside a scan body: a constant or the carry, not a slice
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerStats:
-    """One layer's batch statistics from `value_grad_and_stats` (a pytree).
+    """One kernel's batch statistics from `value_grad_and_stats` (a pytree).
 
     Attributes:
-      inputs: the layer inputs ``x``, ``(*stack, N, d_in)``.
+      inputs: the layer inputs ``x`` (for a convolution, its input patches),
+        ``(*stack, N, d_in)``.
       out_grads: ``∂L/∂y`` of the loss as written, ``(*stack, N, d_out)``.
       has_bias: whether the params tree has a bias sibling for this kernel (the leaf
         named ``"bias"`` next to it, of ``stack + d_out`` elements); static.
+      kernel_axes: static: the kernel's axes in the order ``(*stack, *inputs,
+        *outputs)`` that ``d_in`` and ``d_out`` flatten (`LayerCurvature.kernel_axes`);
+        ``None`` when the kernel is stored in that order.
+      locations: static: output positions per example that one kernel application
+        repeats over (a convolution's spatial output size; 1 for a matmul).
+      uses: static: number of products that read this kernel (weight sharing); their
+        rows are concatenated along ``N``.
+      scanned: static: the first stack axis is the layer axis of a stacked leaf a
+        ``scan`` walks (one layer per iteration, each seeing all ``N`` tokens).
     """
 
     inputs: jax.Array
     out_grads: jax.Array
     has_bias: bool = False
+    kernel_axes: tuple[int, ...] | None = None
+    locations: int = 1
+    uses: int = 1
+    scanned: bool = False
 
 
-jax.tree_util.register_dataclass(LayerStats, data_fields=["inputs", "out_grads"],
-                                 meta_fields=["has_bias"])
+jax.tree_util.register_dataclass(
+    LayerStats, data_fields=["inputs", "out_grads"],
+    meta_fields=["has_bias", "kernel_axes", "locations", "uses", "scanned"])
 
 
 # ------------------------------------------------------------------------------ analysis
@@ -86,17 +127,30 @@ class _Site:
 
     leaf: int
     path: str
-    kernel_pos: int            # operand index of the kernel in the dot_general
-    x_batch: tuple[int, ...]   # x axes paired with the kernel's batch axes, kernel order
-    x_contract: tuple[int, ...]
-    x_free: tuple[int, ...]
-    out_perm: tuple[int, ...]  # product output -> (*stack, *x free, *kernel free)
+    kind: str                  # "dense" | "conv"
+    kernel_pos: int            # operand index of the kernel
+    kernel_axes: tuple[int, ...] | None
+    out_perm: tuple[int, ...]  # product output -> (*stack, *tokens, *kernel free)
     stack: tuple[int, ...]
     d_in: int
     d_out: int
     out_aval: Any
     x_dtype: Any
+    x_batch: tuple[int, ...] = ()    # dense: x axes paired with the kernel's batch axes
+    x_contract: tuple[int, ...] = ()
+    x_free: tuple[int, ...] = ()
+    locations: int = 1               # conv: output positions per example
+    conv: dict | None = None         # conv: the arguments of conv_general_dilated_patches
+    scanned: bool = False            # in a scan body: records and perturbations (L, ...)
     index: int = -1
+
+    @property
+    def pert_shape(self) -> tuple[int, ...]:
+        return (*self.stack[:1], *self.out_aval.shape) if self.scanned else self.out_aval.shape
+
+    def signature(self) -> tuple:
+        return (self.kind, self.kernel_axes, self.stack, self.d_in, self.d_out, self.locations,
+                self.scanned)
 
 
 @dataclasses.dataclass
@@ -104,37 +158,70 @@ class _Action:
     kind: str                  # "site" | "fast" | "inline"
     site: _Site | None = None
     x_input: int = -1          # fast: call input holding x
-    plan: dict | None = None   # inline: the body's plan
+    plan: dict | None = None   # inline / scan: the body's plan
     inner: str = ""            # inline: the param holding the body
+    indices: tuple[int, ...] = ()  # scan: the sites inside its body
 
 
-def _dot_layout(eqn: Any, kernel_pos: int) -> tuple | None:
-    """The kernel/x axis roles of a dot_general, or None for an unsupported layout."""
+def _axes_or_none(axes: tuple[int, ...]) -> tuple[int, ...] | None:
+    return None if axes == tuple(range(len(axes))) else tuple(int(a) for a in axes)
+
+
+def _dot_layout(eqn: Any, kernel_pos: int, perm: tuple[int, ...]) -> dict:
+    """The kernel/x axis roles of a dot_general whose kernel operand is the params leaf
+    with its axes permuted by ``perm`` (operand axis i is leaf axis ``perm[i]``)."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     k_c, x_c = (tuple(lc), tuple(rc)) if kernel_pos == 0 else (tuple(rc), tuple(lc))
     k_b, x_b = (tuple(lb), tuple(rb)) if kernel_pos == 0 else (tuple(rb), tuple(lb))
     k_aval, x_aval = eqn.invars[kernel_pos].aval, eqn.invars[1 - kernel_pos].aval
-    nb, nc = len(k_b), len(k_c)
+    nb = len(k_b)
     k_free = tuple(a for a in range(k_aval.ndim) if a not in k_b and a not in k_c)
-    if (tuple(sorted(k_b)) != tuple(range(nb)) or tuple(sorted(k_c)) != tuple(range(nb, nb + nc))
-            or k_free != tuple(range(nb + nc, k_aval.ndim))):
-        return None
-    b_order = sorted(range(nb), key=lambda i: k_b[i])
-    c_order = sorted(range(nc), key=lambda i: k_c[i])
-    x_batch = tuple(x_b[i] for i in b_order)
-    x_contract = tuple(x_c[i] for i in c_order)
     x_free = tuple(a for a in range(x_aval.ndim) if a not in x_b and a not in x_c)
     # Output axes: batch (dimension-number order), lhs free, rhs free.
     n_xf, n_kf = len(x_free), len(k_free)
-    batch_pos = list(b_order)
     if kernel_pos == 0:
         k_free_pos, x_free_pos = range(nb, nb + n_kf), range(nb + n_kf, nb + n_kf + n_xf)
     else:
         x_free_pos, k_free_pos = range(nb, nb + n_xf), range(nb + n_xf, nb + n_xf + n_kf)
+    # Each group of kernel axes in the params leaf's own order (kernel_axes None when the
+    # leaf is (*batch, *contracting, *free)), with the paired x / output axes alongside.
+    by_leaf = lambda axes: sorted(range(len(axes)), key=lambda i: perm[axes[i]])
+    b_order, c_order, f_order = by_leaf(k_b), by_leaf(k_c), by_leaf(k_free)
+    k_b, x_b = tuple(k_b[i] for i in b_order), tuple(x_b[i] for i in b_order)
+    k_c, x_c = tuple(k_c[i] for i in c_order), tuple(x_c[i] for i in c_order)
+    k_free, k_free_pos = tuple(k_free[i] for i in f_order), tuple(k_free_pos[i] for i in f_order)
     shape = k_aval.shape
-    return dict(x_batch=x_batch, x_contract=x_contract, x_free=x_free,
-                out_perm=(*batch_pos, *x_free_pos, *k_free_pos), stack=tuple(shape[:nb]),
-                d_in=math.prod(shape[nb:nb + nc]), d_out=math.prod(shape[nb + nc:]))
+    return dict(kind="dense", x_batch=x_b, x_contract=x_c, x_free=x_free,
+                out_perm=(*b_order, *x_free_pos, *k_free_pos),
+                kernel_axes=_axes_or_none(tuple(perm[a] for a in (*k_b, *k_c, *k_free))),
+                stack=tuple(shape[a] for a in k_b), d_in=math.prod(shape[a] for a in k_c),
+                d_out=math.prod(shape[a] for a in k_free))
+
+
+def _conv_layout(eqn: Any, kernel_pos: int, perm: tuple[int, ...]) -> dict | str:
+    """The layout of a conv_general_dilated with a params-leaf kernel, or why not."""
+    p = eqn.params
+    if kernel_pos != 1:
+        return "a convolution takes it as the input (lhs), not as the kernel"
+    if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
+        return (f"its convolution has feature_group_count={p['feature_group_count']}, "
+                f"batch_group_count={p['batch_group_count']} (grouped and depthwise "
+                "convolutions are not supported: 1 expected)")
+    dn = p["dimension_numbers"]
+    k_shape = eqn.invars[1].aval.shape
+    out_shape = eqn.outvars[0].aval.shape
+    o_axis, i_axis, spatial = dn.rhs_spec[0], dn.rhs_spec[1], tuple(dn.rhs_spec[2:])
+    # Patch features are ordered (in channel, *spatial in rhs_spec order).
+    order = (i_axis, *spatial, o_axis)
+    conv = dict(filter_shape=tuple(k_shape[a] for a in spatial),
+                window_strides=p["window_strides"], padding=p["padding"],
+                lhs_dilation=p["lhs_dilation"], rhs_dilation=p["rhs_dilation"],
+                dimension_numbers=dn)
+    out = dn.out_spec
+    return dict(kind="conv", out_perm=(out[0], *out[2:], out[1]),
+                kernel_axes=_axes_or_none(tuple(perm[a] for a in order)), stack=(),
+                d_in=math.prod(k_shape[a] for a in order[:-1]), d_out=k_shape[o_axis],
+                locations=math.prod(out_shape[a] for a in out[2:]), conv=conv)
 
 
 def _inner_jaxpr(eqn: Any) -> tuple[str, Any] | None:
@@ -149,42 +236,68 @@ def _open(j: Any) -> Any:
 
 
 class _Analysis:
-    """Walks a jaxpr once, deciding for every equation what the interpreter does."""
+    """Walks a jaxpr once, deciding for every equation what the interpreter does.
 
-    def __init__(self, paths: list[str], wanted: Collection[str] | None):
+    Provenance: a var derived from params leaf ``i`` through pass-through ops and
+    transposes maps to ``(i, perm, scan)``, its axis ``j`` being the leaf's axis
+    ``perm[j]``; ``scan`` is None outside loops, inside a scan body the leaf axis its
+    ``xs`` slices (one layer per iteration), or ``_FIXED`` for the scan's constants and
+    carry.
+    """
+
+    def __init__(self, paths: list[str], shapes: list[tuple[int, ...]],
+                 wanted: Collection[str] | None):
         self.paths = paths
+        self.shapes = shapes
         self.wanted = wanted
         self.sites: list[_Site] = []
-        self.uses: dict[int, int] = {}
         self.problems: dict[int, str] = {}
+        self.others: dict[int, set[str]] = {}   # leaf -> other primitives that read it
 
     def problem(self, leaf: int, why: str) -> None:
         self.problems.setdefault(leaf, why)
+
+    def other(self, leaf: int, name: str) -> None:
+        self.others.setdefault(leaf, set()).add(name)
 
     def wants(self, leaf: int) -> bool:
         return self.wanted is None or self.paths[leaf] in self.wanted
 
     def site(self, eqn: Any, prov: dict, in_loop: bool) -> _Site | None:
-        if eqn.primitive.name != "dot_general":
+        name = eqn.primitive.name
+        if name not in ("dot_general", "conv_general_dilated"):
             return None
         sides = [prov.get(v) if isinstance(v, jex.core.Var) else None for v in eqn.invars]
-        if (sides[0] is None) == (sides[1] is None):
-            return None                      # no kernel, or param @ param
+        if sides[0] is None and sides[1] is None:
+            return None
+        if sides[0] is not None and sides[1] is not None:
+            for side in sides:
+                self.other(side[0], f"{name} with another params leaf")
+            return None
         kernel_pos = 0 if sides[0] is not None else 1
-        leaf = sides[kernel_pos]
+        leaf, perm, scan = sides[kernel_pos]
         if not self.wants(leaf):
             return None
-        self.uses[leaf] = self.uses.get(leaf, 0) + 1
         if in_loop:
-            self.problem(leaf, "it feeds a matmul inside a scan/while/cond body")
+            self.problem(leaf, "it feeds a matmul or convolution inside a while/cond body "
+                               "or a nested scan")
             return None
-        layout = _dot_layout(eqn, kernel_pos)
-        if layout is None:
-            dn = eqn.params["dimension_numbers"]
-            self.problem(leaf, f"its matmul layout (dimension numbers {dn}, kernel operand "
-                               f"{kernel_pos}) is not (*batch, *contracting, *free) on the "
-                               "kernel's axes")
+        if scan == _FIXED:
+            self.problem(leaf, "a scan body reads it whole on every iteration (a stacked "
+                               "leaf sliced by the scan's xs is captured per layer)")
             return None
+        if name == "conv_general_dilated":
+            layout = (_conv_layout(eqn, kernel_pos, perm) if scan is None else
+                      "it feeds a convolution inside a scan body")
+        else:
+            layout = _dot_layout(eqn, kernel_pos, perm)
+        if isinstance(layout, str):
+            self.problem(leaf, layout)
+            return None
+        if scan is not None:      # a slice of the stacked leaf: one layer per iteration
+            inner = layout["kernel_axes"] or tuple(range(len(perm)))
+            layout.update(kernel_axes=_axes_or_none((scan, *inner)), scanned=True,
+                          stack=(self.shapes[leaf][scan], *layout["stack"]))
         return _Site(leaf=leaf, path=self.paths[leaf], kernel_pos=kernel_pos,
                      out_aval=eqn.outvars[0].aval,
                      x_dtype=eqn.invars[1 - kernel_pos].aval.dtype, **layout)
@@ -228,7 +341,27 @@ class _Analysis:
         site.out_aval = eqn.outvars[0].aval
         return _Action("fast", site=site, x_input=ins[1 - site.kernel_pos])
 
-    def walk(self, jaxpr: Any, prov: dict, in_loop: bool = False) -> dict:
+    def scan(self, eqn: Any, in_prov: list) -> _Action | None:
+        """A scan whose body reads slices of stacked params leaves through its ``xs``."""
+        p = eqn.params
+        fixed = p["num_consts"] + p["num_carry"]
+        body = _open(p["jaxpr"])
+        body_prov = {}
+        for i, (v, src) in enumerate(zip(body.invars, in_prov, strict=True)):
+            if src is None:
+                continue
+            leaf, perm, _ = src
+            body_prov[v] = ((leaf, perm, _FIXED) if i < fixed
+                            else (leaf, perm[1:], perm[0]))
+        start = len(self.sites)
+        sub_plan = self.walk(body, body_prov, in_scan=True)
+        if not sub_plan:
+            return None
+        return _Action("scan", plan=sub_plan,
+                       indices=tuple(s.index for s in self.sites[start:]))
+
+    def walk(self, jaxpr: Any, prov: dict, in_loop: bool = False,
+             in_scan: bool = False) -> dict:
         plan: dict[int, _Action] = {}
         prov = dict(prov)
         for n, eqn in enumerate(jaxpr.eqns):
@@ -242,6 +375,16 @@ class _Analysis:
                             prov[o] = p
                 elif in_prov[0] is not None:
                     prov[eqn.outvars[0]] = in_prov[0]
+                continue
+            if name == "transpose" and in_prov[0] is not None:
+                leaf, perm, scan = in_prov[0]
+                prov[eqn.outvars[0]] = (
+                    leaf, tuple(perm[a] for a in eqn.params["permutation"]), scan)
+                continue
+            if name == "scan" and not in_loop and not in_scan:
+                action = self.scan(eqn, in_prov)
+                if action is not None:
+                    plan[n] = action
                 continue
             site = self.site(eqn, prov, in_loop)
             if site is not None:
@@ -261,13 +404,18 @@ class _Analysis:
                 body = _open(body)
                 sub_prov = {v: p for v, p in zip(body.invars, in_prov, strict=True)
                             if p is not None}
-                sub_plan = self.walk(body, sub_prov, in_loop)
+                sub_plan = self.walk(body, sub_prov, in_loop, in_scan)
                 if sub_plan:
                     plan[n] = _Action("inline", plan=sub_plan, inner=key)
                 continue
+            bodies = self._bodies(eqn, in_prov)
+            if not bodies:
+                for p in in_prov:
+                    if p is not None:
+                        self.other(p[0], name)
             # Loops, conditionals and unknown higher-order primitives: look for captured
             # kernels inside, to report them (they are never captured).
-            for body, inputs in self._bodies(eqn, in_prov):
+            for body, inputs in bodies:
                 self.walk(body, {v: p for v, p in zip(body.invars, inputs, strict=False)
                                  if p is not None}, in_loop=True)
         return plan
@@ -295,6 +443,38 @@ class _Analysis:
         site.index = len(self.sites)
         self.sites.append(site)
 
+    def finish(self, shapes: list[tuple[int, ...]]) -> tuple[dict, dict]:
+        """``(captured, skipped)``: path -> its sites (all of one layout), and path -> why
+        not, for every kernel K-FAC will not precondition (a named one, or any leaf called
+        ``kernel`` with two or more axes, or one that a product reads in a way not
+        captured)."""
+        by_leaf: dict[int, list[_Site]] = {}
+        for s in self.sites:
+            by_leaf.setdefault(s.leaf, []).append(s)
+        for leaf, sites in by_leaf.items():
+            kinds = {s.signature() for s in sites}
+            if len(kinds) > 1:
+                self.problem(leaf, f"it feeds {len(sites)} products in different layouts "
+                                   "(shared weights are captured when every use has the "
+                                   "same kernel layout)")
+        captured = {self.paths[leaf]: sites for leaf, sites in by_leaf.items()
+                    if leaf not in self.problems}
+        skipped = {self.paths[leaf]: why for leaf, why in self.problems.items()}
+        for leaf, path in enumerate(self.paths):
+            if path in captured or path in skipped:
+                continue
+            named = self.wanted is not None and path in self.wanted
+            kernel_like = (self.wanted is None and path.split("/")[-1] == "kernel"
+                           and len(shapes[leaf]) >= 2)
+            if not (named or kernel_like):
+                continue
+            reads = sorted(self.others.get(leaf, ()))
+            skipped[path] = (f"it reaches the loss only through {', '.join(reads)}, not as "
+                             "the kernel operand of a matmul or convolution (directly or "
+                             "through casts and transposes)" if reads else
+                             "the loss does not read it")
+        return captured, skipped
+
 
 # --------------------------------------------------------------------------- interpreter
 def _run(jaxpr: Any, consts: list, args: list, plan: dict, perts: list,
@@ -308,7 +488,9 @@ def _run(jaxpr: Any, consts: list, args: list, plan: dict, perts: list,
     for n, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         action = plan.get(n)
-        if action is not None and action.kind == "inline":
+        if action is not None and action.kind == "scan":
+            ans = _run_scan(eqn, invals, action, perts, records)
+        elif action is not None and action.kind == "inline":
             body = eqn.params[action.inner]
             body_consts = body.consts if isinstance(body, jex.core.ClosedJaxpr) else []
             with eqn.ctx.manager:
@@ -336,10 +518,45 @@ def _run(jaxpr: Any, consts: list, args: list, plan: dict, perts: list,
     return [read(v) for v in jaxpr.outvars]
 
 
-def _standard(site: _Site, x: jax.Array, dy: jax.Array) -> LayerStats:
-    x = jnp.transpose(x, (*site.x_batch, *site.x_free, *site.x_contract))
+def _run_scan(eqn: Any, invals: list, action: _Action, perts: list, records: list) -> list:
+    """A scan with captured products in its body: their perturbations enter as extra
+    ``xs`` (one slice per iteration) and their inputs leave as extra ``ys``."""
+    p = eqn.params
+    body = p["jaxpr"]
+    nc, ncar = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+
+    def step(carry, inputs):
+        xs_i, perts_i = inputs
+        local_perts = list(perts)
+        for i, pert in zip(action.indices, perts_i, strict=True):
+            local_perts[i] = pert
+        local_records = [None] * len(records)
+        out = _run(_open(body), list(body.consts), [*consts, *carry, *xs_i], action.plan,
+                   local_perts, local_records)
+        return out[:ncar], (out[ncar:], [local_records[i] for i in action.indices])
+
+    with eqn.ctx.manager:
+        carry, (ys, recorded) = jax.lax.scan(
+            step, list(init), (list(xs), [perts[i] for i in action.indices]),
+            length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    for i, x in zip(action.indices, recorded, strict=True):
+        records[i] = x
+    return [*carry, *ys]
+
+
+def _standard(site: _Site, x: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x`` (a convolution's input patches) ``(*stack, N, d_in)`` and ``dy``
+    ``(*stack, N, d_out)`` of one product."""
+    # A scanned site's records lead with the layer axis: the first stack axis.
+    lead = (lambda axes: (0, *(a + 1 for a in axes))) if site.scanned else tuple
+    if site.kind == "conv":
+        x = jax.lax.conv_general_dilated_patches(x, precision=_HIGHEST, **site.conv)
+        x = jnp.transpose(x, site.out_perm)
+    else:
+        x = jnp.transpose(x, lead((*site.x_batch, *site.x_free, *site.x_contract)))
     x = x.reshape(*site.stack, -1, site.d_in)
-    dy = jnp.transpose(dy, site.out_perm).reshape(*site.stack, -1, site.d_out)
+    dy = jnp.transpose(dy, lead(site.out_perm)).reshape(*site.stack, -1, site.d_out)
     return x, dy
 
 
@@ -360,12 +577,13 @@ def value_grad_and_stats(
     layers: Collection[str] | None = None,
     bias_name: str = "bias",
 ) -> tuple[Any, Any, dict[str, LayerStats]]:
-    r"""Loss, gradients and K-FAC statistics of every dense layer, in one backward pass.
+    r"""Loss, gradients and K-FAC statistics of every layer, in one backward pass.
 
     Works on any JAX loss: the layers are found in the jaxpr of
     ``loss_fn(params, *args)`` (see the module docstring for what is captured), so a
-    Flax NNX model of ``nnx.Linear`` / ``nnx.Einsum`` layers, a plain-JAX model or
-    expert stacks need no changes. ``args`` are closed over (Python values stay static).
+    Flax NNX model of ``nnx.Linear`` / ``nnx.Einsum`` / ``nnx.Conv`` layers, a plain-JAX
+    model, PyTorch-layout ``(out, in)`` kernels, shared kernels or expert stacks need no
+    changes. `describe` says what it captures. ``args`` are closed over (Python values stay static).
 
     Args:
       loss_fn: ``loss_fn(params, *args) -> loss`` (a float scalar), or ``(loss, aux)``
@@ -385,8 +603,9 @@ def value_grad_and_stats(
       `LayerStats`. Feed K-FAC with `curvature_from_stats`.
 
     Raises:
-      ValueError: a kernel named in ``layers`` that no product uses, or one that cannot
-        be captured (its layout, weight sharing, a loop body).
+      ValueError: a kernel named in ``layers`` that cannot be captured, with the reason
+        (a while/cond body, uses in different layouts, a grouped convolution, no matmul
+        or convolution reads it as its kernel).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -412,7 +631,60 @@ def value_grad_and_stats(
 
       Botev and Martens, `KFAC-JAX <https://github.com/google-deepmind/kfac-jax>`_, 2022
       (the jaxpr tracer this follows)
+
+      Grosse and Martens, `A Kronecker-factored approximate Fisher matrix for
+      convolution layers <https://arxiv.org/abs/1602.01407>`_, 2016
     """
+    trace = _trace(loss_fn, params, args, layers, "value_grad_and_stats")
+    if trace.skipped:
+        lines = "; ".join(f"{p}: {why}" for p, why in sorted(trace.skipped.items()))
+        if layers is not None:
+            raise ValueError(f"value_grad_and_stats cannot capture {lines}.")
+        warnings.warn(f"value_grad_and_stats: not captured (K-FAC statistics skipped, "
+                      f"these kernels get no curvature): {lines}.", stacklevel=2)
+    analysis, jaxpr, plan = trace.analysis, trace.closed.jaxpr, trace.plan
+    leaves = jax.tree_util.tree_leaves(params)
+    perts = [jnp.zeros(s.pert_shape, s.out_aval.dtype) for s in analysis.sites]
+    consts = list(trace.closed.consts)
+
+    def total(leaves, perts):
+        records = [None] * len(analysis.sites)
+        out = _run(jaxpr, consts, leaves, plan, perts, records)
+        value = jax.tree_util.tree_unflatten(trace.out_tree, out)
+        loss = value[0] if has_aux else value
+        return loss, (value, records)
+
+    (_, (value, records)), (grads, dys) = jax.value_and_grad(
+        total, argnums=(0, 1), has_aux=True)(leaves, perts)
+    stats = {}
+    for path, sites in trace.captured.items():
+        xs, dys_ = zip(*(_standard(s, records[s.index], dys[s.index]) for s in sites),
+                       strict=True)
+        s = sites[0]
+        stats[path] = LayerStats(
+            jnp.concatenate(xs, axis=-2) if len(xs) > 1 else xs[0],
+            jnp.concatenate(dys_, axis=-2) if len(dys_) > 1 else dys_[0],
+            _bias_sibling(path, trace.shapes, s, bias_name), s.kernel_axes, s.locations,
+            len(sites), s.scanned)
+    return value, jax.tree_util.tree_unflatten(trace.treedef, grads), stats
+
+
+@dataclasses.dataclass
+class _Trace:
+    closed: Any
+    out_tree: Any
+    treedef: Any
+    paths: list[str]
+    shapes: dict[str, tuple[int, ...]]
+    analysis: _Analysis
+    plan: dict
+    captured: dict[str, list[_Site]]
+    skipped: dict[str, str]
+
+
+def _trace(loss_fn: Callable[..., Any], params: Any, args: tuple,
+           layers: Collection[str] | None, who: str) -> _Trace:
+    """The loss's jaxpr over the flat params, and which kernels are captured (or why not)."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [path_to_str(p) for p, _ in pairs]
     leaves = [leaf for _, leaf in pairs]
@@ -423,54 +695,113 @@ def value_grad_and_stats(
                              f"{sorted(map(repr, wanted))}.")
         unknown = sorted(wanted - set(paths))
         if unknown:
-            raise ValueError(f"value_grad_and_stats: layers {unknown} are not paths of "
-                             f"params leaves (e.g. {paths[:3]}).")
+            raise ValueError(f"{who}: layers {unknown} are not paths of params leaves "
+                             f"(e.g. {paths[:3]}).")
 
     def flat_loss(leaves):
         return loss_fn(jax.tree_util.tree_unflatten(treedef, leaves), *args)
 
     closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(leaves)
+    shapes = [tuple(jnp.shape(leaf)) for leaf in leaves]
+    analysis = _Analysis(paths, shapes, wanted)
     jaxpr = closed.jaxpr
-    out_tree = jax.tree.structure(out_shape)
-    analysis = _Analysis(paths, wanted)
-    plan = analysis.walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars)})
-    for leaf, count in analysis.uses.items():
-        if count > 1:
-            analysis.problem(leaf, f"it feeds {count} matmuls (weight sharing)")
-    problems = {paths[leaf]: why for leaf, why in analysis.problems.items()}
-    if problems:
-        lines = "; ".join(f"{p}: {why}" for p, why in sorted(problems.items()))
-        if wanted is not None:
-            raise ValueError(f"value_grad_and_stats cannot capture {lines}.")
-        warnings.warn(f"value_grad_and_stats: not captured (K-FAC statistics skipped): "
-                      f"{lines}.", stacklevel=2)
-    sites = [s for s in analysis.sites if s.path not in problems]
-    if wanted is not None:
-        missing = sorted(wanted - {s.path for s in sites})
-        if missing:
-            raise ValueError(f"value_grad_and_stats: no matmul uses the kernels {missing} "
-                             "(as an operand, directly or through dtype casts).")
-    keep = {s.index for s in sites}
-    perts = [jnp.zeros(s.out_aval.shape, s.out_aval.dtype) for s in analysis.sites]
-    consts = list(closed.consts)
+    plan = analysis.walk(jaxpr, {v: (i, tuple(range(v.aval.ndim)), None)
+                                 for i, v in enumerate(jaxpr.invars)})
+    captured, skipped = analysis.finish(shapes)
+    return _Trace(closed, jax.tree.structure(out_shape), treedef, paths,
+                  dict(zip(paths, shapes, strict=True)), analysis, plan, captured, skipped)
 
-    def total(leaves, perts):
-        records = [None] * len(analysis.sites)
-        out = _run(jaxpr, consts, leaves, plan, perts, records)
-        value = jax.tree_util.tree_unflatten(out_tree, out)
-        loss = value[0] if has_aux else value
-        return loss, (value, records)
 
-    (_, (value, records)), (grads, dys) = jax.value_and_grad(
-        total, argnums=(0, 1), has_aux=True)(leaves, perts)
-    shapes = {p: tuple(jnp.shape(leaf)) for p, leaf in zip(paths, leaves, strict=True)}
-    stats = {}
-    for s in analysis.sites:
-        if s.index not in keep:
+def describe(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    *args: Any,
+    layers: Collection[str] | None = None,
+    bias_name: str = "bias",
+) -> dict[str, str]:
+    r"""What K-FAC's capture makes of each params leaf: a kernel's kind, or why not.
+
+    Traces ``loss_fn(params, *args)`` as `value_grad_and_stats` does (no computation:
+    ``params`` and ``args`` may be ``jax.ShapeDtypeStruct``) and describes every leaf:
+
+    - a captured kernel: ``"dense"`` or ``"conv"`` with ``d_in``/``d_out``, then any of
+      ``"scanned stack (L,)"``, ``"expert stack (E,)"``, ``"transposed"`` (stored in
+      another axis order than ``(*stack, *in, *out)``: `LayerCurvature.kernel_axes`),
+      ``"shared by k products"``, ``"with bias b"``, and ``"also read by gather"``
+      when other ops read it too (their share of its gradient is preconditioned with
+      these factors);
+    - a kernel that will not be preconditioned: ``"skipped: <why>"`` (the reasons
+      `value_grad_and_stats` warns or raises with);
+    - any other leaf: ``"first-order: read by <ops>"`` (or ``"unused"``).
+
+    Args:
+      loss_fn: ``loss_fn(params, *args)``, as for `value_grad_and_stats`.
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+      *args: the other arguments of ``loss_fn``.
+      layers: kernel paths to capture (``None``: every one), as for
+        `value_grad_and_stats`.
+      bias_name: key of a kernel's bias sibling.
+
+    Returns:
+      A dict from each leaf's path (in leaf order) to its description; print it.
+
+    Raises:
+      ValueError: ``layers`` naming a path that is not a params leaf.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from optax_snoo import kfac
+      >>> p = {"c": {"kernel": jnp.ones((3, 3, 1, 4)), "bias": jnp.zeros(4)},
+      ...      "head": {"kernel": jnp.ones((2, 4 * 36))}}          # PyTorch (out, in)
+      >>> def loss_fn(p, x):
+      ...   h = jax.lax.conv_general_dilated(x, p["c"]["kernel"], (1, 1), "VALID",
+      ...       dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["c"]["bias"]
+      ...   return jnp.mean(h.reshape(len(x), -1) @ p["head"]["kernel"].T)
+      >>> for path, what in kfac.describe(loss_fn, p, jnp.ones((2, 8, 8, 1))).items():
+      ...   print(f"{path}: {what}")
+      c/bias: bias of c/kernel
+      c/kernel: conv, d_in 9, d_out 4, 36 locations, kernel axes (2, 0, 1, 3), with bias c/bias
+      head/kernel: dense, d_in 144, d_out 2, transposed (1, 0)
+
+    References:
+      Grosse and Martens, `A Kronecker-factored approximate Fisher matrix for
+      convolution layers <https://arxiv.org/abs/1602.01407>`_, 2016
+    """
+    trace = _trace(loss_fn, params, args, layers, "describe")
+    out, biases = {}, {}
+    for path, sites in trace.captured.items():
+        s = sites[0]
+        words = [s.kind, f"d_in {s.d_in}", f"d_out {s.d_out}"]
+        if s.kind == "conv":
+            words.append(f"{s.locations} locations")
+        if s.scanned:
+            words.append(f"scanned stack ({s.stack[0]},)")
+        if s.stack[s.scanned:]:
+            words.append(f"expert stack {s.stack[s.scanned:]}")
+        if s.kernel_axes is not None:
+            words.append(f"{'transposed' if s.kind == 'dense' else 'kernel axes'} "
+                         f"{s.kernel_axes}")
+        if len(sites) > 1:
+            words.append(f"shared by {len(sites)} products")
+        if _bias_sibling(path, trace.shapes, s, bias_name):
+            bias = "/".join([*path.split("/")[:-1], bias_name])
+            biases[bias] = path
+            words.append(f"with bias {bias}")
+        reads = trace.analysis.others.get(trace.paths.index(path))
+        if reads:
+            words.append(f"also read by {', '.join(sorted(reads))}")
+        out[path] = ", ".join(words)
+    for i, path in enumerate(trace.paths):
+        if path in out:
             continue
-        x, dy = _standard(s, records[s.index], dys[s.index])
-        stats[s.path] = LayerStats(x, dy, _bias_sibling(s.path, shapes, s, bias_name))
-    return value, jax.tree_util.tree_unflatten(treedef, grads), stats
+        if path in trace.skipped:
+            out[path] = f"skipped: {trace.skipped[path]}"
+        elif path in biases:
+            out[path] = f"bias of {biases[path]}"
+        else:
+            reads = sorted(trace.analysis.others.get(i, ()))
+            out[path] = f"first-order: read by {', '.join(reads)}" if reads else "unused"
+    return {path: out[path] for path in trace.paths}
 
 
 def _every_nth(a: jax.Array, stride: int, offset: int | jax.Array) -> jax.Array:
@@ -494,11 +825,21 @@ def curvature_from_stats(
     factors from each expert's own tokens: a slot whose input row is all zeros is an
     empty slot (zero-padded dispatch buffers) and is not counted.
 
+    A convolution (``S = LayerStats.locations`` output positions per example) follows
+    Grosse & Martens (KFC) and kfac-jax's ``Conv2DTwoKroneckerFactored``: ``A`` and
+    ``G`` are means over examples and positions, and ``G`` carries KFC's factor ``S``
+    (kfac-jax's ``fixed_scale``): ``G = S·M²·mean(dy dyᵀ)``. A kernel shared by ``k``
+    products (``LayerStats.uses``) follows K-FAC-expand (Eschenhagen et al. 2023): its
+    uses count as more tokens of one layer, ``A`` the mean over all of them and ``G``
+    the sum of the uses' own ``G`` (``k·M²·mean(dy dyᵀ)``).
+
     Args:
       stats: from `value_grad_and_stats`.
-      num_tokens: ``M``, the number of tokens the mean loss averages over. Default: each
-        dense layer's own token count ``N`` (right when the loss is the mean over the
-        tokens the layer saw); required when ``stats`` holds a stacked layer.
+      num_tokens: ``M``, the number of terms the mean loss averages over (tokens for a
+        language model, examples for an image classifier). Default: each layer's own
+        ``N / (locations · uses)``, the tokens of a dense layer or the examples of a
+        convolution (right when the loss is the mean over those); required when
+        ``stats`` holds a stacked layer.
       token_stride: use every ``token_stride``-th token only (cheaper factors; over
         ``token_stride`` steps with ``token_offset = step % token_stride`` every token is
         used once). ``N`` must be divisible by it. Stacked layers use all their slots
@@ -506,7 +847,8 @@ def curvature_from_stats(
       token_offset: first token used (``0 <= offset < token_stride``), may be traced.
 
     Returns:
-      A dict from kernel path to `LayerCurvature` (float32).
+      A dict from kernel path to `LayerCurvature` (float32, with the kernel's
+      ``kernel_axes``).
 
     Raises:
       ValueError: a stacked layer without ``num_tokens``, a bad ``token_stride`` or one
@@ -519,19 +861,30 @@ def curvature_from_stats(
       >>> c = curvature_from_stats(s)
       >>> c["l/kernel"].a.shape, float(c["l/kernel"].g[0, 0])
       ((4, 4), 1.0)
+
+    References:
+      Grosse and Martens, `A Kronecker-factored approximate Fisher matrix for
+      convolution layers <https://arxiv.org/abs/1602.01407>`_, 2016
+
+      Eschenhagen et al., `Kronecker-Factored Approximate Curvature for Modern Neural
+      Network Architectures <https://arxiv.org/abs/2311.00636>`_, 2023
     """
     check_int_at_least("token_stride", token_stride, 1)
     out = {}
     for path, s in stats.items():
         x, dy = s.inputs, s.out_grads
-        stacked = x.ndim > 2
+        layers_only = s.scanned and x.ndim == 3   # (L, N, d): every layer sees every token
+        stacked = x.ndim > 2 and not layers_only
         n = x.shape[-2]
         if stacked and num_tokens is None:
             raise ValueError(
                 f"curvature_from_stats: {path} is a stack of layers {x.shape[:-2]} (e.g. "
                 "MoE experts): pass num_tokens, the number of tokens the mean loss averages "
                 "over, which the expert slots do not determine.")
-        m = n if num_tokens is None else num_tokens
+        # KFC's |T| and K-FAC-expand's sum over uses: G = uses·locations·M²·mean(dy dyᵀ).
+        repeats = s.uses * s.locations
+        m = n // repeats if num_tokens is None else num_tokens
+        m = m * math.sqrt(repeats) if repeats > 1 else m
         if token_stride > 1 and not stacked:
             if n % token_stride:
                 raise ValueError(f"token_stride={token_stride} must divide the token count "
@@ -546,7 +899,10 @@ def curvature_from_stats(
             f = layer_factors(x3, dy3, s.has_bias, mask=mask, num_tokens=m, stacked=True)
             f = LayerCurvature(f.a.reshape(*lead, *f.a.shape[1:]),
                                f.g.reshape(*lead, *f.g.shape[1:]))
+        elif layers_only:
+            f = jax.vmap(functools.partial(layer_factors, has_bias=s.has_bias,
+                                           num_tokens=m))(x, dy)
         else:
             f = layer_factors(x, dy, s.has_bias, num_tokens=m)
-        out[path] = f
+        out[path] = LayerCurvature(f.a, f.g, s.kernel_axes)
     return out

@@ -8,9 +8,11 @@ each group to a multiple of ``N`` and splits its stack axis over all the mesh's 
 inverse ``Q diag(1/(s + shift)) Qᵀ``) on its ``K/N`` matrices only, then one
 ``all_gather`` per group makes the results replicated again. Per device that is the
 total work divided by ``N``, plus at most one padded matrix per group. Without a mesh (or
-with one device) the same grouped computation runs locally. The math is that of
-`optax_snoo.kfac.refresh_inverse` for each layer: eigenvalues floored per matrix, then
-factored (pi) or exact (eigen) damping.
+with one device) the same grouped computation runs locally. The math is
+`precondition.refresh_stack` (per matrix: the eigenvalue floor, the pi inverse, the
+XLA:CPU one-matrix-at-a-time workaround) and `precondition.assemble_inverse` (the
+`EigenInverse` scale), the same functions `optax_snoo.kfac.refresh_inverse` runs for one
+layer.
 
 The factors themselves stay replicated (the batch statistics are reduced over the data
 axes where they are computed); only the eigendecompositions are split. kfac-jax splits
@@ -39,35 +41,14 @@ from optax_snoo._src.kfac.precondition import (
     EigenInverse,
     PiInverse,
     SpectrumStats,
-    pi_adjustment,
+    assemble_inverse,
+    check_mode,
+    damping_shifts,
+    refresh_stack,
 )
-from optax_snoo._src.kfac.precondition import _check_mode as check_mode
 from optax_snoo._src.sharding import axes_of, spec_entries
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _one(m: jax.Array, shift: jax.Array, mode: str, floor_abs: float, floor_rel: float):
-    """eigh of one symmetric matrix, floored; pi: the inverse of ``Q (s + shift) Qᵀ``."""
-    m = m.astype(jnp.float32)
-    s_raw, q = jnp.linalg.eigh(0.5 * (m + m.T), symmetrize_input=False)
-    floor = jnp.maximum(floor_abs, floor_rel * jnp.max(s_raw))
-    clipped = s_raw < floor
-    s = jnp.where(clipped, floor, s_raw)
-    stats = jnp.stack([jnp.max(s_raw), jnp.min(s_raw), jnp.sum(clipped).astype(jnp.float32)])
-    if mode == "eigen":
-        return q, s, stats
-    inv = jnp.matmul(q * (1.0 / (s + shift))[None, :], q.T, precision=_HIGHEST)
-    return inv, s, stats
-
-
-def _local(mats: jax.Array, shifts: jax.Array, mode: str, floor_abs: float,
-           floor_rel: float):
-    one = lambda ms: _one(ms[0], ms[1], mode, floor_abs, floor_rel)
-    if jax.default_backend() == "cpu":
-        # One matrix at a time (batched LAPACK on CPU can deadlock, see precondition._eigh).
-        return jax.lax.map(one, (mats, shifts))
-    return jax.vmap(one)((mats, shifts))
 
 
 def refresh_group(mats: jax.Array, shifts: jax.Array, mode: str, floor_abs: float,
@@ -79,7 +60,7 @@ def refresh_group(mats: jax.Array, shifts: jax.Array, mode: str, floor_abs: floa
     max, min and number of floored eigenvalues of each matrix; all replicated.
     """
     if mesh is None or mesh.size == 1:
-        return _local(mats, shifts, mode, floor_abs, floor_rel)
+        return refresh_stack(mats, shifts, mode, floor_abs, floor_rel)
     n, k = mesh.size, mats.shape[0]
     pad = -k % n
     if pad:
@@ -90,7 +71,7 @@ def refresh_group(mats: jax.Array, shifts: jax.Array, mode: str, floor_abs: floa
     axes = tuple(mesh.axis_names)
 
     def body(mats, shifts):
-        out = _local(mats, shifts, mode, floor_abs, floor_rel)
+        out = refresh_stack(mats, shifts, mode, floor_abs, floor_rel)
         return tuple(jax.lax.all_gather(x, axes, tiled=True) for x in out)
 
     if any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
@@ -130,13 +111,11 @@ def refresh_all(
     """
     check_mode(mode)
     damping = jnp.asarray(damping, jnp.float32)
-    root = jnp.sqrt(damping)
     # Every matrix: (layer, "a"/"g", its flattened stack), with its damping shift.
     groups: dict[int, list[tuple[int, str, jax.Array, jax.Array]]] = {}
     for i, f in enumerate(factors):
         a, g = f.a.astype(jnp.float32), f.g.astype(jnp.float32)
-        pi = pi_adjustment(a, g)
-        for kind, m, shift in (("a", a, pi * root), ("g", g, root / pi)):
+        for kind, m, shift in zip("ag", (a, g), damping_shifts(a, g, damping), strict=True):
             d = m.shape[-1]
             stack = math.prod(m.shape[:-2])
             shift = jnp.broadcast_to(shift, m.shape[:-2]).reshape(stack)
@@ -151,23 +130,9 @@ def refresh_all(
         for i, kind, m, _ in members:
             results[(i, kind)] = tuple(x[start:start + m.shape[0]] for x in out)
             start += m.shape[0]
-    inverses, stats = [], []
-    for i, f in enumerate(factors):
-        (out_a, s_a, st_a), (out_g, s_g, st_g) = results[(i, "a")], results[(i, "g")]
-        a_shape, g_shape = f.a.shape, f.g.shape
-        out_a, out_g = out_a.reshape(a_shape), out_g.reshape(g_shape)
-        if mode == "eigen":
-            s_a, s_g = s_a.reshape(a_shape[:-1]), s_g.reshape(g_shape[:-1])
-            scale = 1.0 / (s_a[..., :, None] * s_g[..., None, :] + damping)
-            inverses.append(EigenInverse(q_a=out_a, q_g=out_g, scale=scale))
-        else:
-            inverses.append(PiInverse(a_inv=out_a, g_inv=out_g))
-        stats.append(SpectrumStats(
-            a_max=jnp.max(st_a[:, 0]), a_min=jnp.min(st_a[:, 1]),
-            g_max=jnp.max(st_g[:, 0]), g_min=jnp.min(st_g[:, 1]),
-            num_clipped=(jnp.sum(st_a[:, 2]) + jnp.sum(st_g[:, 2])).astype(jnp.int32)))
-    return inverses, stats
-
+    pairs = [assemble_inverse(results[(i, "a")], results[(i, "g")], f.a.shape, f.g.shape,
+                              damping, mode) for i, f in enumerate(factors)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def split_layouts(sharding: Any, d_in: int, d_out: int) -> tuple[P, P, P] | None:

@@ -15,7 +15,7 @@ input dtype. The curvature of the layer is ``F ≈ A ⊗ G``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +23,42 @@ import jax.numpy as jnp
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-class LayerCurvature(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class LayerCurvature:
     """The two Kronecker factors of one layer, or of a stack of layers (experts).
 
     This is both what `layer_factors` returns (batch statistics) and what
-    `optax_snoo.kfac.scale_by_kfac` keeps in its state (their moving averages).
+    `optax_snoo.kfac.scale_by_kfac` keeps in its state (their moving averages). A pytree
+    with children ``(a, g)`` (unpacks and indexes as the pair ``(a, g)``).
 
     Attributes:
       a: input factor, ``(*stack, d_in [+1], d_in [+1])``; the last row/column is the
         homogeneous (bias) coordinate when the layer has a bias.
       g: output-gradient factor, ``(*stack, d_out, d_out)``.
+      kernel_axes: static: the kernel's axes in the order ``(*stack, *inputs, *outputs)``
+        the factors follow (a permutation of ``range(kernel.ndim)``), for kernels stored
+        in another layout: ``(1, 0)`` for a PyTorch-style ``(out, in)`` kernel used as
+        ``x @ W.T``, ``(2, 0, 1, 3)`` for a Flax ``(H, W, in, out)`` convolution kernel.
+        ``None``: already in that order (``nnx.Linear``'s ``(in, out)``).
     """
 
     a: jax.Array
     g: jax.Array
+    kernel_axes: tuple[int, ...] | None = None
+
+    # Read as the pair it was (a NamedTuple) before it carried kernel_axes.
+    def __iter__(self):
+        return iter((self.a, self.g))
+
+    def __getitem__(self, i):
+        return (self.a, self.g)[i]
+
+    def __len__(self):
+        return 2
+
+
+jax.tree_util.register_dataclass(LayerCurvature, data_fields=["a", "g"],
+                                 meta_fields=["kernel_axes"])
 
 
 def _with_bias_coordinate(x: jax.Array) -> jax.Array:

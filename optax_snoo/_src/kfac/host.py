@@ -170,7 +170,8 @@ def warm_start(opt_state: Any, curvature_batches: Sequence[Any]) -> Any:
                 raise ValueError(
                     f"warm_start: {label(names)} has a {c.a.shape}, g {c.g.shape}; "
                     f"expected {f.a.shape} and {f.g.shape}.")
-            new[names] = LayerCurvature(c.a.astype(f.a.dtype), c.g.astype(f.g.dtype))
+            new[names] = LayerCurvature(c.a.astype(f.a.dtype), c.g.astype(f.g.dtype),
+                                        f.kernel_axes)
         return s._replace(factors=nested(new),
                           factor_weight=jnp.asarray(len(batches), s.factor_weight.dtype))
 

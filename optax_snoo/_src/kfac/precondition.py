@@ -28,7 +28,8 @@ even with ``λ = 0``. All leading axes of the factors are a batch (expert stacks
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,21 +83,103 @@ class SpectrumStats(NamedTuple):
 Inverse = EigenInverse | PiInverse
 
 
-def _check_mode(mode: str) -> None:
+def check_mode(mode: str) -> None:
+    """Raise ``ValueError`` unless ``mode`` is one of `MODES`."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
 
 
-def _eigh(m: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``eigh`` of a matrix or a stack. On CPU a stack goes through ``lax.map`` (one matrix
-    at a time)."""
+def map_matrices(fn: Callable[..., Any], *stacks: jax.Array) -> Any:
+    """``fn`` of one matrix (and its per-matrix operands) over stacks ``(K, ...)``.
+
+    On CPU one matrix at a time through ``lax.map``, elsewhere ``vmap``.
+    """
     # Batched LAPACK calls on CPU can deadlock: docs/design.md, "Implementation notes".
-    eigh = lambda x: jnp.linalg.eigh(x, symmetrize_input=False)
-    if m.ndim == 2 or jax.default_backend() != "cpu":
-        return eigh(m)
-    n = m.shape[-1]
-    s, q = jax.lax.map(eigh, m.reshape(-1, n, n))
-    return s.reshape(m.shape[:-1]), q.reshape(m.shape)
+    if jax.default_backend() == "cpu":
+        return jax.lax.map(lambda xs: fn(*xs), stacks)
+    return jax.vmap(fn)(*stacks)
+
+
+def floored_eigh(m: jax.Array, eig_floor_abs: float, eig_floor_rel: float
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``eigh`` of one ``(n, n)`` matrix (symmetrised first), eigenvalues floored.
+
+    Returns ``(s_raw, s, q, clipped)``: raw and floored eigenvalues, eigenvectors
+    (columns), and which eigenvalues were raised to ``max(eig_floor_abs, eig_floor_rel ·
+    max(s_raw))``.
+    """
+    m = m.astype(jnp.float32)
+    s_raw, q = jnp.linalg.eigh(0.5 * (m + m.T), symmetrize_input=False)
+    floor = jnp.maximum(eig_floor_abs, eig_floor_rel * jnp.max(s_raw))
+    clipped = s_raw < floor
+    return s_raw, jnp.where(clipped, floor, s_raw), q, clipped
+
+
+def refresh_stack(mats: jax.Array, shifts: jax.Array, mode: str, eig_floor_abs: float,
+                  eig_floor_rel: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The refresh of ``K`` equal-size factors ``(K, d, d)`` on one device.
+
+    Args:
+      mats: the factors.
+      shifts: ``(K,)`` each factor's damping shift (pi mode: ``π√λ`` for A, ``√λ/π`` for G).
+      mode: ``"pi"`` or ``"eigen"``.
+      eig_floor_abs: absolute eigenvalue floor.
+      eig_floor_rel: floor relative to each matrix's largest eigenvalue.
+
+    Returns:
+      ``(out, s, stats)``: ``out`` ``(K, d, d)`` the eigenvectors (eigen) or the inverses
+      ``Q diag(1/(s + shift)) Qᵀ`` (pi), ``s`` ``(K, d)`` the floored eigenvalues,
+      ``stats`` ``(K, 3)`` each matrix's raw max, raw min and number floored (float32).
+    """
+    def one(m, shift):
+        s_raw, s, q, clipped = floored_eigh(m, eig_floor_abs, eig_floor_rel)
+        stats = jnp.stack([jnp.max(s_raw), jnp.min(s_raw),
+                           jnp.sum(clipped).astype(jnp.float32)])
+        if mode == "eigen":
+            return q, s, stats
+        inv = jnp.matmul(q * (1.0 / (s + shift))[None, :], q.T, precision=_HIGHEST)
+        return inv, s, stats
+
+    return map_matrices(one, mats, shifts)
+
+
+def damping_shifts(a: jax.Array, g: jax.Array, damping: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+    """The pi-damping shifts ``(π√λ, √λ/π)`` of A and G, shaped like their stack axes."""
+    pi = pi_adjustment(a.astype(jnp.float32), g.astype(jnp.float32))
+    root = jnp.sqrt(damping)
+    return pi * root, root / pi
+
+
+def assemble_inverse(refreshed_a: tuple[jax.Array, ...], refreshed_g: tuple[jax.Array, ...],
+                     a_shape: tuple[int, ...], g_shape: tuple[int, ...], damping: jax.Array,
+                     mode: str) -> tuple[Inverse, SpectrumStats]:
+    """One layer's cached inverse and spectrum from `refresh_stack` of its A and G.
+
+    Args:
+      refreshed_a: ``(out, s, stats)`` of the layer's A matrices (its stack flattened).
+      refreshed_g: the same for G.
+      a_shape: ``(*stack, d_a, d_a)``.
+      g_shape: ``(*stack, d_g, d_g)``.
+      damping: λ (eigen mode's scale ``1 / (s_A s_Gᵀ + λ)``).
+      mode: ``"pi"`` or ``"eigen"``.
+
+    Returns:
+      ``(inverse, stats)`` as `refresh_inverse` returns them.
+    """
+    (out_a, s_a, st_a), (out_g, s_g, st_g) = refreshed_a, refreshed_g
+    out_a, out_g = out_a.reshape(a_shape), out_g.reshape(g_shape)
+    if mode == "eigen":
+        s_a, s_g = s_a.reshape(a_shape[:-1]), s_g.reshape(g_shape[:-1])
+        scale = 1.0 / (s_a[..., :, None] * s_g[..., None, :] + damping)
+        inverse: Inverse = EigenInverse(q_a=out_a, q_g=out_g, scale=scale)
+    else:
+        inverse = PiInverse(a_inv=out_a, g_inv=out_g)
+    stats = SpectrumStats(
+        a_max=jnp.max(st_a[:, 0]), a_min=jnp.min(st_a[:, 1]),
+        g_max=jnp.max(st_g[:, 0]), g_min=jnp.min(st_g[:, 1]),
+        num_clipped=(jnp.sum(st_a[:, 2]) + jnp.sum(st_g[:, 2])).astype(jnp.int32))
+    return inverse, stats
 
 
 def clipped_eigh(
@@ -114,11 +197,12 @@ def clipped_eigh(
       floored at ``max(eig_floor_abs, eig_floor_rel · max(s_raw))``, eigenvectors
       ``(..., n, n)`` (columns) and the number of floored eigenvalues (int32 scalar).
     """
-    m = m.astype(jnp.float32)
-    s, q = _eigh(0.5 * (m + jnp.swapaxes(m, -1, -2)))
-    floor = jnp.maximum(eig_floor_abs, eig_floor_rel * jnp.max(s, axis=-1, keepdims=True))
-    clipped = s < floor
-    return s, jnp.where(clipped, floor, s), q, jnp.sum(clipped).astype(jnp.int32)
+    n = m.shape[-1]
+    s_raw, s, q, clipped = map_matrices(
+        lambda x: floored_eigh(x, eig_floor_abs, eig_floor_rel), m.reshape(-1, n, n))
+    lead = m.shape[:-1]
+    return (s_raw.reshape(lead), s.reshape(lead), q.reshape(m.shape),
+            jnp.sum(clipped).astype(jnp.int32))
 
 
 def pi_adjustment(a: jax.Array, g: jax.Array) -> jax.Array:
@@ -176,24 +260,14 @@ def refresh_inverse(
       George et al., `Fast Approximate Natural Gradient Descent in a Kronecker-factored
       Eigenbasis <https://arxiv.org/abs/1806.03884>`_, 2018
     """
-    _check_mode(mode)
+    check_mode(mode)
     damping = jnp.asarray(damping, jnp.float32)
-    s_a_raw, s_a, q_a, clip_a = clipped_eigh(a, eig_floor_abs, eig_floor_rel)
-    s_g_raw, s_g, q_g, clip_g = clipped_eigh(g, eig_floor_abs, eig_floor_rel)
-    stats = SpectrumStats(
-        a_max=jnp.max(s_a_raw), a_min=jnp.min(s_a_raw),
-        g_max=jnp.max(s_g_raw), g_min=jnp.min(s_g_raw),
-        num_clipped=clip_a + clip_g)
-    if mode == "eigen":
-        scale = 1.0 / (s_a[..., :, None] * s_g[..., None, :] + damping)
-        return EigenInverse(q_a=q_a, q_g=q_g, scale=scale), stats
-    pi = pi_adjustment(a.astype(jnp.float32), g.astype(jnp.float32))[..., None]
-    root = jnp.sqrt(damping)
-    inv_a = 1.0 / (s_a + pi * root)
-    inv_g = 1.0 / (s_g + root / pi)
-    a_inv = jnp.matmul(q_a * inv_a[..., None, :], jnp.swapaxes(q_a, -1, -2), precision=_HIGHEST)
-    g_inv = jnp.matmul(q_g * inv_g[..., None, :], jnp.swapaxes(q_g, -1, -2), precision=_HIGHEST)
-    return PiInverse(a_inv=a_inv, g_inv=g_inv), stats
+    shift_a, shift_g = damping_shifts(a, g, damping)
+    refreshed = [refresh_stack(m.reshape(-1, *m.shape[-2:]), shift.reshape(-1), mode,
+                               eig_floor_abs, eig_floor_rel)
+                 for m, shift in ((a, jnp.broadcast_to(shift_a, a.shape[:-2])),
+                                  (g, jnp.broadcast_to(shift_g, g.shape[:-2])))]
+    return assemble_inverse(*refreshed, a.shape, g.shape, damping, mode)
 
 
 def identity_inverse(a_shape: tuple[int, ...], g_shape: tuple[int, ...],
@@ -208,7 +282,7 @@ def identity_inverse(a_shape: tuple[int, ...], g_shape: tuple[int, ...],
     Returns:
       A float32 `PiInverse` (identities) or `EigenInverse` (identities, unit scale).
     """
-    _check_mode(mode)
+    check_mode(mode)
     eye_a = jnp.broadcast_to(jnp.eye(a_shape[-1], dtype=jnp.float32), a_shape)
     eye_g = jnp.broadcast_to(jnp.eye(g_shape[-1], dtype=jnp.float32), g_shape)
     if mode == "eigen":

@@ -1,9 +1,11 @@
 """`scale_by_kfac`: K-FAC as an optax transformation with learning-rate-aware refresh.
 
 The transformation receives each step's batch factors as an extra argument,
-keeps their debiased moving averages (every step, cheap), recomputes the inverses only on
-refresh steps (inside ``lax.cond``: no ``eigh`` on other steps) and applies the cached
-inverses on every step. Before the first refresh the cache is the identity.
+keeps their debiased moving averages (every step, or every ``stats_every``-th), recomputes
+the inverses only on refresh steps (inside ``lax.cond``: no ``eigh`` on other steps) and
+applies the cached inverses on every step, in three functions: `update_factors`,
+`refresh_when_due` and `precondition_blocks`. Before the first refresh the cache is the
+identity.
 
 **Which parameters.** A preconditioned layer is a kernel leaf of the params tree, named by
 its key path (``("l1", "kernel")``; nnx ``Variable.value`` suffixes are ignored). The
@@ -21,9 +23,12 @@ computes the curvature). The factor shapes define the layer:
 
 - ``a`` ``(*stack, d_in', d_in')`` and ``g`` ``(*stack, d_out, d_out)``; leading axes are
   a stack of independent layers (MoE experts ``(E, d_in, d_out)``);
-- the kernel's axes after the stack axes must split, in order, into axes of total size
-  ``d_in`` then ``d_out`` (``(d_model, heads, head_dim)`` works with
-  ``d_out = heads·head_dim``); the kernel gradient is reshaped to ``(d_in, d_out)``;
+- the kernel's axes after the stack axes (permuted first by the template's
+  `LayerCurvature.kernel_axes` when it gives them: a PyTorch ``(out, in)`` kernel, a
+  convolution's ``(H, W, in, out)``; the update comes back in the kernel's own layout)
+  must split, in order, into axes of total size ``d_in`` then ``d_out``
+  (``(d_model, heads, head_dim)`` works with ``d_out = heads·head_dim``); the kernel
+  gradient is reshaped to ``(d_in, d_out)``;
 - ``d_in' = d_in + 1`` means "with bias" (the ``bias_name`` sibling is required).
 
 **Curvature extra argument.** ``update(grads, state, params, curvature=C)`` where ``C`` is
@@ -64,10 +69,11 @@ the products contracting its columns run with its rows split over the ``N`` devi
 those contracting its rows with its columns split, and all-to-alls of each device's
 share move it between the two layouts and back (2x the share per step in ``"pi"`` mode,
 at most 4x in ``"eigen"`` mode); the partitioner alone would gather the whole gradient
-on every device. This applies to 2-D kernels whose sharding splits
-them, as seen on the gradients or, for updates under ``jax.jit``, on the params at
-``init``; replicated gradients (data parallelism), expert stacks, kernels of other ranks
-and dimensions that do not divide by ``N`` are left to the partitioner.
+on every device. This applies to 2-D kernels whose sharding splits them, as seen on the
+gradients or, for updates under ``jax.jit`` on Auto mesh axes, as given by
+``shardings=`` (the params or their shardings); replicated gradients (data parallelism),
+expert stacks, kernels of other ranks and dimensions that do not divide by ``N`` are left
+to the partitioner.
 """
 
 from __future__ import annotations
@@ -81,13 +87,17 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_snoo._src.kfac.blocks import (
+    Block,
+    Names,
     default_specs,
     flatten_nested,
     flatten_params,
+    from_layer,
     match_curvature,
     nested,
     resolve_blocks,
     template_specs,
+    to_layer,
 )
 from optax_snoo._src.kfac.distributed import precondition_split, refresh_all, split_layouts
 from optax_snoo._src.kfac.factors import LayerCurvature
@@ -95,6 +105,7 @@ from optax_snoo._src.kfac.grafting import graft as graft_transform
 from optax_snoo._src.kfac.precondition import (
     MODES,
     EigenInverse,
+    Inverse,
     PiInverse,
     apply_inverse,
     identity_inverse,
@@ -110,8 +121,10 @@ from optax_snoo._src.sharding import concrete_sharding
 from optax_snoo._src.utils import (
     check_non_negative,
     check_unit_interval,
+    concrete_real,
     is_integer,
     is_real,
+    path_names,
 )
 
 GRAFTS = (None, "adam", "sgd")
@@ -199,6 +212,134 @@ def _common_sharding(*xs: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(jax.sharding.reshard(x, P()) for x in xs)
 
 
+def kernel_shardings(shardings: Any) -> dict[Names, NamedSharding | None]:
+    """Key path -> sharding of every leaf of ``shardings`` (see `scale_by_kfac`)."""
+    if shardings is None:
+        return {}
+    pairs = jax.tree_util.tree_flatten_with_path(
+        shardings, is_leaf=lambda x: isinstance(x, NamedSharding | optax.MaskedNode))[0]
+    out = {}
+    for path, leaf in pairs:
+        if isinstance(leaf, NamedSharding):
+            out[path_names(path)] = leaf if leaf.mesh.size > 1 else None
+        elif not isinstance(leaf, optax.MaskedNode):
+            out[path_names(path)] = concrete_sharding(leaf)
+    return out
+
+
+def update_factors(state: ScaleByKfacState, blocks: list[Block], entries: list,
+                   curvature: Any, ema_decay: float, stats_every: int = 1
+                   ) -> tuple[list[LayerCurvature], jax.Array]:
+    """Phase 1: the factor moving averages advanced by this step's batch factors.
+
+    On a statistics step (update count a multiple of ``stats_every``):
+    ``w ← ρᵏ w + 1``, ``F ← (1 - 1/w) F + (1/w) F_batch`` with ``k = stats_every``. Other
+    steps, ``curvature=None`` and a batch with any non-finite factor (dropped whole)
+    leave both unchanged.
+
+    Returns:
+      ``(factors, weight)``: the blocks' factors (in ``blocks`` order) and the EMA weight.
+    """
+    old = flatten_nested(state.factors, LayerCurvature)
+    factors = [old[b.names] for b in blocks]
+    weight = state.factor_weight
+    if curvature is None:
+        return _replicate_under_mesh(factors), weight
+    batch = match_curvature(curvature, blocks, entries)
+    # The test is on the sum of all entries (NaN and ±Inf propagate through a sum): one
+    # fused reduction per factor instead of an isfinite map and an all-reduce (~8x
+    # cheaper on CPU); a sum that overflows float32 also counts as non-finite.
+    use = jnp.isfinite(sum(jnp.sum(x) for c in batch for x in c))
+    if not (is_integer(stats_every) and stats_every == 1):  # (an array under inject_hyperparams)
+        use = use & (state.count % stats_every == 0)
+    new_weight = ema_decay ** stats_every * weight + 1.0
+    new_frac = 1.0 / new_weight
+    factors = [jax.tree.map(lambda old, new: jnp.where(
+        use, (1.0 - new_frac) * old + new_frac * new, old), f, c)
+        for f, c in zip(factors, batch, strict=True)]
+    return _replicate_under_mesh(factors), jnp.where(use, new_weight, weight)
+
+
+def refresh_when_due(state: ScaleByKfacState, blocks: list[Block],
+                     factors: list[LayerCurvature], weight: jax.Array, lr: jax.Array,
+                     policy: RefreshPolicy, damping: jax.Array | float, mode: str,
+                     floors: tuple[float, float], mesh: Any
+                     ) -> tuple[list[Inverse], KfacRefreshEvent]:
+    """Phase 2: the policy's decision and, under ``lax.cond``, the new inverses.
+
+    ``eigh`` runs on refresh steps only (split over ``mesh`` when given, `refresh_all`),
+    and only once statistics exist (``weight > 0``).
+
+    Returns:
+      ``(inverses, event)``: the blocks' cached inverses and the latest refresh event.
+    """
+    count = state.count
+    do_refresh, _, _ = policy_step(policy, count, lr, state.event.step,
+                                   state.event.learning_rate, allowed=weight > 0)
+
+    def recompute(operands):
+        factors, _, event = operands
+        new_inverses, stats = refresh_all(factors, damping, mode, *floors, mesh)
+        extreme = lambda fn, name: (fn(jnp.stack([getattr(s, name) for s in stats]))
+                                    if stats else jnp.zeros((), jnp.float32))
+        new_event = KfacRefreshEvent(
+            count=event.count + 1, step=count, learning_rate=lr,
+            a_max=extreme(jnp.max, "a_max"), a_min=extreme(jnp.min, "a_min"),
+            g_max=extreme(jnp.max, "g_max"), g_min=extreme(jnp.min, "g_min"),
+            num_clipped=sum((s.num_clipped for s in stats), jnp.zeros((), jnp.int32)))
+        return new_inverses, new_event
+
+    def keep(operands):
+        _, inverses, event = operands
+        return inverses, event
+
+    old = flatten_nested(state.inverses, (PiInverse, EigenInverse))
+    inverses, event = jax.lax.cond(
+        do_refresh, recompute, keep,
+        (factors, [old[b.names] for b in blocks], state.event))
+    return _replicate_under_mesh(inverses), event
+
+
+def precondition_blocks(entries: list, blocks: list[Block], inverses: list[Inverse],
+                        shardings: list[NamedSharding | None]) -> list[Any]:
+    """Phase 3: every block's kernel (and bias) gradient times its cached inverse.
+
+    A kernel with a sharding that `split_layouts` accepts is preconditioned where it
+    lives (`precondition_split`); the others through `apply_inverse` as the partitioner
+    places them. Other leaves pass through.
+
+    Returns:
+      The flat leaves of the update.
+    """
+    leaves = [leaf for _, leaf in entries]
+    for b, inverse, sharding in zip(blocks, inverses, shardings, strict=True):
+        kernel = leaves[b.kernel]
+        grad = jnp.reshape(to_layer(kernel, b.kernel_axes),
+                           (*b.stack, b.d_in, b.d_out)).astype(jnp.float32)
+        layouts = None if sharding is None else split_layouts(sharding, b.d_in, b.d_out)
+        if layouts is not None:
+            bias = None if b.bias is None else leaves[b.bias]
+            out_w, out_b = precondition_split(
+                inverse, grad,
+                None if bias is None else jnp.reshape(bias, (b.d_out,)).astype(jnp.float32),
+                sharding, layouts)
+            leaves[b.kernel] = out_w.astype(kernel.dtype)
+            if bias is not None:
+                leaves[b.bias] = jnp.reshape(out_b, bias.shape).astype(bias.dtype)
+            continue
+        if b.bias is not None:
+            bias_row = jnp.reshape(leaves[b.bias], (*b.stack, 1, b.d_out))
+            grad, bias_row = _common_sharding(grad, bias_row.astype(jnp.float32))
+            grad = jnp.concatenate([grad, bias_row], axis=-2)
+        out = apply_inverse(inverse, grad)
+        leaves[b.kernel] = from_layer(out[..., :b.d_in, :], b.kernel_axes,
+                                      kernel.shape).astype(kernel.dtype)
+        if b.bias is not None:
+            bias = leaves[b.bias]
+            leaves[b.bias] = jnp.reshape(out[..., b.d_in, :], bias.shape).astype(bias.dtype)
+    return leaves
+
+
 # ------------------------------------------------------------------------ the transform
 def scale_by_kfac(
     damping: optax.ScalarOrSchedule = 1e-3,
@@ -213,6 +354,8 @@ def scale_by_kfac(
     distributed_refresh: bool = True,
     mesh: Any = None,
     distributed_precondition: bool = True,
+    shardings: Any = None,
+    stats_every: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC preconditioning direction (no learning rate, no sign).
 
@@ -253,6 +396,17 @@ def scale_by_kfac(
       distributed_precondition: precondition each split 2-D kernel's gradient where it
         lives (see the module docstring); False: as the partitioner chooses (it
         gathers each such gradient whole on every device).
+      shardings: where the kernels live, for updates under ``jax.jit`` on Auto mesh axes
+        (whose traced gradients do not carry it): the params (arrays or
+        ``jax.ShapeDtypeStruct`` s with shardings) or a tree of their ``NamedSharding`` s,
+        with the params' key paths. None: only what the gradients carry (concrete
+        arrays, or tracers on Explicit axes).
+      stats_every: ``k >= 1``: the factor EMAs advance only on updates whose count is a
+        multiple of ``k`` (kfac-jax's ``curvature_update_period``), each with decay
+        ``ρᵏ`` (``w ← ρᵏ w + 1``, ``F ← (1 - 1/w) F + (1/w) F_batch``), so the average
+        keeps its memory in steps: a batch ``j`` steps old weighs ``ρʲ`` either way. The
+        ``curvature`` of other updates is ignored (a trainer computes it only on
+        statistics steps).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state `ScaleByKfacState`.
@@ -288,6 +442,11 @@ def scale_by_kfac(
     check_non_negative("damping", damping)
     check_non_negative("eig_floor_abs", eig_floor_abs)
     check_non_negative("eig_floor_rel", eig_floor_rel)
+    known_every = concrete_real(stats_every)
+    if (callable(stats_every) or isinstance(stats_every, bool | float)
+            or (known_every is not None
+                and (known_every < 1 or known_every != int(known_every)))):
+        raise ValueError(f"stats_every must be an int >= 1, got {stats_every!r}.")
     if is_integer(refresh):
         refresh = every(int(refresh))
     if not callable(refresh):
@@ -297,7 +456,9 @@ def scale_by_kfac(
         raise ValueError(f"bias_name must be a string, got {bias_name!r}.")
     lr_schedule = learning_rate
 
-    def _refresh_mesh():
+    known_shardings = kernel_shardings(shardings)
+
+    def refresh_mesh():
         if not distributed_refresh:
             return None
         if mesh is not None:
@@ -305,21 +466,27 @@ def scale_by_kfac(
         context = jax.sharding.get_abstract_mesh()
         return None if context.empty else context
 
-    # Each kernel's sharding as init saw it (concrete params), for updates traced under
-    # jax.jit, where Auto mesh axes leave it out of the gradients' types.
-    seen_shardings: dict[Any, Any] = {}
-
-    def kernel_sharding(block, grad):
+    def sharding_of(block, grad):
         """The sharding to precondition ``grad`` in (None: leave it to the partitioner)."""
-        if not distributed_precondition or block.stack or grad.ndim != 2:
+        if (not distributed_precondition or block.stack or grad.ndim != 2
+                or block.kernel_axes is not None):
             return None
-        sharding = concrete_sharding(grad) or seen_shardings.get(block.names)
+        sharding = concrete_sharding(grad) or known_shardings.get(block.names)
         context = jax.sharding.get_abstract_mesh()
         if sharding is not None and not context.empty and (
                 context.axis_names != sharding.mesh.axis_names
                 or context.axis_sizes != sharding.mesh.axis_sizes):
-            return None  # recorded on another mesh than the one this update runs on
+            return None  # given for another mesh than the one this update runs on
         return sharding
+
+    def learning_rate_now(learning_rate, count):
+        if learning_rate is not None:
+            return jnp.asarray(learning_rate, jnp.float32)
+        if lr_schedule is not None or not needs_learning_rate(refresh):
+            return learning_rate_at(lr_schedule, count)
+        raise ValueError(
+            f"refresh policy {refresh!r} reads the learning rate: pass learning_rate= "
+            "to scale_by_kfac (the schedule) or to update (the current value).")
 
     def init_fn(params):
         entries, _ = flatten_params(params)
@@ -332,14 +499,10 @@ def scale_by_kfac(
         factors, inverses = {}, {}
         for b in blocks:
             kernel = entries[b.kernel][1]
-            sharding = concrete_sharding(kernel)
-            if sharding is not None:
-                seen_shardings[b.names] = sharding
-            elif not isinstance(kernel, jax.core.Tracer):  # a traced init keeps the record
-                seen_shardings.pop(b.names, None)
             factors[b.names] = LayerCurvature(
                 a=_replicated_like(jnp.zeros(b.a_shape, jnp.float32), kernel),
-                g=_replicated_like(jnp.zeros(b.g_shape, jnp.float32), kernel))
+                g=_replicated_like(jnp.zeros(b.g_shape, jnp.float32), kernel),
+                kernel_axes=b.kernel_axes)
             inverses[b.names] = jax.tree.map(
                 lambda x, k=kernel: _replicated_like(x, k),
                 identity_inverse(b.a_shape, b.g_shape, mode))
@@ -356,97 +519,21 @@ def scale_by_kfac(
                 "factors, see optax_snoo.kfac.value_grad_and_stats); pass curvature=None "
                 "explicitly for a step without statistics.")
         entries, treedef = flatten_params(updates)
-        old_factors = flatten_nested(state.factors, LayerCurvature)
-        old_inverses = flatten_nested(state.inverses, (PiInverse, EigenInverse))
-        specs = {n: (tuple(f.a.shape), tuple(f.g.shape)) for n, f in old_factors.items()}
+        specs = {n: (tuple(f.a.shape), tuple(f.g.shape), f.kernel_axes)
+                 for n, f in flatten_nested(state.factors, LayerCurvature).items()}
         blocks = resolve_blocks(specs, entries, bias_name)
-
-        # (1) factor moving averages.
-        factors = [old_factors[b.names] for b in blocks]
-        weight = state.factor_weight
-        if curvature is not None:
-            batch = match_curvature(curvature, blocks, entries)
-            # A batch with any NaN/Inf factor is dropped whole (factors and weight kept),
-            # so non-finite statistics never reach the inverses or the params. The test is
-            # on the sum of all entries (NaN and ±Inf propagate through a sum): one fused
-            # reduction per factor instead of an isfinite map and an all-reduce (~8x
-            # cheaper on CPU); a sum that overflows float32 also counts as non-finite.
-            finite = jnp.isfinite(sum(jnp.sum(x) for c in batch for x in c))
-            new_weight = ema_decay * weight + 1.0
-            new_frac = 1.0 / new_weight
-            factors = [jax.tree.map(lambda old, new: jnp.where(
-                finite, (1.0 - new_frac) * old + new_frac * new, old), f, c)
-                for f, c in zip(factors, batch, strict=True)]
-            weight = jnp.where(finite, new_weight, weight)
-
-        # (2) refresh decision and, under lax.cond, the inverses.
-        count = state.count
-        if learning_rate is not None:
-            lr = jnp.asarray(learning_rate, jnp.float32)
-        elif lr_schedule is not None or not needs_learning_rate(refresh):
-            lr = learning_rate_at(lr_schedule, count)
-        else:
-            raise ValueError(
-                f"refresh policy {refresh!r} reads the learning rate: pass learning_rate= "
-                "to scale_by_kfac (the schedule) or to update (the current value).")
-        do_refresh, _, _ = policy_step(refresh, count, lr, state.event.step,
-                                       state.event.learning_rate, allowed=weight > 0)
-        lam = damping(count) if callable(damping) else damping
-
-        def recompute(operands):
-            factors, _, event = operands
-            new_inverses, stats = refresh_all(factors, lam, mode, eig_floor_abs,
-                                              eig_floor_rel, _refresh_mesh())
-            extreme = lambda fn, name: (fn(jnp.stack([getattr(s, name) for s in stats]))
-                                        if stats else jnp.zeros((), jnp.float32))
-            new_event = KfacRefreshEvent(
-                count=event.count + 1, step=count, learning_rate=lr,
-                a_max=extreme(jnp.max, "a_max"), a_min=extreme(jnp.min, "a_min"),
-                g_max=extreme(jnp.max, "g_max"), g_min=extreme(jnp.min, "g_min"),
-                num_clipped=sum((s.num_clipped for s in stats), jnp.zeros((), jnp.int32)))
-            return new_inverses, new_event
-
-        def keep(operands):
-            _, inverses, event = operands
-            return inverses, event
-
-        factors = _replicate_under_mesh(factors)
-        inverses, event = jax.lax.cond(
-            do_refresh, recompute, keep,
-            (factors, [old_inverses[b.names] for b in blocks], state.event))
-        inverses = _replicate_under_mesh(inverses)
-
-        # (3) precondition with the cached inverses.
-        leaves = [leaf for _, leaf in entries]
-        for b, inverse in zip(blocks, inverses, strict=True):
-            kernel = leaves[b.kernel]
-            grad = jnp.reshape(kernel, (*b.stack, b.d_in, b.d_out)).astype(jnp.float32)
-            sharding = kernel_sharding(b, kernel)
-            layouts = None if sharding is None else split_layouts(sharding, b.d_in, b.d_out)
-            if layouts is not None:
-                bias = None if b.bias is None else leaves[b.bias]
-                out_w, out_b = precondition_split(
-                    inverse, grad,
-                    None if bias is None else jnp.reshape(bias, (b.d_out,)).astype(jnp.float32),
-                    sharding, layouts)
-                leaves[b.kernel] = out_w.astype(kernel.dtype)
-                if bias is not None:
-                    leaves[b.bias] = jnp.reshape(out_b, bias.shape).astype(bias.dtype)
-                continue
-            if b.bias is not None:
-                bias_row = jnp.reshape(leaves[b.bias], (*b.stack, 1, b.d_out))
-                grad, bias_row = _common_sharding(grad, bias_row.astype(jnp.float32))
-                grad = jnp.concatenate([grad, bias_row], axis=-2)
-            out = apply_inverse(inverse, grad)
-            leaves[b.kernel] = jnp.reshape(out[..., :b.d_in, :], kernel.shape).astype(
-                kernel.dtype)
-            if b.bias is not None:
-                bias = leaves[b.bias]
-                leaves[b.bias] = jnp.reshape(out[..., b.d_in, :], bias.shape).astype(bias.dtype)
-
+        factors, weight = update_factors(state, blocks, entries, curvature, ema_decay,
+                                         stats_every)
+        lr = learning_rate_now(learning_rate, state.count)
+        lam = damping(state.count) if callable(damping) else damping
+        inverses, event = refresh_when_due(
+            state, blocks, factors, weight, lr, refresh, lam, mode,
+            (eig_floor_abs, eig_floor_rel), refresh_mesh())
+        leaves = precondition_blocks(
+            entries, blocks, inverses, [sharding_of(b, entries[b.kernel][1]) for b in blocks])
         names = [b.names for b in blocks]
         new_state = ScaleByKfacState(
-            count=optax.safe_increment(count), factor_weight=weight,
+            count=optax.safe_increment(state.count), factor_weight=weight,
             factors=nested(dict(zip(names, factors, strict=True))),
             inverses=nested(dict(zip(names, inverses, strict=True))), event=event)
         return jax.tree_util.tree_unflatten(treedef, leaves), new_state
@@ -475,6 +562,8 @@ def kfac(
     distributed_refresh: bool = True,
     mesh: Any = None,
     distributed_precondition: bool = True,
+    shardings: Any = None,
+    stats_every: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC optimizer: `scale_by_kfac`, optional grafting, momentum, weight decay, LR.
 
@@ -510,6 +599,8 @@ def kfac(
         ``jax.set_mesh`` around the update, if any (else nothing is split).
       distributed_precondition: precondition each split kernel's gradient where it
         lives (see `scale_by_kfac`).
+      shardings: where the kernels live under ``jax.jit`` (see `scale_by_kfac`).
+      stats_every: advance the factor EMAs every this many updates (see `scale_by_kfac`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -538,7 +629,8 @@ def kfac(
         damping=damping, ema_decay=ema_decay, refresh=refresh, learning_rate=learning_rate,
         mode=mode, eig_floor_abs=eig_floor_abs, eig_floor_rel=eig_floor_rel, layers=layers,
         bias_name=bias_name, distributed_refresh=distributed_refresh, mesh=mesh,
-        distributed_precondition=distributed_precondition)
+        distributed_precondition=distributed_precondition, shardings=shardings,
+        stats_every=stats_every)
     if graft == "adam":
         direction = graft_transform(optax.scale_by_adam(b1=0.0, b2=b2, eps=eps), direction)
     elif graft == "sgd":
