@@ -47,12 +47,12 @@ def _losses(history) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
 
-# adamw data-parallel; snoo_muon and kfac with the params sharded over fsdp (8 devices),
-# so Muon's whole-matrix Newton-Schulz and K-FAC's distributed refresh run across hosts;
-# snoo_adamw as DiLoCo, one replica per process (fsdp over its 4 devices); its restore
-# takes one device per replica.
+# snoo_muon and kfac with the params sharded over fsdp (8 devices), so Muon's whole-matrix
+# Newton-Schulz and K-FAC's distributed refresh run across hosts; snoo_adamw as DiLoCo, one
+# replica per process (fsdp over its 4 devices; the sync's all-reduce crosses hosts as a
+# data-parallel gradient's would: plain data parallelism across processes is the token
+# shards test below); its restore takes one device per replica.
 @pytest.mark.parametrize("optimizer,mesh", [
-    ("adamw", dict(mesh_data=-1)),
     ("snoo_muon", dict(mesh_data=1, mesh_fsdp=-1)),
     ("kfac", dict(mesh_data=1, mesh_fsdp=-1)),
     ("snoo_adamw", dict(mesh_diloco=2, mesh_data=1, mesh_fsdp=-1)),
