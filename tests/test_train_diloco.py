@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from test_train import tiny as train_tiny
 
 import train
 from benchmarks import diloco as bench
@@ -23,13 +24,10 @@ pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def tiny(corpus, out_dir, **overrides) -> tc.TrainConfig:
-    base = dict(
-        n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
-        max_iters=8, lr_decay_iters=10, eval_interval=4, eval_iters=2, log_interval=1,
-        checkpoint_every=4, mesh_diloco=2, mesh_data=1, mesh_fsdp=2, num_samples=0,
-        progress=False, data=str(corpus), out_dir=str(out_dir))
-    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+    """test_train's tiny run as two DiLoCo replicas of 2 fsdp devices each."""
+    base = dict(lr_decay_iters=10, mesh_diloco=2, mesh_fsdp=2, vocab_multiple=None,
+                out_dir=str(out_dir))
+    return train_tiny(corpus, Path(out_dir), **{**base, **overrides})
 
 
 def losses(out: Path) -> list[tuple]:
