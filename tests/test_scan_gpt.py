@@ -1,6 +1,7 @@
 """The GPT with ``scan_layers=True`` (blocks stacked ``(n_layer, ...)`` and run by
 ``nnx.scan``) against the same GPT unrolled: the same loss, and under K-FAC the same
-per-layer factors and the same preconditioned update of every block kernel."""
+per-layer factors and the same preconditioned update of every block kernel; the trainer's
+``--scan_layers`` runs with K-FAC and Muon."""
 
 import dataclasses
 
@@ -8,10 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import models
+import optax_snoo
+import train
 from optax_snoo import kfac
+from train import config as tc
+from train.kfac_trainer import kfac_curvature_fn
+from train.optimizers import decay_mask
 
 N_LAYER = 2
 
@@ -98,3 +105,37 @@ def test_scanned_gpt_matches_the_unrolled_gpt():
                                     np.vstack([u["kernel"], u["bias"][None]]),
                                     f"{path} layer {i} update [W; b]")
     _assert_close_blockwise(upd_s["wte"]["embedding"], upd_u["wte"]["embedding"], "wte")
+
+
+def _tiny_run(corpus, tmp_path, **overrides):
+    base = dict(
+        n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
+        learning_rate=1e-2, min_lr=1e-3, warmup_iters=3, max_iters=12, lr_decay_iters=12,
+        eval_interval=6, eval_iters=2, log_interval=5, checkpoint_every=100, mesh_data=1,
+        num_samples=0, progress=False, bias=True, scan_layers=True, kfac_interval=3,
+        kfac_first=1, vocab_multiple=8, data=str(corpus), out_dir=str(tmp_path / "run"))
+    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+
+
+def test_scanned_gpt_trains_with_kfac_and_muon(corpus, tmp_path):
+    """``--scan_layers``: K-FAC keeps per-layer factors of the stacked kernels, Muon
+    takes them as stacks of matrices, AdamW decays neither the stacked LayerNorm scales nor
+    the biases; each run's validation loss falls. QK-clip is refused."""
+    cfg = models.GPTConfig(n_layer=2, n_embd=16, n_head=2, bias=True, scan_layers=True)
+    params = nnx.to_pure_dict(nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    mask = decay_mask(params)
+    assert mask["blocks"]["attn"]["c_q"]["kernel"] and mask["wte"]["embedding"]
+    assert not mask["blocks"]["ln_1"]["scale"] and not mask["blocks"]["mlp"]["c_fc"]["bias"]
+    labels = optax_snoo.labels.muon_adam_labels(params)
+    assert labels["blocks"]["mlp"]["c_fc"]["kernel"] == "muon"
+    assert labels["blocks"]["ln_2"]["bias"] == labels["blocks"]["attn"]["c_q"]["bias"] == "adam"
+    assert kfac_curvature_fn(params).layers == tuple(sorted(
+        f"blocks/{k}/kernel" for k in
+        ("attn/c_q", "attn/c_k", "attn/c_v", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")))
+
+    for optimizer in ("kfac", "muon"):
+        config = _tiny_run(corpus, tmp_path / optimizer, optimizer=optimizer)
+        evals = [h["val_loss"] for h in train.run(config).history if "val_loss" in h]
+        assert evals[-1] < evals[0] - 0.3, (optimizer, evals)
+    with pytest.raises(ValueError, match="scan_layers"):
+        tc.model_config(_tiny_run(corpus, tmp_path, optimizer="muon", qk_clip_tau=100.0), 32)
