@@ -80,7 +80,8 @@ class GPTConfig:
             them with ``nnx.scan``, so the block is traced and compiled once, not
             ``n_layer`` times (as MaxText and levanter do). The same function as the
             unrolled model for the same per-layer weights (:func:`models.stack_blocks`
-            converts); dense models only (every block must be the same), without
+            converts; initialised from per-layer splits of the seed, so not the unrolled
+            model's draws); dense models only (every block must be the same), without
             ``max_logits``.
     """
 

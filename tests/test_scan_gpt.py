@@ -64,11 +64,12 @@ def _kfac_step(model, tokens_BT, targets_BT):
 
 
 def test_scanned_gpt_matches_the_unrolled_gpt():
-    """With the unrolled weights stacked (``models.stack_blocks``): the same loss, every
+    """With the unrolled weights stacked (``models.stack_blocks``): the same logits (with
+    dropout, and decoding with a cache), the same loss, every
     block kernel captured as a scanned stack with its bias, its factors ``(L, ...)`` the
     unrolled layers' and its K-FAC update (kernel and bias) theirs, in float64; the
     parameters are annotated with the replicated ``"layers"`` axis."""
-    cfg = models.GPTConfig(n_layer=N_LAYER, n_head=2, n_embd=16, block_size=8,
+    cfg = models.GPTConfig(n_layer=N_LAYER, n_head=2, n_embd=16, block_size=8, dropout=0.1,
                            vocab_size=13, bias=True, dtype="float32")
     unrolled = models.GPT(cfg, rngs=nnx.Rngs(0))
     scanned = models.GPT(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(1))
@@ -82,6 +83,18 @@ def test_scanned_gpt_matches_the_unrolled_gpt():
 
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, cfg.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1)
+    key = jax.random.key(1)  # dropout: the scan folds in the same per-layer keys
+    _assert_close_blockwise(scanned(tokens, dropout_key=key), unrolled(tokens, dropout_key=key),
+                            "logits with dropout", rtol=1e-6)
+    (logits_s, cache_s), (logits_u, cache_u) = (
+        m.decode(tokens[:, :5], m.init_cache(2), 0) for m in (scanned, unrolled))
+    _assert_close_blockwise(logits_s, logits_u, "decode logits", rtol=1e-6)
+    assert len(cache_s) == N_LAYER
+    for i in range(N_LAYER):
+        _assert_close_blockwise(cache_s[i].k, cache_u[i].k, f"cached keys {i}", rtol=1e-6)
+    with pytest.raises(ValueError, match="moe_every"):
+        dataclasses.replace(cfg, scan_layers=True, moe_every=1)
+
     loss_u, stats_u, curv_u, upd_u = _kfac_step(unrolled, tokens, targets)
     loss_s, stats_s, curv_s, upd_s = _kfac_step(scanned, tokens, targets)
     np.testing.assert_allclose(_f64(loss_s), _f64(loss_u), rtol=1e-6)
