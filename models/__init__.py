@@ -17,7 +17,7 @@ from models.attention import (
 )
 from models.config import GPTConfig
 from models.generate import generate, sample_token
-from models.gpt import GPT, Block, forward
+from models.gpt import GPT, Block, forward, stack_blocks
 from models.layers import MLP, Dense, LayerNorm
 from models.moe import Experts, MoE, Routing, load_balance_loss, route, router_z_loss
 from models.sharding import LOGICAL_AXES, logical_rules
@@ -45,4 +45,5 @@ __all__ = [
     "route",
     "router_z_loss",
     "sample_token",
+    "stack_blocks",
 ]

@@ -16,7 +16,7 @@ MLP_KINDS = ("gelu", "swiglu")
 #: How attention is computed (``GPTConfig.attention``; see :func:`models.resolve_attention`).
 ATTENTION_KINDS = ("auto", "handwritten", "xla", "cudnn")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-_BOOLS = ("bias", "tie_embeddings")
+_BOOLS = ("bias", "tie_embeddings", "scan_layers")
 _REALS = ("dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
@@ -75,6 +75,14 @@ class GPTConfig:
             QK-clip's max logits), ``"xla"`` (autodiff of ``jax.nn.dot_product_attention``),
             ``"cudnn"`` (its fused cuDNN flash attention: NVIDIA GPUs, bf16/fp16) or
             ``"auto"`` (by backend: :func:`models.resolve_attention`).
+        scan_layers: build the blocks as one stack (every block parameter gets a leading
+            layer axis ``(n_layer, ...)``, logical name ``"layers"``, replicated) and run
+            them with ``nnx.scan``, so the block is traced and compiled once, not
+            ``n_layer`` times (as MaxText and levanter do). The same function as the
+            unrolled model for the same per-layer weights (:func:`models.stack_blocks`
+            converts; initialised from per-layer splits of the seed, so not the unrolled
+            model's draws); dense models only (every block must be the same), without
+            ``max_logits``.
     """
 
     vocab_size: int = _field(65, "number of token ids (the trainer sets it from the corpus)")
@@ -101,6 +109,8 @@ class GPTConfig:
     attention: str = _field("auto", "attention implementation (auto: handwritten on CPU, "
                             "cudnn on a GPU where it fits, else xla; a compute choice: a run "
                             "may resume with another)", choices=ATTENTION_KINDS)
+    scan_layers: bool = _field(False, "stack the blocks (params (n_layer, ...)) and run them "
+                               "with nnx.scan: compiles one block (dense models only)")
 
     def __post_init__(self):
         def positive(name):
@@ -148,6 +158,11 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.moe_every must be in [0, n_layer={self.n_layer}] (0 = dense), "
                 f"got {self.moe_every!r}."
+            )
+        if self.scan_layers and self.moe_every:
+            raise ValueError(
+                f"GPTConfig.scan_layers=True needs identical blocks: moe_every must be 0 "
+                f"(dense), got {self.moe_every!r}."
             )
         if self.top_k > self.n_experts:
             raise ValueError(

@@ -73,6 +73,11 @@ class GPT(nnx.Module):
       (+ ``w_gate`` for SwiGLU);
     - ``ln_f/scale`` (``/bias``) and, untied only, ``lm_head/kernel`` ``(D, V)``.
 
+    With ``config.scan_layers`` the blocks are one stack: ``blocks/<i>/...`` becomes
+    ``blocks/...`` with a leading ``(n_layer, ...)`` axis (logical name ``"layers"``,
+    replicated), run by ``nnx.scan`` (one block compiled, not ``n_layer``); the function
+    is the unrolled model's for the same per-layer weights (:func:`stack_blocks`).
+
     Init as nanoGPT: ``N(0, 0.02)`` for matrices and embeddings, ``0.02 / sqrt(2 n_layer)``
     for residual output projections (``c_proj``, ``w_proj``), zeros for biases, ones for
     LayerNorm scales. The residual stream, LayerNorms and logits are float32; matmuls run
@@ -111,7 +116,10 @@ class GPT(nnx.Module):
         D, dt = config.n_embd, config.params_dtype
         self.wte = Embed(config.vocab_size, D, names=("vocab", "embed"), param_dtype=dt, rngs=rngs)
         self.wpe = Embed(config.block_size, D, names=(None, "embed"), param_dtype=dt, rngs=rngs)
-        self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.n_layer)])
+        if config.scan_layers:
+            self.blocks = _stacked_blocks(config, rngs)
+        else:
+            self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.n_layer)])
         self.ln_f = LayerNorm(D, bias=config.bias, param_dtype=dt)
         self.lm_head = None if config.tie_embeddings else Dense(
             D, config.vocab_size, names=("embed", "vocab"), dtype=config.compute_dtype,
@@ -191,6 +199,22 @@ class GPT(nnx.Module):
         x_BTD = self.wte(tokens_BT).astype(jnp.float32) + self.wpe(pos_T).astype(jnp.float32)
         if dropout_key is not None:
             x_BTD = dropout(x_BTD, cfg.dropout, jax.random.fold_in(dropout_key, cfg.n_layer))
+        if cfg.scan_layers:
+            x_BTD, new_cache = self._scan_blocks(x_BTD, cache, pos, dropout_key, dropless,
+                                                 max_logits)
+        else:
+            x_BTD, new_cache = self._unrolled_blocks(x_BTD, cache, pos, dropout_key, dropless,
+                                                     max_logits)
+        x_BTD = self.ln_f(x_BTD).astype(cfg.compute_dtype)
+        if self.lm_head is None:
+            wte_VD = self.wte.embedding[...].astype(cfg.compute_dtype)
+            logits_BTV = matmul(x_BTD, wte_VD, transpose_w=True,
+                                preferred_element_type=jnp.float32)
+        else:
+            logits_BTV = self.lm_head(x_BTD)
+        return logits_BTV.astype(jnp.float32), new_cache
+
+    def _unrolled_blocks(self, x_BTD, cache, pos, dropout_key, dropless, max_logits):
         new_cache = []
         for i, block in enumerate(self.blocks):
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
@@ -203,14 +227,70 @@ class GPT(nnx.Module):
                 max_logits=max_logits,
             )
             new_cache.append(layer_cache)
-        x_BTD = self.ln_f(x_BTD).astype(cfg.compute_dtype)
-        if self.lm_head is None:
-            wte_VD = self.wte.embedding[...].astype(cfg.compute_dtype)
-            logits_BTV = matmul(x_BTD, wte_VD, transpose_w=True,
-                                preferred_element_type=jnp.float32)
-        else:
-            logits_BTV = self.lm_head(x_BTD)
-        return logits_BTV.astype(jnp.float32), None if cache is None else tuple(new_cache)
+        return x_BTD, None if cache is None else tuple(new_cache)
+
+    def _scan_blocks(self, x_BTD, cache, pos, dropout_key, dropless, max_logits):
+        if max_logits:
+            raise ValueError("max_logits=True needs the unrolled blocks (a scan cannot sow "
+                             "per-layer values); build the GPT with scan_layers=False.")
+        # The caches travel as one stacked (L, ...) pair, a slice per step, like the weights.
+        cache_L = None if cache is None else jax.tree.map(lambda *c: jnp.stack(c), *cache)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
+        def body(x_BTD, block, layer, layer_cache):
+            # The same key per layer as the unrolled loop's fold_in(dropout_key, i).
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
+            return block(x_BTD, dropout_key=key, cache=layer_cache, pos=pos, dropless=dropless)
+
+        layers = jnp.arange(self.config.n_layer, dtype=jnp.uint32)
+        x_BTD, new_cache_L = body(x_BTD, self.blocks, layers, cache_L)
+        if cache is None:
+            return x_BTD, None
+        return x_BTD, tuple(KVCache(new_cache_L.k[i], new_cache_L.v[i]) for i in range(len(cache)))
+
+
+def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs) -> Block:
+    """``n_layer`` blocks as one :class:`Block` whose parameters have a leading layer axis
+    (logical name ``"layers"``), each layer drawn from its own split of ``rngs``."""
+
+    @nnx.split_rngs(splits=config.n_layer)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return Block(config, 0, rngs=rngs)
+
+    return make(rngs)
+
+
+def stack_blocks(params: dict) -> dict:
+    """An unrolled GPT's parameters as the scanned GPT's (``scan_layers=True``).
+
+    Args:
+      params: ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` of a GPT built with
+        ``scan_layers=False``: ``params["blocks"]`` maps each layer index to that block's
+        parameters.
+
+    Returns:
+      The same dict with ``params["blocks"]`` one block's tree whose leaves stack the
+      layers ``(n_layer, ...)`` in order, for ``nnx.replace_by_pure_dict`` on a GPT built
+      with ``scan_layers=True`` (the same function of its input).
+
+    Example:
+      >>> import dataclasses
+      >>> from flax import nnx
+      >>> import models
+      >>> cfg = models.GPTConfig(n_layer=2)
+      >>> unrolled = models.GPT(cfg, rngs=nnx.Rngs(0))
+      >>> scanned = models.GPT(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(0))
+      >>> params = models.stack_blocks(nnx.to_pure_dict(nnx.state(unrolled, nnx.Param)))
+      >>> state = nnx.state(scanned, nnx.Param)
+      >>> nnx.replace_by_pure_dict(state, params)
+      >>> nnx.update(scanned, state)
+      >>> scanned.blocks.attn.c_q.kernel.shape
+      (2, 128, 128)
+    """
+    blocks = params["blocks"]
+    layers = [blocks[i] for i in sorted(blocks, key=int)]
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
 
 
 def forward(

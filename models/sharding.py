@@ -15,6 +15,7 @@ and the rules, which shards the parameters as they are created).
 | vocab        | the vocabulary (``wte``, ``lm_head``)           | tensor            |
 | expert       | the expert axis of expert stacks                | None (replicated) |
 | expert_mlp   | the hidden width of expert stacks               | tensor            |
+| layers       | the layer axis of scanned blocks (scan_layers)  | None (replicated) |
 
 LayerNorm scales/biases, the position table's row axis and the router's expert axis
 are ``None`` (replicated): they are small.
@@ -30,6 +31,7 @@ LOGICAL_AXES: tuple[str, ...] = (
     "vocab",
     "expert",
     "expert_mlp",
+    "layers",
 )
 
 LogicalRules = tuple[tuple[str, str | None], ...]
@@ -86,4 +88,5 @@ def logical_rules(
         ("vocab", tensor_axis),
         ("expert", expert_axis),
         ("expert_mlp", expert_mlp),
+        ("layers", None),  # each device holds every layer's slice; the scan walks them
     )

@@ -574,7 +574,8 @@ def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
     Raises:
       ValueError: a `mesh_tensor` that does not divide the padded vocabulary (the vocab
         axis is sharded over it), naming the `--vocab_multiple` to pass; an `--attention`
-        that cannot run here (`cudnn` off a GPU, `xla` or `cudnn` with QK-clip).
+        that cannot run here (`cudnn` off a GPU, `xla` or `cudnn` with QK-clip);
+        `scan_layers` with QK-clip (a scan cannot return each layer's max logits).
     """
     multiple = config.data.vocab_multiple
     if multiple is None:
@@ -585,6 +586,10 @@ def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
         raise ValueError(f"mesh_tensor={tensor} does not divide the vocabulary of {padded} "
                          f"(--vocab_multiple={config.data.vocab_multiple}); pass "
                          f"--vocab_multiple={math.lcm(multiple, tensor)}")
+    if config.model.scan_layers and config.optimizer.qk_clip_tau > 0:
+        raise ValueError(f"--scan_layers cannot run with --qk_clip_tau="
+                         f"{config.optimizer.qk_clip_tau}: QK-clip needs each layer's max "
+                         f"logits, which the scanned blocks do not return; drop one of them")
     attention = resolve_attention(config.model, max_logits=config.optimizer.qk_clip_tau > 0)
     return dataclasses.replace(config.model, vocab_size=padded, attention=attention)
 

@@ -133,7 +133,8 @@ def _kfac_layers(params: optax.Params) -> dict:
     leaves = jax.tree_util.tree_flatten_with_path(
         params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]
     paths = [optax_snoo.labels.path_to_str(p) for p, leaf in leaves
-             if not isinstance(leaf, optax.MaskedNode) and leaf.ndim >= 2]
+             if not isinstance(leaf, optax.MaskedNode) and leaf.ndim >= 2
+             and not optax_snoo.labels.path_to_str(p).endswith("/bias")]  # (L, d): scanned
     return kfac_lib.layers_from_params(params, paths)
 
 
@@ -170,7 +171,9 @@ def kfac_curvature_fn(params: optax.Params, stride: int = 1, experts: bool = Fal
         missing = sorted(set(layers) - set(stats))
         if missing:
             raise ValueError(f"the model captured no K-FAC statistics for {missing}")
-        num_tokens = next(s.inputs.shape[-2] for s in stats.values() if s.inputs.ndim == 2)
+        # A dense layer's N, or a scanned one's (each layer of the stack sees all tokens).
+        num_tokens = next(s.inputs.shape[-2] for s in stats.values()
+                          if s.inputs.ndim == 2 + s.scanned)
         return kfac_lib.curvature_from_stats(
             {path: stats[path] for path in layers}, num_tokens=num_tokens,
             token_stride=stride, token_offset=jnp.asarray(step, jnp.int32) % stride)

@@ -227,8 +227,12 @@ def clipping(config: TrainConfig) -> optax.GradientTransformation:
 
 
 def decay_mask(params: optax.Params) -> optax.Params:
-    """nanoGPT's decay mask: True on leaves with >= 2 axes (matrices, embeddings)."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """nanoGPT's decay mask: True on leaves with >= 2 axes (matrices, embeddings), but
+    never on LayerNorm scales and biases (stacked `(n_layer, D)` by `--scan_layers`)."""
+    def decays(path, p):
+        return p.ndim >= 2 and optax_snoo.labels.path_to_str(path).rsplit("/", 1)[-1] not in (
+            "scale", "bias")
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def adamw_group(config: TrainConfig) -> optax.GradientTransformation:

@@ -1,0 +1,154 @@
+"""The GPT with ``scan_layers=True`` (blocks stacked ``(n_layer, ...)`` and run by
+``nnx.scan``) against the same GPT unrolled: the same loss, and under K-FAC the same
+per-layer factors and the same preconditioned update of every block kernel; the trainer's
+``--scan_layers`` runs with K-FAC and Muon."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+import optax_snoo
+import train
+from optax_snoo import kfac
+from train import config as tc
+from train.kfac_trainer import kfac_curvature_fn
+from train.optimizers import decay_mask
+
+N_LAYER = 2
+
+
+def _f64(x):
+    return np.asarray(x, np.float64)
+
+
+def _assert_close_blockwise(actual, expected, what, rtol=1e-5):
+    """``max |actual - expected| <= rtol * max |expected|`` over the whole block: the two
+    programs are the same float32 arithmetic fused differently, so entries agree to the
+    block's scale, not each to its own (``c_k``'s bias gradient is zero up to rounding:
+    a key bias shifts every logit of a query alike, which the softmax ignores)."""
+    actual, expected = _f64(actual), _f64(expected)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    error, scale = np.max(np.abs(actual - expected)), np.max(np.abs(expected))
+    assert scale > 0 and error <= rtol * scale, (what, error, scale)
+
+
+def _kfac_step(model, tokens_BT, targets_BT):
+    """Loss, batch factors and one K-FAC direction (refresh at step 0) of ``model``; the
+    factors and gradients go to the transform in float64, so its inversion adds no
+    float32 rounding to the comparison."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+
+    def loss_fn(p):
+        state = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(state, p)
+        logits_BTV = nnx.merge(graphdef, state)(tokens_BT)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
+
+    loss, grads, stats = jax.jit(lambda p: kfac.value_grad_and_stats(loss_fn, p))(params)
+    curvature = kfac.curvature_from_stats(stats, num_tokens=tokens_BT.size)
+    with jax.enable_x64(True):
+        curvature64, grads64, params64 = jax.tree.map(
+            lambda x: jnp.asarray(x, jnp.float64), (curvature, grads, params))
+        tx = kfac.scale_by_kfac(damping=1e-2, refresh=kfac.every(1, first=0),
+                                layers=jax.eval_shape(lambda: curvature64))
+        update = jax.jit(lambda g, p, c: tx.update(g, tx.init(p), p, curvature=c)[0])
+        updates = jax.tree.map(_f64, update(grads64, params64, curvature64))
+    return loss, stats, curvature, updates
+
+
+def test_scanned_gpt_matches_the_unrolled_gpt():
+    """With the unrolled weights stacked (``models.stack_blocks``): the same logits (with
+    dropout, and decoding with a cache), the same loss, every
+    block kernel captured as a scanned stack with its bias, its factors ``(L, ...)`` the
+    unrolled layers' and its K-FAC update (kernel and bias) theirs, in float64; the
+    parameters are annotated with the replicated ``"layers"`` axis."""
+    cfg = models.GPTConfig(n_layer=N_LAYER, n_head=2, n_embd=16, block_size=8, dropout=0.1,
+                           vocab_size=13, bias=True, dtype="float32")
+    unrolled = models.GPT(cfg, rngs=nnx.Rngs(0))
+    scanned = models.GPT(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(1))
+    state = nnx.state(scanned, nnx.Param)
+    nnx.replace_by_pure_dict(
+        state, models.stack_blocks(nnx.to_pure_dict(nnx.state(unrolled, nnx.Param))))
+    nnx.update(scanned, state)
+    assert state["blocks"]["attn"]["c_q"]["kernel"].get_metadata()["out_sharding"] == (
+        "layers", "embed", "heads")
+    assert dict(models.logical_rules())["layers"] is None
+
+    tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, cfg.vocab_size)
+    targets = jnp.roll(tokens, -1, axis=1)
+    key = jax.random.key(1)  # dropout: the scan folds in the same per-layer keys
+    _assert_close_blockwise(scanned(tokens, dropout_key=key), unrolled(tokens, dropout_key=key),
+                            "logits with dropout", rtol=1e-6)
+    (logits_s, cache_s), (logits_u, cache_u) = (
+        m.decode(tokens[:, :5], m.init_cache(2), 0) for m in (scanned, unrolled))
+    _assert_close_blockwise(logits_s, logits_u, "decode logits", rtol=1e-6)
+    assert len(cache_s) == N_LAYER
+    for i in range(N_LAYER):
+        _assert_close_blockwise(cache_s[i].k, cache_u[i].k, f"cached keys {i}", rtol=1e-6)
+    with pytest.raises(ValueError, match="moe_every"):
+        dataclasses.replace(cfg, scan_layers=True, moe_every=1)
+
+    loss_u, stats_u, curv_u, upd_u = _kfac_step(unrolled, tokens, targets)
+    loss_s, stats_s, curv_s, upd_s = _kfac_step(scanned, tokens, targets)
+    np.testing.assert_allclose(_f64(loss_s), _f64(loss_u), rtol=1e-6)
+
+    kernels = ("attn/c_q", "attn/c_k", "attn/c_v", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")
+    assert sorted(curv_s) == sorted(["wte/embedding"] + [f"blocks/{k}/kernel" for k in kernels])
+    for k in kernels:
+        path = f"blocks/{k}/kernel"
+        assert stats_s[path].has_bias and stats_s[path].inputs.shape[0] == N_LAYER
+        d_in = stats_u[f"blocks/0/{k}/kernel"].inputs.shape[-1]
+        assert curv_s[path].a.shape == (N_LAYER, d_in + 1, d_in + 1), path
+        for i in range(N_LAYER):
+            for f in ("a", "g"):
+                _assert_close_blockwise(getattr(curv_s[path], f)[i],
+                                        getattr(curv_u[f"blocks/{i}/{k}/kernel"], f),
+                                        f"{path} layer {i} factor {f}")
+            s, u = upd_s["blocks"], upd_u["blocks"][i]
+            for part in k.split("/"):
+                s, u = s[part], u[part]
+            _assert_close_blockwise(np.vstack([s["kernel"][i], s["bias"][i][None]]),
+                                    np.vstack([u["kernel"], u["bias"][None]]),
+                                    f"{path} layer {i} update [W; b]")
+    _assert_close_blockwise(upd_s["wte"]["embedding"], upd_u["wte"]["embedding"], "wte")
+
+
+def _tiny_run(corpus, tmp_path, **overrides):
+    base = dict(
+        n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
+        learning_rate=1e-2, min_lr=1e-3, warmup_iters=3, max_iters=12, lr_decay_iters=12,
+        eval_interval=6, eval_iters=2, log_interval=5, checkpoint_every=100, mesh_data=1,
+        num_samples=0, progress=False, bias=True, scan_layers=True, kfac_interval=3,
+        kfac_first=1, vocab_multiple=8, data=str(corpus), out_dir=str(tmp_path / "run"))
+    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+
+
+def test_scanned_gpt_trains_with_kfac_and_muon(corpus, tmp_path):
+    """``--scan_layers``: K-FAC keeps per-layer factors of the stacked kernels, Muon
+    takes them as stacks of matrices, AdamW decays neither the stacked LayerNorm scales nor
+    the biases; each run's validation loss falls. QK-clip is refused."""
+    cfg = models.GPTConfig(n_layer=2, n_embd=16, n_head=2, bias=True, scan_layers=True)
+    params = nnx.to_pure_dict(nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    mask = decay_mask(params)
+    assert mask["blocks"]["attn"]["c_q"]["kernel"] and mask["wte"]["embedding"]
+    assert not mask["blocks"]["ln_1"]["scale"] and not mask["blocks"]["mlp"]["c_fc"]["bias"]
+    labels = optax_snoo.labels.muon_adam_labels(params)
+    assert labels["blocks"]["mlp"]["c_fc"]["kernel"] == "muon"
+    assert labels["blocks"]["ln_2"]["bias"] == labels["blocks"]["attn"]["c_q"]["bias"] == "adam"
+    assert kfac_curvature_fn(params).layers == tuple(sorted(
+        f"blocks/{k}/kernel" for k in
+        ("attn/c_q", "attn/c_k", "attn/c_v", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")))
+
+    for optimizer in ("kfac", "muon"):
+        config = _tiny_run(corpus, tmp_path / optimizer, optimizer=optimizer)
+        evals = [h["val_loss"] for h in train.run(config).history if "val_loss" in h]
+        assert evals[-1] < evals[0] - 0.3, (optimizer, evals)
+    with pytest.raises(ValueError, match="scan_layers"):
+        tc.model_config(_tiny_run(corpus, tmp_path, optimizer="muon", qk_clip_tau=100.0), 32)
