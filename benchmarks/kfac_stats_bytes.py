@@ -7,6 +7,9 @@ EMA) and a step without statistics (``curvature=None``, what the trainer's steps
 statistics steps run with ``--kfac_stats_every`` > 1: its statistics branch is not
 taken). Both read at their plain (non-refresh) branch (`benchmarks.hlo`). With
 statistics every ``k`` steps a step moves ``(stats + (k - 1) · no_stats) / k`` on average.
+Collective bytes by kind (a reduce-scatter counted at its full input, `benchmarks.hlo`)
+and the factor EMAs' bytes per device, from the compiled step's output shardings (rows
+split over the batch axes: ``kfac(stats_axes=...)``).
 The target of the K-FAC statistics issue is ``2 x (the device's share of the K-FAC
 group's parameters + its share of the factors)``, both ``total / N``.
 
@@ -32,17 +35,19 @@ def measure(tree_name: str, mesh_shape: tuple[int, int, int], every: list[int]) 
     """Bytes of the statistics and no-statistics plain steps on one mesh, amortised."""
     mesh = scaling.make_mesh(mesh_shape)
     tree = scaling.build_tree(tree_name, mesh)
-    cost = {}
+    cost, held = {}, {}
     for statistics in (True, False):
         step = scaling.kfac_stack(tree, mesh, statistics=statistics)
         with jax.set_mesh(mesh):
-            text = jax.jit(step.fn).lower(*step.args).compile().as_text()
-        cost[statistics] = hlo.analyze(text, eigh_branch=False)
+            compiled = jax.jit(step.fn).lower(*step.args).compile()
+        cost[statistics] = hlo.analyze(compiled.as_text(), eigh_branch=False)
+        # Per-device bytes of the factor EMAs the step returns (from its output shardings).
+        out_factors = _factors(compiled.output_shardings[1])
+        held[statistics] = sum(
+            math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+            for x, sh in zip(_factors(step.args[1]), out_factors, strict=True))
     n = math.prod(mesh_shape)
-    state = step.args[1]
-    factors = [x for s in jax.tree.leaves(
-        state, is_leaf=lambda x: hasattr(x, "factors")) if hasattr(s, "factors")
-        for x in jax.tree.leaves(s.factors)]
+    factors = _factors(step.args[1])
     factor_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in factors)
     kfac_params = [x for x, lab in zip(jax.tree.leaves(tree.params),
                                        jax.tree.leaves(_kfac_labels(tree)), strict=True)
@@ -56,12 +61,21 @@ def measure(tree_name: str, mesh_shape: tuple[int, int, int], every: list[int]) 
         "statistics_by_kind_MiB": {k: v / MIB for k, v in cost[True].by_kind.items()},
         "no_statistics_step_MiB": plain / MIB,
         "no_statistics_by_kind_MiB": {k: v / MIB for k, v in cost[False].by_kind.items()},
+        "factors_per_device_MiB": held[True] / MIB,
+        "factors_per_device_no_statistics_MiB": held[False] / MIB,
         "kfac_param_share_MiB": param_bytes / n / MIB,
         "factor_share_MiB": factor_bytes / n / MIB,
         "target_MiB": target / MIB,
         "amortised_MiB": {k: (stats + (k - 1) * plain) / k / MIB for k in every},
         "load": os.getloadavg()[0],
     }
+
+
+def _factors(state) -> list:
+    """The factor EMA leaves of every K-FAC state in ``state`` (or of its shardings)."""
+    has = lambda x: hasattr(x, "factors")
+    return [x for s in jax.tree.leaves(state, is_leaf=has) if has(s)
+            for x in jax.tree.leaves(s.factors)]
 
 
 def _kfac_labels(tree: scaling.Tree):

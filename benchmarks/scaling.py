@@ -273,6 +273,13 @@ def kfac_stack(tree: Tree, mesh, statistics: bool = True) -> Step | None:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s if isinstance(
             s, NamedSharding) else NamedSharding(mesh, P())),
         jax.eval_shape(tx.init, tree.params), shardings)
+    # The factor EMAs where an eager init (the trainer's) puts them: rows split over the
+    # batch axes (`kfac(stats_axes=BATCH_AXES)`).
+    is_state = lambda x: isinstance(x, kfac.ScaleByKfacState)
+    state = jax.tree.map(lambda s: s._replace(factors=jax.tree.map(
+        lambda f: jax.ShapeDtypeStruct(f.shape, f.dtype, sharding=NamedSharding(
+            mesh, kfac.factor_spec(f.shape, mesh, BATCH_AXES))), s.factors))
+        if is_state(s) else s, state, is_leaf=is_state)
 
     def step(grads, state, params, stats):
         curvature = curvature_fn.from_stats(stats, 0) if statistics else None

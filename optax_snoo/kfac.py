@@ -3,6 +3,7 @@
 - `value_grad_and_stats`, `curvature_from_stats`, `describe`: layer statistics of any JAX
   model (read from the loss's jaxpr), the factors they give, and what is captured;
 - `layer_factors`: batch Kronecker factors ``(A, G)`` of a dense layer or expert stack;
+  `factor_spec`: where a factor lives on a mesh (rows split over the batch axes);
 - `refresh_inverse` / `apply_inverse` / `precondition`: one layer's damped inverse;
 - `every`, `by_lr_phase`, `lr_ratio`, `refresh_steps`: when to refresh;
 - `scale_by_kfac`, `kfac`: the transformation and the optimizer alias;
@@ -17,7 +18,7 @@ from optax_snoo._src.kfac.capture import (
     describe,
     value_grad_and_stats,
 )
-from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
+from optax_snoo._src.kfac.factors import LayerCurvature, factor_spec, layer_factors
 from optax_snoo._src.kfac.grafting import GraftState, graft
 from optax_snoo._src.kfac.host import (
     estimate_factors,
@@ -78,6 +79,7 @@ __all__ = [
     "estimate_factors",
     "event_row",
     "every",
+    "factor_spec",
     "graft",
     "identity_inverse",
     "kfac",

@@ -1,7 +1,7 @@
 """The K-FAC refresh split over devices: equal to the replicated refresh, and, read from
 the compiled program, each device eigendecomposes only its share (plus padding), the
-results come back in one all_gather per factor size, and a plain step reduces the factor
-statistics in one all-reduce and runs no eigh."""
+results come back in one all_gather per factor size, a plain step runs no eigh, and the
+factor statistics are reduce-scattered into row-split factor EMAs (`stats_axes`)."""
 
 import math
 
@@ -46,10 +46,48 @@ def test_distributed_refresh_equals_the_replicated_one(mode, n, explicit):
     params = make_params()
     kw = dict(refresh=kfac.every(1, first=0), mode=mode, layers=TEMPLATE, damping=1e-2)
     ref_u, ref_s = _refresh(kfac.scale_by_kfac(distributed_refresh=False, **kw), params)
-    u, s = _refresh(kfac.scale_by_kfac(**kw), params, mesh=_mesh(n, explicit))
+    u, s = _refresh(kfac.scale_by_kfac(stats_axes=("data",), **kw), params,
+                    mesh=_mesh(n, explicit))
     for a, b in zip(jax.tree.leaves((u, s)), jax.tree.leaves((ref_u, ref_s)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert int(s.event.count) == 3
+    # stats_axes: each factor EMA whose rows divide by n keeps 1/n of them per device.
+    for f in jax.tree.leaves(s.factors):
+        split = n if f.shape[-2] % n == 0 else 1
+        assert math.prod(f.sharding.shard_shape(f.shape)) * split == f.size, (f.shape, n)
+
+
+def test_statistics_are_reduce_scattered_into_row_split_factors():
+    """curvature_from_stats(scatter_axes=...) on tokens split over 4 devices: the factors
+    equal the float64 ones, arrive with their rows split (1/4 per device) by one
+    reduce-scatter per factor and no all-reduce; with a bias (d_in + 1 rows) or rows that
+    do not divide, as before (replicated, all-reduce)."""
+    mesh = _mesh(4)
+    rng = np.random.default_rng(0)
+    x, dy = rng.normal(size=(32, 8)), rng.normal(size=(32, 6)) / 32
+    stats = {"l/kernel": kfac.LayerStats(jnp.asarray(x, jnp.float32),
+                                         jnp.asarray(dy, jnp.float32)),
+             "b/kernel": kfac.LayerStats(jnp.asarray(x, jnp.float32),
+                                         jnp.asarray(dy, jnp.float32), has_bias=True)}
+    tokens = NamedSharding(mesh, P("data", None))
+    stats = jax.tree.map(lambda v: jax.device_put(v, tokens), stats)
+    fn = jax.jit(lambda s: kfac.curvature_from_stats(s, scatter_axes=("data",)))
+    with jax.set_mesh(mesh):
+        compiled = fn.lower(stats).compile()
+        out = fn(stats)
+    a, g = x.T @ x / 32, (32 * dy).T @ (32 * dy) / 32
+    np.testing.assert_allclose(out["l/kernel"].a, a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["l/kernel"].g, g, rtol=1e-5, atol=1e-6)
+    xb = np.concatenate([x, np.ones((32, 1))], axis=1)
+    np.testing.assert_allclose(out["b/kernel"].a, xb.T @ xb / 32, rtol=1e-5, atol=1e-6)
+    assert out["l/kernel"].a.sharding.spec == P("data", None)          # 8 rows: 2 each
+    assert out["l/kernel"].g.sharding.spec == P(None, None) or (
+        out["l/kernel"].g.sharding.is_fully_replicated)                # 6 rows: replicated
+    assert out["b/kernel"].a.sharding.is_fully_replicated             # 9 rows (bias)
+    cost = hlo.analyze(compiled.as_text())
+    # Only l's A (8 rows) is reduce-scattered; the Gs (6 rows) and b's A (9) all-reduced.
+    assert cost.by_kind.get("reduce-scatter", 0) == 8 * 8 * 4
+    assert cost.by_kind.get("all-reduce", 0) <= (6 * 6 * 2 + 9 * 9) * 4
 
 
 def _costs(n, mode="pi"):

@@ -7,6 +7,7 @@ Tiny models on a small synthetic corpus; the 8 CPU devices come from conftest.py
 from __future__ import annotations
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -126,27 +127,37 @@ def _assert_factors_close(state, expected):
 
 
 def test_stats_every_reduces_the_factors_only_on_statistics_steps(corpus, tmp_path):
-    """fsdp over 8 devices, --kfac_stats_every=4: the statistics' all-reduce (the whole
-    factors' bytes) is in the branch of statistics steps; the other steps skip it."""
+    """fsdp over 8 devices, --kfac_stats_every=4: the statistics arrive by reduce-scatter
+    (the whole factors' bytes, no all-reduce of them) in the branch of statistics steps,
+    each device keeps 1/8 of every factor EMA, and the other steps skip the collective."""
     config = tiny(corpus, tmp_path, bias=False, mesh_fsdp=8, kfac_stats_every=4)
     mesh, state, step, _, _ = _step_setup(config)
     x = put_batch(np.zeros((1, 8, config.model.block_size), np.int32), batch_sharding(mesh))
-    text = step.lower(state, x, x).compile().as_text()
+    compiled = step.lower(state, x, x).compile()
+    text = compiled.as_text()
     is_state = lambda s: isinstance(s, kfac.ScaleByKfacState)
     factors = [s.factors for s in jax.tree.leaves(state["opt_state"], is_leaf=is_state)
                if is_state(s)]
     factor_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(factors))
-    taken, skipped = (hlo.analyze(text, eigh_branch=False, cheapest=c).by_kind["all-reduce"]
-                      for c in (False, True))
+    costs = [hlo.analyze(text, eigh_branch=False, cheapest=c) for c in (False, True)]
+    scattered, skipped = (c.by_kind.get("reduce-scatter", 0) for c in costs)
     # Not all of factor_bytes: XLA reduces equal factors once (c_q, c_k and c_v share
-    # their input, so their A); the rest of the difference is the update's scalar norms,
-    # which the guard's cheapest branch skips too.
-    assert factor_bytes / 2 < taken - skipped <= factor_bytes + 256
+    # their input, so their A).
+    assert factor_bytes / 2 < scattered <= factor_bytes and skipped == 0
+    # No all-reduce of the factors: only the update's scalars differ between the branches.
+    assert costs[0].by_kind["all-reduce"] - costs[1].by_kind["all-reduce"] <= 256
+    # Each device holds 1/8 of the factors, before the step and after it.
+    out_factors = [s.factors for s in jax.tree.leaves(
+        compiled.output_shardings[0]["opt_state"], is_leaf=is_state) if is_state(s)]
+    for leaf, out in zip(jax.tree.leaves(factors), jax.tree.leaves(out_factors), strict=True):
+        for sharding in (leaf.sharding, out):
+            assert math.prod(sharding.shard_shape(leaf.shape)) * 8 == leaf.size
 
 
 def test_eight_devices_match_one(corpus, tmp_path):
-    """data=2, fsdp=2, tensor=2: the statistics are over the global batch and the factors
-    stay replicated, so the trajectory (through two refreshes) is the 1-device one."""
+    """data=2, fsdp=2, tensor=2: the statistics are over the global batch (reduce-scattered,
+    each factor's rows split over data x fsdp), so the trajectory (through two refreshes)
+    is the 1-device one."""
     # No biases here (as in test_train): the key bias has an exactly zero gradient (softmax
     # ignores a per-query constant), so its (Adam-grafted) updates are rounding noise that
     # differs between programs.
@@ -162,7 +173,9 @@ def test_eight_devices_match_one(corpus, tmp_path):
     assert events[0]["refresh"] == 2  # steps 1 and 4
     factors = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
                if "factors" in jax.tree_util.keystr(path)]
-    assert factors and all(f.sharding.is_fully_replicated for f in factors)
+    # Rows split over data x fsdp (4 devices), replicated over the tensor axis.
+    assert factors and all(
+        math.prod(f.sharding.shard_shape(f.shape)) * 4 == f.size for f in factors)
 
 
 def test_accumulation_averages_the_statistics(corpus, tmp_path):

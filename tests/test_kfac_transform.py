@@ -447,7 +447,7 @@ def test_bad_curvature_and_layers_raise():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mode="exact"), "mode"), (dict(ema_decay=1.0), "ema_decay"),
-    (dict(stats_every=0), "stats_every"),
+    (dict(stats_every=0), "stats_every"), (dict(stats_axes="data"), "stats_axes"),
     (dict(damping=-1.0), "damping"), (dict(eig_floor_rel=-1.0), "eig_floor_rel"),
     (dict(refresh="often"), "refresh"),
 ])

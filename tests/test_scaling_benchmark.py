@@ -47,8 +47,9 @@ TINY_MOE = ("shakespeare_char_cpu@n_layer=2@n_embd=64@n_head=2@block_size=16@bat
 def test_kfac_rows_refresh_split_and_targets():
     """The trainer's kfac stack on a tiny MoE GPT (experts preconditioned): the refresh
     row holds every factor's eigh at N=1 and its share at N=8, the plain row none; on a
-    data-only mesh the plain step's one collective is the factor statistics' all-reduce;
-    the refresh's per-device FLOPs meet the target at every N."""
+    data-only mesh the plain step's collectives are the factor statistics' reduce-scatters
+    (dense kernels) and all-reduces (expert stacks, scalars); the refresh's per-device
+    FLOPs meet the target at every N."""
     rows = []
     for shape in [(1, 1, 1), (2, 1, 1), (1, 4, 1), (2, 4, 1)]:
         rows += scaling.measure(TINY_MOE, shape, ["kfac"])
@@ -61,7 +62,9 @@ def test_kfac_rows_refresh_split_and_targets():
     eight = by[("2x4x1", "kfac refresh")]["eigh"]
     assert eight == {d: math.ceil(k / 8) for d, k in single.items()}
     assert all(not r["eigh"] for r in rows if r["step"] == "kfac")
-    assert by[("2x1x1", "kfac")]["counts"] == {"all-reduce": 1}
+    counts = by[("2x1x1", "kfac")]["counts"]
+    # A and G of each dense kernel (2 x 4 attention, 1 dense MLP x 2): one each.
+    assert set(counts) == {"all-reduce", "reduce-scatter"} and counts["reduce-scatter"] == 20
     targets = scaling.check_kfac_targets(rows)
     assert len(targets) == 4 and all("FAIL" not in t for t in targets), targets
     assert f"| {TINY_MOE} | 2x4x1 | 8 |" in scaling.kfac_markdown(rows)

@@ -52,7 +52,7 @@ from train.optimizers import (
     register,
     with_snoo,
 )
-from train.sharding import batch_sharding, replicated
+from train.sharding import BATCH_AXES, batch_sharding, replicated
 from train.step import compiler_options, cross_entropy
 
 if TYPE_CHECKING:
@@ -122,7 +122,8 @@ def _kfac_group(config: TrainConfig, params: Any = None) -> optax.GradientTransf
         weight_decay=a.weight_decay, weight_decay_mask=decay_mask, ema_decay=k.ema_decay,
         refresh=kfac_refresh_policy(config), mode=k.mode,
         graft=None if k.graft == "none" else k.graft, b2=a.beta2, eps=a.eps,
-        layers=_kfac_layers, shardings=params, stats_every=k.stats_every)
+        layers=_kfac_layers, shardings=params, stats_every=k.stats_every,
+        stats_axes=BATCH_AXES)
     return optax_snoo.labels.partition(
         {"kfac": hidden, "adamw": adamw_group(config)},
         optax_snoo.labels.label_by_rules(kfac_rules(k.experts)))
@@ -157,7 +158,9 @@ def kfac_curvature_fn(params: optax.Params, stride: int = 1, experts: bool = Fal
     per-expert factors for expert stacks), the `curvature=` argument of `kfac`. With
     `stride > 1` the dense factors come from every `stride`-th token (offset `step %
     stride`: all tokens over `stride` steps), dividing their cost by `stride`; `g = M·dy`
-    keeps `M` the number of tokens of the loss.
+    keeps `M` the number of tokens of the loss. Under a mesh the dense factors are
+    reduce-scattered over the batch axes (`BATCH_AXES`), rows split as `kfac`'s
+    `stats_axes` keeps their EMAs.
     """
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"kfac_stats_stride={stride!r}: expected an int >= 1")
@@ -176,7 +179,8 @@ def kfac_curvature_fn(params: optax.Params, stride: int = 1, experts: bool = Fal
                           if s.inputs.ndim == 2 + s.scanned)
         return kfac_lib.curvature_from_stats(
             {path: stats[path] for path in layers}, num_tokens=num_tokens,
-            token_stride=stride, token_offset=jnp.asarray(step, jnp.int32) % stride)
+            token_stride=stride, token_offset=jnp.asarray(step, jnp.int32) % stride,
+            scatter_axes=BATCH_AXES)
 
     return CurvatureFn(layers, from_stats)
 

@@ -66,7 +66,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -816,6 +816,7 @@ def curvature_from_stats(
     num_tokens: int | jax.Array | None = None,
     token_stride: int = 1,
     token_offset: int | jax.Array = 0,
+    scatter_axes: Sequence[str] | None = None,
 ) -> dict[str, LayerCurvature]:
     r"""The ``curvature=`` argument of `kfac` / `scale_by_kfac` from captured statistics.
 
@@ -845,6 +846,9 @@ def curvature_from_stats(
         used once). ``N`` must be divisible by it. Stacked layers use all their slots
         (each expert already sees a fraction of the tokens).
       token_offset: first token used (``0 <= offset < token_stride``), may be traced.
+      scatter_axes: the mesh axes splitting the tokens: dense factors come back with
+        their rows split over them by one reduce-scatter (`layer_factors`), for
+        `scale_by_kfac` with the same ``stats_axes``. None: as the partitioner places them.
 
     Returns:
       A dict from kernel path to `LayerCurvature` (float32, with the kernel's
@@ -903,6 +907,6 @@ def curvature_from_stats(
             f = jax.vmap(functools.partial(layer_factors, has_bias=s.has_bias,
                                            num_tokens=m))(x, dy)
         else:
-            f = layer_factors(x, dy, s.has_bias, num_tokens=m)
+            f = layer_factors(x, dy, s.has_bias, num_tokens=m, scatter_axes=scatter_axes)
         out[path] = LayerCurvature(f.a, f.g, s.kernel_axes)
     return out

@@ -14,8 +14,9 @@ XLA:CPU one-matrix-at-a-time workaround) and `precondition.assemble_inverse` (th
 `EigenInverse` scale), the same functions `optax_snoo.kfac.refresh_inverse` runs for one
 layer.
 
-The factors themselves stay replicated (the batch statistics are reduced over the data
-axes where they are computed); only the eigendecompositions are split. kfac-jax splits
+The factors arrive replicated, or with their rows split over the batch axes
+(`scale_by_kfac(stats_axes=...)`): the stack is made replicated first (an all-gather
+of the row-split factors, on refresh steps only), then each device slices its share. kfac-jax splits
 its inverse computations over (pmap) devices in the same way.
 
 `precondition_split` applies a cached inverse to a gradient split over the same mesh

@@ -54,9 +54,13 @@ them with the accumulated gradient.
 the ``learning_rate`` extra argument when given (the trainer's current LR), else from the
 ``learning_rate`` schedule given at construction, evaluated at the update count.
 
-**Sharding.** Factors and cached inverses are small and replicated: `init` places them
-replicated on the mesh of sharded (concrete) params, and inside ``jax.set_mesh(mesh)``
-every update constrains them to stay replicated (without a mesh context XLA chooses).
+**Sharding.** Cached inverses are replicated, and so are the factors unless
+``stats_axes`` names the mesh's batch axes: then each factor EMA keeps its rows split
+over them (`factor_spec`: ``1/N`` of it per device), the layout in which
+`curvature_from_stats(..., scatter_axes=...)` reduce-scatters the batch factors, so the
+EMA update is elementwise where they arrive. `init` places them so on the mesh of
+sharded (concrete) params, and inside ``jax.set_mesh(mesh)`` every update constrains
+them to stay so (without a mesh context XLA chooses).
 Gradients keep their sharding. On a refresh step with a mesh (``jax.set_mesh`` around
 the update, or ``mesh=``) of ``N`` devices, the eigendecompositions are split: the
 factors of all layers (and experts) are grouped by size, each group's stack is split over
@@ -100,7 +104,7 @@ from optax_snoo._src.kfac.blocks import (
     to_layer,
 )
 from optax_snoo._src.kfac.distributed import precondition_split, refresh_all, split_layouts
-from optax_snoo._src.kfac.factors import LayerCurvature
+from optax_snoo._src.kfac.factors import LayerCurvature, factor_spec
 from optax_snoo._src.kfac.grafting import graft as graft_transform
 from optax_snoo._src.kfac.precondition import (
     MODES,
@@ -184,21 +188,27 @@ def _initial_event() -> KfacRefreshEvent:
         num_clipped=jnp.zeros((), jnp.int32))
 
 
-def _replicated_like(x: jax.Array, leaf: Any) -> jax.Array:
-    """Place a factor-sized array replicated on the mesh of a sharded (concrete) param."""
+def _placed_like(x: jax.Array, leaf: Any, axes: tuple[str, ...] | None = None) -> jax.Array:
+    """Place a factor-sized array on the mesh of a sharded (concrete) param: rows split
+    over ``axes`` where `factor_spec` allows (the factor EMAs), else replicated."""
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
         sharding = leaf.sharding
         if isinstance(sharding, NamedSharding):
-            return jax.device_put(x, NamedSharding(sharding.mesh, P()))
+            spec = factor_spec(x.shape, sharding.mesh, axes)
+            return jax.device_put(x, NamedSharding(sharding.mesh, spec))
     return x
 
 
-def _replicate_under_mesh(tree: Any) -> Any:
-    """Inside ``jax.set_mesh(...)``, constrain factor-sized arrays to be replicated (else XLA
-    may shard them after the first update); without a mesh context, leave placement to XLA."""
-    if jax.sharding.get_abstract_mesh().empty:
+def _keep_under_mesh(tree: Any, axes: tuple[str, ...] | None = None) -> Any:
+    """Inside ``jax.set_mesh(...)``, constrain factor-sized arrays to their `factor_spec`
+    over ``axes`` (replicated without axes: else XLA may shard them after the first
+    update); without a mesh context, leave placement to XLA."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
         return tree
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+    put = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+    return jax.tree.map(lambda x: put(x, factor_spec(x.shape, mesh, axes)), tree)
 
 
 def _common_sharding(*xs: jax.Array) -> tuple[jax.Array, ...]:
@@ -228,14 +238,17 @@ def kernel_shardings(shardings: Any) -> dict[Names, NamedSharding | None]:
 
 
 def update_factors(state: ScaleByKfacState, blocks: list[Block], entries: list,
-                   curvature: Any, ema_decay: float, stats_every: int = 1
+                   curvature: Any, ema_decay: float, stats_every: int = 1,
+                   stats_axes: tuple[str, ...] | None = None
                    ) -> tuple[list[LayerCurvature], jax.Array]:
     """Phase 1: the factor moving averages advanced by this step's batch factors.
 
     On a statistics step (update count a multiple of ``stats_every``):
     ``w ← ρᵏ w + 1``, ``F ← (1 - 1/w) F + (1/w) F_batch`` with ``k = stats_every``. Other
     steps, ``curvature=None`` and a batch with any non-finite factor (dropped whole)
-    leave both unchanged.
+    leave both unchanged. The factors keep their `factor_spec` over ``stats_axes`` (an
+    elementwise update of row-split arrays: no collective when the batch factors arrive
+    so, as `layer_factors` with ``scatter_axes`` gives them).
 
     Returns:
       ``(factors, weight)``: the blocks' factors (in ``blocks`` order) and the EMA weight.
@@ -244,7 +257,7 @@ def update_factors(state: ScaleByKfacState, blocks: list[Block], entries: list,
     factors = [old[b.names] for b in blocks]
     weight = state.factor_weight
     if curvature is None:
-        return _replicate_under_mesh(factors), weight
+        return _keep_under_mesh(factors, stats_axes), weight
     batch = match_curvature(curvature, blocks, entries)
     # The test is on the sum of all entries (NaN and ±Inf propagate through a sum): one
     # fused reduction per factor instead of an isfinite map and an all-reduce (~8x
@@ -257,7 +270,7 @@ def update_factors(state: ScaleByKfacState, blocks: list[Block], entries: list,
     factors = [jax.tree.map(lambda old, new: jnp.where(
         use, (1.0 - new_frac) * old + new_frac * new, old), f, c)
         for f, c in zip(factors, batch, strict=True)]
-    return _replicate_under_mesh(factors), jnp.where(use, new_weight, weight)
+    return _keep_under_mesh(factors, stats_axes), jnp.where(use, new_weight, weight)
 
 
 def refresh_when_due(state: ScaleByKfacState, blocks: list[Block],
@@ -297,7 +310,7 @@ def refresh_when_due(state: ScaleByKfacState, blocks: list[Block],
     inverses, event = jax.lax.cond(
         do_refresh, recompute, keep,
         (factors, [old[b.names] for b in blocks], state.event))
-    return _replicate_under_mesh(inverses), event
+    return _keep_under_mesh(inverses), event
 
 
 def precondition_blocks(entries: list, blocks: list[Block], inverses: list[Inverse],
@@ -356,6 +369,7 @@ def scale_by_kfac(
     distributed_precondition: bool = True,
     shardings: Any = None,
     stats_every: int = 1,
+    stats_axes: tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC preconditioning direction (no learning rate, no sign).
 
@@ -407,6 +421,11 @@ def scale_by_kfac(
         keeps its memory in steps: a batch ``j`` steps old weighs ``ρʲ`` either way. The
         ``curvature`` of other updates is ignored (a trainer computes it only on
         statistics steps).
+      stats_axes: the mesh axes that split the batch (e.g. ``("data", "fsdp")``): each
+        factor EMA ``(*stack, d, d)`` keeps its rows split over them (each device holds
+        ``1/N`` of it) where ``d`` divides by their devices (`factor_spec`), the layout
+        in which `curvature_from_stats` with the same ``scatter_axes`` reduce-scatters
+        the batch factors. None: factors replicated.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state `ScaleByKfacState`.
@@ -454,6 +473,11 @@ def scale_by_kfac(
                          f"{refresh!r}.")
     if not isinstance(bias_name, str):
         raise ValueError(f"bias_name must be a string, got {bias_name!r}.")
+    if stats_axes is not None:
+        if isinstance(stats_axes, str) or not all(isinstance(a, str) for a in stats_axes):
+            raise ValueError(f"stats_axes must be a tuple of mesh axis names, got "
+                             f"{stats_axes!r}.")
+        stats_axes = tuple(stats_axes)
     lr_schedule = learning_rate
 
     known_shardings = kernel_shardings(shardings)
@@ -500,11 +524,11 @@ def scale_by_kfac(
         for b in blocks:
             kernel = entries[b.kernel][1]
             factors[b.names] = LayerCurvature(
-                a=_replicated_like(jnp.zeros(b.a_shape, jnp.float32), kernel),
-                g=_replicated_like(jnp.zeros(b.g_shape, jnp.float32), kernel),
+                a=_placed_like(jnp.zeros(b.a_shape, jnp.float32), kernel, stats_axes),
+                g=_placed_like(jnp.zeros(b.g_shape, jnp.float32), kernel, stats_axes),
                 kernel_axes=b.kernel_axes)
             inverses[b.names] = jax.tree.map(
-                lambda x, k=kernel: _replicated_like(x, k),
+                lambda x, k=kernel: _placed_like(x, k),
                 identity_inverse(b.a_shape, b.g_shape, mode))
         return ScaleByKfacState(
             count=jnp.zeros((), jnp.int32), factor_weight=jnp.zeros((), jnp.float32),
@@ -523,7 +547,7 @@ def scale_by_kfac(
                  for n, f in flatten_nested(state.factors, LayerCurvature).items()}
         blocks = resolve_blocks(specs, entries, bias_name)
         factors, weight = update_factors(state, blocks, entries, curvature, ema_decay,
-                                         stats_every)
+                                         stats_every, stats_axes)
         lr = learning_rate_now(learning_rate, state.count)
         lam = damping(state.count) if callable(damping) else damping
         inverses, event = refresh_when_due(
@@ -564,6 +588,7 @@ def kfac(
     distributed_precondition: bool = True,
     shardings: Any = None,
     stats_every: int = 1,
+    stats_axes: tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC optimizer: `scale_by_kfac`, optional grafting, momentum, weight decay, LR.
 
@@ -601,6 +626,7 @@ def kfac(
         lives (see `scale_by_kfac`).
       shardings: where the kernels live under ``jax.jit`` (see `scale_by_kfac`).
       stats_every: advance the factor EMAs every this many updates (see `scale_by_kfac`).
+      stats_axes: the mesh axes the factor EMAs' rows are split over (see `scale_by_kfac`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -630,7 +656,7 @@ def kfac(
         mode=mode, eig_floor_abs=eig_floor_abs, eig_floor_rel=eig_floor_rel, layers=layers,
         bias_name=bias_name, distributed_refresh=distributed_refresh, mesh=mesh,
         distributed_precondition=distributed_precondition, shardings=shardings,
-        stats_every=stats_every)
+        stats_every=stats_every, stats_axes=stats_axes)
     if graft == "adam":
         direction = graft_transform(optax.scale_by_adam(b1=0.0, b2=b2, eps=eps), direction)
     elif graft == "sgd":
