@@ -236,14 +236,19 @@ class GPT(nnx.Module):
         # The caches travel as one stacked (L, ...) pair, a slice per step, like the weights.
         cache_L = None if cache is None else jax.tree.map(lambda *c: jnp.stack(c), *cache)
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
-        def body(x_BTD, block, layer, layer_cache):
+        # jax.lax.scan over the blocks' split state rather than nnx.scan over the module:
+        # nnx.scan refuses a module captured from an outer trace (the sampler's decode loop).
+        graphdef, blocks_L = nnx.split(self.blocks)
+
+        def body(x_BTD, xs):
+            block_state, layer, layer_cache = xs
             # The same key per layer as the unrolled loop's fold_in(dropout_key, i).
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
-            return block(x_BTD, dropout_key=key, cache=layer_cache, pos=pos, dropless=dropless)
+            return nnx.merge(graphdef, block_state)(
+                x_BTD, dropout_key=key, cache=layer_cache, pos=pos, dropless=dropless)
 
         layers = jnp.arange(self.config.n_layer, dtype=jnp.uint32)
-        x_BTD, new_cache_L = body(x_BTD, self.blocks, layers, cache_L)
+        x_BTD, new_cache_L = jax.lax.scan(body, x_BTD, (blocks_L, layers, cache_L))
         if cache is None:
             return x_BTD, None
         return x_BTD, tuple(KVCache(new_cache_L.k[i], new_cache_L.v[i]) for i in range(len(cache)))

@@ -133,7 +133,8 @@ def _tiny_run(corpus, tmp_path, **overrides):
 def test_scanned_gpt_trains_with_kfac_and_muon(corpus, tmp_path):
     """``--scan_layers``: K-FAC keeps per-layer factors of the stacked kernels, Muon
     takes them as stacks of matrices, AdamW decays neither the stacked LayerNorm scales nor
-    the biases; each run's validation loss falls. QK-clip is refused."""
+    the biases; each run's validation loss falls, and the muon run samples (the decode loop
+    traces the scanned blocks inside its own loop). QK-clip is refused."""
     cfg = models.GPTConfig(n_layer=2, n_embd=16, n_head=2, bias=True, scan_layers=True)
     params = nnx.to_pure_dict(nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
     mask = decay_mask(params)
@@ -146,9 +147,12 @@ def test_scanned_gpt_trains_with_kfac_and_muon(corpus, tmp_path):
         f"blocks/{k}/kernel" for k in
         ("attn/c_q", "attn/c_k", "attn/c_v", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")))
 
-    for optimizer in ("kfac", "muon"):
-        config = _tiny_run(corpus, tmp_path / optimizer, optimizer=optimizer)
-        evals = [h["val_loss"] for h in train.run(config).history if "val_loss" in h]
+    for optimizer, samples in (("kfac", 0), ("muon", 1)):
+        config = _tiny_run(corpus, tmp_path / optimizer, optimizer=optimizer,
+                           num_samples=samples, sample_tokens=8)
+        result = train.run(config)
+        evals = [h["val_loss"] for h in result.history if "val_loss" in h]
         assert evals[-1] < evals[0] - 0.3, (optimizer, evals)
+    assert (result.out_dir / "samples.txt").read_text().strip()
     with pytest.raises(ValueError, match="scan_layers"):
         tc.model_config(_tiny_run(corpus, tmp_path, optimizer="muon", qk_clip_tau=100.0), 32)
