@@ -77,7 +77,7 @@ class GPTConfig:
             ``"auto"`` (by backend: :func:`models.resolve_attention`).
         scan_layers: build the blocks as one stack (every block parameter gets a leading
             layer axis ``(n_layer, ...)``, logical name ``"layers"``, replicated) and run
-            them with ``nnx.scan``, so the block is traced and compiled once, not
+            them with ``jax.lax.scan``, so the block is traced and compiled once, not
             ``n_layer`` times (as MaxText and levanter do). The same function as the
             unrolled model for the same per-layer weights (:func:`models.stack_blocks`
             converts; initialised from per-layer splits of the seed, so not the unrolled
@@ -110,7 +110,7 @@ class GPTConfig:
                             "cudnn on a GPU where it fits, else xla; a compute choice: a run "
                             "may resume with another)", choices=ATTENTION_KINDS)
     scan_layers: bool = _field(False, "stack the blocks (params (n_layer, ...)) and run them "
-                               "with nnx.scan: compiles one block (dense models only)")
+                               "with jax.lax.scan: compiles one block (dense models only)")
 
     def __post_init__(self):
         def positive(name):

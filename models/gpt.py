@@ -75,7 +75,7 @@ class GPT(nnx.Module):
 
     With ``config.scan_layers`` the blocks are one stack: ``blocks/<i>/...`` becomes
     ``blocks/...`` with a leading ``(n_layer, ...)`` axis (logical name ``"layers"``,
-    replicated), run by ``nnx.scan`` (one block compiled, not ``n_layer``); the function
+    replicated), run by ``jax.lax.scan`` (one block compiled, not ``n_layer``); the function
     is the unrolled model's for the same per-layer weights (:func:`stack_blocks`).
 
     Init as nanoGPT: ``N(0, 0.02)`` for matrices and embeddings, ``0.02 / sqrt(2 n_layer)``
