@@ -34,7 +34,7 @@ from train.config import config_from_dict, flat_dict, override
 from train.errors import run_cli
 from train.optimizers import build_optimizer
 from train.sharding import make_mesh
-from train.step import ModelDef, create_train_state
+from train.step import ModelDef, create_train_state, is_step_count
 from train.tokenizer import Tokenizer, from_meta
 
 __all__ = ["generate_text", "load_model", "load_params", "main"]
@@ -124,9 +124,8 @@ def _stacked_like(tree, replicas: int):
     """Abstract `tree` with a leading axis of `replicas` on every leaf but the integer
     scalars (the layout `train.step.create_train_state` gives DiLoCo replicas)."""
     def stacked(x):
-        if x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype, sharding=x.sharding)
+        shape = x.shape if is_step_count(x) else (replicas, *x.shape)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
 
     return jax.tree.map(stacked, tree)
 

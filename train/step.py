@@ -109,8 +109,10 @@ def create_train_state(gpt_config: models.GPTConfig, tx: optax.GradientTransform
     return ModelDef(graphdef, rest, gpt_config), state
 
 
-def _is_count(x: Any) -> bool:
-    return jnp.ndim(x) == 0 and jnp.issubdtype(jnp.result_type(x), jnp.integer)
+def is_step_count(x: Any) -> bool:
+    """Whether a state leaf (array or abstract) is an integer scalar, a step count: kept
+    once for all DiLoCo replicas (as `optax_snoo.over_replicas` keeps it), not stacked."""
+    return x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer)
 
 
 def _stack_replicas(tree: Any, mesh: Mesh) -> Any:
@@ -118,10 +120,10 @@ def _stack_replicas(tree: Any, mesh: Mesh) -> Any:
     size M sharded over `diloco` (the rest of its sharding kept)."""
     replicas = replica_axis(mesh)
     shardings = tree_shardings(tree, mesh)
-    stacked = jax.tree.map(lambda x, s: s if _is_count(x) else jax.sharding.NamedSharding(
+    stacked = jax.tree.map(lambda x, s: s if is_step_count(x) else jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(REPLICA_AXIS, *s.spec)), tree, shardings)
     stack = lambda t: jax.tree.map(
-        lambda x: x if _is_count(x) else jnp.broadcast_to(x, (replicas, *jnp.shape(x))), t)
+        lambda x: x if is_step_count(x) else jnp.broadcast_to(x, (replicas, *jnp.shape(x))), t)
     return jax.jit(stack, out_shardings=stacked)(tree)
 
 
