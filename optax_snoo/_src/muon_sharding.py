@@ -341,7 +341,7 @@ def plan_groups(shapes: Sequence[tuple[int, ...]], axes: Sequence[tuple[int, int
     local = []
     unknown = tuple(unknown) or (False,) * len(shapes)
     spread = None if mesh is None else tuple(
-        a for a, n in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if n > 1)
+        a for a, n in mesh.shape.items() if n > 1)
     for i, (shape, ax, sharding) in enumerate(zip(shapes, axes, shardings, strict=True)):
         entries = None if sharding is None else spec_entries(sharding, len(shape))
         if unknown[i] and spread:
@@ -417,18 +417,14 @@ def _parts(group: Group, mesh: Any) -> list[tuple[Leaf, ...]]:
             else [group.leaves])
 
 
-def _sizes(mesh: Any) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-
-
 def _split_axes(entry: Any, mesh: Any) -> tuple[str, ...]:
-    sizes = _sizes(mesh)
+    sizes = mesh.shape
     return tuple(a for a in axes_of(entry) if sizes[a] > 1)
 
 
 def _piece_grid(group: Group, mesh: Any) -> tuple[int, int]:
     """(R, C): how many pieces the rows and the columns of a matrix are split into."""
-    sizes = _sizes(mesh)
+    sizes = mesh.shape
     return (math.prod(sizes[a] for a in _split_axes(group.spec[1], mesh)),
             math.prod(sizes[a] for a in _split_axes(group.spec[2], mesh)))
 
@@ -466,7 +462,7 @@ def plan_exchanges(groups: Sequence[Group], mesh: Any) -> list[Exchange]:
     Returns:
       The exchanges, each covering some of `groups`.
     """
-    sizes = _sizes(mesh)
+    sizes = mesh.shape
     classes: dict[tuple[tuple[str, ...], tuple[str, ...]], list[Group]] = {}
     for group in groups:
         split = set(_split_axes(group.spec[1], mesh) + _split_axes(group.spec[2], mesh))
@@ -503,7 +499,7 @@ def plan_exchanges(groups: Sequence[Group], mesh: Any) -> list[Exchange]:
 def _chunk_order(group: Group, pieces: tuple[str, ...], mesh: Any) -> np.ndarray:
     """For each piece of a matrix, (row block, column block) in row-major order, the
     index along `pieces` (flattened in that order) of the device holding it."""
-    sizes = _sizes(mesh)
+    sizes = mesh.shape
     row_axes, col_axes = _split_axes(group.spec[1], mesh), _split_axes(group.spec[2], mesh)
     order = []
     for pr in np.ndindex(*[sizes[a] for a in row_axes]):
@@ -548,7 +544,7 @@ def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array],
     index among the distinct lists of shapes owners hold; none where all hold the same),
     the pieces back (one all-to-all) and, where axes replicate the matrices, one
     all-gather of the results. The code is the same in every slice of the stacks."""
-    sizes = _sizes(mesh)
+    sizes = mesh.shape
     n_p = math.prod(sizes[a] for a in ex.pieces)
     n_k = math.prod(sizes[a] for a in ex.rep)
     _, length = ex.offsets(mesh)

@@ -52,5 +52,5 @@ def axes_of(entry: Any) -> tuple[str, ...]:
 
 def is_split(entries: Sequence[Any], mesh: Any) -> bool:
     """Whether some entry of a spec splits its axis (names a mesh axis of size > 1)."""
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    sizes = mesh.shape
     return any(sizes[a] > 1 for e in entries for a in axes_of(e))

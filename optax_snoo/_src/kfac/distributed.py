@@ -155,7 +155,7 @@ def split_layouts(sharding: Any, d_in: int, d_out: int) -> tuple[P, P, P] | None
     if not isinstance(sharding, NamedSharding):
         return None
     mesh = sharding.mesh
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    sizes = mesh.shape
     big = lambda axes: tuple(a for a in axes if sizes[a] > 1)
     spec = spec_entries(sharding, 2)
     s_in, s_out = big(axes_of(spec[0])), big(axes_of(spec[1]))

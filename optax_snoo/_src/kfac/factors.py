@@ -97,7 +97,7 @@ def factor_spec(shape: Sequence[int], mesh: Any, axes: Sequence[str] | None) -> 
     """
     if not axes or mesh is None or mesh.empty or len(shape) < 2:
         return P()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    sizes = mesh.shape
     axes = tuple(a for a in axes if sizes.get(a, 1) > 1)
     if not axes or shape[-2] % math.prod(sizes[a] for a in axes):
         return P()
