@@ -57,6 +57,7 @@ from optax_snoo._src.utils import (
     check_non_negative,
     check_unit_interval,
     path_to_str,
+    value_at,
 )
 from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
@@ -508,7 +509,7 @@ def scale_by_muon(
         mus = treedef.flatten_up_to(state.mu)
         leaf_axes = [_normalized_axes(jnp.shape(g), axes) for g in grads]
 
-        beta_t = _at(beta, count)
+        beta_t = value_at(beta, count)
         moments = [_momentum(g, m, beta_t, count, nesterov=nesterov,
                              bias_correction=bias_correction, mu_dtype=mu_dtype)
                    for g, m in zip(grads, mus, strict=True)]
@@ -518,14 +519,14 @@ def scale_by_muon(
                                      mesh=spread_mesh, split=shard_newton_schulz)
         nu = state.nu
         if beta2 is not None:
-            beta2_t = _at(beta2, count)
+            beta2_t = value_at(beta2, count)
             normed = [_normuon(o, v, beta2_t, a)
                       for o, v, a in zip(ortho, treedef.flatten_up_to(nu), leaf_axes, strict=True)]
             ortho, nu = [o for o, _ in normed], treedef.unflatten([v for _, v in normed])
         smooth = state.smooth
         if smoothing is not None:
-            ortho, smooth = _smooth(ortho, treedef.flatten_up_to(smooth), _at(smoothing, count),
-                                    smoothing_form)
+            ortho, smooth = _smooth(ortho, treedef.flatten_up_to(smooth),
+                                    value_at(smoothing, count), smoothing_form)
             smooth = treedef.unflatten(smooth)
 
         new_updates = [(_shape_factor(scale_kind, g.shape[a[0]], g.shape[a[1]]) * o).astype(g.dtype)
@@ -535,11 +536,6 @@ def scale_by_muon(
             smooth=smooth, nu=nu)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _at(value: Any, count: jax.Array) -> Any:
-    """A hyperparameter at update `count`: a schedule's value, else the value itself."""
-    return value(count) if callable(value) else value
 
 
 def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nesterov: bool,
