@@ -7,6 +7,7 @@ so no public module is shadowed by a function of the same name.
 """
 
 from optax_snoo import kfac, labels, memory, recipes, rounding
+from optax_snoo._src.adam import AdamGroup, adam_group, scale_by_adam
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
 from optax_snoo._src.muon import (
     COEFFICIENT_PRESETS,
@@ -23,6 +24,7 @@ from optax_snoo._src.muon_sharding import NewtonSchulzPlan
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
+from optax_snoo._src.schedules import muon_momentum_schedule, power_cool
 from optax_snoo._src.skew_adam import (
     DEFAULT_POLICIES,
     DEFAULT_ROLE_RULES,
@@ -55,6 +57,7 @@ __all__ = [
     "DEFAULT_ROLE_RULES",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLICY_PRESETS",
+    "AdamGroup",
     "DecoupledWeightDecayState",
     "MuonState",
     "NewtonSchulzPlan",
@@ -64,6 +67,7 @@ __all__ = [
     "ScaleBySecondMomentState",
     "ScaleBySkewAdamState",
     "SnooState",
+    "adam_group",
     "add_decoupled_weight_decay",
     "assign_roles",
     "cast_to_param_dtype",
@@ -74,14 +78,17 @@ __all__ = [
     "memory",
     "modded_nanogpt",
     "muon",
+    "muon_momentum_schedule",
     "muon_momentum_warmup",
     "normuon",
     "orthogonalize",
     "over_replicas",
+    "power_cool",
     "qk_clip_heads",
     "qk_clip_scales",
     "recipes",
     "rounding",
+    "scale_by_adam",
     "scale_by_muon",
     "scale_by_normuon",
     "scale_by_qk_clip",

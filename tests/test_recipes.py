@@ -223,3 +223,17 @@ def test_snoo_muon_with_one_adam_lr_is_snoo_around_muon():
 def test_snoo_muon_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         recipes.snoo_muon(**{"muon_learning_rate": 0.02, "adam_learning_rate": 3e-3, **kwargs})
+
+
+def test_snoo_muon_takes_adam_groups_as_they_are():
+    """An `AdamGroup` entry keeps its own hyperparameters (here no bias correction: the
+    first step is (1-b1)/sqrt(1-b2) = 0.2/0.1 = 2x lr·sign(g)); a pair gets adam_b1..."""
+    tx = recipes.snoo_muon(0.02, [optax_snoo.AdamGroup(r"(^|/)ln_1(/|$)", 0.01, b1=0.8,
+                                                       b2=0.99, eps=0.0,
+                                                       bias_correction=False, name="ln"),
+                                  (".*", 1e-3)], adam_b1=0.0, adam_b2=0.0, snoo_k=None)
+    grads = jax.tree.map(jnp.ones_like, PARAMS)
+    updates, state = tx.update(grads, tx.init(PARAMS), PARAMS)
+    assert sorted(state.inner_states) == ["adam_1", "ln", "muon"]
+    np.testing.assert_allclose(updates["blocks"][0]["ln_1"]["scale"], -0.02, rtol=1e-5)
+    np.testing.assert_allclose(updates["wte"]["embedding"], -1e-3, rtol=1e-5)

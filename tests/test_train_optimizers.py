@@ -10,7 +10,7 @@ import pytest
 
 import models
 import train
-from optax_snoo import MuonState
+from optax_snoo import MuonState, recipes
 from optax_snoo import kfac as kfac_lib
 from train import config as tc
 from train.config import get_preset, override, parse_args
@@ -67,7 +67,7 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "skew_adam": "skew_learning_rate", "snoo_skew_adam": "skew_learning_rate",
            "adafactor": "skew_learning_rate", "kfac": "kfac_learning_rate",
            "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
-           "snoo_adamw": "learning_rate"}
+           "snoo_adamw": "learning_rate", "track3_baseline": None}  # None: the record's lrs
 
 
 @pytest.mark.parametrize("name", sorted(MAIN_LR))
@@ -75,6 +75,8 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
     """The logged `lr` follows the main group's peak (not AdamW's), and that peak is the
     one applied: doubling it doubles the update of a hidden kernel."""
     assert set(MAIN_LR) == set(OPTIMIZERS)
+    if MAIN_LR[name] is None:
+        pytest.skip("fixed learning rates; test_track3_baseline_is_the_recipe checks it")
     base = override(tc.TrainConfig(), optimizer=name, schedule="stable_cooldown",
                     max_iters=100, learning_rate=1e-3, grad_clip=0.0, muon_beta_warmup=0,
                     skew_weight_decay=0.0, weight_decay=0.0)
@@ -91,6 +93,24 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
     assert float(jnp.abs(kernel_updates[0]).max()) > 0, name
     np.testing.assert_allclose(kernel_updates[1], 2 * kernel_updates[0], rtol=1e-5,
                                err_msg=name)
+
+
+def test_track3_baseline_is_the_recipe():
+    """`--optimizer=track3_baseline` is clipping + `recipes.track3_baseline(max_iters)`,
+    logging Muon's scheduled lr (record #36: 0.025, flat for 30%, then linear to 0)."""
+    config = override(tc.TrainConfig(), optimizer="track3_baseline", max_iters=50,
+                      grad_clip=0.0)
+    spec = build_optimizer(config)
+    assert spec.sync_period is None
+    assert [float(spec.learning_rate(t)) for t in (0, 14, 50)] == pytest.approx(
+        [0.025, 0.025, 0.0])
+    params = {**PARAMS, "lm_head": {"kernel": jnp.ones((8, 5))}}
+    grads = jax.tree.map(lambda p: jnp.sin(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
+                         params)
+    recipe = recipes.track3_baseline(50)
+    ours, _ = spec.tx.update(grads, spec.tx.init(params), params)
+    theirs, _ = recipe.update(grads, recipe.init(params), params)
+    jax.tree.map(np.testing.assert_array_equal, ours, theirs)
 
 
 def test_snoo_hint_comes_from_the_spec_only():

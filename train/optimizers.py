@@ -37,8 +37,7 @@ import optax
 
 import optax_snoo
 from optax_snoo import muon_momentum_warmup, snoo_is_sync_step
-from optax_snoo.recipes import snoo_muon as snoo_muon_stack
-from optax_snoo.recipes import stable_cooldown_schedule
+from optax_snoo.recipes import stable_cooldown_schedule, track3_baseline
 from train.sharding import REPLICA_AXIS
 
 if TYPE_CHECKING:
@@ -281,20 +280,22 @@ def snoo_adamw(config: TrainConfig) -> TrainOptimizer:
 
 def _muon_stack(config: TrainConfig, snoo_k: int | None, *, normuon: bool = False,
                 params: Any = None) -> TrainOptimizer:
+    """`optax_snoo.muon` (Muon on hidden matrices, one Adam group without decay on the
+    rest, at `learning_rate`), wrapped in Snoo when `snoo_k` is set."""
     m, a = config.muon, config.adamw
     beta = m.beta if m.beta_warmup == 0 else muon_momentum_warmup(
         min(0.85, m.beta), m.beta, m.beta_warmup)
     lr = learning_rate_schedule(config, m.learning_rate)
     plan = None if params is None else optax_snoo.NewtonSchulzPlan.from_params(params)
-    stack = snoo_muon_stack(
-        lr, learning_rate_schedule(config), muon_momentum=beta, muon_weight_decay=m.weight_decay,
-        smoothing=m.smoothing, beta2=m.beta2 if normuon else None,
+    inner = optax_snoo.muon(
+        lr, beta=beta, weight_decay=m.weight_decay, smoothing=m.smoothing,
+        beta2=m.beta2 if normuon else None,
         cautious_weight_decay=normuon if m.cautious is None else m.cautious,
-        newton_schulz_plan=plan, adam_b1=a.beta1, adam_b2=a.beta2, adam_eps=a.eps,
-        snoo_k=snoo_k, snoo_learning_rate=config.snoo.learning_rate,
-        snoo_momentum=config.snoo.momentum, snoo_replica_axis=snoo_replica_axis(config),
+        newton_schulz_plan=plan, adam_learning_rate=learning_rate_schedule(config),
+        adam_b1=a.beta1, adam_b2=a.beta2, adam_eps=a.eps,
         # Over DiLoCo replicas (a vmap over `diloco`) the partitioner splits the iteration.
         shard_newton_schulz=config.mesh.diloco == 1)
+    stack = inner if snoo_k is None else with_snoo(config, inner)
     return TrainOptimizer(
         optax.chain(clipping(config), stack), lr, sync_period=snoo_k,
         for_params=lambda p: _muon_stack(config, snoo_k, normuon=normuon, params=p))
@@ -310,7 +311,7 @@ def muon(config: TrainConfig) -> TrainOptimizer:
 
 @register("snoo_muon")
 def snoo_muon(config: TrainConfig) -> TrainOptimizer:
-    """The modded-nanogpt record's stack adapted (`optax_snoo.recipes.snoo_muon`): Snoo
+    """The modded-nanogpt record's stack adapted (`optax_snoo.recipes.snoo_muon`'s): Snoo
     around Muon (hidden matrices) and Adam (embeddings, head, norms); use
     `--schedule=stable_cooldown` for the record's lr. Logs Muon's lr."""
     return _muon_stack(config, config.snoo.k)
@@ -330,6 +331,24 @@ def snoo_normuon(config: TrainConfig) -> TrainOptimizer:
     """modded-nanogpt's current stack adapted: Snoo around NorMuon (cautious decay) and
     Adam. Logs NorMuon's lr."""
     return _muon_stack(config, config.snoo.k, normuon=True)
+
+
+def _track3_baseline(config: TrainConfig, params: Any = None) -> TrainOptimizer:
+    steps, muon_lr = max(config.run.max_iters, 1), 0.025  # record #36's Muon lr
+    plan = None if params is None else optax_snoo.NewtonSchulzPlan.from_params(params)
+    tx = track3_baseline(steps, muon_learning_rate=muon_lr, newton_schulz_plan=plan,
+                         shard_newton_schulz=config.mesh.diloco == 1)
+    return TrainOptimizer(
+        optax.chain(clipping(config), tx), stable_cooldown_schedule(muon_lr, steps),
+        for_params=lambda p: _track3_baseline(config, p))
+
+
+@register("track3_baseline")
+def track3_baseline_optimizer(config: TrainConfig) -> TrainOptimizer:
+    """modded-nanogpt Track 3's tuned Muon + AdamW baseline (record #36) with the record's
+    hyperparameters (`optax_snoo.recipes.track3_baseline`), its schedule over `max_iters`
+    steps; only `grad_clip` (0 in the record) is read besides. Logs Muon's lr."""
+    return _track3_baseline(config)
 
 
 def _skew_adam(config: TrainConfig, rounding_tx: optax.GradientTransformation | None = None

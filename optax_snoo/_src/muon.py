@@ -2,10 +2,10 @@
 
 `orthogonalize` is the Newton-Schulz iteration, `scale_by_muon` the direction (momentum,
 orthogonalisation, shape scale, optional update smoothing), `muon` the whole-tree
-optimizer (Muon on matrices and matrix stacks, AdamW on the rest) and
-`muon_momentum_warmup` the record's momentum warm-up. On sharded params the iteration
-runs on whole matrices assigned to devices (see `scale_by_muon`'s
-``shard_newton_schulz``).
+optimizer (Muon on matrices and matrix stacks, AdamW groups on the rest: the library's
+one Muon + Adam builder) and `muon_momentum_warmup` the record's momentum warm-up. On
+sharded params the iteration runs on whole matrices assigned to devices (see
+`scale_by_muon`'s ``shard_newton_schulz``).
 
 Differences from `optax.contrib.muon` (optax 0.2.8), all deliberate:
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -50,13 +51,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_snoo._src.adam import AdamGroup, adam_group
+from optax_snoo._src.labels import muon_adam_labels, partition
 from optax_snoo._src.muon_sharding import NewtonSchulzPlan, orthogonalize_leaves, place_leaves
+from optax_snoo._src.schedules import muon_momentum_schedule
 from optax_snoo._src.utils import (
     check_float_dtype,
     check_int_at_least,
     check_non_negative,
     check_unit_interval,
     path_to_str,
+    value_at,
 )
 from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
@@ -293,6 +298,8 @@ def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
                          steps: int = 300) -> optax.Schedule:
     """The record's momentum warm-up: ``β(t) = start + (end - start) * min(t / steps, 1)``.
 
+    `muon_momentum_schedule` without a cool-down (``warmup=steps``).
+
     Args:
       start: momentum at update 0.
       end: momentum from update ``steps`` on.
@@ -318,12 +325,7 @@ def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
     check_unit_interval("start", start)
     check_unit_interval("end", end)
     check_int_at_least("steps", steps, 1)
-
-    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        frac = jnp.minimum(jnp.asarray(count, jnp.float32) / steps, 1.0)
-        return start + (end - start) * frac
-
-    return schedule
+    return muon_momentum_schedule(start, end, warmup=steps)
 
 
 def _resolve_shape_scale(shape_scale: Any) -> str | None:
@@ -508,7 +510,7 @@ def scale_by_muon(
         mus = treedef.flatten_up_to(state.mu)
         leaf_axes = [_normalized_axes(jnp.shape(g), axes) for g in grads]
 
-        beta_t = _at(beta, count)
+        beta_t = value_at(beta, count)
         moments = [_momentum(g, m, beta_t, count, nesterov=nesterov,
                              bias_correction=bias_correction, mu_dtype=mu_dtype)
                    for g, m in zip(grads, mus, strict=True)]
@@ -518,14 +520,14 @@ def scale_by_muon(
                                      mesh=spread_mesh, split=shard_newton_schulz)
         nu = state.nu
         if beta2 is not None:
-            beta2_t = _at(beta2, count)
+            beta2_t = value_at(beta2, count)
             normed = [_normuon(o, v, beta2_t, a)
                       for o, v, a in zip(ortho, treedef.flatten_up_to(nu), leaf_axes, strict=True)]
             ortho, nu = [o for o, _ in normed], treedef.unflatten([v for _, v in normed])
         smooth = state.smooth
         if smoothing is not None:
-            ortho, smooth = _smooth(ortho, treedef.flatten_up_to(smooth), _at(smoothing, count),
-                                    smoothing_form)
+            ortho, smooth = _smooth(ortho, treedef.flatten_up_to(smooth),
+                                    value_at(smoothing, count), smoothing_form)
             smooth = treedef.unflatten(smooth)
 
         new_updates = [(_shape_factor(scale_kind, g.shape[a[0]], g.shape[a[1]]) * o).astype(g.dtype)
@@ -535,11 +537,6 @@ def scale_by_muon(
             smooth=smooth, nu=nu)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _at(value: Any, count: jax.Array) -> Any:
-    """A hyperparameter at update `count`: a schedule's value, else the value itself."""
-    return value(count) if callable(value) else value
 
 
 def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nesterov: bool,
@@ -702,27 +699,31 @@ def muon(
     adam_eps: float = 1e-8,
     adam_weight_decay: float = 0.0,
     adam_nesterov: bool = False,
+    adam_groups: Sequence[AdamGroup] | None = None,
     cautious_weight_decay: bool = False,
     labels: Any | Callable[[optax.Params], Any] | None = None,
-) -> optax.GradientTransformation:
-    r"""Muon on matrices and matrix stacks, AdamW on every other leaf.
+) -> optax.GradientTransformationExtraArgs:
+    r"""Muon on matrices and matrix stacks, AdamW groups on every other leaf.
 
-    An ``optax.partition`` of two groups, like ``optax.contrib.muon``:
+    The one Muon + Adam builder of the library (the recipes and the trainer build their
+    stacks with it): an ``optax.partition`` of
 
     - ``"muon"``: ``chain(scale_by_muon(...), decoupled weight decay,
       scale_by_learning_rate(learning_rate))``, i.e.
       ``p ← p (1 - lr·wd·wd_mul) - lr·s(fan_in, fan_out)·O`` with the shape scale ``s``
       of `scale_by_muon` (``sqrt(max(1, fan_out/fan_in))`` by default);
-    - ``"adam"``: ``chain(optax.scale_by_adam(adam_b1, adam_b2, adam_eps,
-      nesterov=adam_nesterov), decoupled weight decay,
-      scale_by_learning_rate(adam_learning_rate))``: the numbers and the state tree of
-      ``optax.adamw(adam_learning_rate, adam_b1, adam_b2, adam_eps,
-      weight_decay=adam_weight_decay, nesterov=adam_nesterov)`` for float32 params (for
-      bf16 params ``wd·p`` is formed in float32, see `add_decoupled_weight_decay`).
+    - one AdamW group per `AdamGroup` of ``adam_groups`` (`adam_group`: its own
+      learning rate or schedule, betas, eps, decoupled weight decay and bias correction),
+      each non-Muon leaf in the first group whose pattern its path matches; without
+      ``adam_groups``, one group ``"adam"`` of every non-Muon leaf from the ``adam_*``
+      arguments: the numbers and the state tree of ``optax.adamw(adam_learning_rate,
+      adam_b1, adam_b2, adam_eps, weight_decay=adam_weight_decay,
+      nesterov=adam_nesterov)`` for float32 params (for bf16 params ``wd·p`` is formed
+      in float32, see `add_decoupled_weight_decay`).
 
-    Both decays are `add_decoupled_weight_decay`; with ``cautious_weight_decay=True``
-    both decay only where the update and the weight agree in sign (Chen et al., as in
-    modded-nanogpt's current record).
+    Every decay is `add_decoupled_weight_decay`; with ``cautious_weight_decay=True``
+    all groups decay only where the update and the weight agree in sign (Chen et al., as
+    in modded-nanogpt's GPT-2 Medium record).
 
     Labels default to ``optax_snoo.labels.muon_adam_labels`` (hidden matrices and stacks to
     Muon; embeddings, head, norms, biases, scalars to Adam).
@@ -730,7 +731,8 @@ def muon(
     Args:
       learning_rate: Muon learning rate (float >= 0 or schedule); record: 0.027-0.03 with
         a linear cooldown over the last ~70% of training (`stable_cooldown_schedule`).
-      beta: Muon momentum or schedule (record: `muon_momentum_warmup`).
+      beta: Muon momentum or schedule (records: `muon_momentum_warmup`,
+        `muon_momentum_schedule`).
       weight_decay: decoupled weight decay of the Muon group, multiplied by the learning
         rate (record: 0.01).
       weight_decay_multiplier: per-leaf factor on ``weight_decay``: a tree of floats with
@@ -755,36 +757,51 @@ def muon(
         (`NewtonSchulzPlan.from_params(params)`); see `scale_by_muon`.
       mesh: the mesh for leaves of unknown sharding (default: the ``jax.set_mesh``
         context); see `scale_by_muon`.
-      adam_learning_rate: AdamW learning rate (default: ``learning_rate``).
-      adam_b1: AdamW first-moment decay.
-      adam_b2: AdamW second-moment decay.
-      adam_eps: AdamW epsilon.
-      adam_weight_decay: AdamW decoupled weight decay.
-      adam_nesterov: Nesterov momentum in the AdamW group (``optax.adamw(nesterov=)``);
-        ``optax.contrib.muon(nesterov=True)`` does this, the record does not.
-      cautious_weight_decay: in both groups, decay only the entries where the update
+      adam_learning_rate: learning rate of the single AdamW group (default:
+        ``learning_rate``); not with ``adam_groups``.
+      adam_b1: first-moment decay of the single AdamW group.
+      adam_b2: second-moment decay of the single AdamW group.
+      adam_eps: epsilon of the single AdamW group.
+      adam_weight_decay: decoupled weight decay of the single AdamW group.
+      adam_nesterov: Nesterov momentum in the single AdamW group
+        (``optax.adamw(nesterov=)``); ``optax.contrib.muon(nesterov=True)`` does this,
+        the record does not.
+      adam_groups: ordered `AdamGroup` entries for the non-Muon leaves (first match wins; a
+        leaf no group matches is an error at init); replaces the ``adam_*`` arguments,
+        which must then keep their defaults.
+      cautious_weight_decay: in every group, decay only the entries where the update
         (before the learning rate) and the weight agree in sign,
         ``u + wd·mul·p·[u·p >= 0]``; see `add_decoupled_weight_decay`.
       labels: a tree of ``"muon"``/``"adam"`` strings with the params' structure, or a
-        callable ``params -> tree``; overrides the default labelling.
+        callable ``params -> tree``; overrides the default labelling (``"adam"`` leaves
+        then go to the Adam groups by path).
 
     Returns:
-      An ``optax.GradientTransformation`` (an ``optax.partition``).
+      An ``optax.GradientTransformationExtraArgs`` (a checked ``optax.partition``, see
+      `optax_snoo.labels.partition`), its state's ``inner_states`` keyed by the group
+      labels.
 
     Raises:
-      ValueError: for a negative learning rate or weight decay, and everything
-        `scale_by_muon` rejects; at init time for a 0-D/1-D leaf labelled ``"muon"``.
+      ValueError: for a negative learning rate or weight decay, bad groups (duplicate
+        names, ``adam_*`` arguments beside ``adam_groups``), and everything
+        `scale_by_muon` rejects; at init time for a 0-D/1-D leaf labelled ``"muon"`` and
+        for a non-Muon leaf no Adam group matches.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from optax_snoo import muon, muon_momentum_warmup
-      >>> params = {"w": jnp.ones((8, 16)), "b": jnp.zeros((16,))}
-      >>> labels = {"w": "muon", "b": "adam"}
+      >>> from optax_snoo import AdamGroup, muon, muon_momentum_warmup
+      >>> params = {"w": jnp.ones((8, 16)), "b": jnp.zeros((16,)), "wte": jnp.ones((4, 8))}
+      >>> labels = {"w": "muon", "b": "adam", "wte": "adam"}
       >>> tx = muon(0.03, beta=muon_momentum_warmup(), weight_decay=0.01,
       ...           adam_learning_rate=3e-3, labels=labels)
       >>> state = tx.init(params)
       >>> updates, state = tx.update(params, state, params)
       >>> params = optax.apply_updates(params, updates)
+      >>> tx = muon(0.03, labels=labels, adam_groups=[
+      ...     AdamGroup("wte", 0.3, b1=0.8, b2=0.95, name="embed"),
+      ...     AdamGroup(".*", 0.01, b1=0.8, b2=0.99, bias_correction=False, name="vectors")])
+      >>> sorted(tx.init(params).inner_states)
+      ['embed', 'muon', 'vectors']
 
     References:
       Jordan, `modded-nanogpt: Speedrunning the NanoGPT baseline
@@ -794,12 +811,22 @@ def muon(
       <https://kellerjordan.github.io/posts/muon/>`_, 2024
     """
     check_non_negative("learning_rate", learning_rate)
-    check_non_negative("adam_learning_rate", adam_learning_rate)
     check_non_negative("weight_decay", weight_decay)
-    if labels is None:
-        from optax_snoo._src.labels import muon_adam_labels
-
-        labels = muon_adam_labels
+    if adam_groups is None:
+        check_non_negative("adam_learning_rate", adam_learning_rate)
+        adam_groups = (AdamGroup(
+            ".*", learning_rate if adam_learning_rate is None else adam_learning_rate,
+            adam_b1, adam_b2, adam_eps, adam_weight_decay, nesterov=adam_nesterov,
+            name="adam"),)
+    else:
+        single = dict(adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
+                      adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+                      adam_nesterov=adam_nesterov)
+        changed = {k: v for k, v in single.items() if v != _SINGLE_ADAM_DEFAULTS[k]}
+        if changed:
+            raise ValueError(f"muon: {changed} given beside adam_groups; set the Adam "
+                             "hyperparameters on each AdamGroup instead.")
+    names = _adam_group_names(adam_groups)
     muon_tx = optax.chain(
         scale_by_muon(
             beta, coefficients=coefficients, ns_dtype=ns_dtype, nesterov=nesterov,
@@ -811,11 +838,51 @@ def muon(
                                    cautious=cautious_weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
-    # optax.adamw's chain (same state tree) with our decay, which can be cautious.
-    adam_tx = optax.chain(
-        optax.scale_by_adam(b1=adam_b1, b2=adam_b2, eps=adam_eps, nesterov=adam_nesterov),
-        add_decoupled_weight_decay(adam_weight_decay, cautious=cautious_weight_decay),
-        optax.scale_by_learning_rate(
-            learning_rate if adam_learning_rate is None else adam_learning_rate),
-    )
-    return optax.partition({"muon": muon_tx, "adam": adam_tx}, labels)
+    transforms = {"muon": muon_tx} | {
+        name: adam_group(group, cautious_weight_decay=cautious_weight_decay)
+        for name, group in zip(names, adam_groups, strict=True)}
+    base = muon_adam_labels if labels is None else labels
+    return partition(transforms, _labels_with_adam_groups(base, adam_groups, names))
+
+
+_SINGLE_ADAM_DEFAULTS = dict(adam_learning_rate=None, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
+                             adam_weight_decay=0.0, adam_nesterov=False)
+
+
+def _adam_group_names(groups: Sequence[AdamGroup]) -> list[str]:
+    """Each group's label: its ``name``, else ``"adam"`` alone or ``"adam_<i>"``."""
+    groups = tuple(groups)
+    if not groups:
+        raise ValueError("adam_groups: expected at least one AdamGroup, got none.")
+    for group in groups:
+        if not isinstance(group, AdamGroup):
+            raise ValueError(f"adam_groups: expected AdamGroup(pattern, learning_rate, ...) "
+                             f"entries, got {group!r}.")
+    default = (lambda i: "adam") if len(groups) == 1 else (lambda i: f"adam_{i}")
+    names = [default(i) if g.name is None else g.name for i, g in enumerate(groups)]
+    if len(set(names)) != len(names) or "muon" in names:
+        raise ValueError(f"adam_groups: group names must be distinct and not 'muon', got "
+                         f"{names}.")
+    return names
+
+
+def _labels_with_adam_groups(labels: Any, groups: Sequence[AdamGroup], names: Sequence[str]
+                             ) -> Callable[[optax.Params], Any]:
+    """``labels`` (a tree or a function of the params) with each ``"adam"`` leaf relabelled
+    by the first group whose pattern its path matches."""
+    compiled = [re.compile(g.pattern) for g in groups]
+
+    def group_labels(params: optax.Params) -> Any:
+        def refine(path: Any, label: Any) -> Any:
+            if label != "adam":
+                return label
+            name = path_to_str(path)
+            for regex, group_name in zip(compiled, names, strict=True):
+                if regex.search(name):
+                    return group_name
+            raise ValueError(f"parameter {name!r} matches no Adam group "
+                             f"{[regex.pattern for regex in compiled]}")
+
+        return jax.tree.map_with_path(refine, labels(params) if callable(labels) else labels)
+
+    return group_labels

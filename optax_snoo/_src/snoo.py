@@ -25,7 +25,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.utils import check_int_at_least, check_non_negative, check_unit_interval
+from optax_snoo._src.utils import (
+    check_int_at_least,
+    check_non_negative,
+    check_unit_interval,
+    value_at,
+)
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
@@ -246,8 +251,7 @@ def snoo(
         if replica_axis is not None:
             _check_axis_bound(replica_axis)
         outer_count = state.count // k
-        eta = learning_rate(outer_count) if callable(learning_rate) else learning_rate
-        mu = momentum(outer_count) if callable(momentum) else momentum
+        eta, mu = value_at(learning_rate, outer_count), value_at(momentum, outer_count)
         slow, buf = state.slow, state.momentum
 
         if snoo_sync is not None:

@@ -12,7 +12,7 @@ import numpy as np
 
 __all__ = ["check_float_dtype", "check_int_at_least", "check_non_negative", "check_positive",
            "check_unit_interval", "concrete_real", "is_integer", "is_real", "path_names",
-           "path_to_str"]
+           "path_to_str", "value_at"]
 
 
 def path_names(path: Sequence[Any]) -> tuple[str, ...]:
@@ -44,6 +44,12 @@ def path_names(path: Sequence[Any]) -> tuple[str, ...]:
 def path_to_str(path: Sequence[Any]) -> str:
     """A pytree key path written as ``"blocks/0/attn/c_q/kernel"`` (see `path_names`)."""
     return "/".join(path_names(path))
+
+
+def value_at(value: Any, count: Any) -> Any:
+    """A hyperparameter at update ``count``: ``value(count)`` for a schedule (any callable),
+    else ``value`` itself (a number or an array, as optax's ``ScalarOrSchedule``)."""
+    return value(count) if callable(value) else value
 
 
 def is_real(x: Any) -> bool:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.utils import check_non_negative, is_real
+from optax_snoo._src.utils import check_non_negative, is_real, value_at
 
 __all__ = ["DecoupledWeightDecayState", "add_decoupled_weight_decay"]
 
@@ -143,7 +143,7 @@ def add_decoupled_weight_decay(
                 f"add_decoupled_weight_decay (weight_decay={weight_decay!r}) needs the "
                 "current params: pass `params` to `update`.")
         if scheduled:
-            wd = jnp.asarray(weight_decay(state.count), jnp.float32)
+            wd = jnp.asarray(value_at(weight_decay, state.count), jnp.float32)
             state = DecoupledWeightDecayState(count=optax.safe_increment(state.count))
         else:
             wd = jnp.asarray(weight_decay, jnp.float32)

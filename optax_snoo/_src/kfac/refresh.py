@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_snoo._src.utils import check_int_at_least, is_integer, is_real
+from optax_snoo._src.utils import check_int_at_least, is_integer, is_real, value_at
 
 RefreshPolicy = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 #: The phases of the learning-rate schedule that `by_lr_phase` tells apart, in order:
@@ -310,11 +310,8 @@ def policy_step(
 def learning_rate_at(learning_rate: optax.ScalarOrSchedule | None,
                      step: jax.Array) -> jax.Array:
     """``learning_rate(step)`` for a schedule, the value for a constant, 0 for None."""
-    if learning_rate is None:
-        return jnp.zeros((), jnp.float32)
-    if callable(learning_rate):
-        return jnp.asarray(learning_rate(step), jnp.float32)
-    return jnp.asarray(learning_rate, jnp.float32)
+    return jnp.asarray(0.0 if learning_rate is None else value_at(learning_rate, step),
+                       jnp.float32)
 
 
 def refresh_steps(

@@ -129,6 +129,7 @@ from optax_snoo._src.utils import (
     is_integer,
     is_real,
     path_names,
+    value_at,
 )
 
 GRAFTS = (None, "adam", "sgd")
@@ -549,7 +550,7 @@ def scale_by_kfac(
         factors, weight = update_factors(state, blocks, entries, curvature, ema_decay,
                                          stats_every, stats_axes)
         lr = learning_rate_now(learning_rate, state.count)
-        lam = damping(state.count) if callable(damping) else damping
+        lam = value_at(damping, state.count)
         inverses, event = refresh_when_due(
             state, blocks, factors, weight, lr, refresh, lam, mode,
             (eig_floor_abs, eig_floor_rel), refresh_mesh())

@@ -1,0 +1,133 @@
+"""PowerCool and Muon's momentum schedule against float64 transcriptions of the records'
+`_lr` (Track 3 #20, #46) and `_muon_mu_at_step` (#30, #44, #46), at every step of a run
+and at the boundaries: the first step, the end of the warm-up, the start of the
+cool-down, the last step and past the end."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from optax_snoo import muon_momentum_schedule, muon_momentum_warmup, power_cool
+
+# Track 3 record #20 / #46 PowerCool constants (power 1.2), copied from the record's log.
+MUON_C, EMBED_C, HEAD_C, OTHER_C = (3.3169534699576625e-06, 4.976805410800738e-05,
+                                    5.184172302917436e-07, 1.6589351369335795e-06)
+
+
+def record_lr(step, initial_lr, power_c, t_end, power=1.2):
+    """The record's `_lr`, in float64."""
+    return min(initial_lr, power_c * max(0.0, t_end - step) ** power)
+
+
+def record_mu(step, train_steps, warmup, cooldown, mu_min=0.85, mu_max=0.95, tail_end=None):
+    """The record's `_muon_mu_at_step` (#46's, with TAIL_MU_END), held at its end past T."""
+    tail_end = mu_min if tail_end is None else tail_end
+    step = min(step, train_steps)
+    cd_start = train_steps - cooldown
+    if step < warmup:
+        return mu_min + step / max(warmup, 1) * (mu_max - mu_min)
+    if step > cd_start:
+        return mu_max - (step - cd_start) / max(cooldown, 1) * (mu_max - tail_end)
+    return mu_max
+
+
+def values(schedule, steps):
+    return np.asarray(jax.jit(jax.vmap(schedule))(jnp.asarray(steps, jnp.int32)), np.float64)
+
+
+@pytest.mark.parametrize("lr0, c, t_end", [(0.0375, MUON_C, 2900), (0.3, EMBED_C, 2900),
+                                           (1 / 320, HEAD_C, 3105), (0.01, OTHER_C, 3105)])
+def test_power_cool_matches_the_records_lr_at_every_step(lr0, c, t_end):
+    steps = np.arange(0, t_end + 50)
+    got = values(power_cool(lr0, c=c, t_end=t_end), steps)
+    want = np.array([record_lr(t, lr0, c, t_end) for t in steps])
+    # float32 arithmetic; relative to each value, down to the last nonzero step.
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
+    flat_end = t_end - (lr0 / c) ** (1 / 1.2)  # where c (t_end - t)^1.2 = lr0 (#46: 1487)
+    assert np.all(got[steps < flat_end - 0.5] == np.float32(lr0))
+    assert np.all(got[steps > flat_end + 0.5] < lr0)
+    assert got[t_end - 1] > 0 and got[t_end] == 0 and np.all(got[t_end:] == 0)
+
+
+def test_power_cool_record_46_boundaries():
+    """#46: Muon's flat part ends at 513.6 (step 513 flat, 514 not), the Adam groups' at
+    1487.0 (step 1487 is lr0 up to rounding, 1488 below)."""
+    muon = power_cool(0.0375, c=MUON_C, t_end=2900)
+    embed = power_cool(0.3, c=EMBED_C, t_end=2900)
+    assert float(muon(513)) == np.float32(0.0375) and float(muon(514)) < 0.0375
+    assert float(embed(1486)) == np.float32(0.3) and float(embed(1488)) < 0.3
+    assert float(embed(1487)) == pytest.approx(0.3, rel=1e-6)
+    np.testing.assert_allclose(float(muon(2690)), record_lr(2690, 0.0375, MUON_C, 2900),
+                               rtol=1e-6)
+
+
+def test_power_cool_flat_until_is_the_polynomial_schedule_after_the_flat_part():
+    lr0, t_end, flat_until = 0.02, 1000, 400
+    ours = power_cool(lr0, flat_until=flat_until, t_end=t_end)
+    steps = np.arange(0, t_end + 20)
+    want = np.array([min(lr0, lr0 * max(0.0, (t_end - t) / (t_end - flat_until)) ** 1.2)
+                     for t in steps])
+    got = values(ours, steps)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
+    theirs = values(optax.polynomial_schedule(lr0, 0.0, 1.2, t_end - flat_until, flat_until),
+                    steps)
+    # The same function; optax's 1 - (t - begin)/steps loses float32 digits near t_end.
+    np.testing.assert_allclose(got[:t_end - 50], theirs[:t_end - 50], rtol=1e-5)
+    np.testing.assert_allclose(got, theirs, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, "exactly one of c and flat_until"),
+    ({"c": 1e-6, "flat_until": 10}, "exactly one of c and flat_until"),
+    ({"c": -1.0}, r"c must be > 0, got -1\.0"),
+    ({"flat_until": 100}, r"flat_until must be in \[0, t_end=100\), got 100"),
+    ({"c": 1e-6, "t_end": 0}, "t_end must be an int >= 1, got 0"),
+    ({"c": 1e-6, "power": 0.0}, r"power must be > 0, got 0\.0"),
+])
+def test_power_cool_bad_input(kwargs, match):
+    args = {"t_end": 100, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        power_cool(0.01, **args)
+
+
+@pytest.mark.parametrize("total, warmup, cooldown, end", [(3020, 300, 100, None),
+                                                          (2900, 300, 200, None),
+                                                          (2900, 300, 200, 0.9),
+                                                          (500, 0, 100, None),
+                                                          (500, 250, 250, None)])
+def test_muon_momentum_schedule_matches_the_records_mu_at_every_step(total, warmup, cooldown,
+                                                                    end):
+    steps = np.arange(0, total + 30)
+    got = values(muon_momentum_schedule(0.85, 0.95, warmup=warmup, cooldown=cooldown,
+                                        total=total, end=end), steps)
+    want = np.array([record_mu(t, total, warmup, cooldown, tail_end=end) for t in steps])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+    tail = 0.85 if end is None else end
+    boundaries = {0: 0.85 if warmup else 0.95, warmup: 0.95, total - cooldown: 0.95,
+                  total - 1: 0.95 - (0.95 - tail) * (cooldown - 1) / cooldown,
+                  total: tail, total + 29: tail}
+    for t, mu in boundaries.items():
+        assert got[t] == pytest.approx(mu, abs=1e-7), t
+
+
+def test_muon_momentum_warmup_is_the_schedule_without_cooldown():
+    steps = np.arange(0, 400)
+    warm = values(muon_momentum_warmup(0.85, 0.95, 300), steps)
+    np.testing.assert_array_equal(warm, values(muon_momentum_schedule(warmup=300), steps))
+    np.testing.assert_allclose(warm, [0.85 + 0.10 * min(t / 300, 1) for t in steps], atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cooldown": 200}, "cooldown=200 needs total"),
+    ({"cooldown": 200, "total": 400}, "total must be an int >= 500, got 400"),
+    ({"warmup": -1}, "warmup must be an int >= 0, got -1"),
+    ({"peak": 1.0}, r"peak must be in \[0, 1\), got 1\.0"),
+    ({"end": -0.1, "cooldown": 1, "total": 400}, r"end must be in \[0, 1\)"),
+])
+def test_muon_momentum_schedule_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        muon_momentum_schedule(**kwargs)
