@@ -98,7 +98,7 @@ def trust_gate_floor(floor: float = 0.45, fade_start: int = 1375,
     check_int_at_least("fade_end", fade_end, 0)
 
     def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        t = jnp.asarray(count, jnp.float32)
+        t = jnp.asarray(count).astype(jnp.result_type(float))  # float64 under x64
         if fade_end <= fade_start:
             return jnp.where(t >= fade_end, 0.0, floor)
         frac = jnp.clip((fade_end - t) / (fade_end - fade_start), 0.0, 1.0)
