@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from optax_snoo._src.muon import (
     Coefficients,
@@ -29,6 +31,8 @@ from optax_snoo._src.muon import (
     _normalized_axes,
     scale_by_muon,
 )
+from optax_snoo._src.muon_sharding import NewtonSchulzPlan
+from optax_snoo._src.sharding import concrete_sharding, spec_entries
 from optax_snoo._src.utils import (
     check_int_at_least,
     check_non_negative,
@@ -301,16 +305,23 @@ def scale_by_soap_whitening(
         return jnp.promote_types(jnp.result_type(x), jnp.float32)
 
     def init_fn(params: optax.Params) -> SoapWhiteningState:
-        def square(p: Any, axis: int) -> jax.Array:
+        def square(p: Any, side: int) -> jax.Array:
+            """Zeros of ``batch + (n, n)``, n the size of axis ``side`` (0: fan_in, 1:
+            fan_out); a sharded param's Gram is split like that axis on its first."""
             shape = jnp.shape(p)
-            fan_in, fan_out = _normalized_axes(shape, axes)
-            batch = tuple(n for a, n in enumerate(shape) if a not in (fan_in, fan_out))
-            n = shape[axis(fan_in, fan_out)]
-            return jnp.zeros((*batch, n, n), stat_dtype(p))
+            leaf_axes = _normalized_axes(shape, axes)
+            batch_axes = [a for a in range(len(shape)) if a not in leaf_axes]
+            n = shape[leaf_axes[side]]
+            zeros = jnp.zeros((*(shape[a] for a in batch_axes), n, n), stat_dtype(p))
+            sharding = None if isinstance(p, jax.core.Tracer) else concrete_sharding(p)
+            if sharding is None:
+                return zeros
+            entries = spec_entries(sharding, len(shape))
+            spec = P(*(entries[a] for a in batch_axes), entries[leaf_axes[side]], None)
+            return jax.device_put(zeros, NamedSharding(sharding.mesh, spec))
 
-        out = lambda fi, fo: fo
-        inn = lambda fi, fo: fi
-        eye = lambda x: jnp.broadcast_to(jnp.eye(x.shape[-1], dtype=x.dtype), x.shape)
+        out, inn = 1, 0
+        eye = lambda x: x + jnp.eye(x.shape[-1], dtype=x.dtype)  # keeps x's sharding
         gram_out = jax.tree.map(lambda p: square(p, out), params)
         gram_in = jax.tree.map(lambda p: square(p, inn), params)
         return SoapWhiteningState(
@@ -434,8 +445,13 @@ def soap_muon(
     trust_floor: float | optax.Schedule | None = None,
     trust_cap: float | optax.Schedule | None = None,
     coefficients: Coefficients = TRACK3_COEFFICIENTS,
+    ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     matrix_axes: tuple[int, int] = (-2, -1),
-    **muon_kwargs: Any,
+    shape_scale: bool | str | None = "modded",
+    mu_dtype: jax.typing.DTypeLike | None = jnp.float32,
+    shard_newton_schulz: bool = True,
+    newton_schulz_plan: NewtonSchulzPlan | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> optax.GradientTransformation:
     r"""SOAP-Muon on matrices and matrix stacks (modded-nanogpt Track 3 #44's Muon part).
 
@@ -461,9 +477,13 @@ def soap_muon(
       trust_floor: the gate's lower bound (default: the record's `trust_gate_floor`).
       trust_cap: the gate's upper bound (default: the record's `trust_gate_cap`).
       coefficients: Newton-Schulz triples or a preset name (see `orthogonalize`).
+      ns_dtype: dtype of the Newton-Schulz iteration (record: bfloat16).
       matrix_axes: ``(fan_in, fan_out)`` axes of every leaf.
-      **muon_kwargs: any other argument of `scale_by_muon` (``ns_dtype``,
-        ``shape_scale``, ``newton_schulz_plan``...).
+      shape_scale: as in `scale_by_muon` (record: ``"modded"``).
+      mu_dtype: dtype of Muon's momentum buffer.
+      shard_newton_schulz: as in `scale_by_muon`.
+      newton_schulz_plan: as in `scale_by_muon`.
+      mesh: as in `scale_by_muon`.
 
     Returns:
       An ``optax.GradientTransformation``: a chain whose first state is a `MuonState`
@@ -493,5 +513,8 @@ def soap_muon(
         trust_floor=trust_floor, trust_cap=trust_cap)
     return optax.chain(
         scale_by_muon(beta, precondition=whitening, ns_normalization="gram_frobenius",
-                      coefficients=coefficients, matrix_axes=matrix_axes, **muon_kwargs),
+                      coefficients=coefficients, ns_dtype=ns_dtype, matrix_axes=matrix_axes,
+                      shape_scale=shape_scale, mu_dtype=mu_dtype,
+                      shard_newton_schulz=shard_newton_schulz,
+                      newton_schulz_plan=newton_schulz_plan, mesh=mesh),
         optax.scale_by_learning_rate(learning_rate))
