@@ -352,3 +352,24 @@ def test_nnx_optimizer():
     tx = optax.partition({"soap": soap_muon(0.02, ns_dtype=F32), "adam": optax.adam(3e-3)},
                          adam_for_vectors)
     m.check_nnx_optimizer(tx)
+
+
+def test_trust_gate_by_tree_equals_by_path():
+    """A tree of bools and a callable of the path select the same leaves; gating changes
+    the gated leaf only (a low cap pulls it toward the momentum)."""
+    grads = gradients()
+    params = {"a": jnp.zeros((8, 8), F32), "b": jnp.zeros((8, 8), F32)}
+
+    def run(gate):
+        tx = scale_by_soap_whitening(trust_gate=gate, trust_cap=0.3)
+        update = jax.jit(lambda g, s: tx.update(g, s, raw_gradient=g))
+        state, out = tx.init(params), None
+        for t in range(3):
+            g = {"a": jnp.asarray(grads[t]["square"], F32),
+                 "b": jnp.asarray(grads[t]["square"], F32)}
+            out, state = update(g, state)
+        return out
+
+    by_path, by_tree = run(lambda path: path == "a"), run({"a": True, "b": False})
+    m.assert_trees_equal(by_path, by_tree)
+    assert float(jnp.max(jnp.abs(by_tree["a"] - by_tree["b"]))) > 1e-2
