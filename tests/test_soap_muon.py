@@ -384,3 +384,30 @@ def test_trust_gate_by_tree_equals_by_path():
         whitened = float(jnp.max(jnp.abs(out["b"] - g["b"])))
         assert (whitened == 0.0) if t == 0 else (whitened > 1e-2), (t, whitened)
     assert float(jnp.max(jnp.abs(out["a"] - out["b"]))) > 1e-2
+
+
+def test_precondition_hook_inputs():
+    """The hook's `updates` are the Newton-Schulz input (a plain optax transform works:
+    NS is odd, so negating it negates the direction) and `raw_gradient` is the gradient
+    (orthogonalising it is Muon with momentum 0)."""
+    params = {"w": jnp.zeros((6, 10), F32), "e": jnp.zeros((2, 6, 8), F32)}
+    grads = [m.random_grads(params, t) for t in range(3)]
+
+    def raw():
+        return optax.GradientTransformationExtraArgs(
+            lambda p: optax.EmptyState(),
+            lambda u, s, p=None, *, raw_gradient, **extra: (raw_gradient, s))
+
+    def run(tx):
+        state, update, outs = tx.init(params), jax.jit(tx.update), []
+        for g in grads:
+            u, state = update(g, state, params)
+            outs.append(u)
+        return outs
+
+    kw = dict(ns_dtype=F32)
+    plain = run(scale_by_muon(0.9, **kw))
+    negated = run(scale_by_muon(0.9, precondition=optax.scale(-1.0), **kw))
+    m.assert_trees_close(negated, jax.tree.map(jnp.negative, plain), 0, 0)
+    m.assert_trees_close(run(scale_by_muon(0.9, precondition=raw(), **kw)),
+                         run(scale_by_muon(0.0, **kw)), 0, 0)
