@@ -239,6 +239,18 @@ def orthogonalize(
     return _newton_schulz(x, triples, jnp.dtype(ns_dtype), eps, normalization)
 
 
+def gram_frobenius_norm(x: jax.Array, eps: float) -> jax.Array:
+    """``max(‖Xᵀ X‖_F^{1/2}, eps)`` per matrix (last two axes), from the smaller Gram.
+
+    ``(Σσ⁴)^{1/4}``: between ``σ_max`` and ``‖X‖_F`` (modded-nanogpt Track 3's
+    ``gram_frobenius_norm_estimate``). The matrix axes are kept (size 1), to divide by.
+    """
+    spec = "...ji,...jk->...ik" if x.shape[-2] > x.shape[-1] else "...ij,...kj->...ik"
+    gram = jnp.einsum(spec, x, x, precision=jax.lax.Precision.HIGHEST)
+    norm = jnp.sqrt(jnp.sqrt(jnp.sum(jnp.square(gram), axis=(-2, -1), keepdims=True)))
+    return jnp.maximum(norm, eps)
+
+
 def _check_ns_normalization(normalization: Any) -> None:
     if normalization not in NS_NORMALIZATIONS:
         raise ValueError(f"ns_normalization must be one of {NS_NORMALIZATIONS}, "
@@ -267,10 +279,8 @@ def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
         return rounded(v.astype(out_dtype))
 
     X = up(X.astype(ns_dtype))
-    if normalization == "gram_frobenius":  # ‖X Xᵀ‖_F^{1/2}, X wide here: the smaller Gram
-        gram = jnp.einsum("...ij,...kj->...ik", X, X, precision=jax.lax.Precision.HIGHEST)
-        norm = jnp.sqrt(jnp.sqrt(jnp.sum(jnp.square(gram), axis=(-2, -1), keepdims=True)))
-        X = down(X / jnp.maximum(norm, eps))
+    if normalization == "gram_frobenius":
+        X = down(X / gram_frobenius_norm(X, eps))
     else:
         norm = jnp.sqrt(jnp.sum(jnp.square(X), axis=(-2, -1), keepdims=True))
         X = down(X / (norm + eps))

@@ -29,6 +29,7 @@ from optax_snoo._src.muon import (
     Coefficients,
     _check_matrix_axes,
     _normalized_axes,
+    gram_frobenius_norm,
     scale_by_muon,
 )
 from optax_snoo._src.muon_sharding import NewtonSchulzPlan
@@ -145,16 +146,8 @@ def _mm(spec: str, *xs: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *xs, precision=_HIGHEST)
 
 
-def gram_frobenius_norm(x: jax.Array, eps: float = 1e-8) -> jax.Array:
-    """``max(‖Xᵀ X‖_F^{1/2}, eps)`` per matrix (last two axes), from the smaller Gram.
-
-    ``(Σσ⁴)^{1/4}``: between ``σ_max`` and ``‖X‖_F``. Returned with the matrix axes kept
-    (size 1), to divide by.
-    """
-    spec = "...ji,...jk->...ik" if x.shape[-2] > x.shape[-1] else "...ij,...kj->...ik"
-    gram = _mm(spec, x, x)
-    norm = jnp.sqrt(jnp.sqrt(jnp.sum(jnp.square(gram), axis=(-2, -1), keepdims=True)))
-    return jnp.maximum(norm, eps)
+def _gram_norm(x: jax.Array, eps: float = 1e-8) -> jax.Array:
+    return gram_frobenius_norm(x, eps)
 
 
 def _frobenius_norm(x: jax.Array, eps: float = 1e-8) -> jax.Array:
@@ -297,7 +290,7 @@ def scale_by_soap_whitening(
     if norm_match not in NORM_MATCHES:
         raise ValueError(f"norm_match must be one of {NORM_MATCHES}, got {norm_match!r}.")
     axes = _check_matrix_axes(matrix_axes)
-    norm = gram_frobenius_norm if norm_match == "gram" else _frobenius_norm
+    norm = _gram_norm if norm_match == "gram" else _frobenius_norm
     floor = trust_gate_floor() if trust_floor is None else trust_floor
     cap = trust_gate_cap() if trust_cap is None else trust_cap
 
