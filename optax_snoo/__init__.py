@@ -47,6 +47,13 @@ from optax_snoo._src.snoo import (
     snoo,
     snoo_is_sync_step,
 )
+from optax_snoo._src.soap_muon import (
+    SoapWhiteningState,
+    scale_by_soap_whitening,
+    soap_muon,
+    trust_gate_cap,
+    trust_gate_floor,
+)
 from optax_snoo._src.weight_decay import DecoupledWeightDecayState, add_decoupled_weight_decay
 
 __version__ = "0.1.0"
@@ -67,6 +74,7 @@ __all__ = [
     "ScaleBySecondMomentState",
     "ScaleBySkewAdamState",
     "SnooState",
+    "SoapWhiteningState",
     "adam_group",
     "add_decoupled_weight_decay",
     "assign_roles",
@@ -94,13 +102,17 @@ __all__ = [
     "scale_by_qk_clip",
     "scale_by_second_moment",
     "scale_by_skew_adam",
+    "scale_by_soap_whitening",
     "skew_adam",
     "skew_adam_roles",
     "skip_update",
     "snoo",
     "snoo_is_sync_step",
+    "soap_muon",
     "stable_cooldown_schedule",
     "state_bytes",
     "state_bytes_by_group",
     "stochastic_rounding",
+    "trust_gate_cap",
+    "trust_gate_floor",
 ]

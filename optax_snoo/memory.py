@@ -5,6 +5,7 @@ from optax_snoo._src.memory import (
     muon_state_bytes,
     skew_adam_state_bytes,
     skew_adam_state_bytes_by_role,
+    soap_muon_state_bytes,
     state_bytes,
     state_bytes_by_group,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "muon_state_bytes",
     "skew_adam_state_bytes",
     "skew_adam_state_bytes_by_role",
+    "soap_muon_state_bytes",
     "state_bytes",
     "state_bytes_by_group",
 ]

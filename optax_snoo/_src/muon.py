@@ -113,6 +113,8 @@ COEFFICIENT_PRESETS: dict[str, Triples] = {
     "polar_express": POLAR_EXPRESS_COEFFICIENTS,
 }
 SMOOTHING_FORMS = ("ema", "nesterov")
+#: How the Newton-Schulz input is scaled before the iteration (see `orthogonalize`).
+NS_NORMALIZATIONS = ("frobenius", "gram_frobenius")
 SHAPE_SCALES = ("modded", "consistent_rms")
 
 
@@ -167,11 +169,16 @@ def orthogonalize(
     coefficients: Coefficients = "modded",
     ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     eps: float = 1e-7,
+    normalization: str = "frobenius",
 ) -> jax.Array:
     r"""Approximately orthogonalise a matrix (or each matrix of a stack) by Newton-Schulz.
 
     The iteration of Jordan's Muon and modded-nanogpt: cast to ``ns_dtype``, transpose
-    when rows > cols, divide by ``‖X‖_F + eps``, then for each triple ``(a, b, c)``:
+    when rows > cols, divide by ``‖X‖_F + eps`` (``normalization="frobenius"``) or by
+    ``max(‖X Xᵀ‖_F^{1/2}, eps)`` (``"gram_frobenius"``, modded-nanogpt Track 3 record
+    #46: ``‖X Xᵀ‖_F^{1/2} = (Σσ⁴)^{1/4}`` is still ``>= σ_max`` but closer to it than
+    ``‖X‖_F``, so the iteration starts with larger singular values), then for each
+    triple ``(a, b, c)``:
     ``A = X Xᵀ; B = b A + c A A; X = a X + B X``, and transpose back. It maps each singular
     value ``σ/‖X‖_F`` through the composed odd polynomial, so ``X = U S Vᵀ`` comes out as
     ``U S' Vᵀ`` with ``S'`` in a band around 1, not exactly 1: on Gaussian matrices of
@@ -199,14 +206,17 @@ def orthogonalize(
         ``1.01 ‖X‖_F`` normalisation folded into the first), or a sequence of
         ``(a, b, c)`` triples, one per iteration.
       ns_dtype: dtype of the iteration (bfloat16 as in the record; float32 for accuracy).
-      eps: added to the Frobenius norm before dividing.
+      eps: added to the Frobenius norm (``"frobenius"``), or the floor of the Gram norm
+        (``"gram_frobenius"``), before dividing.
+      normalization: ``"frobenius"`` or ``"gram_frobenius"`` (above).
 
     Returns:
       An array of ``x.shape`` in float32 (float64 when ``ns_dtype`` is float64),
       whatever the input dtype, so callers can accumulate it before casting.
 
     Raises:
-      ValueError: for an unknown preset, malformed coefficients, or ``x.ndim < 2``.
+      ValueError: for an unknown preset, malformed coefficients, an unknown
+        ``normalization``, or ``x.ndim < 2``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -228,14 +238,33 @@ def orthogonalize(
     """
     triples = _resolve_coefficients(coefficients)
     check_float_dtype("ns_dtype", ns_dtype)
+    _check_ns_normalization(normalization)
     if x.ndim < 2:
         raise ValueError(f"orthogonalize needs an array with >= 2 axes, got shape {x.shape}.")
-    return _newton_schulz(x, triples, jnp.dtype(ns_dtype), eps)
+    return _newton_schulz(x, triples, jnp.dtype(ns_dtype), eps, normalization)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+def gram_frobenius_norm(x: jax.Array, eps: float) -> jax.Array:
+    """``max(‖Xᵀ X‖_F^{1/2}, eps)`` per matrix (last two axes), from the smaller Gram.
+
+    ``(Σσ⁴)^{1/4}``: between ``σ_max`` and ``‖X‖_F`` (modded-nanogpt Track 3's
+    ``gram_frobenius_norm_estimate``). The matrix axes are kept (size 1), to divide by.
+    """
+    spec = "...ji,...jk->...ik" if x.shape[-2] > x.shape[-1] else "...ij,...kj->...ik"
+    gram = jnp.einsum(spec, x, x, precision=jax.lax.Precision.HIGHEST)
+    norm = jnp.sqrt(jnp.sqrt(jnp.sum(jnp.square(gram), axis=(-2, -1), keepdims=True)))
+    return jnp.maximum(norm, eps)
+
+
+def _check_ns_normalization(normalization: Any) -> None:
+    if normalization not in NS_NORMALIZATIONS:
+        raise ValueError(f"ns_normalization must be one of {NS_NORMALIZATIONS}, "
+                         f"got {normalization!r}.")
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 4))
 def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
-                   eps: jax.typing.ArrayLike) -> jax.Array:
+                   eps: jax.typing.ArrayLike, normalization: str = "frobenius") -> jax.Array:
     """The iteration on the last two axes. Jitted so that eager callers compile it once
     per shape instead of op by op; inside an outer jit it is simply inlined."""
     out_dtype = jnp.promote_types(ns_dtype, jnp.float32)
@@ -255,8 +284,11 @@ def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
         return rounded(v.astype(out_dtype))
 
     X = up(X.astype(ns_dtype))
-    norm = jnp.sqrt(jnp.sum(jnp.square(X), axis=(-2, -1), keepdims=True))
-    X = down(X / (norm + eps))
+    if normalization == "gram_frobenius":
+        X = down(X / gram_frobenius_norm(X, eps))
+    else:
+        norm = jnp.sqrt(jnp.sum(jnp.square(X), axis=(-2, -1), keepdims=True))
+        X = down(X / (norm + eps))
 
     # Each product accumulates in out_dtype and is rounded to ns_dtype after, which is
     # what a bf16 @ bf16 -> bf16 product computes; written so, XLA:CPU runs it on its
@@ -286,12 +318,15 @@ class MuonState(NamedTuple):
         ``optax.EmptyState()`` when smoothing is off.
       nu: NorMuon's second moment (float32, shaped like the params with the reduced
         matrix axis of size 1), or ``optax.EmptyState()`` without ``beta2``.
+      precondition: the state of the ``precondition`` transform (e.g.
+        `SoapWhiteningState`), or ``optax.EmptyState()`` without one.
     """
 
     count: jax.Array
     mu: optax.Updates
     smooth: optax.Updates | optax.EmptyState
     nu: optax.Updates | optax.EmptyState = optax.EmptyState()
+    precondition: optax.OptState = optax.EmptyState()
 
 
 def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
@@ -365,6 +400,8 @@ def scale_by_muon(
     shard_newton_schulz: bool = True,
     newton_schulz_plan: NewtonSchulzPlan | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    precondition: optax.GradientTransformation | None = None,
+    ns_normalization: str = "frobenius",
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
 
@@ -373,6 +410,7 @@ def scale_by_muon(
 
         m = β m + (1-β) g                                 # float32 buffer
         v = β m + (1-β) g   if nesterov else   m          # EMA form of Nesterov
+        v = precondition(v, raw_gradient=g)               # if precondition (below)
         O = orthogonalize(v)                              # each matrix on its own
         O = normuon(O)                                    # if beta2 (NorMuon, below)
         S = σ S + (1-σ) O;  O = S (ema) or σ S + (1-σ) O (nesterov)   # if smoothing
@@ -389,6 +427,14 @@ def scale_by_muon(
     ``ν = β₂ ν + (1-β₂) q``, ``D = O / sqrt(max(ν, 1e-10))`` and
     ``O = D ‖O‖_F / max(‖D‖_F, 1e-10)``: each neuron's update gets the same RMS on
     average, and the matrix keeps the Frobenius norm orthogonalisation gave it.
+
+    Preconditioning (``precondition`` set, e.g. `scale_by_soap_whitening` for
+    SOAP-Muon): a transform that receives the tree of Newton-Schulz inputs ``v`` as its
+    ``updates``, the params, and the raw gradient ``g`` as the extra argument
+    ``raw_gradient``, keeps its own state (`MuonState`'s ``precondition`` field) and
+    returns the matrices to orthogonalise. With sharded params it runs before the
+    matrices go to their owners, on the leaves as they lie (their own sharding; the
+    partitioner places its products), and only the iteration runs on whole matrices.
 
     With ``bias_correction=True`` the momentum is bias-corrected exactly as
     ``optax.contrib.scale_by_muon`` does: ``v = β m/(1-β^(t+2)) + (1-β) g/(1-β^(t+1))``
@@ -439,13 +485,18 @@ def scale_by_muon(
         `NewtonSchulzPlan`.
       mesh: the mesh to split leaves of unknown sharding over (above); default: the
         plan's, else the ``jax.set_mesh`` context of the update, if any.
+      precondition: a transform applied to the Newton-Schulz input before the
+        iteration (above), called with ``raw_gradient=``; ``None``: none.
+      ns_normalization: how the iteration's input is scaled, ``"frobenius"`` or
+        ``"gram_frobenius"`` (modded-nanogpt Track 3's SOAP-Muon); see `orthogonalize`.
 
     Returns:
       An ``optax.GradientTransformation`` with state `MuonState`.
 
     Raises:
       ValueError: for bad coefficients, ``beta``, ``beta2`` or ``smoothing`` outside
-        [0, 1), bad ``matrix_axes``, ``shape_scale`` or ``smoothing_form``; at init/trace
+        [0, 1), bad ``matrix_axes``, ``shape_scale``, ``smoothing_form``,
+        ``ns_normalization`` or ``precondition``; at init/trace
         time for 0-D/1-D leaves (those belong to Adam) and axes that do not fit a leaf.
 
     Example:
@@ -485,11 +536,18 @@ def scale_by_muon(
     if newton_schulz_plan is not None and not isinstance(newton_schulz_plan, NewtonSchulzPlan):
         raise ValueError(f"newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
                          f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
+    _check_ns_normalization(ns_normalization)
+    if precondition is not None:
+        if not isinstance(precondition, optax.GradientTransformation):
+            raise ValueError(f"precondition must be an optax.GradientTransformation (e.g. "
+                             f"scale_by_soap_whitening()), got {precondition!r}.")
+        precondition = optax.with_extra_args_support(precondition)
     plan = newton_schulz_plan or NewtonSchulzPlan()
     spread_mesh = mesh if mesh is not None else plan.mesh
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     ns_dt = jnp.dtype(ns_dtype)
-    newton_schulz = functools.partial(_newton_schulz, triples=triples, ns_dtype=ns_dt, eps=1e-7)
+    newton_schulz = functools.partial(_newton_schulz, triples=triples, ns_dtype=ns_dt, eps=1e-7,
+                                      normalization=ns_normalization)
 
     def init_fn(params: optax.Params) -> MuonState:
         for path, p in jax.tree_util.tree_leaves_with_path(params):
@@ -499,11 +557,12 @@ def scale_by_muon(
         nu = optax.EmptyState() if beta2 is None else jax.tree.map(
             lambda p: jnp.zeros(_reduced_shape(jnp.shape(p), axes), jnp.float32), params)
         return MuonState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros(mu_dtype), params),
-                         smooth=optax.EmptyState() if smoothing is None else f32_like(), nu=nu)
+                         smooth=optax.EmptyState() if smoothing is None else f32_like(), nu=nu,
+                         precondition=(optax.EmptyState() if precondition is None
+                                       else precondition.init(params)))
 
     def update_fn(updates: optax.Updates, state: MuonState,
                   params: optax.Params | None = None) -> tuple[optax.Updates, MuonState]:
-        del params
         count = state.count
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
         paths, grads = [path_to_str(p) for p, _ in with_paths], [g for _, g in with_paths]
@@ -514,8 +573,14 @@ def scale_by_muon(
         moments = [_momentum(g, m, beta_t, count, nesterov=nesterov,
                              bias_correction=bias_correction, mu_dtype=mu_dtype)
                    for g, m in zip(grads, mus, strict=True)]
+        inputs = [v for v, _ in moments]
+        pre_state = state.precondition
+        if precondition is not None:
+            whitened, pre_state = precondition.update(
+                treedef.unflatten(inputs), pre_state, params, raw_gradient=updates)
+            inputs = treedef.flatten_up_to(whitened)
         placements = place_leaves(plan, paths, list(zip(grads, mus, strict=True)))
-        ortho = orthogonalize_leaves([v for v, _ in moments], leaf_axes, placements,
+        ortho = orthogonalize_leaves(inputs, leaf_axes, placements,
                                      newton_schulz=newton_schulz, ns_dtype=ns_dt,
                                      mesh=spread_mesh, split=shard_newton_schulz)
         nu = state.nu
@@ -534,7 +599,7 @@ def scale_by_muon(
                        for o, g, a in zip(ortho, grads, leaf_axes, strict=True)]
         return treedef.unflatten(new_updates), MuonState(
             count=optax.safe_increment(count), mu=treedef.unflatten([m for _, m in moments]),
-            smooth=smooth, nu=nu)
+            smooth=smooth, nu=nu, precondition=pre_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -542,8 +607,9 @@ def scale_by_muon(
 def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nesterov: bool,
               bias_correction: bool, mu_dtype: Any) -> tuple[jax.Array, jax.Array]:
     """(float32 input of the iteration, new momentum buffer) of one leaf."""
-    g32 = g.astype(jnp.float32)
-    m = beta * m.astype(jnp.float32) + (1 - beta) * g32
+    compute = jnp.promote_types(g.dtype, jnp.float32)  # float32, or float64 under x64
+    g32 = g.astype(compute)
+    m = beta * m.astype(compute) + (1 - beta) * g32
     if bias_correction:
         bc_g = 1 - beta ** (count + 1)
         v = m / (1 - beta ** (count + 2) if nesterov else bc_g)
