@@ -7,6 +7,13 @@ so no public module is shadowed by a function of the same name.
 """
 
 from optax_snoo import kfac, labels, memory, recipes, rounding
+from optax_snoo._src.averaging import (
+    EmaNesterovState,
+    TailEmaState,
+    ema_nesterov,
+    eval_params,
+    tail_ema,
+)
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
 from optax_snoo._src.muon import (
     COEFFICIENT_PRESETS,
@@ -21,6 +28,7 @@ from optax_snoo._src.muon import (
 )
 from optax_snoo._src.muon_sharding import NewtonSchulzPlan
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
+from optax_snoo._src.radius import RadiusStepsState, radius_steps
 from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
 from optax_snoo._src.skew_adam import (
@@ -45,7 +53,11 @@ from optax_snoo._src.snoo import (
     snoo,
     snoo_is_sync_step,
 )
-from optax_snoo._src.weight_decay import DecoupledWeightDecayState, add_decoupled_weight_decay
+from optax_snoo._src.weight_decay import (
+    DecoupledWeightDecayState,
+    add_decoupled_weight_decay,
+    cautious_mask,
+)
 
 __version__ = "0.1.0"
 
@@ -56,19 +68,25 @@ __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLICY_PRESETS",
     "DecoupledWeightDecayState",
+    "EmaNesterovState",
     "MuonState",
     "NewtonSchulzPlan",
     "QKHeads",
+    "RadiusStepsState",
     "RolePolicy",
     "RoundingState",
     "ScaleBySecondMomentState",
     "ScaleBySkewAdamState",
     "SnooState",
+    "TailEmaState",
     "add_decoupled_weight_decay",
     "assign_roles",
     "cast_to_param_dtype",
+    "cautious_mask",
     "diloco",
     "dithered_rounding",
+    "ema_nesterov",
+    "eval_params",
     "kfac",
     "labels",
     "memory",
@@ -80,6 +98,7 @@ __all__ = [
     "over_replicas",
     "qk_clip_heads",
     "qk_clip_scales",
+    "radius_steps",
     "recipes",
     "rounding",
     "scale_by_muon",
@@ -96,4 +115,5 @@ __all__ = [
     "state_bytes",
     "state_bytes_by_group",
     "stochastic_rounding",
+    "tail_ema",
 ]
