@@ -22,7 +22,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.utils import check_int_at_least, check_non_negative, check_unit_interval
+from optax_snoo._src.utils import (
+    check_int_at_least,
+    check_non_negative,
+    check_unit_interval,
+    concrete_real,
+)
 
 __all__ = ["EmaNesterovState", "TailEmaState", "ema_nesterov", "eval_params", "tail_ema"]
 
@@ -198,7 +203,7 @@ def tail_ema(
 
     Args:
       start: the update count (>= 1) after which the EMA is initialised to the weights.
-      horizon: ``τ`` > = 1: the EMA's coefficient is ``1/τ``.
+      horizon: ``τ`` >= 1: the EMA's coefficient is ``1/τ``.
       blend: ``λ`` in [0, 1], the EMA's weight in the evaluated weights.
       end: the update count from which the EMA stops moving (``None``: never).
       mask: which leaves to average, as ``optax.masked``'s mask: a tree of bools with the
@@ -230,10 +235,13 @@ def tail_ema(
     check_int_at_least("tail_ema: start", start, 1)
     if end is not None:
         check_int_at_least("tail_ema: end", end, start + 1)
-    check_unit_interval("tail_ema: blend", blend)
-    if not (isinstance(horizon, int | float) and horizon >= 1):
+    known_blend = concrete_real(blend)
+    if callable(blend) or (known_blend is not None and not 0.0 <= known_blend <= 1.0):
+        raise ValueError(f"tail_ema: blend must be a number in [0, 1], got {blend!r}")
+    known = concrete_real(horizon)
+    if callable(horizon) or (known is not None and known < 1):
         raise ValueError(f"tail_ema: horizon must be a number >= 1, got {horizon!r}")
-    rate = 1.0 / float(horizon)
+    rate = 1.0 / horizon
 
     def leaf_mask(params):
         m = mask(params) if callable(mask) else mask
@@ -245,7 +253,7 @@ def tail_ema(
     def init_fn(params):
         ema = jax.tree.map(
             lambda p, keep: p if _skipped(p) else (
-                jnp.zeros(p.shape, jnp.float32) if keep else optax.MaskedNode()),
+                jnp.zeros_like(p, dtype=jnp.float32) if keep else optax.MaskedNode()),
             params, leaf_mask(params), is_leaf=_skipped)
         return TailEmaState(count=jnp.zeros([], jnp.int32), blend=jnp.zeros([], jnp.float32),
                             ema=ema)

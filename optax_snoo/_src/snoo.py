@@ -273,8 +273,8 @@ def snoo(
                 f"snoo: snoo_sync must be a static Python bool or None, got {snoo_sync!r}")
         if replica_axis is not None:
             _check_axis_bound(replica_axis)
-        # The number of syncs before this one (the schedules' argument).
-        outer_count = (state.count + phase) // k - phase
+        # The number of syncs before this one (the schedules' argument; read on sync steps).
+        outer_count = jnp.maximum((state.count + phase) // k - phase, 0)
         eta = learning_rate(outer_count) if callable(learning_rate) else learning_rate
         mu = momentum(outer_count) if callable(momentum) else momentum
         slow, buf = state.slow, state.momentum
