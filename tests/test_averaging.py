@@ -276,3 +276,23 @@ def test_optax_matrix(which, tmp_path):
         m.check_inject_hyperparams(
             lambda beta0, gamma: ema_nesterov(optax.sgd(0.1), beta0, gamma, 1, 5),
             MATRIX_PARAMS, dict(beta0=0.3, gamma=0.9), steps=4)
+
+
+def test_properties():
+    params = init_params()
+    grads = as_f32(grad_at(params, 0))
+    inner = optax.adam(0.1)
+    ref, _ = inner.update(grads, inner.init(params), params)
+    # beta0 = 0: exactly the inner optimizer, and the params are the weights to evaluate.
+    tx = ema_nesterov(inner, beta0=0.0, prefill=0)
+    first, state = tx.update(grads, tx.init(params), params)
+    m.assert_trees_equal(first, ref)
+    moved = optax.apply_updates(params, first)
+    _, state = tx.update(grads, state, moved)
+    m.assert_trees_equal(eval_params(moved, state), moved)
+    # tail_ema never changes the update, and blend = 0 evaluates the params.
+    tx = tail_ema(1, 2.0, 0.0)
+    state = tx.init(params)
+    out, state = tx.update(ref, state, params)
+    m.assert_trees_equal(out, ref)
+    m.assert_trees_equal(eval_params(params, state), params)

@@ -240,3 +240,29 @@ def test_inject_hyperparams_and_nnx():
                                                 radius_steps(0.02)),
                           "vector": optax.adam(1e-2)}, labels)
     m.check_nnx_optimizer(tx, steps=5)
+
+
+def test_properties():
+    w = {"w": 0.5 * jax.random.normal(jax.random.key(5), (6, 4))}
+    o = {"w": jax.random.normal(jax.random.key(6), (6, 4))}
+
+    def step(tx):
+        return tx.update(o, tx.init(w), w)[0]["w"]
+
+    # Without brake, floor, pin or decay it is SGD's step -lr·O.
+    plain = step(radius_steps(0.1, brake=None, floor=None, pin=None, cautious_weight_decay=0.0))
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(-0.1 * o["w"]), rtol=1e-6,
+                               atol=1e-6)
+    # brake=1.0 is no brake.
+    m.assert_trees_close(step(radius_steps(0.1, brake=1.0)), step(radius_steps(0.1, brake=None)),
+                         1e-6, 1e-7)
+    # A purely tangential direction keeps the radius under the first-order pin.
+    wf = w["w"]
+    tangential = o["w"] - jnp.sum(o["w"] * wf) / jnp.sum(wf * wf) * wf
+    tx = radius_steps(0.3, brake=None, floor=None, cautious_weight_decay=0.0)
+    new = wf + tx.update({"w": tangential}, tx.init(w), w)[0]["w"]
+    assert float(jnp.linalg.norm(new)) == pytest.approx(float(jnp.linalg.norm(wf)), rel=1e-6)
+    # The floor only ever enlarges the step; a zero learning rate leaves W unchanged.
+    floored = step(radius_steps(0.1, brake=None, pin=None, cautious_weight_decay=0.0))
+    assert float(jnp.linalg.norm(floored)) >= float(jnp.linalg.norm(plain)) * (1 - 1e-6)
+    assert float(jnp.max(jnp.abs(step(radius_steps(0.0))))) < 1e-6
