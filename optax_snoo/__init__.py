@@ -8,6 +8,13 @@ so no public module is shadowed by a function of the same name.
 
 from optax_snoo import kfac, labels, memory, recipes, rounding
 from optax_snoo._src.adam import AdamGroup, adam_group, scale_by_adam
+from optax_snoo._src.averaging import (
+    EmaNesterovState,
+    TailEmaState,
+    ema_nesterov,
+    eval_params,
+    tail_ema,
+)
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
 from optax_snoo._src.muon import (
     COEFFICIENT_PRESETS,
@@ -22,6 +29,7 @@ from optax_snoo._src.muon import (
 )
 from optax_snoo._src.muon_sharding import NewtonSchulzPlan
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
+from optax_snoo._src.radius import RadiusStepsState, radius_steps
 from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
 from optax_snoo._src.schedules import muon_momentum_schedule, power_cool
@@ -47,14 +55,11 @@ from optax_snoo._src.snoo import (
     snoo,
     snoo_is_sync_step,
 )
-from optax_snoo._src.soap_muon import (
-    SoapWhiteningState,
-    scale_by_soap_whitening,
-    soap_muon,
-    trust_gate_cap,
-    trust_gate_floor,
+from optax_snoo._src.weight_decay import (
+    DecoupledWeightDecayState,
+    add_decoupled_weight_decay,
+    cautious_mask,
 )
-from optax_snoo._src.weight_decay import DecoupledWeightDecayState, add_decoupled_weight_decay
 
 __version__ = "0.1.0"
 
@@ -66,9 +71,11 @@ __all__ = [
     "POLICY_PRESETS",
     "AdamGroup",
     "DecoupledWeightDecayState",
+    "EmaNesterovState",
     "MuonState",
     "NewtonSchulzPlan",
     "QKHeads",
+    "RadiusStepsState",
     "RolePolicy",
     "RoundingState",
     "ScaleBySecondMomentState",
@@ -76,11 +83,15 @@ __all__ = [
     "SnooState",
     "SoapWhiteningState",
     "adam_group",
+    "TailEmaState",
     "add_decoupled_weight_decay",
     "assign_roles",
     "cast_to_param_dtype",
+    "cautious_mask",
     "diloco",
     "dithered_rounding",
+    "ema_nesterov",
+    "eval_params",
     "kfac",
     "labels",
     "memory",
@@ -94,6 +105,7 @@ __all__ = [
     "power_cool",
     "qk_clip_heads",
     "qk_clip_scales",
+    "radius_steps",
     "recipes",
     "rounding",
     "scale_by_adam",
@@ -115,4 +127,5 @@ __all__ = [
     "stochastic_rounding",
     "trust_gate_cap",
     "trust_gate_floor",
+    "tail_ema",
 ]

@@ -53,9 +53,22 @@ class SnooState(NamedTuple):
     inner_state: Any
 
 
-def snoo_is_sync_step(step: int, k: int) -> bool:
-    """Whether update number `step` (counting from 0) is a Snoo sync step."""
-    return step % k == 0
+_SYNC_PHASES = {"start": 0, "end": 1}
+
+
+def _check_sync(sync: Any) -> int:
+    if sync not in _SYNC_PHASES:
+        raise ValueError(f"snoo: sync must be 'start' or 'end', got {sync!r}")
+    return _SYNC_PHASES[sync]
+
+
+def snoo_is_sync_step(step: int, k: int, sync: str = "start") -> bool:
+    """Whether update number `step` (counting from 0) is a Snoo sync step.
+
+    ``sync="start"``: updates 0, k, 2k, ...; ``sync="end"``: updates k-1, 2k-1, ... (after
+    every k-th update, as MuLoCo).
+    """
+    return (step + _check_sync(sync)) % k == 0
 
 
 def _is_snoo_state(x: Any) -> bool:
@@ -142,15 +155,23 @@ def snoo(
     *,
     slow_dtype: Any = "float32",
     replica_axis: str | tuple[str, ...] | None = None,
+    sync: str = "start",
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `inner` in Snoo, the sparse Nesterov outer optimizer.
 
     Each update first runs `inner` (`u`; fast weights `f = p + u`). On sync steps
-    (`count % k == 0`, so the very first update syncs) the pseudo-gradient `d = slow - f`
+    (`count % k == 0`, so the very first update syncs; with `sync="end"`,
+    `(count + 1) % k == 0`: after every k-th update) the pseudo-gradient `d = slow - f`
     drives PyTorch-style Nesterov SGD on the slow weights:
     `b = μ b + d; slow = slow - η (d + μ b)`, and the returned update moves the params to
     `slow`. Otherwise the update is `u`. The inner state is never reset. The params stay an
     ordinary pytree (the slow copy lives in the state, unlike `optax.lookahead`).
+
+    With `sync="end"`, `learning_rate=0.7, momentum=0.5, k=30` this is MuLoCo's outer
+    Nesterov (modded-nanogpt Track 3 record #13, `NesterovOuterOptimizer`:
+    `u = μu + ηΔ; W = snapshot - μu - ηΔ`, the same rule with `u = η·b` for a constant η),
+    except that the slow weights and the buffer are float32 here (`slow_dtype`), in the
+    param dtype there.
 
     Extra keyword arguments of `update` are forwarded to `inner`, except `snoo_sync`: a
     static Python bool telling `update` whether this call is a sync step. With it, only
@@ -179,6 +200,9 @@ def snoo(
         and starts again from the same slow weights. Under `jax.vmap`, keep `count`
         unmapped (as `diloco` does): a mapped count turns the sync conditional into a
         select that would run the all-reduce on every step.
+      sync: `"start"` (sync at updates 0, k, 2k, ...: the Snoo record) or `"end"` (after
+        updates k, 2k, ...: updates k-1, 2k-1, ... counting from 0, as MuLoCo; a run of
+        a multiple of k updates then ends on a sync).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` with state `SnooState`. `update` needs
@@ -199,9 +223,13 @@ def snoo(
     References:
       Kallusky et al, `Snoo: sparse Nesterov outer optimizer, modded-nanogpt GPT-2 Medium
       record <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
+      Jordan et al., `modded-nanogpt Track 3 record #13 (MuLoCo-NorMuonH)
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026.
     """
     _validate(inner, learning_rate, momentum, k)
     _check_replica_axis(replica_axis)
+    phase = _check_sync(sync)
     slow_dtype = jnp.dtype(slow_dtype)
     inner = optax.with_extra_args_support(inner)
 
@@ -250,7 +278,8 @@ def snoo(
                 f"snoo: snoo_sync must be a static Python bool or None, got {snoo_sync!r}")
         if replica_axis is not None:
             _check_axis_bound(replica_axis)
-        outer_count = state.count // k
+        # The number of syncs before this one (the schedules' argument; read on sync steps).
+        outer_count = jnp.maximum((state.count + phase) // k - phase, 0)
         eta, mu = value_at(learning_rate, outer_count), value_at(momentum, outer_count)
         slow, buf = state.slow, state.momentum
 
@@ -271,7 +300,7 @@ def snoo(
         # the inner update below: x * 1.0 == x exactly, and the data dependency makes the
         # inner update run after the conditional, so it may overwrite the inner state
         # buffers in place instead of XLA copying them for the conditional to read.
-        is_sync = state.count % k == 0
+        is_sync = (state.count + phase) % k == 0
 
         def sync_branch(operand):
             u, _ = inner.update(updates, state.inner_state, params, **extra_args)
@@ -400,6 +429,7 @@ def diloco(
     *,
     slow_dtype: Any = "float32",
     axis_name: str = "diloco",
+    sync: str = "start",
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo: M replicas of `snoo(inner)` that average their pseudo-gradients on sync steps.
 
@@ -429,6 +459,7 @@ def diloco(
       k: sync period H (integer >= 1).
       slow_dtype: dtype of the slow weights and outer momentum.
       axis_name: the name of the replica axis inside the map.
+      sync: `"start"` or `"end"`: when the syncs fall, as in `snoo`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` over replica-stacked trees. `update`
@@ -456,4 +487,4 @@ def diloco(
     if not isinstance(axis_name, str) or not axis_name:
         raise ValueError(f"diloco: axis_name must be a non-empty str, got {axis_name!r}")
     return over_replicas(snoo(inner, learning_rate, momentum, k, slow_dtype=slow_dtype,
-                              replica_axis=axis_name), axis_name)
+                              replica_axis=axis_name, sync=sync), axis_name)

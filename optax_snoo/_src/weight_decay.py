@@ -25,7 +25,7 @@ import optax
 
 from optax_snoo._src.utils import check_non_negative, is_real, value_at
 
-__all__ = ["DecoupledWeightDecayState", "add_decoupled_weight_decay"]
+__all__ = ["DecoupledWeightDecayState", "add_decoupled_weight_decay", "cautious_mask"]
 
 
 class DecoupledWeightDecayState(NamedTuple):
@@ -40,6 +40,38 @@ class DecoupledWeightDecayState(NamedTuple):
 
 def _skipped(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
+
+
+def cautious_mask(update: jax.Array, param: jax.Array, *, strict: bool = False) -> jax.Array:
+    """Where cautious weight decay acts: ``u·p >= 0`` (``u·p > 0`` when ``strict``).
+
+    ``update`` is the descent direction (the step is ``p - lr·u``), so ``u·p > 0`` is where
+    the step already shrinks ``|p|``. The test reads the signs, so it does not underflow
+    for tiny ``u·p``. Used before the step by `add_decoupled_weight_decay` (``>=``, as
+    modded-nanogpt's Muon group) and after the radius pin by `radius_steps` (``>``, as
+    modded-nanogpt Track 3 record #46).
+
+    Args:
+      update: the update (any float dtype).
+      param: the weight, same shape.
+      strict: ``>`` instead of ``>=``.
+
+    Returns:
+      A boolean array of the broadcast shape.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo import cautious_mask
+      >>> cautious_mask(jnp.array([1.0, -1.0, 0.0]), jnp.array([2.0, 2.0, 2.0])).tolist()
+      [True, False, True]
+      >>> cautious_mask(jnp.array([1.0, -1.0, 0.0]), jnp.ones(3), strict=True).tolist()
+      [True, False, False]
+
+    References:
+      Chen et al., `Cautious Weight Decay <https://arxiv.org/abs/2510.12402>`_, 2025
+    """
+    agree = jnp.sign(update) * jnp.sign(param)
+    return agree > 0 if strict else agree >= 0
 
 
 def add_decoupled_weight_decay(
@@ -154,7 +186,7 @@ def add_decoupled_weight_decay(
             rate = wd if m is None else wd * jnp.asarray(m, jnp.float32)
             term = rate * p.astype(jnp.float32)
             if cautious:
-                term = jnp.where(jnp.sign(u) * jnp.sign(p) >= 0, term, 0.0)
+                term = jnp.where(cautious_mask(u, p), term, 0.0)
             return (u.astype(jnp.float32) + term).astype(u.dtype)
 
         mul = multiplier(params) if callable(multiplier) else multiplier

@@ -1,0 +1,341 @@
+"""Weight averaging around an optimizer: EMA-Nesterov and the tail-EMA readout.
+
+`ema_nesterov` (modded-nanogpt Track 3 records #39, #40) adds an EMA of the weights'
+displacement, scaled by a lookahead coefficient, to the weights the gradient is taken
+at. `tail_ema` (records #45, #46) keeps an EMA of the weights over the end of training,
+blended into the weights only for evaluation. Both keep in their state what the
+weights to *evaluate* are; `eval_params(params, opt_state)` finds every such state
+anywhere in an optimizer state and returns those weights.
+
+References:
+  Jordan et al., `modded-nanogpt Track 3 (optimization) records #39, #40, #45, #46
+  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  2026.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_snoo._src.utils import (
+    check_int_at_least,
+    check_non_negative,
+    check_unit_interval,
+    concrete_real,
+)
+
+__all__ = ["EmaNesterovState", "TailEmaState", "ema_nesterov", "eval_params", "tail_ema"]
+
+ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
+
+
+class EmaNesterovState(NamedTuple):
+    """State of `ema_nesterov`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      lookahead: the coefficient ``β`` of the displacement EMA in the current params
+        (float32 scalar): the params are ``W + β·b``, the weights to evaluate ``W``.
+      displacement: the EMA ``b`` of the evaluated weights' displacement per update.
+      inner_state: the wrapped transformation's state.
+    """
+
+    count: jax.Array
+    lookahead: jax.Array
+    displacement: Any
+    inner_state: Any
+
+
+class TailEmaState(NamedTuple):
+    """State of `tail_ema`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      blend: the weight ``λ`` of the EMA in the weights to evaluate (float32 scalar; 0
+        until the EMA starts).
+      ema: float32 EMA of the params (``optax.MaskedNode`` on leaves not averaged).
+    """
+
+    count: jax.Array
+    blend: jax.Array
+    ema: Any
+
+
+def _skipped(x: Any) -> bool:
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _check_inner(name: str, inner: Any) -> None:
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise ValueError(f"{name}: inner must be an optax.GradientTransformation (with init and "
+                         f"update), got {type(inner).__name__}: {inner!r}")
+
+
+def ema_nesterov(
+    inner: optax.GradientTransformation,
+    beta0: float = 0.3,
+    gamma: float = 0.99,
+    prefill: int = 300,
+    stop: int = 1950,
+    lr_ratio: ScalarOrSchedule = 1.0,
+    *,
+    buffer_dtype: Any = "float32",
+) -> optax.GradientTransformationExtraArgs:
+    r"""Wrap `inner` in EMA-Nesterov: take each gradient at a lookahead point.
+
+    With ``W_t`` the weights after ``t`` updates, ``b`` an EMA of their displacement and
+    ``β_t = β0·lr_ratio(t)`` while ``prefill <= t < stop`` (else 0), modded-nanogpt's
+    ``EMA_Nesterov`` takes the gradient at the lookahead point ``Y_t = W_t + β_t·b_t``,
+    lets the inner optimizer step from there (``W_{t+1} = Y_t + Δ_t``, the lookahead is
+    not undone) and updates ``b_{t+1} = γ b_t + (1-γ)(W_{t+1} - W_t)``. Here the params
+    are the lookahead point ``Y``, so the gradient given to ``update`` is the one the
+    record uses, and the update is ``Δ_t + β_{t+1} b_{t+1}``. The weights to evaluate are
+    ``W = Y - β·b`` (`eval_params`); they equal the params once ``β = 0``.
+
+    Extra keyword arguments of ``update`` are forwarded to ``inner``.
+
+    Args:
+      inner: the inner optimizer (its update is computed at the lookahead point).
+      beta0: lookahead step ``β0`` >= 0 (#40, #46: 0.3; #39: 0.6).
+      gamma: EMA factor ``γ`` of the displacement in [0, 1) (0.99).
+      prefill: first update count with a lookahead (300).
+      stop: first update count without it again (#46: 2900 - 950 = 1950).
+      lr_ratio: a float or a schedule of the update count ``t`` giving ``lr_t/lr_0``.
+        The record reads the learning rate its schedule set on the *previous* step
+        (``lr(t-1)/lr0``, and ``1`` at ``t = 0``): pass
+        ``lambda t: sched(jnp.maximum(t - 1, 0)) / sched(0)`` to reproduce it.
+      buffer_dtype: dtype of ``b`` (float32; the record keeps it in the param dtype).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state `EmaNesterovState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"w": jnp.ones(3)}
+      >>> tx = optax_snoo.ema_nesterov(optax.sgd(0.1), beta0=0.5, prefill=1, stop=10)
+      >>> state = tx.init(params)
+      >>> for _ in range(3):
+      ...     updates, state = tx.update({"w": jnp.ones(3)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> w = optax_snoo.eval_params(params, state)["w"]  # the weights to evaluate
+      >>> bool(jnp.all(params["w"] < w))  # the lookahead point is ahead (downhill)
+      True
+
+    References:
+      Jordan et al., `modded-nanogpt Track 3 records #39 and #40 (class EMA_Nesterov)
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026.
+    """
+    _check_inner("ema_nesterov", inner)
+    check_non_negative("ema_nesterov: beta0", beta0)
+    check_unit_interval("ema_nesterov: gamma", gamma)
+    check_int_at_least("ema_nesterov: prefill", prefill, 0)
+    check_int_at_least("ema_nesterov: stop", stop, 0)
+    check_non_negative("ema_nesterov: lr_ratio", lr_ratio)
+    buffer_dtype = jnp.dtype(buffer_dtype)
+    inner = optax.with_extra_args_support(inner)
+
+    def beta(t: jax.Array) -> jax.Array:
+        ratio = lr_ratio(t) if callable(lr_ratio) else lr_ratio
+        active = (t >= prefill) & (t < stop)
+        return jnp.where(active, beta0 * jnp.asarray(ratio, jnp.float32), 0.0).astype(
+            jnp.float32)
+
+    def init_fn(params):
+        count = jnp.zeros([], jnp.int32)
+        return EmaNesterovState(
+            count=count, lookahead=beta(count),
+            displacement=jax.tree.map(
+                lambda p: p if _skipped(p) else jnp.zeros_like(p, dtype=buffer_dtype),
+                params, is_leaf=_skipped),
+            inner_state=inner.init(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        delta, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        count = optax.safe_increment(state.count)
+        beta_now, beta_next = state.lookahead, beta(count)
+
+        def leaf(d, b):
+            if _skipped(d):
+                return d, b
+            # W_{t+1} - W_t = β_t b_t + Δ_t: the lookahead stays in the weights.
+            bf = b.astype(jnp.float32)
+            b_new = gamma * bf + (1.0 - gamma) * (beta_now * bf + d.astype(jnp.float32))
+            return (d.astype(jnp.float32) + beta_next * b_new).astype(d.dtype), \
+                b_new.astype(buffer_dtype)
+
+        pairs = jax.tree.map(leaf, delta, state.displacement, is_leaf=_skipped)
+        is_pair = lambda x: type(x) is tuple
+        new_updates = jax.tree.map(lambda x: x[0], pairs, is_leaf=is_pair)
+        displacement = jax.tree.map(lambda x: x[1], pairs, is_leaf=is_pair)
+        return new_updates, EmaNesterovState(count=count, lookahead=beta_next,
+                                             displacement=displacement,
+                                             inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def tail_ema(
+    start: int,
+    horizon: float = 150.0,
+    blend: float = 0.6,
+    end: int | None = None,
+    *,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+) -> optax.GradientTransformation:
+    r"""Keep an EMA of the weights from update ``start`` on; evaluate a blend with it.
+
+    A pass-through transformation (the update is unchanged) placed last in a chain: it
+    sees the post-step weights ``w = params + update``. After update number ``start``
+    it copies them, ``ema = w``; after each later update before ``end`` it moves
+    ``ema ← ema + (w - ema)/horizon``. The weights to evaluate (`eval_params`) are
+    ``(1 - blend)·w + blend·ema`` on the averaged leaves once the EMA exists, ``w``
+    before and on the other leaves. Training never sees the EMA.
+
+    #46 (evaluation-time readout): ``tail_ema(2400, 150, 0.6, end=2900, mask=<all but the
+    token embedding>)``; #45 chose the horizon as ``(t_end - claim step)/power =
+    (2900 - 2720)/1.2 = 150``.
+
+    Args:
+      start: the update count (>= 1) after which the EMA is initialised to the weights.
+      horizon: ``τ`` >= 1: the EMA's coefficient is ``1/τ``.
+      blend: ``λ`` in [0, 1], the EMA's weight in the evaluated weights.
+      end: the update count from which the EMA stops moving (``None``: never).
+      mask: which leaves to average, as ``optax.masked``'s mask: a tree of bools with the
+        params' structure (or a prefix), or a callable ``params -> tree``; ``None``: all.
+
+    Returns:
+      An ``optax.GradientTransformation`` with state `TailEmaState`; ``update`` needs
+      ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"embed": jnp.zeros(2), "w": jnp.zeros(2)}
+      >>> tx = optax.chain(optax.sgd(1.0), optax_snoo.tail_ema(
+      ...     start=2, horizon=2.0, blend=0.5, mask={"embed": False, "w": True}))
+      >>> state = tx.init(params)
+      >>> for _ in range(3):  # w: 0 -> -1 -> -2 (EMA = -2) -> -3 (EMA = -2.5)
+      ...     updates, state = tx.update({"embed": jnp.ones(2), "w": jnp.ones(2)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> ev = optax_snoo.eval_params(params, state)
+      >>> ev["w"].tolist(), ev["embed"].tolist()
+      ([-2.75, -2.75], [-3.0, -3.0])
+
+    References:
+      Jordan et al., `modded-nanogpt Track 3 records #45 (maybe_update_tail_ema) and #46
+      (tail-EMA readout)
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026.
+    """
+    check_int_at_least("tail_ema: start", start, 1)
+    if end is not None:
+        check_int_at_least("tail_ema: end", end, start + 1)
+    known_blend = concrete_real(blend)
+    if callable(blend) or (known_blend is not None and not 0.0 <= known_blend <= 1.0):
+        raise ValueError(f"tail_ema: blend must be a number in [0, 1], got {blend!r}")
+    known = concrete_real(horizon)
+    if callable(horizon) or (known is not None and known < 1):
+        raise ValueError(f"tail_ema: horizon must be a number >= 1, got {horizon!r}")
+    rate = 1.0 / horizon
+
+    def leaf_mask(params):
+        m = mask(params) if callable(mask) else mask
+        if m is None:
+            return jax.tree.map(lambda _: True, params, is_leaf=_skipped)
+        return jax.tree.map(lambda b, sub: jax.tree.map(lambda _: b, sub, is_leaf=_skipped),
+                            m, params, is_leaf=lambda x: isinstance(x, bool))
+
+    def init_fn(params):
+        ema = jax.tree.map(
+            lambda p, keep: p if _skipped(p) else (
+                jnp.zeros_like(p, dtype=jnp.float32) if keep else optax.MaskedNode()),
+            params, leaf_mask(params), is_leaf=_skipped)
+        return TailEmaState(count=jnp.zeros([], jnp.int32), blend=jnp.zeros([], jnp.float32),
+                            ema=ema)
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("tail_ema: update needs params (the EMA is of params + updates)")
+        count = optax.safe_increment(state.count)
+        first = count == start
+        moving = (count > start) if end is None else (count > start) & (count < end)
+
+        def leaf(e, p, u):
+            if _skipped(e):
+                return e
+            w = p.astype(jnp.float32) + u.astype(jnp.float32)
+            return jnp.where(first, w, jnp.where(moving, e + (w - e) * rate, e))
+
+        ema = jax.tree.map(leaf, state.ema, params, updates, is_leaf=_skipped)
+        weight = jnp.where(count >= start, blend, 0.0).astype(jnp.float32)
+        return updates, TailEmaState(count=count, blend=weight, ema=ema)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _is_readout(x: Any) -> bool:
+    return isinstance(x, EmaNesterovState | TailEmaState)
+
+
+def _broadcast(scalar: jax.Array, like: jax.Array) -> jax.Array:
+    # Under `over_replicas` the scalar carries the leading replica axis.
+    return jnp.reshape(scalar, jnp.shape(scalar) + (1,) * (jnp.ndim(like) - jnp.ndim(scalar)))
+
+
+def _apply(params: Any, state: Any) -> Any:
+    def leaf(p, extra):
+        if _skipped(extra) or _skipped(p):
+            return p
+        pf = p.astype(jnp.float32)
+        if isinstance(state, EmaNesterovState):
+            out = pf - _broadcast(state.lookahead, pf) * extra.astype(jnp.float32)
+        else:
+            out = pf + _broadcast(state.blend, pf) * (extra - pf)
+        return out.astype(p.dtype)
+
+    tree = state.displacement if isinstance(state, EmaNesterovState) else state.ema
+    return jax.tree.map(leaf, params, tree, is_leaf=_skipped)
+
+
+def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
+    """The weights to evaluate: `params` with every readout in `opt_state` applied.
+
+    Finds every `EmaNesterovState` and `TailEmaState` in ``opt_state`` (inside a chain,
+    a partition, ``optax.MultiSteps``, ``optax.inject_hyperparams``, `snoo`, ...) in
+    depth-first order (an outer wrapper before what it wraps) and applies each: the
+    EMA-Nesterov lookahead is removed (``W = Y - β·b``), the tail EMA blended in
+    (``(1 - λ)·w + λ·ema``). Leaves a state does not cover (another partition group,
+    a masked leaf) are returned as they are. With no such state it returns ``params``,
+    so a trainer can always evaluate and checkpoint ``eval_params(params, opt_state)``.
+    jit-compatible; the params are not modified.
+
+    Args:
+      params: the params the optimizer updates.
+      opt_state: the whole optimizer state.
+
+    Returns:
+      A tree like ``params`` (same dtypes).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"w": jnp.ones(2)}
+      >>> state = optax.sgd(0.1).init(params)
+      >>> optax_snoo.eval_params(params, state)["w"].tolist()  # no readout: the params
+      [1.0, 1.0]
+
+    References:
+      Jordan et al., `modded-nanogpt Track 3 records #40 and #46
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026.
+    """
+    for state in jax.tree.leaves(opt_state, is_leaf=_is_readout):
+        if isinstance(state, EmaNesterovState):
+            params = eval_params(_apply(params, state), state.inner_state)
+        elif isinstance(state, TailEmaState):
+            params = _apply(params, state)
+    return params
