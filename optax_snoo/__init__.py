@@ -1,4 +1,4 @@
-"""optax_snoo: Snoo, Muon, SkewAdam, K-FAC and QK-clip as composable optax transformations.
+"""optax_snoo: Snoo, Muon, SkewAdam, K-FAC, Newton-Muon, QK-clip as composable optax transforms.
 
 The transformations and their states are exported here; `optax_snoo.kfac`,
 `optax_snoo.labels`, `optax_snoo.rounding`, `optax_snoo.memory` and `optax_snoo.recipes`
@@ -20,6 +20,13 @@ from optax_snoo._src.muon import (
     scale_by_normuon,
 )
 from optax_snoo._src.muon_sharding import NewtonSchulzPlan
+from optax_snoo._src.newton_muon import (
+    InputCovarianceState,
+    input_covariance_from_stats,
+    input_covariance_refresh_due,
+    newton_muon,
+    precondition_by_input_covariance,
+)
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
@@ -56,6 +63,7 @@ __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLICY_PRESETS",
     "DecoupledWeightDecayState",
+    "InputCovarianceState",
     "MuonState",
     "NewtonSchulzPlan",
     "QKHeads",
@@ -69,15 +77,19 @@ __all__ = [
     "cast_to_param_dtype",
     "diloco",
     "dithered_rounding",
+    "input_covariance_from_stats",
+    "input_covariance_refresh_due",
     "kfac",
     "labels",
     "memory",
     "modded_nanogpt",
     "muon",
     "muon_momentum_warmup",
+    "newton_muon",
     "normuon",
     "orthogonalize",
     "over_replicas",
+    "precondition_by_input_covariance",
     "qk_clip_heads",
     "qk_clip_scales",
     "recipes",
