@@ -288,8 +288,8 @@ def test_every_registered_optimizer_updates(corpus, tmp_path):
         assert (spec.sync_period == 2) == name.startswith("snoo"), name
         tx = spec.tx
         state = tx.init(params)
-        # K-FAC requires its curvature= argument; None: a step without statistics.
-        extra = {"curvature": None} if spec.takes_curvature else {}
+        # K-FAC and Newton-Muon require their statistics; None: a step without them.
+        extra = {"curvature": None, "input_covariance": None} if spec.takes_curvature else {}
         updates, state = tx.update(grads, state, params, **extra)
         assert jax.tree.structure(updates) == jax.tree.structure(params), name
         assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates)), name
