@@ -15,6 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from test_properties import check_runs, kfac_problems, materialise
 
 import optax_matrix as m
 from optax_snoo import (
@@ -389,3 +392,48 @@ def test_bad_trees():
         precondition_by_input_covariance(shared_inputs=(("a", "b"),)).init(SMALL)
     with pytest.raises(ValueError, match="not a leaf of the params"):
         precondition_by_input_covariance(layers=["z/kernel"]).init(SMALL)
+
+
+# --------------------------------------------------------------------------- properties
+@settings(max_examples=6, deadline=None, derandomize=True, phases=(Phase.explicit,
+                                                                    Phase.generate),
+          suppress_health_check=[HealthCheck.too_slow])
+@given(kfac_problems(), st.integers(1, 3), st.floats(0.0, 0.99), st.floats(0.0, 1.0),
+       st.sampled_from([None, np.nan, np.inf]))
+def test_random_trees_run_and_nonfinite_statistics_never_reach_the_params(
+        problem, refresh_every, ema_decay, damping, poison):
+    """Random trees and dtypes (dense layers among other leaves): finite, param-shaped
+    updates and a stable state; a NaN/Inf statistic leaves the covariance average as it
+    was (here: every batch poisoned, so C stays C₀)."""
+    spec, seed = problem
+    params, grads = materialise(spec, seed)
+    rng = np.random.default_rng(seed)
+    k = {}
+    for name, layer in params.items():
+        if isinstance(layer, dict) and "kernel" in layer:
+            x = rng.standard_normal((7, layer["kernel"].shape[0]))
+            if poison is not None:
+                x[0, 0] = poison
+            k[f"{name}/kernel"] = jnp.asarray(x.T @ x / 7, jnp.float32)
+    tx = precondition_by_input_covariance(ema_decay, damping, refresh_every=refresh_every)
+    check_runs(tx, params, grads, input_covariance=k)
+    if poison is not None:
+        state = tx.init(params)
+        for g in grads:
+            _, state = jax.jit(tx.update)(g, state, params, input_covariance=k)
+        for c in jax.tree.leaves(state.covariances):
+            np.testing.assert_array_equal(c, np.broadcast_to(1e-3 * np.eye(c.shape[-1]),
+                                                             c.shape).astype(np.float32))
+
+
+def test_snoo_around_newton_muon_forwards_the_statistics():
+    """With k=1, η=1, μ=0 Snoo is its inner optimizer: the statistics reach the
+    preconditioner through it (2 refreshes in 4 updates)."""
+    from optax_snoo import snoo
+
+    inner = newton_muon(0.02, refresh_every=2, adam_learning_rate=1e-2)
+    p_snoo, s_snoo, _ = m.run(snoo(inner, learning_rate=1.0, momentum=0.0, k=1), SMALL, 4,
+                              input_covariance=SMALL_K)
+    p_ref, _, _ = m.run(inner, SMALL, 4, input_covariance=SMALL_K)
+    m.assert_trees_close(p_snoo, p_ref, 1e-5, 1e-6)
+    assert int(s_snoo.inner_state[0].inner_state.refreshes) == 2

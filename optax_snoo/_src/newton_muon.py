@@ -272,7 +272,8 @@ def precondition_by_input_covariance(
     `optax_snoo.kfac.value_grad_and_stats`' statistics. Only refresh steps read it
     (`input_covariance_refresh_due`), so a trainer computes it on those steps only and
     may pass ``input_covariance=None`` on the others; ``None`` on a refresh step
-    recomputes ``P`` from the unchanged ``C``. The argument is required (a forgotten
+    recomputes ``P`` from the unchanged ``C``, and so does a batch with any NaN or Inf
+    (dropped whole; the record would carry it into ``C``). The argument is required (a forgotten
     one would otherwise silently run plain Muon). With gradient accumulation, pass the
     mean of the micro-batches' ``K`` (the record's mean over micro-batches and ranks).
 
@@ -415,7 +416,9 @@ def precondition_by_input_covariance(
         def refresh(operands):
             covariances, _ = operands
             if batch is not None:
-                covariances = [c + (1.0 - ema_decay) * (batch[k] - c)
+                # A batch with a NaN/Inf anywhere is dropped whole (as K-FAC's): C is kept.
+                use = jnp.isfinite(sum(jnp.sum(batch[k]) for k in keys))
+                covariances = [jnp.where(use, c + (1.0 - ema_decay) * (batch[k] - c), c)
                                for c, k in zip(covariances, keys, strict=True)]
             return covariances, [_damped_inverse(c, damping, eps) for c in covariances]
 
