@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_snoo._src.kfac.blocks import Names, flatten_params, label, nested
+from optax_snoo._src.kfac.transform import _keep_under_mesh, _placed_like
 from optax_snoo._src.utils import (
     check_int_at_least,
     check_non_negative,
@@ -218,25 +219,6 @@ def _damped_inverse(c: jax.Array, damping: Any, eps: Any) -> jax.Array:
     return jnp.where(ok, inv, eye)
 
 
-def _replicated_like(x: jax.Array, leaf: Any) -> jax.Array:
-    """A factor placed replicated on the mesh of a sharded (concrete) kernel."""
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(leaf, jax.Array) and isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh,
-                                                            jax.sharding.PartitionSpec()))
-    return x
-
-
-def _keep_replicated(tree: Any) -> Any:
-    """Inside ``jax.set_mesh``: factors stay replicated (else XLA may split them)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return tree
-    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-    put = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
-    return jax.tree.map(lambda x: put(x, jax.sharding.PartitionSpec()), tree)
-
-
 def precondition_by_input_covariance(
     ema_decay: float = 0.95,
     damping: float = 0.2,
@@ -364,11 +346,11 @@ def precondition_by_input_covariance(
         entries, _, _, factors = factors_of(params)
         leaf = dict(entries)
         covariances, inverses = {}, {}
-        for names, f in factors.items():
+        for names, f in factors.items():   # replicated on a sharded kernel's mesh (K-FAC's)
             shape = _factor_shape(f)
             eye = jnp.broadcast_to(jnp.eye(shape[-1], dtype=jnp.float32), shape)
-            covariances[names] = _replicated_like(initial_scale * eye, leaf[f.names])
-            inverses[names] = _replicated_like(jnp.array(eye), leaf[f.names])
+            covariances[names] = _placed_like(initial_scale * eye, leaf[f.names])
+            inverses[names] = _placed_like(jnp.array(eye), leaf[f.names])
         return InputCovarianceState(
             count=jnp.zeros((), jnp.int32), refreshes=jnp.zeros((), jnp.int32),
             covariances=nested(covariances), inverses=nested(inverses))
@@ -424,7 +406,7 @@ def precondition_by_input_covariance(
 
         covariances, inverses = jax.lax.cond(due, refresh, lambda operands: operands,
                                              (covariances, inverses))
-        covariances, inverses = _keep_replicated((covariances, inverses))
+        covariances, inverses = _keep_under_mesh((covariances, inverses))
         refreshes = state.refreshes + due.astype(jnp.int32)
         inverse_of = dict(zip(keys, inverses, strict=True))
         leaves = [leaf for _, leaf in entries]
