@@ -1,4 +1,4 @@
-"""optax_snoo: Snoo, Muon, SkewAdam, K-FAC and QK-clip as composable optax transformations.
+"""optax_snoo: Snoo, Muon, SkewAdam, K-FAC, Newton-Muon, QK-clip as composable optax transforms.
 
 The transformations and their states are exported here; `optax_snoo.kfac`,
 `optax_snoo.labels`, `optax_snoo.rounding`, `optax_snoo.memory` and `optax_snoo.recipes`
@@ -28,6 +28,13 @@ from optax_snoo._src.muon import (
     scale_by_normuon,
 )
 from optax_snoo._src.muon_sharding import NewtonSchulzPlan
+from optax_snoo._src.newton_muon import (
+    InputCovarianceState,
+    input_covariance_from_stats,
+    input_covariance_refresh_due,
+    newton_muon,
+    precondition_by_input_covariance,
+)
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.radius import RadiusStepsState, radius_steps
 from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
@@ -72,6 +79,7 @@ __all__ = [
     "AdamGroup",
     "DecoupledWeightDecayState",
     "EmaNesterovState",
+    "InputCovarianceState",
     "MuonState",
     "NewtonSchulzPlan",
     "QKHeads",
@@ -82,8 +90,8 @@ __all__ = [
     "ScaleBySkewAdamState",
     "SnooState",
     "SoapWhiteningState",
-    "adam_group",
     "TailEmaState",
+    "adam_group",
     "add_decoupled_weight_decay",
     "assign_roles",
     "cast_to_param_dtype",
@@ -92,6 +100,8 @@ __all__ = [
     "dithered_rounding",
     "ema_nesterov",
     "eval_params",
+    "input_covariance_from_stats",
+    "input_covariance_refresh_due",
     "kfac",
     "labels",
     "memory",
@@ -99,10 +109,12 @@ __all__ = [
     "muon",
     "muon_momentum_schedule",
     "muon_momentum_warmup",
+    "newton_muon",
     "normuon",
     "orthogonalize",
     "over_replicas",
     "power_cool",
+    "precondition_by_input_covariance",
     "qk_clip_heads",
     "qk_clip_scales",
     "radius_steps",
@@ -125,7 +137,7 @@ __all__ = [
     "state_bytes",
     "state_bytes_by_group",
     "stochastic_rounding",
+    "tail_ema",
     "trust_gate_cap",
     "trust_gate_floor",
-    "tail_ema",
 ]

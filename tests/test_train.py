@@ -288,8 +288,8 @@ def test_every_registered_optimizer_updates(corpus, tmp_path):
         assert (spec.sync_period == 2) == name.startswith("snoo"), name
         tx = spec.tx
         state = tx.init(params)
-        # K-FAC requires its curvature= argument; None: a step without statistics.
-        extra = {"curvature": None} if spec.takes_curvature else {}
+        # K-FAC and Newton-Muon require their statistics; None: a step without them.
+        extra = {"curvature": None, "input_covariance": None} if spec.takes_curvature else {}
         updates, state = tx.update(grads, state, params, **extra)
         assert jax.tree.structure(updates) == jax.tree.structure(params), name
         assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates)), name
@@ -357,7 +357,7 @@ def test_presets_and_overrides():
     assert tc.config_from_dict(tc.config_to_dict(config)) == config
     assert tc.config_from_dict(tc.flat_dict(config)) == config  # older checkpoints: flat
     # Every flat key names one field; the model's are GPTConfig's (no second copy).
-    assert len(tc.KEYS) == len(set(tc.KEYS.values())) == 93
+    assert len(tc.KEYS) == len(set(tc.KEYS.values())) == 96
     assert {name for g, name in tc.KEYS.values() if g == "model"} == {
         f.name for f in dataclasses.fields(models.GPTConfig)} - {"vocab_size"}
     assert tc.parse_args(["--dtype=float16"]).model.dtype == "float16"  # as GPTConfig says

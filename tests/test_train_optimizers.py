@@ -67,7 +67,8 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "skew_adam": "skew_learning_rate", "snoo_skew_adam": "skew_learning_rate",
            "adafactor": "skew_learning_rate", "kfac": "kfac_learning_rate",
            "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
-           "snoo_adamw": "learning_rate", "track3_baseline": None}  # None: the record's lrs
+           "snoo_adamw": "learning_rate", "newton_muon": "muon_learning_rate",
+           "track3_baseline": None}  # None: the record's lrs
 
 
 @pytest.mark.parametrize("name", sorted(MAIN_LR))
@@ -86,7 +87,8 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
     for peak in (3e-3, 6e-3):
         spec = build_optimizer(override(base, **{MAIN_LR[name]: peak}))
         assert float(spec.learning_rate(0)) == pytest.approx(peak), name  # stable: lr(0) = peak
-        extra = {"curvature": _curvature(PARAMS)} if spec.takes_curvature else {}
+        extra = ({"curvature": _curvature(PARAMS), "input_covariance": None}
+                 if spec.takes_curvature else {})
         updates, _ = spec.tx.update(grads, spec.tx.init(PARAMS), PARAMS,
                                     **spec.update_kwargs(1), **extra)  # no Snoo sync at 1
         kernel_updates.append(_get(updates, KERNEL))

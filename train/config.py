@@ -169,11 +169,19 @@ class MuonConfig:
                                    "in sign (Muon and Adam groups; None = on for the normuon "
                                    "stacks, as modded-nanogpt's record, off for muon)",
                                    key="cautious_weight_decay")
+    newton_interval: int = _field(64, "newton_muon: steps between refreshes of the input-"
+                                  "covariance inverses (Track 3 record #15: 64)",
+                                  key="newton_muon_interval")
+    newton_ema_decay: float = _field(0.95, "newton_muon: input-covariance EMA decay per "
+                                     "refresh", key="newton_muon_ema_decay")
+    newton_damping: float = _field(0.2, "newton_muon: damping as a fraction of the mean "
+                                   "eigenvalue", key="newton_muon_damping")
 
     def __post_init__(self):
         _validate(self, positive_float=("learning_rate",),
-                  unit_interval=("beta", "smoothing", "beta2"),
-                  non_negative_float=("weight_decay",), non_negative=("beta_warmup",))
+                  unit_interval=("beta", "smoothing", "beta2", "newton_ema_decay"),
+                  non_negative_float=("weight_decay", "newton_damping"),
+                  non_negative=("beta_warmup",), positive=("newton_interval",))
 
 
 @dataclasses.dataclass(frozen=True)

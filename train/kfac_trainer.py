@@ -1,4 +1,4 @@
-"""K-FAC in the trainer: the `kfac` and `snoo_kfac` builders and all their train-step glue.
+"""K-FAC in the trainer: the `kfac`, `snoo_kfac` and `newton_muon` builders and their glue.
 
 Hidden Dense kernels and their biases go to K-FAC; embeddings, the head, norms, routers
 and expert stacks (3-D) to AdamW (`KFAC_RULES`). The builders return a `TrainOptimizer`
@@ -30,6 +30,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,11 +41,13 @@ import jax.numpy as jnp
 import optax
 
 import models
+import optax_snoo
 import optax_snoo.labels
 from optax_snoo import kfac as kfac_lib
 from train.metrics import RefreshLog, plot_refresh_events
 from train.optimizers import (
     TrainOptimizer,
+    _muon_stack,
     adamw_group,
     clipping,
     decay_mask,
@@ -60,12 +63,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KFAC_RULES",
+    "NEWTON_MUON_SHARED",
     "CurvatureFn",
     "grad_and_curvature_fn",
+    "grad_and_stats_fn",
     "kfac_curvature_fn",
     "kfac_refresh_policy",
     "kfac_schedule",
     "make_curvature_estimate",
+    "newton_muon_layers",
+    "newton_muon_precondition",
     "warm_start_state",
 ]
 
@@ -185,15 +192,14 @@ def kfac_curvature_fn(params: optax.Params, stride: int = 1, experts: bool = Fal
     return CurvatureFn(layers, from_stats)
 
 
-def grad_and_curvature_fn(model: Any, curvature_fn: CurvatureFn, stats_every: int = 1):
+def grad_and_stats_fn(model: Any, layers: Sequence[str], update_args: Callable[[dict, Any], dict],
+                      stats_step: Callable[[Any], Any] | None = None):
     """`(params, inputs_BT, targets_BT, key, step) -> ((loss, (ce, aux)), (grads,
-    {"curvature": ...}))`: the gradient and the K-FAC batch factors
-    `curvature_fn.from_stats(stats, step // stats_every)` from one backward pass
+    update_args(stats, step)))`: the gradient and the extra arguments of `tx.update` from
+    the statistics of `layers` in the same backward pass
     (`optax_snoo.kfac.value_grad_and_stats`, which reads the layers from the loss's jaxpr:
-    the one capture call of the trainer). With `stats_every > 1` the factors are computed
-    (under `lax.cond`) only on steps that are multiples of it, the statistics steps of
-    `kfac(stats_every=...)` (the train step is the K-FAC update count); zeros, which
-    the transform ignores, on the others."""
+    the one capture call of the trainer). With `stats_step`, they are computed (under
+    `lax.cond`) only on the steps where `stats_step(step)` holds; zeros on the others."""
 
     def grad_fn(params, inputs_BT, targets_BT, key, step):
         def loss_fn(params):
@@ -203,16 +209,26 @@ def grad_and_curvature_fn(model: Any, curvature_fn: CurvatureFn, stats_every: in
             return ce + aux_loss, (ce, aux_loss)
 
         out, grads, stats = kfac_lib.value_grad_and_stats(
-            loss_fn, params, has_aux=True, layers=curvature_fn.layers)
-        if stats_every == 1:
-            return out, (grads, {"curvature": curvature_fn.from_stats(stats, step)})
-        factors = lambda s: curvature_fn.from_stats(s, step // stats_every)
+            loss_fn, params, has_aux=True, layers=layers)
+        if stats_step is None:
+            return out, (grads, update_args(stats, step))
+        compute = lambda s: update_args(s, step)
         zeros = lambda s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                       jax.eval_shape(factors, s))
-        curvature = jax.lax.cond(step % stats_every == 0, factors, zeros, stats)
-        return out, (grads, {"curvature": curvature})
+                                       jax.eval_shape(compute, s))
+        return out, (grads, jax.lax.cond(stats_step(step), compute, zeros, stats))
 
     return grad_fn
+
+
+def grad_and_curvature_fn(model: Any, curvature_fn: CurvatureFn, stats_every: int = 1):
+    """`grad_and_stats_fn` for K-FAC: `{"curvature": curvature_fn.from_stats(stats, step //
+    stats_every)}`. With `stats_every > 1` the factors are computed only on steps that are
+    multiples of it, the statistics steps of `kfac(stats_every=...)` (the train step is
+    the K-FAC update count); zeros, which the transform ignores, on the others."""
+    return grad_and_stats_fn(
+        model, curvature_fn.layers,
+        lambda stats, step: {"curvature": curvature_fn.from_stats(stats, step // stats_every)},
+        None if stats_every == 1 else lambda step: step % stats_every == 0)
 
 
 def make_curvature_estimate(model: Any, *, mesh: Any, params_shardings: Any,
@@ -311,3 +327,57 @@ def kfac(config: TrainConfig) -> TrainOptimizer:
 def snoo_kfac(config: TrainConfig) -> TrainOptimizer:
     """`kfac` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`, `snoo_k`)."""
     return _kfac_stack(config, snoo=True)
+
+
+# ------------------------------------------------------------------------------ Newton-Muon
+#: Modules of our GPT that read one input: their kernels share one Newton-Muon factor.
+NEWTON_MUON_SHARED = (("c_q", "c_k", "c_v"), ("c_fc", "c_gate"))
+
+
+def _muon_mask(tree: Any) -> Any:
+    return jax.tree.map(lambda label: label == "muon", optax_snoo.labels.muon_adam_labels(tree))
+
+
+def newton_muon_layers(params: optax.Params) -> tuple[str, ...]:
+    """The Muon group's kernels whose statistics Newton-Muon reads: one per shared input
+    (`c_q` for q/k/v, `c_fc` for a SwiGLU's gate), MoE expert stacks excluded."""
+    followers = {name for group in NEWTON_MUON_SHARED for name in group[1:]}
+    paths = [optax_snoo.labels.path_to_str(p) for p, is_muon in
+             jax.tree_util.tree_flatten_with_path(_muon_mask(params))[0] if is_muon]
+    return tuple(sorted(p for p in paths if p.endswith("/kernel")
+                        and not followers & set(p.split("/"))))
+
+
+def newton_muon_precondition(config: TrainConfig) -> optax.GradientTransformationExtraArgs:
+    """`optax_snoo.precondition_by_input_covariance` on the Muon group's kernels: refresh
+    every `newton_muon_interval` steps, EMA `newton_muon_ema_decay` per refresh, damping
+    `newton_muon_damping` x the mean eigenvalue, factors of at most `n_embd` (the MLP's
+    wider input in blocks, as record #15), one factor per shared input."""
+    m, model = config.muon, config.model
+    block = model.n_embd if model.hidden % model.n_embd == 0 else None
+    return optax.masked(optax_snoo.precondition_by_input_covariance(
+        m.newton_ema_decay, m.newton_damping, refresh_every=m.newton_interval,
+        block_size=block, shared_inputs=NEWTON_MUON_SHARED), _muon_mask)
+
+
+def _newton_muon_stack(config: TrainConfig, params: Any = None) -> TrainOptimizer:
+    every = config.muon.newton_interval
+
+    def grad_fn(model, params):
+        layers = newton_muon_layers(params)
+        covariances = lambda stats, step: {"input_covariance": optax_snoo.
+                                           input_covariance_from_stats(stats, layers=layers)}
+        return grad_and_stats_fn(model, layers, covariances,
+                                 lambda step: optax_snoo.input_covariance_refresh_due(step, every))
+
+    spec = _muon_stack(config, None, params=params, precondition=newton_muon_precondition(config))
+    return dataclasses.replace(spec, grad_fn=grad_fn,
+                               for_params=lambda p: _newton_muon_stack(config, p))
+
+
+@register("newton_muon")
+def newton_muon(config: TrainConfig) -> TrainOptimizer:
+    """Newton-Muon (modded-nanogpt Track 3 record #15): `muon` on gradients first
+    multiplied, on their input side, by the inverse input covariance of their layer
+    (`newton_muon_*` options; statistics captured in the step on refresh steps only)."""
+    return _newton_muon_stack(config)

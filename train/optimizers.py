@@ -5,9 +5,10 @@ gradient transformation plus everything the train step and loop need to know abo
 (the learning rate to log, Snoo's sync period, whether it rounds the params itself, and
 hooks for optimizers that need more than the gradient, such as K-FAC's curvature). The
 step and the loop read only that object, so they hold no optimizer-specific code. Every
-stack starts with global-norm clipping (`grad_clip`, 0 = off). The K-FAC builders
-(`kfac`, `snoo_kfac`) live with their glue in `train.kfac_trainer`, which `train`'s
-`__init__` imports, so the registry is complete whenever `train` is imported.
+stack starts with global-norm clipping (`grad_clip`, 0 = off). The builders that read
+the layers' statistics (`kfac`, `snoo_kfac`, `newton_muon`) live with their glue in
+`train.kfac_trainer`, which `train`'s `__init__` imports, so the registry is complete
+whenever `train` is imported.
 
 Example:
   >>> from train.config import TrainConfig, override
@@ -279,9 +280,11 @@ def snoo_adamw(config: TrainConfig) -> TrainOptimizer:
 
 
 def _muon_stack(config: TrainConfig, snoo_k: int | None, *, normuon: bool = False,
-                params: Any = None) -> TrainOptimizer:
+                params: Any = None,
+                precondition: optax.GradientTransformation | None = None) -> TrainOptimizer:
     """`optax_snoo.muon` (Muon on hidden matrices, one Adam group without decay on the
-    rest, at `learning_rate`), wrapped in Snoo when `snoo_k` is set."""
+    rest, at `learning_rate`), wrapped in Snoo when `snoo_k` is set; `precondition`
+    (Newton-Muon's) rewrites the clipped gradients before both groups see them."""
     m, a = config.muon, config.adamw
     beta = m.beta if m.beta_warmup == 0 else muon_momentum_warmup(
         min(0.85, m.beta), m.beta, m.beta_warmup)
@@ -296,9 +299,11 @@ def _muon_stack(config: TrainConfig, snoo_k: int | None, *, normuon: bool = Fals
         # Over DiLoCo replicas (a vmap over `diloco`) the partitioner splits the iteration.
         shard_newton_schulz=config.mesh.diloco == 1)
     stack = inner if snoo_k is None else with_snoo(config, inner)
+    before = () if precondition is None else (precondition,)
     return TrainOptimizer(
-        optax.chain(clipping(config), stack), lr, sync_period=snoo_k,
-        for_params=lambda p: _muon_stack(config, snoo_k, normuon=normuon, params=p))
+        optax.chain(clipping(config), *before, stack), lr, sync_period=snoo_k,
+        for_params=lambda p: _muon_stack(config, snoo_k, normuon=normuon, params=p,
+                                         precondition=precondition))
 
 
 @register("muon")
