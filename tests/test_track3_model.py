@@ -325,6 +325,25 @@ def test_scan_layers_attention_paths_and_decode_compute_the_same_function():
     np.testing.assert_allclose(last[:, 0], full[:, -1], rtol=2e-5, atol=2e-5)
 
 
+def test_sharded_by_the_logical_rules_computes_the_same_loss():
+    """Every new parameter carries logical axes (the head's bias is sharded as the
+    vocabulary); the forward on a (data 2, fsdp 2, tensor 2) mesh is the unsharded one."""
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    model = models.from_torch(random_state_dict(), config())
+    ref = loss_of(model)
+    with nnx.logical_axis_rules(models.logical_rules()):
+        shardings = nnx.get_named_sharding(nnx.state(model), mesh)
+    nnx.update(model, jax.device_put(nnx.state(model), shardings))
+    spec = lambda x: tuple(x[...].sharding.spec)
+    assert spec(model.lm_head.bias) == ("tensor",) and spec(model.ln_embed.scale) == (None,)
+    assert spec(model.blocks[0].attn.c_q.bias) == ("tensor",)
+    tokens, targets = (jnp.asarray(a) for a in batch())
+    with jax.set_mesh(mesh):
+        loss = nnx.jit(lambda m, x, y: summed_ce(m(x), y))(model, tokens, targets)
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
+
+
 def test_handwritten_backward_uses_the_attention_scale():
     """``causal_attention(..., scale=0.12)``: the value and the hand-written VJP against
     autodiff of ``jax.nn.dot_product_attention(scale=0.12)``."""
