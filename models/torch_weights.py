@@ -124,16 +124,16 @@ def from_torch(state_dict: Mapping[str, Any], config: GPTConfig) -> GPT:
         or an array whose shape is not the parameter's.
 
     Example:
-      >>> import numpy as np, models
+      >>> from flax import nnx
+      >>> import models
       >>> cfg = models.track3_config(n_layer=1, n_embd=32, head_dim=16, vocab_size=64,
-      ...                            block_size=8, dtype="float32", embed_dtype=None,
-      ...                            residual_dtype="float32")
-      >>> sd = models.to_torch(models.GPT(cfg, rngs=__import__("flax").nnx.Rngs(0)), cfg)
+      ...                            block_size=8)
+      >>> sd = models.to_torch(models.GPT(cfg, rngs=nnx.Rngs(0)), cfg)  # the file's names
       >>> sd["blocks.0.attn.q.weight"].shape, sd["proj.weight"].shape
       ((32, 32), (64, 32))
       >>> model = models.from_torch(sd, cfg)
-      >>> model.lm_head.kernel.shape
-      (32, 64)
+      >>> model.lm_head.kernel.shape, model.wte.embedding.dtype
+      ((32, 64), dtype(bfloat16))
 
     References:
       modded-nanogpt Track 3, ``train_gpt_simple.py`` (its ``GPT``),
@@ -196,6 +196,17 @@ def to_torch(model_or_params: GPT | Mapping[str, Any] | nnx.State, config: GPTCo
 
     Raises:
       ValueError: a parameter the file's network does not have, or one it needs missing.
+
+    Example:
+      >>> from flax import nnx
+      >>> import models
+      >>> cfg = models.track3_config(n_layer=1, n_embd=32, head_dim=16, vocab_size=64,
+      ...                            block_size=8)
+      >>> sd = models.to_torch(models.GPT(cfg, rngs=nnx.Rngs(0)), cfg)
+      >>> sd["embed.weight"].dtype, sd["blocks.0.mlp.fc.weight"].shape, len(sd)
+      (dtype('float32'), (128, 32), 20)
+
+      In PyTorch: ``gpt.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})``.
     """
     if isinstance(model_or_params, nnx.Module):
         model_or_params = nnx.state(model_or_params, nnx.Param)
