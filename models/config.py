@@ -83,7 +83,8 @@ class GPTConfig:
         init: ``"nanogpt"`` (described on :class:`models.GPT`) or ``"track3"``
             (``train_gpt_simple.py``'s: input matrices ``q/k/v``, ``fc`` (and ``gate``)
             ``N(0, 0.33 / fan_in)``, every output projection and the LM head zero, biases
-            zero, embeddings ``N(0, 1)``, gains one).
+            zero, embeddings ``N(0, 1)``, gains one; MoE experts, which the file does not
+            have, keep ``N(0, 0.02)`` inputs with zero output projections).
         embed_dtype: dtype name of the token (and position) embedding tables; ``None`` means
             ``param_dtype`` (modded-nanogpt stores its embedding in bfloat16).
         residual_dtype: dtype name of the residual stream between blocks (``"float32"``, or

@@ -21,8 +21,8 @@ from flax import nnx
 from models.config import GPTConfig
 
 INIT_STD = 0.02  # nanoGPT's std for every matrix and embedding
-#: ``F.rms_norm(eps=None)``'s epsilon: ``numeric_limits<opmath_t>::epsilon()``, the float32
-#: machine epsilon (2^-23) for float32, bfloat16 and float16 inputs (ATen's layer_norm.cpp).
+#: ``F.rms_norm(eps=None)``'s epsilon: ATen's ``rms_norm`` (layer_norm.cpp) computes float32,
+#: bfloat16 and float16 inputs in float32 with ``numeric_limits<float>::epsilon()`` = 2^-23.
 RMS_EPS = float(jnp.finfo(jnp.float32).eps)
 
 
