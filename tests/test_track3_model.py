@@ -238,6 +238,8 @@ def test_the_files_init():
             assert abs(value.mean()) < 0.05 * np.sqrt(0.33 / fan_in)
             assert abs(value.std() / np.sqrt(0.33 / fan_in) - 1) < 0.02, name
     assert models.GPT(cfg, rngs=nnx.Rngs(0)).wte.embedding.dtype == jnp.bfloat16
+    nanogpt = models.GPT(dataclasses.replace(cfg, init="nanogpt"), rngs=nnx.Rngs(0))
+    assert nanogpt.blocks[0].mlp.c_proj.kernel[...].any()  # the option is what zeroes them
 
 
 def test_track3_config_is_the_files_shape_and_refuses_bad_options():
@@ -397,7 +399,8 @@ def test_kfac_capture_sees_every_dense_layer_with_its_bias():
 
 def test_the_files_bf16_precision_runs_close_to_float64():
     """bf16 matmuls, bf16 embedding table and residual stream (the file's precision): the
-    summed loss within 1% of the float64 reference; float32 residual beside it."""
+    summed loss within 0.1% of the float64 reference (2e-5 measured); float32 residual beside
+    it."""
     sd, ref = random_state_dict(), reference_loss()
     file_precision = models.track3_config(n_layer=L, n_embd=D, head_dim=HEAD, vocab_size=V,
                                           block_size=T)
@@ -407,5 +410,5 @@ def test_the_files_bf16_precision_runs_close_to_float64():
     bf16 = loss_of(model)
     f32_stream = loss_of(models.from_torch(sd, dataclasses.replace(
         file_precision, residual_dtype="float32", embed_dtype=None)))
-    assert abs(bf16 - ref) < 1e-2 * ref and abs(f32_stream - ref) < 1e-2 * ref
+    assert abs(bf16 - ref) < 1e-3 * ref and abs(f32_stream - ref) < 1e-3 * ref
     assert bf16 != f32_stream  # the option changes the computation
