@@ -20,6 +20,7 @@ The file's ``state_dict`` names map one to one onto our parameter paths (its ``(
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -70,7 +71,7 @@ def _torch_names(config: GPTConfig) -> dict[str, tuple[str, bool]]:
 
 def _expected_params(config: GPTConfig) -> dict[str, jax.ShapeDtypeStruct]:
     """Our unrolled GPT's parameter paths -> shape and dtype (nothing computed)."""
-    unrolled = GPTConfig(**{**config.__dict__, "scan_layers": False})
+    unrolled = dataclasses.replace(config, scan_layers=False)
     model = nnx.eval_shape(lambda: GPT(unrolled, rngs=nnx.Rngs(0)))
     return {"/".join(str(k) for k in path): v.get_value()
             for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
