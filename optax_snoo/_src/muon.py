@@ -892,7 +892,6 @@ def muon(
         if changed:
             raise ValueError(f"muon: {changed} given beside adam_groups; set the Adam "
                              "hyperparameters on each AdamGroup instead.")
-    names = _adam_group_names(adam_groups)
     muon_tx = optax.chain(
         scale_by_muon(
             beta, coefficients=coefficients, ns_dtype=ns_dtype, nesterov=nesterov,
@@ -904,6 +903,46 @@ def muon(
                                    cautious=cautious_weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
+    return with_adam_groups(muon_tx, adam_groups, labels=labels,
+                            cautious_weight_decay=cautious_weight_decay)
+
+
+def with_adam_groups(
+    muon_tx: optax.GradientTransformation,
+    adam_groups: Sequence[AdamGroup],
+    *,
+    labels: Any | Callable[[optax.Params], Any] | None = None,
+    cautious_weight_decay: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """`muon`'s partition with a given Muon-group chain: ``muon_tx`` on the ``"muon"``
+    leaves, each non-Muon leaf in the first `AdamGroup` whose pattern its path matches.
+
+    `muon` builds its Muon group as ``chain(scale_by_muon, decay, scale_by_learning_rate)``;
+    stacks whose hidden-matrix step is something else (SOAP whitening, `radius_steps` in
+    place of the learning rate: modded-nanogpt Track 3's records) pass their own chain.
+
+    Args:
+      muon_tx: the Muon group's transformation (its updates are final).
+      adam_groups: ordered `AdamGroup` entries (first match wins).
+      labels: ``"muon"``/``"adam"`` labels (tree or callable); ``None``:
+        `optax_snoo.labels.muon_adam_labels`.
+      cautious_weight_decay: the Adam groups' decay only where update and weight agree
+        in sign.
+
+    Returns:
+      A checked ``optax.partition`` (its state's ``inner_states`` keyed by ``"muon"`` and
+      the groups' names).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from optax_snoo import AdamGroup
+      >>> from optax_snoo._src.muon import scale_by_muon, with_adam_groups
+      >>> tx = with_adam_groups(optax.chain(scale_by_muon(), optax.scale(-0.02)),
+      ...                       [AdamGroup(".*", 3e-3, name="rest")])
+      >>> sorted(tx.init({"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}).inner_states)
+      ['muon', 'rest']
+    """
+    names = _adam_group_names(adam_groups)
     transforms = {"muon": muon_tx} | {
         name: adam_group(group, cautious_weight_decay=cautious_weight_decay)
         for name, group in zip(names, adam_groups, strict=True)}
