@@ -86,8 +86,6 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 class LayerStats:
     """One kernel's batch statistics from `value_grad_and_stats` (a pytree).
 
-    The fields after ``out_grads`` are keyword-only.
-
     Attributes:
       inputs: the layer inputs ``x`` (for a convolution, its input patches),
         ``(*stack, N, d_in)``.
@@ -107,7 +105,6 @@ class LayerStats:
 
     inputs: jax.Array
     out_grads: jax.Array
-    _: dataclasses.KW_ONLY
     has_bias: bool = False
     kernel_axes: tuple[int, ...] | None = None
     locations: int = 1
