@@ -90,6 +90,9 @@ def radius_steps(
          ``R = ‖W₀‖`` recorded at ``init``, ``W' = W - lr·R·O/max(‖O‖, 1e-10)`` and
          ``W' ← W'·R/max(‖W'‖, 1e-10)``: a step of relative size ``lr`` on the sphere
          of the initial radius (a zero matrix stays zero). ``floor`` must be None;
+       - ``pin="current"``: the same step with ``R = ‖W‖``, the radius the matrix has
+         now (#5's ``scale_invariant_update_`` as written): the same as ``"initial"``
+         unless something else changes ``‖W‖``, as MuLoCo's outer step does (#13);
        - ``pin=None``: ``W' = W - lr·O``.
     4. cautious weight decay after the pin (``cautious_weight_decay=λ``, #46):
        ``W' ← W'·(1 - lr·λ·m)`` with ``m = 1[O·W > 0]`` from the final ``O`` and the
@@ -106,7 +109,8 @@ def radius_steps(
       brake: factor on the outward radial component (``None``: no brake; 1.0 is the same).
       floor: the floor target ``t`` on ``‖O‖/‖W‖`` (``None``: no floor).
       floor_per: ``"matrix"`` (the scalar floor of #9) or ``"fan_out"`` (RowFloor, #46).
-      pin: ``"first_order"``, ``"initial"`` (the hyperball) or ``None``.
+      pin: ``"first_order"``, ``"initial"`` (the hyperball), ``"current"`` (the hyperball
+        at the present radius) or ``None``.
       cautious_weight_decay: ``λ`` of the post-pin decay, a float >= 0 or a schedule of
         the update count (0: none).
       matrix_axes: ``(fan_in axis, fan_out axis)`` of every leaf, as in `scale_by_muon`.
@@ -149,12 +153,12 @@ def radius_steps(
     if floor_per not in ("matrix", "fan_out"):
         raise ValueError(
             f"radius_steps: floor_per must be 'matrix' or 'fan_out', got {floor_per!r}")
-    if pin not in ("first_order", "initial", None):
+    if pin not in ("first_order", "initial", "current", None):
+        raise ValueError(f"radius_steps: pin must be 'first_order', 'initial', 'current' or "
+                         f"None, got {pin!r}")
+    if pin in ("initial", "current") and floor is not None:
         raise ValueError(
-            f"radius_steps: pin must be 'first_order', 'initial' or None, got {pin!r}")
-    if pin == "initial" and floor is not None:
-        raise ValueError(
-            f"radius_steps: floor={floor!r} has no effect with pin='initial' (the hyperball's "
+            f"radius_steps: floor={floor!r} has no effect with pin={pin!r} (the hyperball's "
             "step has relative size lr); pass floor=None")
     axes = _check_matrix_axes(matrix_axes)
     decays = concrete_real(cautious_weight_decay) != 0.0
@@ -191,7 +195,8 @@ def radius_steps(
             c = inner(of, wf) / jnp.maximum(jnp.square(w_norm), _BRAKE_EPS)
             # The step is -lr·O, so c < 0 is an outward radial move.
             of = of + (jnp.where(c < 0, brake, 1.0) - 1.0) * c * wf
-        if pin == "initial":
+        if pin in ("initial", "current"):
+            r0 = w_norm if pin == "current" else r0
             new = wf - lr * r0 * of / jnp.maximum(norm(of), _HYPERBALL_EPS)
             new = new * (r0 / jnp.maximum(norm(new), _HYPERBALL_EPS))
         else:

@@ -735,6 +735,7 @@ def muonh(
     learning_rate: float = 0.018,
     momentum: float = 0.95,
     normuon_beta2: float | None = None,
+    pin: str = "initial",
     adam_learning_rates: tuple[float, float, float] = (0.3, 1 / 320, 0.01),
     adam_cooldown_frac: float = 0.4,
     adam_patterns: dict[str, str] | None = None,
@@ -762,6 +763,9 @@ def muonh(
       learning_rate: the hyperball's relative step at update 0.
       momentum: Muon's momentum.
       normuon_beta2: NorMuon's second-moment decay (NorMuonH), or ``None`` (MuonH).
+      pin: `radius_steps`'s hyperball: ``"initial"`` (the radius ``‖W₀‖`` kept exactly)
+        or ``"current"`` (the radius the matrix has, as #5's code reads it: the same here,
+        different under an outer optimizer that moves ``‖W‖``).
       adam_learning_rates: (embedding, head, 1-D) peak lrs.
       adam_cooldown_frac: the aux groups' cooldown fraction.
       adam_patterns: `TRACK3_ADAM_PATTERNS`-keyed path patterns; ``None``: those.
@@ -797,7 +801,7 @@ def muonh(
         scale_by_muon(momentum, beta2=normuon_beta2, coefficients=TRACK3_COEFFICIENTS,
                       ns_dtype=ns_dtype, newton_schulz_plan=newton_schulz_plan,
                       shard_newton_schulz=shard_newton_schulz),
-        radius_steps(lr, brake=None, floor=None, pin="initial", cautious_weight_decay=0.0))
+        radius_steps(lr, brake=None, floor=None, pin=pin, cautious_weight_decay=0.0))
     groups = _aux_adamw(total_steps, adam_cooldown_frac, adam_patterns, adam_learning_rates)
     return with_adam_groups(muon_tx, groups, labels=labels)
 
@@ -812,13 +816,17 @@ def muloco_normuonh(
 ) -> optax.GradientTransformationExtraArgs:
     r"""MuLoCo around NorMuonH (modded-nanogpt Track 3 record #13, 3210 steps).
 
-    ``snoo(muonh(total_steps, normuon_beta2=0.95), 0.7, 0.5, k=30, sync="end")``: after
+    ``snoo(muonh(total_steps, normuon_beta2=0.95, pin="current"), 0.7, 0.5, k=30,
+    sync="end")``: after
     every 30th update the outer Nesterov step ``u = μu + ηΔ; W = snapshot - μu - ηΔ`` on
     all parameters (``Δ`` = snapshot - fast weights), the inner NorMuonH (#8: hyperball
     lr 0.018 linear to 0 over the run, NorMuon β2 0.95; aux AdamW 0.3/(1/320)/0.01, betas
-    (0.8, 0.95), cooldown 0.4) never reset. 3210 = 107 x 30: the last update is a sync,
-    so the evaluated weights are outer weights. Pass ``snoo_sync=snoo_is_sync_step(t,
-    sync_every, "end")`` to ``update`` for a static sync (or nothing: traced).
+    (0.8, 0.95), cooldown 0.4) never reset. The outer step moves each matrix off its
+    sphere and the record's hyperball then keeps the radius it finds (``pin="current"``,
+    #5's ``scale_invariant_update_``), not the initial one. 3210 = 107 x 30: the last
+    update is a sync, so the evaluated weights are outer weights. Pass
+    ``snoo_sync=snoo_is_sync_step(t, sync_every, "end")`` to ``update`` for a static sync
+    (or nothing: traced).
 
     Args:
       total_steps: the inner schedules' ``T``.
@@ -846,6 +854,7 @@ def muloco_normuonh(
       2026
     """
     muonh_kwargs.setdefault("normuon_beta2", 0.95)
+    muonh_kwargs.setdefault("pin", "current")
     return snoo(muonh(total_steps, **muonh_kwargs), outer_learning_rate, outer_momentum,
                 sync_every, sync="end")
 
