@@ -64,7 +64,7 @@ from train.sharding import (
     replica_zero,
     tree_shardings,
 )
-from train.step import create_train_state, make_eval_step, make_train_step
+from train.step import create_train_state, make_eval_step, make_readout, make_train_step
 from train.tokenizer import describe_meta
 
 __all__ = ["RunResult", "run", "run_tokenizer"]
@@ -187,6 +187,7 @@ def run(config: TrainConfig) -> RunResult:
     train_step = make_train_step(model, optimizer, mesh=mesh, state_shardings=shardings,
                                  max_bad_steps=r.max_bad_steps)
     eval_step = make_eval_step(model, mesh=mesh, params_shardings=params0_shardings)
+    readout = make_readout(state["opt_state"])  # the weights the optimizer says to evaluate
     evals = {split: [put(a) for a in data.eval_batches(
         split, num_batches=r.eval_iters, batch_size=d.batch_size,
         block_size=config.model.block_size, seed=r.seed, rows=rows)]
@@ -214,7 +215,7 @@ def run(config: TrainConfig) -> RunResult:
         is_eval_step = (step > start or not r.resume) and (
             step % r.eval_interval == 0 or is_save_step or is_last_step)
         if is_eval_step:
-            params0 = replica0(state["params"])
+            params0 = replica0(readout(state))
             losses = {s: float(eval_step(params0, *evals[s])) for s in evals}
             log.write(step=step, train_loss=losses["train"], val_loss=losses["val"])
             speed = "" if not rates else f", {rates[-1]:,.0f} tokens/s" + (
@@ -262,7 +263,7 @@ def run(config: TrainConfig) -> RunResult:
     batches.close()
     ckpt.close()
     monitor.finish()
-    result = _finish(config, model, replica0(state["params"]), data, log, rates, out)
+    result = _finish(config, model, replica0(readout(state)), data, log, rates, out)
     log.close()  # the trackers (W&B's run ends here)
     result.final["wall_s"] = time.perf_counter() - t_start
     return result

@@ -37,7 +37,7 @@ import jax
 import optax
 
 import optax_snoo
-from optax_snoo import muon_momentum_warmup, snoo_is_sync_step
+from optax_snoo import muon_momentum_warmup, power_cool, recipes, snoo_is_sync_step
 from optax_snoo.recipes import stable_cooldown_schedule, track3_baseline
 from train.sharding import REPLICA_AXIS
 
@@ -95,6 +95,8 @@ class TrainOptimizer:
         (Muon's for the Muon stacks, SkewAdam's, K-FAC's...).
       sync_period: Snoo's `k` when the stack is Snoo-wrapped, else `None`; then
         `update_kwargs(step)` gives the static sync hint.
+      sync_phase: Snoo's `sync`: `"start"` (updates 0, k, 2k, ...) or `"end"` (after
+        every k-th update, MuLoCo's).
       rounds_itself: the stack applies `--rounding` itself (`build_optimizer` then does
         not append it).
       max_logits: `tx.update` takes `max_logits=` (QK-clip): the step's plain gradient
@@ -125,6 +127,7 @@ class TrainOptimizer:
     tx: optax.GradientTransformationExtraArgs
     learning_rate: optax.Schedule
     sync_period: int | None = None
+    sync_phase: str = "start"
     rounds_itself: bool = False
     max_logits: bool = False
     grad_fn: Callable[[Any, Any], Callable[..., Any]] | None = None
@@ -147,7 +150,7 @@ class TrainOptimizer:
         """
         if self.sync_period is None:
             return {}
-        return {"snoo_sync": snoo_is_sync_step(step, self.sync_period)}
+        return {"snoo_sync": snoo_is_sync_step(step, self.sync_period, self.sync_phase)}
 
 
 Builder = Callable[["TrainConfig"], TrainOptimizer]
@@ -354,6 +357,64 @@ def track3_baseline_optimizer(config: TrainConfig) -> TrainOptimizer:
     hyperparameters (`optax_snoo.recipes.track3_baseline`), its schedule over `max_iters`
     steps; only `grad_clip` (0 in the record) is read besides. Logs Muon's lr."""
     return _track3_baseline(config)
+
+
+def _track3_recipe(config: TrainConfig, name: str, params: Any = None) -> TrainOptimizer:
+    """A Track 3 recipe of `optax_snoo.recipes` over `max_iters` steps (its step constants
+    and schedules scaled to the run), after `grad_clip`; logs its Muon lr."""
+    steps = max(config.run.max_iters, 4)
+    plan = None if params is None else optax_snoo.NewtonSchulzPlan.from_params(params)
+    placement = dict(newton_schulz_plan=plan, shard_newton_schulz=config.mesh.diloco == 1)
+    if name == "track3_record":
+        tx = recipes.track3_record(steps, **placement)
+        lr = power_cool(0.0375, c=recipes.TRACK3_POWER_COOL_C["muon"]
+                        * (recipes.TRACK3_RECORD_STEPS / steps) ** 1.2, t_end=steps)
+    elif name == "track3_soap_muon":
+        tx = recipes.track3_soap_muon(steps, **placement)
+        lr = power_cool(0.0375, c=recipes.TRACK3_POWER_COOL_C["muon"]
+                        * (recipes.TRACK3_RECORD_STEPS / steps) ** 1.2, t_end=steps)
+    elif name == "muonh":
+        tx, lr = recipes.muonh(steps, **placement), stable_cooldown_schedule(0.018, steps, 1.0)
+    else:  # muloco_normuonh: Snoo's sync after every 30th update
+        tx = recipes.muloco_normuonh(steps, **placement)
+        return TrainOptimizer(
+            optax.chain(clipping(config), tx), stable_cooldown_schedule(0.018, steps, 1.0),
+            sync_period=30, sync_phase="end",
+            for_params=lambda p: _track3_recipe(config, name, p))
+    return TrainOptimizer(optax.chain(clipping(config), tx), lr,
+                          for_params=lambda p: _track3_recipe(config, name, p))
+
+
+@register("track3_record")
+def track3_record_optimizer(config: TrainConfig) -> TrainOptimizer:
+    """modded-nanogpt Track 3's record #46 stack (`optax_snoo.recipes.track3_record`:
+    SOAP-Muon with the radius steps, PowerCool, five Adam groups, EMA-Nesterov, tail-EMA
+    readout), its step constants scaled to `max_iters`; evaluated and checkpointed at
+    `optax_snoo.eval_params`. Only `grad_clip` is read besides. Logs Muon's lr."""
+    return _track3_recipe(config, "track3_record")
+
+
+@register("track3_soap_muon")
+def track3_soap_muon_optimizer(config: TrainConfig) -> TrainOptimizer:
+    """SOAP-Muon as Track 3 record #44 runs it, alone (`optax_snoo.recipes.
+    track3_soap_muon`), over `max_iters`. Logs Muon's lr."""
+    return _track3_recipe(config, "track3_soap_muon")
+
+
+@register("muonh")
+def muonh_optimizer(config: TrainConfig) -> TrainOptimizer:
+    """MuonH, Muon on the hyperball (Track 3 record #5, `optax_snoo.recipes.muonh`), over
+    `max_iters`; needs non-zero initial hidden matrices (not `init='track3'`'s zero
+    projections). Logs the hyperball's lr."""
+    return _track3_recipe(config, "muonh")
+
+
+@register("muloco_normuonh")
+def muloco_normuonh_optimizer(config: TrainConfig) -> TrainOptimizer:
+    """MuLoCo's outer Nesterov (0.7, 0.5, after every 30th update) around NorMuonH (Track 3
+    record #13, `optax_snoo.recipes.muloco_normuonh`), over `max_iters`. Logs the
+    hyperball's lr."""
+    return _track3_recipe(config, "muloco_normuonh")
 
 
 def _skew_adam(config: TrainConfig, rounding_tx: optax.GradientTransformation | None = None

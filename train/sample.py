@@ -34,7 +34,7 @@ from train.config import config_from_dict, flat_dict, override
 from train.errors import run_cli
 from train.optimizers import build_optimizer
 from train.sharding import make_mesh
-from train.step import ModelDef, create_train_state, is_step_count
+from train.step import ModelDef, create_train_state, is_step_count, make_readout
 from train.tokenizer import Tokenizer, from_meta
 
 __all__ = ["generate_text", "load_model", "load_params", "main"]
@@ -114,8 +114,8 @@ def load_params(out_dir: str | Path, step: int | None = None
                                         replicas)}
     state, _ = ckpt.restore(step, like=like)
     ckpt.close()
-    params = state["params"] if replicas == 1 else jax.tree.map(lambda x: x[0],
-                                                                  state["params"])
+    params = make_readout(state["opt_state"])(state)  # the weights the run evaluated
+    params = params if replicas == 1 else jax.tree.map(lambda x: x[0], params)
     return model_def, params, {**meta, "tokenizer": tokenizer, "vocab_size": vocab_size,
                                "checkpoint_step": step}
 

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import models
+import optax_snoo
 from train.nonfinite import counters, update_if_finite
 from train.sharding import REPLICA_AXIS, batch_sharding, replica_axis, replicated, tree_shardings
 
@@ -50,6 +51,7 @@ __all__ = [
     "create_train_state",
     "cross_entropy",
     "make_eval_step",
+    "make_readout",
     "make_train_step",
 ]
 
@@ -318,6 +320,26 @@ class TrainStep:
         with jax.set_mesh(self.mesh):
             return self.jitted.lower(state, inputs_ABT, targets_ABT,
                                      tuple(sorted(hints.items())))
+
+
+def make_readout(opt_state: Any) -> Callable[[TrainState], Any]:
+    """``state -> the params to evaluate``: `optax_snoo.eval_params` of the state when the
+    optimizer keeps a readout in it (EMA-Nesterov's lookahead, a tail EMA: Track 3's
+    recipes), else the params themselves (decided once, from the state's structure: no
+    work for other optimizers). Evaluation, sampling and `train.evaluate` use it; a
+    checkpoint holds the optimizer state, so its readout is computed at restore.
+
+    Args:
+      opt_state: the optimizer state (or its abstract shapes).
+
+    Returns:
+      A function of the train state (jitted where there is a readout).
+    """
+    is_readout = lambda x: isinstance(x, optax_snoo.EmaNesterovState | optax_snoo.TailEmaState)
+    if not any(is_readout(x) for x in jax.tree.leaves(opt_state, is_leaf=is_readout)):
+        return lambda state: state["params"]
+    readout = jax.jit(optax_snoo.eval_params)
+    return lambda state: readout(state["params"], state["opt_state"])
 
 
 def make_eval_step(model: ModelDef, *, mesh: Mesh,

@@ -1,0 +1,68 @@
+"""Track 3's recipes in the trainer: each `--optimizer` trains, and the run evaluates,
+samples and restores the weights the optimizer's readout gives (`optax_snoo.eval_params`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_train_optimizers import _setup, _tiny
+
+import optax_snoo
+import train
+from train import sample
+from train.data import open_dataset
+from train.optimizers import build_optimizer
+from train.sample import load_params
+from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
+from train.step import make_eval_step, make_readout
+
+RECIPES = ("track3_record", "track3_soap_muon", "muonh", "muloco_normuonh")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_trains(corpus, tmp_path, name):
+    """Five steps on one batch: the loss is finite and falls."""
+    config = _tiny(corpus, tmp_path, optimizer=name, max_iters=50)
+    mesh, _, state, step = _setup(config)
+    spec = build_optimizer(config)
+    xy = np.random.default_rng(0).integers(0, 32, (2, 1, 4, 8)).astype(np.int32)
+    batch = [put_batch(a, batch_sharding(mesh)) for a in xy]
+    losses = []
+    for t in range(5):
+        state, metrics = step(state, *batch, **spec.update_kwargs(t))
+        losses.append(float(metrics["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], (name, losses)
+
+
+def test_readout_is_zero_cost_without_a_wrapper():
+    state = {"params": {"w": jnp.ones((2, 2))},
+             "opt_state": optax_snoo.muon(0.1).init({"w": jnp.ones((2, 2))})}
+    assert make_readout(state["opt_state"])(state) is state["params"]
+
+
+def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkeypatch):
+    """A track3_record run ends inside its tail EMA: the logged val loss is the readout's,
+    not the params', and `load_params` (sampling, `train.evaluate`) restores the readout."""
+    config = _tiny(corpus, tmp_path, optimizer="track3_record", max_iters=8, eval_interval=8,
+                   eval_iters=2, log_interval=8, num_samples=0, progress=False)
+    result = train.run(config)
+    logged = [h["val_loss"] for h in result.history if "val_loss" in h][-1]
+    seen = {}
+
+    def spy(opt_state):  # keeps the restored train state the readout is applied to
+        readout = make_readout(opt_state)
+        return lambda state: seen.setdefault("state", state) and readout(state)
+
+    monkeypatch.setattr(sample, "make_readout", spy)
+    model, restored, _ = load_params(config.run.out_dir)
+    monkeypatch.undo()
+    raw = seen["state"]
+    expected = optax_snoo.eval_params(raw["params"], raw["opt_state"])
+    jax.tree.map(np.testing.assert_array_equal, restored, expected)
+    x, y = open_dataset(config.data.path).eval_batches(
+        "val", num_batches=2, batch_size=4, block_size=8, seed=config.run.seed)
+    mesh = make_mesh(config)
+    evaluate = make_eval_step(model, mesh=mesh, params_shardings=tree_shardings(restored, mesh))
+    loss = lambda p: float(evaluate(p, jnp.asarray(x), jnp.asarray(y)))
+    assert loss(restored) == pytest.approx(logged, rel=1e-6)
+    assert abs(loss(raw["params"]) - logged) > 1e-6  # the readout made a difference
