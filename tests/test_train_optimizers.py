@@ -68,7 +68,8 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "adafactor": "skew_learning_rate", "kfac": "kfac_learning_rate",
            "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
            "snoo_adamw": "learning_rate", "newton_muon": "muon_learning_rate",
-           "track3_baseline": None}  # None: the record's lrs
+           "track3_baseline": None, "track3_record": None, "track3_soap_muon": None,
+           "muonh": None, "muloco_normuonh": None}  # None: the record's lrs
 
 
 @pytest.mark.parametrize("name", sorted(MAIN_LR))
@@ -77,7 +78,8 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
     one applied: doubling it doubles the update of a hidden kernel."""
     assert set(MAIN_LR) == set(OPTIMIZERS)
     if MAIN_LR[name] is None:
-        pytest.skip("fixed learning rates; test_track3_baseline_is_the_recipe checks it")
+        pytest.skip("the record's fixed rates: test_track3_baseline_is_the_recipe and "
+                    "test_train_track3 check them")
     base = override(tc.TrainConfig(), optimizer=name, schedule="stable_cooldown",
                     max_iters=100, learning_rate=1e-3, grad_clip=0.0, muon_beta_warmup=0,
                     skew_weight_decay=0.0, weight_decay=0.0)

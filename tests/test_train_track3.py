@@ -66,3 +66,18 @@ def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkey
     loss = lambda p: float(evaluate(p, jnp.asarray(x), jnp.asarray(y)))
     assert loss(restored) == pytest.approx(logged, rel=1e-6)
     assert abs(loss(raw["params"]) - logged) > 1e-6  # the readout made a difference
+
+
+@pytest.mark.parametrize("name, lr0, sync", [("track3_record", 0.0375, None),
+                                              ("track3_soap_muon", 0.0375, None),
+                                              ("muonh", 0.018, None),
+                                              ("muloco_normuonh", 0.018, (29, 59))])
+def test_logged_lr_and_snoo_hint(name, lr0, sync):
+    """The logged lr is the recipe's Muon lr over `max_iters`; MuLoCo's hint syncs after
+    every 30th update (sync='end')."""
+    from train.config import TrainConfig, override
+    spec = build_optimizer(override(TrainConfig(), optimizer=name, max_iters=60))
+    assert float(spec.learning_rate(0)) == pytest.approx(lr0)
+    assert float(spec.learning_rate(60)) == 0.0
+    synced = [t for t in range(60) if spec.update_kwargs(t).get("snoo_sync")]
+    assert synced == ([] if sync is None else list(sync))
