@@ -69,7 +69,8 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
            "snoo_adamw": "learning_rate", "newton_muon": "muon_learning_rate",
            "track3_baseline": None, "track3_record": None, "track3_soap_muon": None,
-           "muonh": None, "muloco_normuonh": None}  # None: the record's lrs
+           "muonh": None, "muloco_normuonh": None,
+           "track3_newton_muon": None}  # None: the record's lrs
 
 
 @pytest.mark.parametrize("name", sorted(MAIN_LR))

@@ -16,7 +16,8 @@ from train.sample import load_params
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import make_eval_step, make_readout
 
-RECIPES = ("track3_record", "track3_soap_muon", "muonh", "muloco_normuonh")
+RECIPES = ("track3_record", "track3_soap_muon", "muonh", "muloco_normuonh",
+           "track3_newton_muon")
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -71,7 +72,8 @@ def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkey
 @pytest.mark.parametrize("name, lr0, sync", [("track3_record", 0.0375, None),
                                               ("track3_soap_muon", 0.0375, None),
                                               ("muonh", 0.018, None),
-                                              ("muloco_normuonh", 0.018, (29, 59))])
+                                              ("muloco_normuonh", 0.018, (29, 59)),
+                                              ("track3_newton_muon", 0.030, None)])
 def test_logged_lr_and_snoo_hint(name, lr0, sync):
     """The logged lr is the recipe's Muon lr over `max_iters`; MuLoCo's hint syncs after
     every 30th update (sync='end')."""

@@ -43,7 +43,9 @@ import optax
 import models
 import optax_snoo
 import optax_snoo.labels
+import optax_snoo.recipes
 from optax_snoo import kfac as kfac_lib
+from optax_snoo.recipes import stable_cooldown_schedule
 from train.metrics import RefreshLog, plot_refresh_events
 from train.optimizers import (
     TrainOptimizer,
@@ -360,7 +362,8 @@ def newton_muon_precondition(config: TrainConfig) -> optax.GradientTransformatio
         block_size=block, shared_inputs=NEWTON_MUON_SHARED), _muon_mask)
 
 
-def _newton_muon_stack(config: TrainConfig, params: Any = None) -> TrainOptimizer:
+def _newton_muon_grad_fn(config: TrainConfig) -> Callable[[Any, Any], Callable[..., Any]]:
+    """The step's gradient function with each shared input's statistics on refresh steps."""
     every = config.muon.newton_interval
 
     def grad_fn(model, params):
@@ -370,9 +373,30 @@ def _newton_muon_stack(config: TrainConfig, params: Any = None) -> TrainOptimize
         return grad_and_stats_fn(model, layers, covariances,
                                  lambda step: optax_snoo.input_covariance_refresh_due(step, every))
 
+    return grad_fn
+
+
+def _newton_muon_stack(config: TrainConfig, params: Any = None) -> TrainOptimizer:
     spec = _muon_stack(config, None, params=params, precondition=newton_muon_precondition(config))
-    return dataclasses.replace(spec, grad_fn=grad_fn,
+    return dataclasses.replace(spec, grad_fn=_newton_muon_grad_fn(config),
                                for_params=lambda p: _newton_muon_stack(config, p))
+
+
+def _track3_newton_muon(config: TrainConfig, params: Any = None) -> TrainOptimizer:
+    m, model = config.muon, config.model
+    steps = max(config.run.max_iters, 1)
+    plan = None if params is None else optax_snoo.NewtonSchulzPlan.from_params(params)
+    tx = optax_snoo.recipes.track3_newton_muon(
+        steps, ema_decay=m.newton_ema_decay, damping=m.newton_damping,
+        refresh_every=m.newton_interval,
+        block_size=model.n_embd if model.hidden % model.n_embd == 0 else None,
+        shared_inputs=NEWTON_MUON_SHARED, newton_schulz_plan=plan,
+        shard_newton_schulz=config.mesh.diloco == 1)
+    mlp_lr = optax_snoo.recipes.TRACK3_NEWTON_MUON_GROUPS[-1][1]
+    return TrainOptimizer(optax.chain(clipping(config), tx),
+                          stable_cooldown_schedule(mlp_lr, steps),
+                          grad_fn=_newton_muon_grad_fn(config),
+                          for_params=lambda p: _track3_newton_muon(config, p))
 
 
 @register("newton_muon")
@@ -381,3 +405,12 @@ def newton_muon(config: TrainConfig) -> TrainOptimizer:
     multiplied, on their input side, by the inverse input covariance of their layer
     (`newton_muon_*` options; statistics captured in the step on refresh steps only)."""
     return _newton_muon_stack(config)
+
+
+@register("track3_newton_muon")
+def track3_newton_muon(config: TrainConfig) -> TrainOptimizer:
+    """Newton-Muon with Track 3 record #15's groups and rates (`optax_snoo.recipes.
+    track3_newton_muon`: four Muon groups, aux AdamW, the 0.7 cooldown over `max_iters`);
+    the preconditioner's `newton_muon_*` options as `newton_muon`'s (their defaults are
+    #15's). Logs the MLP groups' lr."""
+    return _track3_newton_muon(config)
