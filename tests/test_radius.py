@@ -178,6 +178,35 @@ def test_hyperball_matches_muonh_and_keeps_the_initial_radius():
     assert not np.allclose(np.asarray(params["square"]), np.asarray(init_params()["square"]))
 
 
+def test_hyperball_at_the_current_radius():
+    """pin="current" (#5's scale_invariant_update_ as written: R = ‖W‖ now) equals the
+    record's step when something else moved ‖W‖ between steps (MuLoCo's outer step, #13),
+    where pin="initial" pulls the matrix back to ‖W₀‖."""
+    current = radius_steps(lr_schedule, brake=None, floor=None, pin="current",
+                           cautious_weight_decay=0.0)
+    initial = radius_steps(lr_schedule, brake=None, floor=None, pin="initial",
+                           cautious_weight_decay=0.0)
+    params = init_params()
+    states = current.init(params), initial.init(params)
+    ref = {n: to_record(p) for n, p in params.items()}
+    for t in range(4):
+        params = jax.tree.map(lambda p: 1.3 * p, params)  # an outer step moves the radius
+        ref = {n: [1.3 * p for p in mats] for n, mats in ref.items()}
+        o = directions(t)
+        (u_cur, s_cur), (u_init, s_init) = (tx.update(o, s, params) for tx, s in
+                                            zip((current, initial), states, strict=True))
+        states = s_cur, s_init
+        ref = {n: [ref_scale_invariant_update(p, u, lr_schedule(t))
+                   for p, u in zip(ref[n], to_record(o[n]), strict=True)] for n in SHAPES}
+        moved = optax.apply_updates(params, u_init)
+        params = optax.apply_updates(params, u_cur)
+        for n, shape in SHAPES.items():
+            np.testing.assert_allclose(np.asarray(params[n], np.float64),
+                                       from_record(ref[n], shape), rtol=2e-5, atol=2e-6,
+                                       err_msg=f"{n} step {t}")
+            assert not np.allclose(np.asarray(moved[n]), np.asarray(params[n]), rtol=1e-3)
+
+
 def test_matrix_axes():
     """(E, out, in) stacks via matrix_axes: the same step as the (E, in, out) layout."""
     w = 0.5 * jax.random.normal(jax.random.key(3), (3, 5, 4))  # (E, fan_out, fan_in)
