@@ -345,3 +345,35 @@ def test_bad_input():
         tx.update(stray, tx.init(stray), stray, input_covariance=None)
     with pytest.raises(ValueError, match="muon_groups"):
         recipes.track3_newton_muon(muon_groups=())
+
+
+def test_patterns_fit_the_track3_network():
+    """On `models.track3_config`'s GPT each leaf lands in #46's group for it (the bf16
+    embedding included) and the tail EMA leaves the embedding out. (The trust gate's
+    pattern is checked on these names by `test_track3_record_matches_record_46`.)"""
+    from flax import nnx
+
+    import models
+
+    cfg = models.track3_config(n_layer=2, n_embd=32, head_dim=16, vocab_size=64,
+                               block_size=16)
+    params = nnx.to_pure_dict(nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    state = recipes.track3_record(8).init(params)
+    owner = {}
+    for name, group in state[0].inner_state.inner_states.items():
+        mu = group.inner_state[0].mu  # MuonState / ScaleByAdamState, masked to the group
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+                mu, is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]:
+            if not isinstance(leaf, optax.MaskedNode):
+                owner[optax_snoo.labels.path_to_str(path)] = name
+    assert set(owner) == set(flatten(params))
+    expected = {"wte/embedding": "embed", "ln_embed/scale": "gains", "ln_f/scale": "gains",
+                "lm_head/kernel": "head", "lm_head/bias": "vectors",
+                "blocks/1/ln_2/scale": "gains", "blocks/1/attn/c_proj/bias": "attn_proj_bias",
+                "blocks/1/attn/c_k/bias": "vectors", "blocks/1/mlp/c_fc/bias": "vectors"}
+    muon = {p for p in owner if p.startswith("blocks/") and p.endswith("/kernel")}
+    assert {p: owner[p] for p in expected} == expected
+    assert {p for p, g in owner.items() if g == "muon"} == muon and len(muon) == 12
+    tail = flatten(jax.tree.map(lambda e: 0.0 if isinstance(e, optax.MaskedNode) else 1.0,
+                                state[1].ema, is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
+    assert [p for p, kept in tail.items() if not kept] == ["wte/embedding"]
