@@ -9,8 +9,7 @@ every iteration. The plan here instead gives each device whole matrices:
    matrices whose shardings are each other's transpose join the larger of the two groups
    transposed, and are transposed back on their device once whole, so every matrix
    iterates in its own orientation (``NS(Xᵀ) = NS(X)ᵀ`` in real arithmetic only: the
-   transposed products round differently, 2e-6 relative in float32 on 512x512, 1.5% in
-   bfloat16);
+   transposed products round differently; figures in docs/muon.md);
 2. stacks with the same shape and the same sharding of their matrix axes are
    concatenated into one group;
 3. groups whose matrices are split over the same mesh axes (rows or columns, any
@@ -52,13 +51,14 @@ matrix axis) were split over all its devices, FSDP's layout: shard_map's in and 
 say so, XLA inserts the conversion from (and back to) wherever the leaves actually live
 (none when they are laid out so), and the plan above runs. Splitting the stack axis
 instead would be free going in but not coming out: XLA turns a slice of a stack split
-over devices into a row-sharded leaf by replicating the whole stack (measured: 16x the
-share). Leaves whose rows do not divide by the device count keep the per-leaf path.
+over devices into a row-sharded leaf by replicating the whole stack (figures in
+docs/muon.md). Leaves whose rows do not divide by the device count keep the per-leaf path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -510,20 +510,36 @@ def _chunk_order(group: Group, pieces: tuple[str, ...], mesh: Any) -> np.ndarray
     return np.asarray(order)
 
 
-def _runs(ex: Exchange, flips: Mapping[tuple[int, int], np.ndarray]
-          ) -> list[list[tuple[int, int, bool, list[int]]]]:
-    """Each owner's matrices as runs ``(group, part, flip, matrices)`` of consecutive
-    items alike, so that a run moves and iterates as one slice (LPT deals a group's
-    matrices round-robin: one strided slice per owner and group)."""
+class _Run(NamedTuple):
+    """Consecutive matrices of one owner that move and iterate as one slice."""
+
+    group: int                # index in `Exchange.groups`
+    part: int                 # index in the group's `_parts`
+    flip: bool                # a square stored transposed: it iterates transposed back
+    matrices: list[int]       # indices in the part's slice of its stack
+
+
+class _Slot(NamedTuple):
+    """One run as an owner's code sees it: its group's shape, orientation and count."""
+
+    group: int
+    flip: bool
+    count: int
+
+
+def _runs(ex: Exchange, flips: Mapping[tuple[int, int], np.ndarray]) -> list[list[_Run]]:
+    """Each owner's matrices as runs of consecutive items alike, so that a run moves and
+    iterates as one slice (LPT deals a group's matrices round-robin: one strided slice per
+    owner and group)."""
     out = []
     for owned in ex.owners:
-        runs: list[tuple[int, int, bool, list[int]]] = []
+        runs: list[_Run] = []
         for g, j, i in owned:
             flip = bool(flips[(g, j)][i])
             if runs and runs[-1][:3] == (g, j, flip):
-                runs[-1][3].append(i)
+                runs[-1].matrices.append(i)
             else:
-                runs.append((g, j, flip, [i]))
+                runs.append(_Run(g, j, flip, [i]))
         out.append(runs)
     return out
 
@@ -536,21 +552,26 @@ def _pick(stack: jax.Array, index: Sequence[int]) -> jax.Array:
     return stack[np.asarray(index)]
 
 
-def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array], jax.Array],
-                   ns_dtype: Any, wire: Any) -> Callable[..., tuple[jax.Array, ...]]:
-    """The per-device body of an `Exchange`, on each part's local block
-    ``(B/H, rows/R, cols/C)``: the pieces of every owner's matrices to that owner (one
-    all-to-all over the piece axes), the owner's own iteration (a `lax.switch` on its
-    index among the distinct lists of shapes owners hold; none where all hold the same),
-    the pieces back (one all-to-all) and, where axes replicate the matrices, one
-    all-gather of the results. The code is the same in every slice of the stacks."""
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What every device knows of an `Exchange` before it runs (all static)."""
+
+    n_pieces: int                         # P: devices holding the pieces of one matrix
+    n_replicas: int                       # K: copies of those devices
+    length: int                           # payload elements per owner (zero-padded)
+    grids: list[tuple[int, int]]          # per group: (R, C) pieces per matrix
+    blocks: list[tuple[int, int]]         # per group: one piece's (rows, cols)
+    orders: list[np.ndarray]              # per group: `_chunk_order`
+    inputs: dict[tuple[int, int], int]    # (group, part) -> shard_map operand
+    runs: list[list[_Run]]                # per owner
+    profiles: list[tuple[_Slot, ...]]     # the distinct slot lists owners hold
+    profile_of: np.ndarray                # per owner: its index in `profiles`
+
+
+def _layout(ex: Exchange, mesh: Any) -> _Layout:
     sizes = mesh.shape
-    n_p = math.prod(sizes[a] for a in ex.pieces)
-    n_k = math.prod(sizes[a] for a in ex.rep)
     _, length = ex.offsets(mesh)
     grids = [_piece_grid(g, mesh) for g in ex.groups]
-    blocks = [(g.rows // r, g.cols // c) for g, (r, c) in zip(ex.groups, grids, strict=True)]
-    orders = [_chunk_order(g, ex.pieces, mesh) for g in ex.groups]
     parts = [_parts(group, mesh) for group in ex.groups]
     inputs = {(g, j): n for n, (g, j) in enumerate(
         (g, j) for g in range(len(ex.groups)) for j in range(len(parts[g])))}
@@ -560,89 +581,131 @@ def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array],
                                [leaf.batch // n_stack for leaf in part])
              for (g, j) in inputs for part in [parts[g][j]]}
     runs = _runs(ex, flips)
-    keys = [tuple((g, flip, len(index)) for g, _, flip, index in owned) for owned in runs]
+    keys = [tuple(_Slot(r.group, r.flip, len(r.matrices)) for r in owned) for owned in runs]
     profiles = sorted(set(keys))
-    profile_of = np.asarray([profiles.index(key) for key in keys], np.int32)
+    return _Layout(
+        n_pieces=math.prod(sizes[a] for a in ex.pieces),
+        n_replicas=math.prod(sizes[a] for a in ex.rep), length=length, grids=grids,
+        blocks=[(g.rows // r, g.cols // c) for g, (r, c) in zip(ex.groups, grids, strict=True)],
+        orders=[_chunk_order(g, ex.pieces, mesh) for g in ex.groups], inputs=inputs,
+        runs=runs, profiles=profiles,
+        profile_of=np.asarray([profiles.index(key) for key in keys], np.int32))
 
-    def payload(parts: list[jax.Array], rows: int) -> jax.Array:
-        """``(rows, length)``: the parts flattened side by side, zero-padded."""
-        parts = [p.reshape(rows, -1) for p in parts]
-        used = sum(p.shape[1] for p in parts)
-        if used < length or not parts:
-            parts.append(jnp.zeros((rows, length - used), wire))
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
-    def iterate(profile: tuple[tuple[int, bool, int], ...]) -> Callable[[jax.Array], jax.Array]:
-        def run(x: jax.Array) -> jax.Array:
-            mats, off = [], 0
-            for g, _, count in profile:  # (pieces, count, ...) -> (count, rows, cols)
-                (n_r, n_c), (rb, cb) = grids[g], blocks[g]
-                chunks = x[:, off:off + count * rb * cb].reshape(n_p, count, rb, cb)[orders[g]]
-                off += count * rb * cb
-                mats.append(chunks.reshape(n_r, n_c, count, rb, cb).transpose(2, 0, 3, 1, 4)
-                            .reshape(count, n_r * rb, n_c * cb))
-            outs: list[Any] = [None] * len(profile)
-            kinds: dict[tuple[int, int, bool], list[int]] = {}
-            for k, (_, flip, _) in enumerate(profile):
-                kinds.setdefault((*mats[k].shape[1:], flip), []).append(k)
-            for (_, _, flip), ks in kinds.items():  # one batched iteration per shape
-                v = [mats[k] for k in ks]
-                v = jax.lax.bitcast_convert_type(v[0] if len(v) == 1 else jnp.concatenate(v),
-                                                 ns_dtype)
-                v = jnp.swapaxes(v, -1, -2) if flip else v
-                v = newton_schulz(v)
-                v = jnp.swapaxes(v, -1, -2) if flip else v
-                v = jax.lax.bitcast_convert_type(v.astype(ns_dtype), wire)
-                start = 0
-                for k in ks:
-                    outs[k] = v[start:start + profile[k][2]]
-                    start += profile[k][2]
-            back = []
-            for k, (g, _, count) in enumerate(profile):
-                (n_r, n_c), (rb, cb) = grids[g], blocks[g]
-                chunks = outs[k].reshape(count, n_r, rb, n_c, cb).transpose(1, 3, 0, 2, 4)
-                back.append(chunks.reshape(n_p, count, rb, cb)[np.argsort(orders[g])])
-            return payload(back, n_p)
-        return run
+def _payload(parts: list[jax.Array], rows: int, length: int, wire: Any) -> jax.Array:
+    """``(rows, length)``: the parts flattened side by side, zero-padded."""
+    parts = [p.reshape(rows, -1) for p in parts]
+    used = sum(p.shape[1] for p in parts)
+    if used < length or not parts:
+        parts.append(jnp.zeros((rows, length - used), wire))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _trade(ex: Exchange, v: jax.Array) -> jax.Array:
+    """One all-to-all over the piece axes (its own inverse); none where the stacks are
+    split only on their stack axis (every device holds whole matrices)."""
+    return jax.lax.all_to_all(v, ex.pieces, 0, 0, tiled=True) if ex.pieces else v
+
+
+def _gather_pieces(ex: Exchange, lay: _Layout, stacks: Sequence[jax.Array],
+                   wire: Any) -> tuple[jax.Array, jax.Array | int]:
+    """Step 4: every owner receives all pieces of its matrices, ``(P, length)``; also
+    returns this device's index along the replicating axes."""
+    # Every owner's row: my pieces of its matrices, in its order (replicas hold the same
+    # pieces; each sends only the rows of its own replica's owners).
+    table = jnp.stack([
+        _payload([_pick(stacks[lay.inputs[(r.group, r.part)]], r.matrices) for r in owned],
+                 1, lay.length, wire)[0]
+        for owned in lay.runs]).reshape(lay.n_replicas, lay.n_pieces, lay.length)
+    replica = jax.lax.axis_index(ex.rep) if ex.rep else 0
+    mine = jax.lax.dynamic_index_in_dim(table, replica, 0, keepdims=False)
+    return _trade(ex, mine), replica
+
+
+def _iterate_owned(lay: _Layout, profile: tuple[_Slot, ...], x: jax.Array, *,
+                   newton_schulz: Callable[[jax.Array], jax.Array], ns_dtype: Any,
+                   wire: Any) -> jax.Array:
+    """Step 5: an owner's matrices reassembled from their pieces ``x``, one batched
+    iteration per shape, and the results cut back into pieces, ``(P, length)``."""
+    mats, off = [], 0
+    for slot in profile:  # (pieces, count, ...) -> (count, rows, cols)
+        (n_r, n_c), (rb, cb) = lay.grids[slot.group], lay.blocks[slot.group]
+        size = slot.count * rb * cb
+        chunks = (x[:, off:off + size].reshape(lay.n_pieces, slot.count, rb, cb)
+                  [lay.orders[slot.group]])
+        off += size
+        mats.append(chunks.reshape(n_r, n_c, slot.count, rb, cb).transpose(2, 0, 3, 1, 4)
+                    .reshape(slot.count, n_r * rb, n_c * cb))
+    outs: list[Any] = [None] * len(profile)
+    same_shape: dict[tuple[int, int, bool], list[int]] = {}
+    for k, slot in enumerate(profile):
+        same_shape.setdefault((*mats[k].shape[1:], slot.flip), []).append(k)
+    for (_, _, flip), ks in same_shape.items():
+        v = [mats[k] for k in ks]
+        v = jax.lax.bitcast_convert_type(v[0] if len(v) == 1 else jnp.concatenate(v),
+                                         ns_dtype)
+        v = jnp.swapaxes(v, -1, -2) if flip else v
+        v = newton_schulz(v)
+        v = jnp.swapaxes(v, -1, -2) if flip else v
+        v = jax.lax.bitcast_convert_type(v.astype(ns_dtype), wire)
+        start = 0
+        for k in ks:
+            outs[k] = v[start:start + profile[k].count]
+            start += profile[k].count
+    back = []
+    for slot, out in zip(profile, outs, strict=True):
+        (n_r, n_c), (rb, cb) = lay.grids[slot.group], lay.blocks[slot.group]
+        chunks = out.reshape(slot.count, n_r, rb, n_c, cb).transpose(1, 3, 0, 2, 4)
+        back.append(chunks.reshape(lay.n_pieces, slot.count, rb, cb)
+                    [np.argsort(lay.orders[slot.group])])
+    return _payload(back, lay.n_pieces, lay.length, wire)
+
+
+def _scatter_back(ex: Exchange, lay: _Layout, y: jax.Array) -> tuple[jax.Array, ...]:
+    """Step 6: the pieces back to their holders (and all-gathered over the replicating
+    axes), cut into each part's local block, in the part's order."""
+    y = _trade(ex, y)
+    y = jax.lax.all_gather(y, ex.rep, axis=0, tiled=False) if ex.rep else y[None]
+    y = y.reshape(lay.n_replicas * lay.n_pieces, lay.length)
+    found: dict[tuple[int, int], list[tuple[list[int], jax.Array]]] = {}
+    for owner, owned in enumerate(lay.runs):
+        off = 0
+        for r in owned:
+            rb, cb = lay.blocks[r.group]
+            size = len(r.matrices) * rb * cb
+            found.setdefault((r.group, r.part), []).append(
+                (r.matrices, y[owner, off:off + size].reshape(len(r.matrices), rb, cb)))
+            off += size
+    outs = []
+    for key in lay.inputs:
+        index = np.concatenate([i for i, _ in found[key]])
+        out = jnp.concatenate([v for _, v in found[key]])
+        order = np.argsort(index)
+        outs.append(out if (order == np.arange(len(order))).all() else out[order])
+    return tuple(outs)
+
+
+def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array], jax.Array],
+                   ns_dtype: Any, wire: Any) -> Callable[..., tuple[jax.Array, ...]]:
+    """The per-device body of an `Exchange`, on each part's local block
+    ``(B/H, rows/R, cols/C)``: the pieces of every owner's matrices to that owner (one
+    all-to-all over the piece axes), the owner's own iteration (a `lax.switch` on its
+    index among the distinct lists of shapes owners hold; none where all hold the same),
+    the pieces back (one all-to-all) and, where axes replicate the matrices, one
+    all-gather of the results. The code is the same in every slice of the stacks."""
+    lay = _layout(ex, mesh)
+    branches = [functools.partial(_iterate_owned, lay, profile, newton_schulz=newton_schulz,
+                                  ns_dtype=ns_dtype, wire=wire) for profile in lay.profiles]
 
     def body(*stacks: jax.Array) -> tuple[jax.Array, ...]:
-        # Every owner's row: my pieces of its matrices, in its order (replicas hold the
-        # same pieces; each sends only the rows of its own replica's owners).
-        table = jnp.stack([payload([_pick(stacks[inputs[(g, j)]], index)
-                                    for g, j, _, index in owned], 1)[0]
-                           for owned in runs]).reshape(n_k, n_p, length)
-        k = jax.lax.axis_index(ex.rep) if ex.rep else 0
-        mine = jax.lax.dynamic_index_in_dim(table, k, 0, keepdims=False)
-        # (Stacks split only on their stack axis: every device holds whole matrices.)
-        trade = ((lambda v: jax.lax.all_to_all(v, ex.pieces, 0, 0, tiled=True))
-                 if ex.pieces else (lambda v: v))
-        x = trade(mine)
-        branches = [iterate(p) for p in profiles]
+        x, replica = _gather_pieces(ex, lay, stacks, wire)
         if len(branches) == 1:
             y = branches[0](x)
         else:
-            owner = k * n_p + (jax.lax.axis_index(ex.pieces) if ex.pieces else 0)
-            y = jax.lax.switch(jnp.asarray(profile_of)[owner], branches, x)
-        y = trade(y)
-        y = jax.lax.all_gather(y, ex.rep, axis=0, tiled=False) if ex.rep else y[None]
-        y = y.reshape(n_k * n_p, length)
-        # Each part's results: the runs of all owners, back in the part's order.
-        found: dict[tuple[int, int], list[tuple[list[int], jax.Array]]] = {}
-        for o, owned in enumerate(runs):
-            off = 0
-            for g, j, _, index in owned:
-                rb, cb = blocks[g]
-                size = len(index) * rb * cb
-                found.setdefault((g, j), []).append(
-                    (index, y[o, off:off + size].reshape(len(index), rb, cb)))
-                off += size
-        outs = []
-        for g, j in inputs:
-            index = np.concatenate([i for i, _ in found[(g, j)]])
-            out = jnp.concatenate([v for _, v in found[(g, j)]])
-            order = np.argsort(index)
-            outs.append(out if (order == np.arange(len(order))).all() else out[order])
-        return tuple(outs)
+            owner = replica * lay.n_pieces + (jax.lax.axis_index(ex.pieces) if ex.pieces
+                                              else 0)
+            y = jax.lax.switch(jnp.asarray(lay.profile_of)[owner], branches, x)
+        return _scatter_back(ex, lay, y)
 
     return body
 
