@@ -62,6 +62,13 @@ from optax_snoo._src.snoo import (
     snoo,
     snoo_is_sync_step,
 )
+from optax_snoo._src.soap_muon import (
+    SoapWhiteningState,
+    scale_by_soap_whitening,
+    soap_muon,
+    trust_gate_cap,
+    trust_gate_floor,
+)
 from optax_snoo._src.weight_decay import (
     DecoupledWeightDecayState,
     add_decoupled_weight_decay,
