@@ -379,11 +379,12 @@ def test_whitening_on_owners_moves_gradient_with_momentum_and_equals_one_device(
     bytes an element against Muon's 4, the way back the same: 1.5x Muon's bytes; 2.5x in
     bfloat16, benchmarks/README.md), and the updates equal the single-device ones. The
     first gradient is a rectangular diagonal (`first_gradient`), so the first ``eigh`` is
-    exact also on the null space of a non-square matrix's longer side
-    (docs/soap_muon.md)."""
+    exact also on the null space of a non-square matrix's longer side, and the MLP is
+    2x wide, so the second gradient makes every Gram full rank before the first refresh
+    (docs/soap_muon.md: rank-deficient bases are decided by rounding)."""
     d = 16
     shapes = {"q": (d, d), "k": (d, d), "v": (d, d), "attn_proj": (d, d),
-              "fc": (d, 4 * d), "mlp_proj": (4 * d, d)}
+              "fc": (d, 2 * d), "mlp_proj": (2 * d, d)}
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = lambda s: P("fsdp", None) if s[0] <= s[1] else P(None, "fsdp")
     params = {k: jax.device_put(jnp.zeros(s, F32), NamedSharding(mesh, rows(s)))
@@ -414,13 +415,13 @@ def test_whitening_on_owners_moves_gradient_with_momentum_and_equals_one_device(
     one = jax.tree.map(lambda p: jax.device_put(jnp.zeros(p.shape, F32), jax.devices()[0]),
                        params)
     one_state, one_update = single.init(one), jax.jit(single.update)
-    for g in grads:
+    for t, g in enumerate(grads):
         out, state = exe({k: jax.device_put(v, params[k].sharding) for k, v in g.items()},
                          state, params)
         ref, one_state = one_update(jax.tree.map(jnp.asarray, g), one_state, one)
-        for k in shapes:
-            np.testing.assert_allclose(np.asarray(out[k]), np.asarray(ref[k]), rtol=1e-4,
-                                       atol=1e-5, err_msg=k)
+        for k in shapes:  # float32 rounding, amplified by the whitening's 1/sqrt(V)
+            a, b = np.asarray(out[k]), np.asarray(ref[k])
+            assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b), (k, t)
 
 
 def test_nnx_optimizer():
