@@ -1,12 +1,20 @@
 """Test set-up: eight simulated CPU devices, so sharding tests run on any machine.
 
 XLA reads the flags once, when jax first initialises its backend, so they are set here,
-before any test module imports jax. It also holds the corpus and compilation-cache
-fixtures the trainer test modules share. The suite is dominated by compilation of small
-programs, so XLA's backend optimisation is turned down (about 2x less test time).
+before any test module imports jax. It also holds the corpus fixture the trainer test
+modules share. The suite is dominated by compilation of small programs, so XLA's backend
+optimisation is turned down (about 2x less test time), and every compiled program goes
+to one persistent compilation cache: tests build the same programs from fresh ``jit``
+objects, in other xdist workers and in the subprocesses they start, which jax's
+in-memory caches cannot share. The cache is set through the environment, so the
+workers (started by the process that imports this file first) and the subprocesses
+inherit it; ``.ci/run`` points it at a fresh folder per run. Outside CI it defaults to
+``.pytest_cache/jax_compilation_cache`` in the checkout (``rm -rf`` it to start cold;
+``JAX_COMPILATION_CACHE_DIR`` elsewhere to move it).
 """
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +24,12 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax_compilation_cache"))
+# Every program, however fast it compiled (the suite's are small: most take < 1 s).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 SENTENCES = ("the king and the queen walk to the castle . a fool sings of love and war . "
              "my lord , the night is long and the wind is cold .")
@@ -32,17 +46,10 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-    """A persistent XLA compilation cache for one module (runs of the same config compile
-    the same programs); the previous settings come back afterwards."""
+def compilation_cache():
+    """The persistent compilation cache, which the trainer modules rely on (runs of the
+    same config compile the same programs): fails loudly if it was switched off."""
     import jax
 
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    saved = {name: getattr(jax.config, name) for name in names}
-    jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update(names[1], 0.0)
-    jax.config.update(names[2], 0)
+    assert jax.config.jax_compilation_cache_dir, "conftest's compilation cache is off"
     yield
-    for name, value in saved.items():
-        jax.config.update(name, value)

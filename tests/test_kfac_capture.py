@@ -348,7 +348,8 @@ def test_curvature_from_stats_experts_against_float64_per_expert_reference():
     filled = np.array([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], bool)
     x[~filled], dy[~filled] = 0.0, 0.0
     stats = {"experts/w": kfac.LayerStats(jnp.asarray(x), jnp.asarray(dy)),
-             "dense/kernel": kfac.LayerStats(jnp.asarray(x[0]), jnp.asarray(dy[0]), True)}
+             "dense/kernel": kfac.LayerStats(jnp.asarray(x[0]), jnp.asarray(dy[0]),
+                                             has_bias=True)}
     with pytest.raises(ValueError, match="num_tokens"):
         kfac.curvature_from_stats(stats)
     c = kfac.curvature_from_stats(stats, num_tokens=M)

@@ -3,6 +3,7 @@ the compiled program, each device eigendecomposes only its share (plus padding),
 results come back in one all_gather per factor size, a plain step runs no eigh, and the
 factor statistics are reduce-scattered into row-split factor EMAs (`stats_axes`)."""
 
+import functools
 import math
 
 import jax
@@ -40,12 +41,23 @@ def _refresh(tx, params, steps=3, mesh=None):
     return outs, state
 
 
+def _refresh_kwargs(mode):
+    return dict(refresh=kfac.every(1, first=0), mode=mode, layers=TEMPLATE, damping=1e-2)
+
+
+@functools.cache
+def _replicated_refresh(mode):
+    """The reference of the test below, the same for every mesh: computed once per mode."""
+    tx = kfac.scale_by_kfac(distributed_refresh=False, **_refresh_kwargs(mode))
+    return _refresh(tx, make_params())
+
+
 @pytest.mark.parametrize("mode", ["pi", "eigen"])
 @pytest.mark.parametrize("n,explicit", [(2, False), (4, True), (8, False)])
 def test_distributed_refresh_equals_the_replicated_one(mode, n, explicit):
     params = make_params()
-    kw = dict(refresh=kfac.every(1, first=0), mode=mode, layers=TEMPLATE, damping=1e-2)
-    ref_u, ref_s = _refresh(kfac.scale_by_kfac(distributed_refresh=False, **kw), params)
+    kw = _refresh_kwargs(mode)
+    ref_u, ref_s = _replicated_refresh(mode)
     u, s = _refresh(kfac.scale_by_kfac(stats_axes=("data",), **kw), params,
                     mesh=_mesh(n, explicit))
     for a, b in zip(jax.tree.leaves((u, s)), jax.tree.leaves((ref_u, ref_s)), strict=True):
@@ -136,8 +148,9 @@ def _split_problem(mesh, scale=1):
     return params, grads, curvature
 
 
-def _split_update(mode, mesh, distributed, scale=1):
-    """One refreshing update under jit (out shardings = the gradients'), and its program."""
+def _split_update(mode, mesh, distributed, scale=1, run=True):
+    """One refreshing update under jit (out shardings = the gradients'), and its program
+    (compiled once and run as compiled; ``run=False``: the program only)."""
     params, grads, curvature = _split_problem(mesh, scale)
     tx = kfac.scale_by_kfac(refresh=kfac.every(1, first=0), mode=mode, damping=1e-2,
                             distributed_precondition=distributed, shardings=params)
@@ -146,7 +159,9 @@ def _split_update(mode, mesh, distributed, scale=1):
         update = jax.jit(tx.update, out_shardings=(jax.tree.map(lambda g: g.sharding, grads),
                                                    None))
         compiled = update.lower(grads, state, params, curvature=curvature).compile()
-        updates, state = update(grads, state, params, curvature=curvature)
+        if not run:
+            return grads, None, state, compiled.as_text()
+        updates, state = compiled(grads, state, params, curvature=curvature)
     return grads, updates, state, compiled.as_text()
 
 
@@ -199,7 +214,7 @@ def test_split_preconditioning_moves_shares_not_whole_gradients(mode, max_moved)
     bias_bytes = sum(4 * d_out * scale for (_, d_out), bias, _ in SPLIT_LAYERS.values() if bias)
     cost = {}
     for distributed in (True, False):
-        text = _split_update(mode, mesh, distributed, scale)[3]
+        text = _split_update(mode, mesh, distributed, scale, run=False)[3]
         cost[distributed] = hlo.analyze(text, eigh_branch=False)
     ours, theirs = cost[True], cost[False]
     assert set(ours.by_kind) == {"all-to-all", "all-gather"}

@@ -309,7 +309,7 @@ def test_identity_inverse_and_cache_types():
         inverse = identity_inverse((2, 4, 4), (2, 3, 3), mode)
         assert isinstance(inverse, cls)
         np.testing.assert_array_equal(np.asarray(apply_inverse(inverse, grad)), np.asarray(grad))
-        refreshed, _ = refresh_inverse(jnp.eye(4), jnp.eye(3), 0.0, mode)
+        refreshed, _ = refresh_inverse(jnp.eye(4), jnp.eye(3), 0.0, mode=mode)
         assert isinstance(refreshed, cls)
     with pytest.raises(ValueError, match="mode"):
         refresh_inverse_eager(jnp.eye(2), jnp.eye(2), 0.1, mode="exact")

@@ -2,6 +2,8 @@
 refresh mechanics: eigh only inside `lax.cond`, executed only on refresh steps; plans from
 `refresh_steps` equal the transform's refreshes; events; warm start; bad trees."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import optax
 import pytest
 
 from optax_snoo._src.kfac import distributed as kfac_distributed
+from optax_snoo._src.utils import path_to_str
 from optax_snoo.kfac import (
     LayerCurvature,
     ScaleByKfacState,
@@ -454,6 +457,31 @@ def test_bad_curvature_and_layers_raise():
 def test_bad_hyperparameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         scale_by_kfac(**kwargs)
+
+
+def test_long_signatures_are_keyword_only_and_the_old_mask_name_says_renamed():
+    with pytest.raises(TypeError, match="positional"):
+        scale_by_kfac(1e-3, 0.95)
+    with pytest.raises(TypeError, match="positional"):
+        kfac(0.1, 1e-3, 0.9)
+    with pytest.raises(ValueError, match="weight_decay_mask was renamed mask"):
+        kfac(0.1, weight_decay_mask=lambda p: p)
+
+
+def test_mask_selects_the_decayed_leaves():
+    params = make_params()
+    mask = jax.tree.map(lambda _: False, params)
+    mask["l1"]["kernel"] = True
+    zero = jax.tree.map(jnp.zeros_like, params)
+    tx = kfac(0.5, momentum=None, weight_decay=0.1, mask=mask, layers=TEMPLATE)
+    updates, _ = jax.jit(functools.partial(tx.update, curvature=None))(
+        zero, tx.init(params), params)
+    for path, u in jax.tree_util.tree_leaves_with_path(updates):
+        p = params
+        for k in path:
+            p = p[k.key]
+        expected = -0.5 * 0.1 * np.asarray(p) if path_to_str(path) == "l1/kernel" else 0.0
+        np.testing.assert_allclose(np.asarray(u), expected, rtol=1e-6, atol=0)
 
 
 def test_state_is_a_namedtuple_with_count():

@@ -186,7 +186,7 @@ class MuonConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SnooConfig:
-    """Snoo, the sparse Nesterov outer optimizer (modded-nanogpt PR #128)."""
+    """Snoo, the Step-K Nesterov Outer Optimizer (modded-nanogpt PR #128)."""
 
     learning_rate: float = _field(0.68, "Snoo outer learning rate", key="snoo_learning_rate")
     momentum: float = _field(0.37, "Snoo outer Nesterov momentum", key="snoo_momentum")

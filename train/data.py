@@ -97,7 +97,7 @@ DATASET_META = "dataset.json"
 #: GPT-2's vocabulary (tiktoken `gpt2`), the ids of nanoGPT's and modded-nanogpt's data.
 GPT2_VOCAB_SIZE = 50257
 #: Datasets up to this many tokens have every id checked when they open (2 GiB of uint16,
-#: about a second from the page cache); larger ones are sampled, and every batch checked.
+#: cheap next to a run: benchmarks/README.md, "Data loader"); larger ones are sampled.
 FULL_SCAN_TOKENS = 2**30
 SCAN_CHUNK_TOKENS = 2**22  # 8 MiB read at a time
 _SPLITS = {"train": 0, "val": 1}

@@ -188,18 +188,13 @@ def orthogonalize(
     triple ``(a, b, c)``:
     ``A = X Xᵀ; B = b A + c A A; X = a X + B X``, and transpose back. It maps each singular
     value ``σ/‖X‖_F`` through the composed odd polynomial, so ``X = U S Vᵀ`` comes out as
-    ``U S' Vᵀ`` with ``S'`` in a band around 1, not exactly 1: on Gaussian matrices of
-    aspect ratio 2, about [0.68, 1.13] for ``"keller"`` and [0.98, 1.03] for ``"modded"``
-    (very small input singular values, as in near-square matrices, come out lower);
-    ``"polar_express"`` maps every normalised singular value in [1e-3, 1] into
-    [0.84, 1.124].
+    ``U S' Vᵀ`` with ``S'`` in a band around 1, not exactly 1 (each preset's band, checked
+    by the tests: docs/muon.md, "Newton-Schulz").
 
     The last two axes are the matrix; leading axes are a batch (each matrix is normalised
     and orthogonalised on its own, by batched matmuls). Matmuls run in ``ns_dtype``; the
     elementwise steps run in float32, as PyTorch's bfloat16 arithmetic does, so the
-    coefficients are not rounded to bfloat16 (elementwise steps in bfloat16, with the
-    coefficients rounded as JAX's weak typing would, left singular values up to ~0.035
-    outside the band the coefficients produce, instead of ~0.009).
+    coefficients are not rounded to bfloat16 (which would widen the band: docs/muon.md).
 
     The iterations run under ``lax.scan``, which keeps one iteration's temporaries live
     (docs/design.md has the measurements behind the implementation choices).

@@ -1,4 +1,7 @@
-"""Snoo: a sparse Nesterov outer optimizer wrapped around any optax transformation.
+"""Snoo, the Step-K Nesterov Outer Optimizer, wrapped around any optax transformation.
+
+(The modded-nanogpt record that introduced it called it the "sparse Nesterov outer
+optimizer"; the paper's name is used here.)
 
 Every `k` steps (at t = 0, k, 2k, ...) the inner optimizer's displacement since the last
 sync, `slow - fast`, is taken as a pseudo-gradient for Nesterov SGD on a slow copy of the
@@ -10,8 +13,10 @@ replicas on sync steps only, so inner steps exchange nothing across replicas. `d
 runs it over a tree whose leaves carry a leading replica axis.
 
 References:
-  Kallusky et al, `Snoo: sparse Nesterov outer optimizer, modded-nanogpt GPT-2 Medium
-  record <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
+  Kallusky et al, `SNOO: Step-K Nesterov Outer Optimizer
+  <https://arxiv.org/abs/2510.15830>`_, 2025.
+  Kallusky et al, `modded-nanogpt GPT-2 Medium record
+  <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
   Douillard et al, `DiLoCo: Distributed Low-Communication Training of Language Models
   <https://arxiv.org/abs/2311.08105>`_, 2023.
 """
@@ -157,7 +162,7 @@ def snoo(
     replica_axis: str | tuple[str, ...] | None = None,
     sync: str = "start",
 ) -> optax.GradientTransformationExtraArgs:
-    """Wrap `inner` in Snoo, the sparse Nesterov outer optimizer.
+    """Wrap `inner` in Snoo, the Step-K Nesterov Outer Optimizer.
 
     Each update first runs `inner` (`u`; fast weights `f = p + u`). On sync steps
     (`count % k == 0`, so the very first update syncs; with `sync="end"`,
@@ -221,8 +226,10 @@ def snoo(
       (1, (2, 3))
 
     References:
-      Kallusky et al, `Snoo: sparse Nesterov outer optimizer, modded-nanogpt GPT-2 Medium
-      record <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
+      Kallusky et al, `SNOO: Step-K Nesterov Outer Optimizer
+      <https://arxiv.org/abs/2510.15830>`_, 2025.
+      Kallusky et al, `modded-nanogpt GPT-2 Medium record
+      <https://github.com/KellerJordan/modded-nanogpt/pull/128>`_, 2025.
       Jordan et al., `modded-nanogpt Track 3 record #13 (MuLoCo-NorMuonH)
       <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
       2026.

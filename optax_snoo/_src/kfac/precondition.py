@@ -225,6 +225,7 @@ def refresh_inverse(
     a: jax.Array,
     g: jax.Array,
     damping: jax.Array | float,
+    *,
     mode: str = "pi",
     eig_floor_abs: float = 1e-8,
     eig_floor_rel: float = 1e-6,
@@ -315,6 +316,7 @@ def precondition(
     a: jax.Array,
     g: jax.Array,
     damping: jax.Array | float,
+    *,
     mode: str = "pi",
     eig_floor_abs: float = 1e-8,
     eig_floor_rel: float = 1e-6,
@@ -356,5 +358,6 @@ def precondition(
             or grad.shape[-2:] != (a.shape[-1], g.shape[-1])):
         raise ValueError(
             f"grad {grad.shape} must be (*stack, d_in', d_out) for a {a.shape} and g {g.shape}.")
-    inverse, _ = refresh_inverse(a, g, damping, mode, eig_floor_abs, eig_floor_rel)
+    inverse, _ = refresh_inverse(a, g, damping, mode=mode, eig_floor_abs=eig_floor_abs,
+                                  eig_floor_rel=eig_floor_rel)
     return apply_inverse(inverse, grad)

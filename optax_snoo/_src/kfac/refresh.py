@@ -285,6 +285,7 @@ def policy_step(
     lr: jax.Array,
     last_step: jax.Array,
     last_lr: jax.Array,
+    *,
     allowed: jax.Array | bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Evaluate ``policy`` at one update and advance the (last_step, last_lr) carry.

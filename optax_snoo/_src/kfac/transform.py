@@ -238,7 +238,7 @@ def kernel_shardings(shardings: Any) -> dict[Names, NamedSharding | None]:
     return out
 
 
-def update_factors(state: ScaleByKfacState, blocks: list[Block], entries: list,
+def update_factors(state: ScaleByKfacState, *, blocks: list[Block], entries: list,
                    curvature: Any, ema_decay: float, stats_every: int = 1,
                    stats_axes: tuple[str, ...] | None = None
                    ) -> tuple[list[LayerCurvature], jax.Array]:
@@ -261,8 +261,8 @@ def update_factors(state: ScaleByKfacState, blocks: list[Block], entries: list,
         return _keep_under_mesh(factors, stats_axes), weight
     batch = match_curvature(curvature, blocks, entries)
     # The test is on the sum of all entries (NaN and ±Inf propagate through a sum): one
-    # fused reduction per factor instead of an isfinite map and an all-reduce (~8x
-    # cheaper on CPU); a sum that overflows float32 also counts as non-finite.
+    # fused reduction per factor, cheaper than an isfinite map and an all-reduce
+    # (benchmarks/README.md, "K-FAC step cost"); a float32 overflow counts as non-finite.
     use = jnp.isfinite(sum(jnp.sum(x) for c in batch for x in c))
     if not (is_integer(stats_every) and stats_every == 1):  # (an array under inject_hyperparams)
         use = use & (state.count % stats_every == 0)
@@ -274,7 +274,7 @@ def update_factors(state: ScaleByKfacState, blocks: list[Block], entries: list,
     return _keep_under_mesh(factors, stats_axes), jnp.where(use, new_weight, weight)
 
 
-def refresh_when_due(state: ScaleByKfacState, blocks: list[Block],
+def refresh_when_due(state: ScaleByKfacState, *, blocks: list[Block],
                      factors: list[LayerCurvature], weight: jax.Array, lr: jax.Array,
                      policy: RefreshPolicy, damping: jax.Array | float, mode: str,
                      floors: tuple[float, float], mesh: Any
@@ -357,6 +357,7 @@ def precondition_blocks(entries: list, blocks: list[Block], inverses: list[Inver
 # ------------------------------------------------------------------------ the transform
 def scale_by_kfac(
     damping: optax.ScalarOrSchedule = 1e-3,
+    *,
     ema_decay: float = 0.95,
     refresh: RefreshPolicy | int = 10,
     learning_rate: optax.ScalarOrSchedule | None = None,
@@ -547,13 +548,15 @@ def scale_by_kfac(
         specs = {n: (tuple(f.a.shape), tuple(f.g.shape), f.kernel_axes)
                  for n, f in flatten_nested(state.factors, LayerCurvature).items()}
         blocks = resolve_blocks(specs, entries, bias_name)
-        factors, weight = update_factors(state, blocks, entries, curvature, ema_decay,
-                                         stats_every, stats_axes)
+        factors, weight = update_factors(
+            state, blocks=blocks, entries=entries, curvature=curvature, ema_decay=ema_decay,
+            stats_every=stats_every, stats_axes=stats_axes)
         lr = learning_rate_now(learning_rate, state.count)
         lam = value_at(damping, state.count)
         inverses, event = refresh_when_due(
-            state, blocks, factors, weight, lr, refresh, lam, mode,
-            (eig_floor_abs, eig_floor_rel), refresh_mesh())
+            state, blocks=blocks, factors=factors, weight=weight, lr=lr, policy=refresh,
+            damping=lam, mode=mode, floors=(eig_floor_abs, eig_floor_rel),
+            mesh=refresh_mesh())
         leaves = precondition_blocks(
             entries, blocks, inverses, [sharding_of(b, entries[b.kernel][1]) for b in blocks])
         names = [b.names for b in blocks]
@@ -569,11 +572,11 @@ def scale_by_kfac(
 def kfac(
     learning_rate: optax.ScalarOrSchedule,
     damping: optax.ScalarOrSchedule = 1e-3,
+    *,
     momentum: float | None = 0.9,
     nesterov: bool = False,
     weight_decay: optax.ScalarOrSchedule = 0.0,
-    weight_decay_mask: Any = None,
-    *,
+    mask: Any = None,
     ema_decay: float = 0.95,
     refresh: RefreshPolicy | int = 10,
     mode: str = "pi",
@@ -590,6 +593,7 @@ def kfac(
     shardings: Any = None,
     stats_every: int = 1,
     stats_axes: tuple[str, ...] | None = None,
+    weight_decay_mask: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC optimizer: `scale_by_kfac`, optional grafting, momentum, weight decay, LR.
 
@@ -608,11 +612,13 @@ def kfac(
       momentum: heavy-ball momentum (``optax.trace``) or None/0 for none.
       nesterov: Nesterov momentum.
       weight_decay: decoupled weight decay (AdamW style, multiplied by the LR).
-      weight_decay_mask: optional mask tree/callable for the weight decay.
+      mask: which leaves get weight decay: a tree of booleans or a callable of the
+        params returning one (``optax.add_decayed_weights``'s ``mask``); None: all.
       ema_decay: factor EMA decay ρ.
       refresh: refresh policy or an interval.
       mode: ``"pi"`` or ``"eigen"``.
-      graft: None, ``"adam"`` or ``"sgd"``.
+      graft: None (no grafting; ``--kfac_graft=none`` on the trainer's command line),
+        ``"adam"`` or ``"sgd"``.
       b2: Adam's second-moment decay for ``graft="adam"``.
       eps: Adam's epsilon for ``graft="adam"``.
       eig_floor_abs: absolute eigenvalue floor.
@@ -628,12 +634,13 @@ def kfac(
       shardings: where the kernels live under ``jax.jit`` (see `scale_by_kfac`).
       stats_every: advance the factor EMAs every this many updates (see `scale_by_kfac`).
       stats_axes: the mesh axes the factor EMAs' rows are split over (see `scale_by_kfac`).
+      weight_decay_mask: the former name of ``mask``; passing it raises.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
 
     Raises:
-      ValueError: unknown ``graft`` or bad hyperparameters.
+      ValueError: unknown ``graft``, bad hyperparameters, or ``weight_decay_mask``.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -649,6 +656,8 @@ def kfac(
       Agarwal et al., `Disentangling Adaptive Gradient Methods from Learning Rates
       <https://arxiv.org/abs/2002.11803>`_, 2020 (grafting)
     """
+    if weight_decay_mask is not None:
+        raise ValueError("kfac: weight_decay_mask was renamed mask (optax's name).")
     if graft not in GRAFTS:
         raise ValueError(f"graft must be one of {GRAFTS}, got {graft!r}.")
     check_unit_interval("momentum", momentum, allow_none=True)
@@ -666,6 +675,6 @@ def kfac(
         direction,
         (optax.identity() if momentum is None or (is_real(momentum) and momentum == 0)
          else optax.trace(decay=momentum, nesterov=nesterov)),
-        optax.add_decayed_weights(weight_decay, weight_decay_mask),
+        optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
