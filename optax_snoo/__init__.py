@@ -27,7 +27,11 @@ from optax_snoo._src.muon import (
     scale_by_muon,
     scale_by_normuon,
 )
-from optax_snoo._src.muon_sharding import NewtonSchulzPlan
+from optax_snoo._src.muon_sharding import (
+    MatrixPrecondition,
+    NewtonSchulzPlan,
+    OwnedPreconditionState,
+)
 from optax_snoo._src.newton_muon import (
     InputCovarianceState,
     input_covariance_from_stats,
@@ -63,9 +67,11 @@ from optax_snoo._src.snoo import (
     snoo_is_sync_step,
 )
 from optax_snoo._src.soap_muon import (
+    SoapMatrixState,
     SoapWhiteningState,
     scale_by_soap_whitening,
     soap_muon,
+    soap_whitening_per_matrix,
     trust_gate_cap,
     trust_gate_floor,
 )
@@ -87,8 +93,10 @@ __all__ = [
     "DecoupledWeightDecayState",
     "EmaNesterovState",
     "InputCovarianceState",
+    "MatrixPrecondition",
     "MuonState",
     "NewtonSchulzPlan",
+    "OwnedPreconditionState",
     "QKHeads",
     "RadiusStepsState",
     "RolePolicy",
@@ -96,6 +104,7 @@ __all__ = [
     "ScaleBySecondMomentState",
     "ScaleBySkewAdamState",
     "SnooState",
+    "SoapMatrixState",
     "SoapWhiteningState",
     "TailEmaState",
     "adam_group",
@@ -140,6 +149,7 @@ __all__ = [
     "snoo",
     "snoo_is_sync_step",
     "soap_muon",
+    "soap_whitening_per_matrix",
     "stable_cooldown_schedule",
     "state_bytes",
     "state_bytes_by_group",

@@ -53,7 +53,14 @@ import optax
 
 from optax_snoo._src.adam import AdamGroup, adam_group
 from optax_snoo._src.labels import muon_adam_labels, partition
-from optax_snoo._src.muon_sharding import NewtonSchulzPlan, orthogonalize_leaves, place_leaves
+from optax_snoo._src.muon_sharding import (
+    MatrixPrecondition,
+    NewtonSchulzPlan,
+    OwnedPreconditionState,
+    init_precondition,
+    orthogonalize_leaves,
+    place_leaves,
+)
 from optax_snoo._src.schedules import muon_momentum_schedule
 from optax_snoo._src.utils import (
     check_float_dtype,
@@ -395,7 +402,7 @@ def scale_by_muon(
     shard_newton_schulz: bool = True,
     newton_schulz_plan: NewtonSchulzPlan | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    precondition: optax.GradientTransformation | None = None,
+    precondition: optax.GradientTransformation | MatrixPrecondition | None = None,
     ns_normalization: str = "frobenius",
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
@@ -430,6 +437,11 @@ def scale_by_muon(
     returns the matrices to orthogonalise. With sharded params it runs before the
     matrices go to their owners, on the leaves as they lie (their own sharding; the
     partitioner places its products), and only the iteration runs on whole matrices.
+    A `MatrixPrecondition` (e.g. `soap_whitening_per_matrix`) is a function of each
+    matrix alone: with sharded params the raw gradient travels to the owner beside the
+    momentum (the same all-to-all), the owner preconditions its whole matrices before
+    their iteration and keeps their state (`OwnedPreconditionState`), so the sharded
+    plan's collectives stay one redistribution in and one out.
 
     With ``bias_correction=True`` the momentum is bias-corrected exactly as
     ``optax.contrib.scale_by_muon`` does: ``v = β m/(1-β^(t+2)) + (1-β) g/(1-β^(t+1))``
@@ -481,7 +493,8 @@ def scale_by_muon(
       mesh: the mesh to split leaves of unknown sharding over (above); default: the
         plan's, else the ``jax.set_mesh`` context of the update, if any.
       precondition: a transform applied to the Newton-Schulz input before the
-        iteration (above), called with ``raw_gradient=``; ``None``: none.
+        iteration (above), called with ``raw_gradient=``, or a `MatrixPrecondition`
+        run per matrix (on its owner under the sharded plan); ``None``: none.
       ns_normalization: how the iteration's input is scaled, ``"frobenius"`` or
         ``"gram_frobenius"`` (modded-nanogpt Track 3's SOAP-Muon); see `orthogonalize`.
 
@@ -532,10 +545,12 @@ def scale_by_muon(
         raise ValueError(f"newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
                          f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
     _check_ns_normalization(ns_normalization)
-    if precondition is not None:
+    per_matrix = isinstance(precondition, MatrixPrecondition)
+    if precondition is not None and not per_matrix:
         if not isinstance(precondition, optax.GradientTransformation):
             raise ValueError(f"precondition must be an optax.GradientTransformation (e.g. "
-                             f"scale_by_soap_whitening()), got {precondition!r}.")
+                             f"scale_by_soap_whitening()) or a MatrixPrecondition, got "
+                             f"{precondition!r}.")
         precondition = optax.with_extra_args_support(precondition)
     plan = newton_schulz_plan or NewtonSchulzPlan()
     spread_mesh = mesh if mesh is not None else plan.mesh
@@ -554,7 +569,22 @@ def scale_by_muon(
         return MuonState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros(mu_dtype), params),
                          smooth=optax.EmptyState() if smoothing is None else f32_like(), nu=nu,
                          precondition=(optax.EmptyState() if precondition is None
+                                       else init_owned(params) if per_matrix
                                        else precondition.init(params)))
+
+    def flags_of(paths: list[str], treedef: Any) -> list[bool]:
+        flags = precondition.flags
+        return [False] * len(paths) if flags is None else list(flags(paths, treedef))
+
+    def init_owned(params: optax.Params) -> OwnedPreconditionState:
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+        paths, leaves = [path_to_str(p) for p, _ in with_paths], [p for _, p in with_paths]
+        placements = place_leaves(plan, paths, [[p] for p in leaves])
+        per_leaf, owned = init_precondition(
+            precondition, leaves, [_normalized_axes(jnp.shape(p), axes) for p in leaves],
+            placements, mesh=spread_mesh, split=shard_newton_schulz,
+            flags=flags_of(paths, treedef))
+        return OwnedPreconditionState(treedef.unflatten(per_leaf), owned)
 
     def update_fn(updates: optax.Updates, state: MuonState,
                   params: optax.Params | None = None) -> tuple[optax.Updates, MuonState]:
@@ -570,14 +600,21 @@ def scale_by_muon(
                    for g, m in zip(grads, mus, strict=True)]
         inputs = [v for v, _ in moments]
         pre_state = state.precondition
-        if precondition is not None:
+        if precondition is not None and not per_matrix:
             whitened, pre_state = precondition.update(
                 treedef.unflatten(inputs), pre_state, params, raw_gradient=updates)
             inputs = treedef.flatten_up_to(whitened)
         placements = place_leaves(plan, paths, list(zip(grads, mus, strict=True)))
-        ortho = orthogonalize_leaves(inputs, leaf_axes, placements,
-                                     newton_schulz=newton_schulz, ns_dtype=ns_dt,
-                                     mesh=spread_mesh, split=shard_newton_schulz)
+        owned = {}
+        if per_matrix:
+            owned = dict(precondition=precondition, grads=grads, count=count,
+                         leaf_states=treedef.flatten_up_to(pre_state.leaves),
+                         owned=pre_state.owned, flags=flags_of(paths, treedef))
+        ortho, leaf_states, owned_states = orthogonalize_leaves(
+            inputs, leaf_axes, placements, newton_schulz=newton_schulz, ns_dtype=ns_dt,
+            mesh=spread_mesh, split=shard_newton_schulz, **owned)
+        if per_matrix:
+            pre_state = OwnedPreconditionState(treedef.unflatten(leaf_states), owned_states)
         nu = state.nu
         if beta2 is not None:
             beta2_t = value_at(beta2, count)

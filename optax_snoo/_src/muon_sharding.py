@@ -67,14 +67,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_snoo._src.sharding import axes_of, concrete_sharding, is_split, spec_entries
 from optax_snoo._src.utils import path_to_str
 
-__all__ = ["Exchange", "Group", "NewtonSchulzPlan", "Placement", "describe_leaf",
-           "from_stack", "newton_schulz_flops", "orthogonalize_leaves",
+__all__ = ["Exchange", "Group", "MatrixPrecondition", "NewtonSchulzPlan",
+           "OwnedPreconditionState", "Placement", "describe_leaf", "from_stack",
+           "init_precondition", "newton_schulz_flops", "orthogonalize_leaves",
            "orthogonalize_sharded", "place_leaves", "plan_exchanges", "plan_groups",
            "to_stack"]
 
@@ -139,6 +141,43 @@ class Placement(NamedTuple):
     unknown: bool                    # nothing known: a tracer the plan does not list
 
 
+class MatrixPrecondition(NamedTuple):
+    """A precondition that is a function of each matrix alone (its Newton-Schulz input
+    ``M``, its raw gradient ``G`` and its own state), so that under the sharded plan the
+    device owning a matrix runs it, on the whole matrix, beside the iteration.
+
+    Matrices are in the ``(fan_out, fan_in)`` layout, batched: ``(..., out, in)``.
+
+    Attributes:
+      init: ``(batch, out, in, dtype) -> state``: the state of ``batch`` matrices (a
+        pytree of arrays, each with the leading axis ``batch``); ``dtype`` is the
+        param's.
+      apply: ``(M, G, state, count, flags) -> (D, state)``: the matrices to orthogonalise
+        and the new state; ``count`` the update count, ``flags`` a static numpy bool
+        array of the batch's shape (each matrix's leaf flag).
+      flags: ``(leaf paths, params treedef) -> list of bools``: a static per-leaf switch
+        the transform reads (e.g. SOAP's trust gate), or None (all False).
+    """
+
+    init: Callable[[int, int, int, Any], Any]
+    apply: Callable[..., tuple[jax.Array, Any]]
+    flags: Callable[[list[str], Any], list[bool]] | None = None
+
+
+class OwnedPreconditionState(NamedTuple):
+    """State of a `MatrixPrecondition` inside `scale_by_muon`.
+
+    Attributes:
+      leaves: per leaf, the state of its matrices ``(*batch, ...)`` where the leaf keeps
+        the per-leaf path, ``optax.EmptyState()`` where its matrices go to owners.
+      owned: per exchange of the sharded plan, the states of every owner's matrices,
+        flattened side by side, ``(owners, length)``, each row on its owner.
+    """
+
+    leaves: Any
+    owned: tuple[jax.Array, ...] = ()
+
+
 def place_leaves(plan: NewtonSchulzPlan, paths: Sequence[str],
                  arrays: Sequence[Sequence[Any]]) -> list[Placement]:
     """Each leaf's `Placement`, from its arrays (gradient, momentum...) and the plan.
@@ -196,15 +235,39 @@ def _one_leaf(x: jax.Array, axes: tuple[int, int],
     return jnp.moveaxis(newton_schulz(x), (-2, -1), axes)
 
 
+def _assign(shapes: Sequence[tuple[int, ...]], axes: Sequence[tuple[int, int]],
+            placements: Sequence[Placement], mesh: Any, split: bool
+            ) -> tuple[Any, list[Group], list[int]]:
+    """Which leaves go to owners: ``(mesh to split over, groups, local leaves)``. Init
+    and update both ask, so that an owner's precondition state lies where it is used."""
+    shardings = [p.sharding for p in placements]
+    unknown = [p.unknown for p in placements]
+    spread = _split_mesh(shardings, unknown, mesh) if split else None
+    if spread is None:
+        return None, [], list(range(len(shapes)))
+    # Leaves of unknown sharding are split only over a mesh the caller named.
+    named = mesh is not None or not jax.sharding.get_abstract_mesh().empty
+    groups, local = plan_groups(shapes, axes, shardings, spread.size, unknown=unknown,
+                                mesh=spread if named else None)
+    return spread, groups, local
+
+
 def orthogonalize_leaves(xs: Sequence[jax.Array], axes: Sequence[tuple[int, int]],
                          placements: Sequence[Placement], *,
                          newton_schulz: Callable[[jax.Array], jax.Array], ns_dtype: Any,
-                         mesh: Any = None, split: bool = True) -> list[jax.Array]:
-    """Newton-Schulz on every leaf, each on the path its placement allows.
+                         mesh: Any = None, split: bool = True,
+                         precondition: MatrixPrecondition | None = None,
+                         grads: Sequence[jax.Array] = (), leaf_states: Sequence[Any] = (),
+                         owned: Sequence[jax.Array] = (), count: jax.Array | None = None,
+                         flags: Sequence[bool] = (),
+                         ) -> tuple[list[jax.Array], list[Any], tuple[jax.Array, ...]]:
+    """Newton-Schulz on every leaf, each on the path its placement allows, after an
+    optional per-matrix precondition.
 
     - Leaves split over a mesh (and, when ``mesh`` or the ``jax.set_mesh`` context names
       one, leaves of unknown sharding): whole matrices to devices (`plan_groups`,
-      `orthogonalize_sharded`), no collective inside the iteration.
+      `orthogonalize_sharded`), no collective inside the iteration; a ``precondition``
+      runs on the owner too, its state kept there.
     - Leaves known to stay whole, and leaves of unknown sharding when there is no mesh
       to split over: stacked by shape, one batched iteration per shape.
     - The rest (unknown sharding whose rows do not divide over the mesh, or
@@ -219,19 +282,27 @@ def orthogonalize_leaves(xs: Sequence[jax.Array], axes: Sequence[tuple[int, int]
       mesh: the mesh for leaves of unknown sharding (None: the context's).
       split: whether to split over devices at all (``scale_by_muon``'s
         ``shard_newton_schulz``).
+      precondition: applied to every matrix before its iteration; None: none.
+      grads: the raw gradients (with ``precondition``).
+      leaf_states: per leaf, its precondition state from `init_precondition` (with
+        ``precondition``; empty where the leaf goes to owners).
+      owned: the owners' precondition states from `init_precondition`.
+      count: the update count (with ``precondition``).
+      flags: per leaf, from `MatrixPrecondition.flags`.
 
     Returns:
-      The orthogonalised leaves, in order.
+      The orthogonalised leaves, in order, and the precondition's new per-leaf and
+      owner states (``[]`` and ``()`` without one).
     """
     shardings = [p.sharding for p in placements]
-    unknown = [p.unknown for p in placements]
-    groups, local = [], list(range(len(xs)))
-    spread = _split_mesh(shardings, unknown, mesh) if split else None
-    if spread is not None:
-        # Leaves of unknown sharding are split only over a mesh the caller named.
-        named = mesh is not None or not jax.sharding.get_abstract_mesh().empty
-        groups, local = plan_groups([x.shape for x in xs], axes, shardings, spread.size,
-                                    unknown=unknown, mesh=spread if named else None)
+    spread, groups, local = _assign([x.shape for x in xs], axes, placements, mesh, split)
+    xs, new_leaves = list(xs), list(leaf_states)
+    if precondition is not None:
+        flags = list(flags) or [False] * len(xs)
+        _check_owned(owned, groups, spread)
+        for i in local:
+            xs[i], new_leaves[i] = _precondition_leaf(precondition, xs[i], grads[i],
+                                                      leaf_states[i], axes[i], count, flags[i])
     # Stacked where no partitioner splits them: whole leaves, replicated leaves of a split
     # mesh and, with no mesh anywhere, leaves of unknown sharding (taken to be on one
     # device, jit's common case); else a leaf of unknown sharding keeps its own iteration.
@@ -240,9 +311,128 @@ def orthogonalize_leaves(xs: Sequence[jax.Array], axes: Sequence[tuple[int, int]
              or (assume_whole and placements[i].unknown)]
     out = _stacked(xs, stack, axes, newton_schulz)
     out.update({i: _one_leaf(xs[i], axes[i], newton_schulz) for i in local if i not in out})
+    new_owned: tuple[jax.Array, ...] = ()
     if groups:
-        out.update(orthogonalize_sharded(xs, groups, spread, shardings, newton_schulz, ns_dtype))
-    return [out[i] for i in range(len(xs))]
+        pre = None if precondition is None else _OwnerPrecondition(
+            precondition, list(grads), tuple(owned), count, flags)
+        results, new_owned = orthogonalize_sharded(xs, groups, spread, shardings,
+                                                   newton_schulz, ns_dtype, precondition=pre)
+        out.update(results)
+    return [out[i] for i in range(len(xs))], new_leaves, new_owned
+
+
+class _OwnerPrecondition(NamedTuple):
+    """What the owners need to run a `MatrixPrecondition`."""
+
+    transform: MatrixPrecondition
+    grads: list[jax.Array]
+    owned: tuple[jax.Array, ...]
+    count: jax.Array
+    flags: list[bool]
+
+
+def _to_record(x: jax.Array, axes: tuple[int, int]) -> jax.Array:
+    """A leaf's matrices as ``(..., fan_out, fan_in)``."""
+    return jnp.moveaxis(x, (axes[1], axes[0]), (-2, -1))
+
+
+def _from_record(x: jax.Array, axes: tuple[int, int]) -> jax.Array:
+    return jnp.moveaxis(x, (-2, -1), (axes[1], axes[0]))
+
+
+def _precondition_leaf(pre: MatrixPrecondition, x: jax.Array, g: jax.Array, state: Any,
+                       axes: tuple[int, int], count: jax.Array, flag: bool
+                       ) -> tuple[jax.Array, Any]:
+    """The per-leaf path: the leaf's matrices preconditioned where they lie."""
+    m = _to_record(x, axes)
+    d, state = pre.apply(m, _to_record(g, axes).astype(m.dtype), state, count,
+                         np.full(m.shape[:-2], flag))
+    return _from_record(d, axes), state
+
+
+def init_precondition(pre: MatrixPrecondition, leaves: Sequence[Any],
+                      axes: Sequence[tuple[int, int]], placements: Sequence[Placement], *,
+                      mesh: Any = None, split: bool = True, flags: Sequence[bool] = ()
+                      ) -> tuple[list[Any], tuple[jax.Array, ...]]:
+    """The state of a `MatrixPrecondition` laid out as `orthogonalize_leaves` will use it:
+    per leaf where the leaf keeps the per-leaf path, on the owners for the sharded plan.
+
+    Args:
+      pre: the precondition.
+      leaves: Muon's leaves (the params, flattened).
+      axes: each leaf's normalised ``(fan_in, fan_out)`` axes.
+      placements: from `place_leaves` on the params.
+      mesh: as in `orthogonalize_leaves`.
+      split: as in `orthogonalize_leaves`.
+      flags: per leaf, from `MatrixPrecondition.flags`.
+
+    Returns:
+      Per leaf its state (``optax.EmptyState()`` where it goes to owners), and per
+      exchange the owners' flat states (`OwnedPreconditionState`).
+    """
+    shapes = [tuple(jnp.shape(p)) for p in leaves]
+    spread, groups, local = _assign(shapes, axes, placements, mesh, split)
+    per_leaf: list[Any] = [optax.EmptyState() for _ in leaves]
+    for i in local:
+        (fan_in, fan_out), shape = axes[i], shapes[i]
+        batch = tuple(n for a, n in enumerate(shape) if a not in axes[i])
+        state = pre.init(math.prod(batch), shape[fan_out], shape[fan_in],
+                         jnp.result_type(leaves[i]))
+        per_leaf[i] = jax.tree.map(lambda s, b=batch: s.reshape(*b, *s.shape[1:]), state)
+    owned = []
+    dtype = _state_dtype([jnp.result_type(p) for p in leaves])
+    for ex in plan_exchanges(groups, spread) if groups else []:
+        lay = _layout(ex, spread, with_orientation=True, flags=flags)
+        rows = []
+        for owned_runs in lay.runs:
+            parts = []
+            for r in owned_runs:
+                out, inn = _record_shape(ex.groups[r.group], r.transpose)
+                parts += [jnp.ravel(s).astype(dtype) for s in jax.tree.leaves(
+                    pre.init(len(r.matrices), out, inn, dtype))]
+            rows.append(parts)
+        length = max(sum(p.size for p in row) for row in rows)
+        table = jnp.stack([jnp.concatenate(
+            [*row, jnp.zeros(length - sum(p.size for p in row), dtype)]) for row in rows])
+        table = jnp.tile(table, (_stack_slices(ex, spread), 1))
+        owned.append(_place(table, NamedSharding(spread, _owner_spec(ex))))
+    return per_leaf, tuple(owned)
+
+
+def _place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)
+
+
+def _state_dtype(dtypes: Sequence[Any]) -> Any:
+    """One dtype for the owners' flat state: float32, float64 when a leaf is."""
+    return jnp.result_type(jnp.float32, *[jnp.promote_types(d, jnp.float32) for d in dtypes])
+
+
+def _stack_slices(ex: Exchange, mesh: Any) -> int:
+    return math.prod(mesh.shape[a] for a in ex.stack)
+
+
+def _owner_spec(ex: Exchange) -> P:
+    """Row ``(slice * K + k) * P + p`` on the device of that slice, replica and piece."""
+    return P((*ex.stack, *ex.rep, *ex.pieces), None)
+
+
+def _record_shape(group: Group, transpose: bool) -> tuple[int, int]:
+    """(fan_out, fan_in) of a group's matrix stored transposed or not: a stack holds
+    ``(fan_in, fan_out)`` unless its leaf was transposed into it."""
+    return (group.rows, group.cols) if transpose else (group.cols, group.rows)
+
+
+def _check_owned(owned: Sequence[jax.Array], groups: Sequence[Group], mesh: Any) -> None:
+    """The state must have been laid out by the same plan the update runs."""
+    n = len(plan_exchanges(groups, mesh)) if groups else 0
+    if len(owned) != n:
+        raise ValueError(
+            f"The precondition state was laid out for {len(owned)} owner exchange(s) "
+            f"but this update plans {n}: init and update must see the same shardings (pass "
+            f"newton_schulz_plan=NewtonSchulzPlan.from_params(params) to scale_by_muon).")
 
 
 def _split_mesh(shardings: Sequence[NamedSharding | None], unknown: Sequence[bool],
@@ -517,6 +707,8 @@ class _Run(NamedTuple):
     part: int                 # index in the group's `_parts`
     flip: bool                # a square stored transposed: it iterates transposed back
     matrices: list[int]       # indices in the part's slice of its stack
+    transpose: bool = False   # stored (fan_out, fan_in) (tracked for a precondition)
+    flag: bool = False        # the leaf's `MatrixPrecondition.flags` entry
 
 
 class _Slot(NamedTuple):
@@ -525,21 +717,26 @@ class _Slot(NamedTuple):
     group: int
     flip: bool
     count: int
+    transpose: bool = False
+    flag: bool = False
 
 
-def _runs(ex: Exchange, flips: Mapping[tuple[int, int], np.ndarray]) -> list[list[_Run]]:
-    """Each owner's matrices as runs of consecutive items alike, so that a run moves and
-    iterates as one slice (LPT deals a group's matrices round-robin: one strided slice per
-    owner and group)."""
+def _runs(ex: Exchange, kinds: Mapping[tuple[int, int], list[tuple[bool, bool, bool]]]
+          ) -> list[list[_Run]]:
+    """Each owner's matrices as runs of consecutive items alike (``kinds``: per matrix of
+    a part, its (flip, transpose, flag)), so that a run moves and iterates as one slice
+    (LPT deals a group's matrices round-robin: one strided slice per owner and group)."""
     out = []
     for owned in ex.owners:
         runs: list[_Run] = []
         for g, j, i in owned:
-            flip = bool(flips[(g, j)][i])
-            if runs and runs[-1][:3] == (g, j, flip):
-                runs[-1].matrices.append(i)
+            flip, transpose, flag = kinds[(g, j)][i]
+            last = runs[-1] if runs else None
+            if last is not None and (last.group, last.part, last.flip, last.transpose,
+                                     last.flag) == (g, j, flip, transpose, flag):
+                last.matrices.append(i)
             else:
-                runs.append(_Run(g, j, flip, [i]))
+                runs.append(_Run(g, j, flip, [i], transpose, flag))
         out.append(runs)
     return out
 
@@ -568,7 +765,10 @@ class _Layout:
     profile_of: np.ndarray                # per owner: its index in `profiles`
 
 
-def _layout(ex: Exchange, mesh: Any) -> _Layout:
+def _layout(ex: Exchange, mesh: Any, with_orientation: bool = False,
+            flags: Sequence[bool] = ()) -> _Layout:
+    """``with_orientation``: runs also split by orientation (a precondition reads each
+    matrix as (fan_out, fan_in)) and by the leaves' ``flags`` (indexed by `Leaf.index`)."""
     sizes = mesh.shape
     _, length = ex.offsets(mesh)
     grids = [_piece_grid(g, mesh) for g in ex.groups]
@@ -577,11 +777,18 @@ def _layout(ex: Exchange, mesh: Any) -> _Layout:
         (g, j) for g in range(len(ex.groups)) for j in range(len(parts[g])))}
     # Squares stored transposed (joined to their transpose's group) iterate transposed back.
     n_stack = math.prod(sizes[a] for a in ex.stack)
-    flips = {(g, j): np.repeat([leaf.transpose and leaf.rows == leaf.cols for leaf in part],
-                               [leaf.batch // n_stack for leaf in part])
-             for (g, j) in inputs for part in [parts[g][j]]}
-    runs = _runs(ex, flips)
-    keys = [tuple(_Slot(r.group, r.flip, len(r.matrices)) for r in owned) for owned in runs]
+    kinds = {}
+    for g, j in inputs:
+        kind = []
+        for leaf in parts[g][j]:
+            flip = leaf.transpose and leaf.rows == leaf.cols
+            transpose = leaf.transpose if with_orientation else flip
+            flag = bool(flags[leaf.index]) if with_orientation and flags else False
+            kind += [(flip, transpose, flag)] * (leaf.batch // n_stack)
+        kinds[(g, j)] = kind
+    runs = _runs(ex, kinds)
+    keys = [tuple(_Slot(r.group, r.flip, len(r.matrices), r.transpose, r.flag) for r in owned)
+            for owned in runs]
     profiles = sorted(set(keys))
     return _Layout(
         n_pieces=math.prod(sizes[a] for a in ex.pieces),
@@ -607,26 +814,24 @@ def _trade(ex: Exchange, v: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(v, ex.pieces, 0, 0, tiled=True) if ex.pieces else v
 
 
-def _gather_pieces(ex: Exchange, lay: _Layout, stacks: Sequence[jax.Array],
+def _gather_pieces(ex: Exchange, lay: _Layout, stacks: Sequence[Sequence[jax.Array]],
                    wire: Any) -> tuple[jax.Array, jax.Array | int]:
-    """Step 4: every owner receives all pieces of its matrices, ``(P, length)``; also
-    returns this device's index along the replicating axes."""
+    """Step 4: every owner receives all pieces of its matrices, ``(P, length)`` per list
+    of ``stacks`` (the momentum, and the raw gradient for a precondition) side by side;
+    also returns this device's index along the replicating axes."""
     # Every owner's row: my pieces of its matrices, in its order (replicas hold the same
     # pieces; each sends only the rows of its own replica's owners).
-    table = jnp.stack([
-        _payload([_pick(stacks[lay.inputs[(r.group, r.part)]], r.matrices) for r in owned],
-                 1, lay.length, wire)[0]
-        for owned in lay.runs]).reshape(lay.n_replicas, lay.n_pieces, lay.length)
+    table = jnp.stack([jnp.concatenate([
+        _payload([_pick(arrays[lay.inputs[(r.group, r.part)]], r.matrices) for r in owned],
+                 1, lay.length, wire)[0] for arrays in stacks])
+        for owned in lay.runs]).reshape(lay.n_replicas, lay.n_pieces, -1)
     replica = jax.lax.axis_index(ex.rep) if ex.rep else 0
     mine = jax.lax.dynamic_index_in_dim(table, replica, 0, keepdims=False)
     return _trade(ex, mine), replica
 
 
-def _iterate_owned(lay: _Layout, profile: tuple[_Slot, ...], x: jax.Array, *,
-                   newton_schulz: Callable[[jax.Array], jax.Array], ns_dtype: Any,
-                   wire: Any) -> jax.Array:
-    """Step 5: an owner's matrices reassembled from their pieces ``x``, one batched
-    iteration per shape, and the results cut back into pieces, ``(P, length)``."""
+def _assemble(lay: _Layout, profile: tuple[_Slot, ...], x: jax.Array) -> list[jax.Array]:
+    """An owner's matrices ``(count, rows, cols)`` per slot, from their pieces ``x``."""
     mats, off = [], 0
     for slot in profile:  # (pieces, count, ...) -> (count, rows, cols)
         (n_r, n_c), (rb, cb) = lay.grids[slot.group], lay.blocks[slot.group]
@@ -636,14 +841,67 @@ def _iterate_owned(lay: _Layout, profile: tuple[_Slot, ...], x: jax.Array, *,
         off += size
         mats.append(chunks.reshape(n_r, n_c, slot.count, rb, cb).transpose(2, 0, 3, 1, 4)
                     .reshape(slot.count, n_r * rb, n_c * cb))
+    return mats
+
+
+class _OwnerStep(NamedTuple):
+    """A `MatrixPrecondition` as the owners run it."""
+
+    transform: MatrixPrecondition
+    count: jax.Array
+    dtype: Any          # of the flat state and of the matrices on the way in
+    wire: Any           # the unsigned int the matrices travel as on the way in
+    length: int         # flat state elements per owner
+
+
+def _precondition_owned(step: _OwnerStep, lay: _Layout, profile: tuple[_Slot, ...],
+                        x: jax.Array, state: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+    """The precondition on an owner's whole matrices (momentum and raw gradient side by
+    side in ``x``), each in (fan_out, fan_in) layout, with its flat ``state`` row."""
+    m, g = (jax.lax.bitcast_convert_type(v, step.dtype)
+            for v in (x[:, :lay.length], x[:, lay.length:]))
+    outs, news, off = [], [], 0
+    for slot, mm, gg in zip(profile, _assemble(lay, profile, m), _assemble(lay, profile, g),
+                            strict=True):
+        rows, cols = mm.shape[1:]
+        out_n, in_n = (rows, cols) if slot.transpose else (cols, rows)
+        like = jax.eval_shape(functools.partial(step.transform.init, slot.count, out_n, in_n,
+                                                step.dtype))
+        leaves, treedef = jax.tree.flatten(like)
+        pieces = []
+        for leaf in leaves:
+            pieces.append(state[0, off:off + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+            off += leaf.size
+        rec = (lambda v: v) if slot.transpose else (lambda v: jnp.swapaxes(v, -1, -2))
+        d, new = step.transform.apply(rec(mm), rec(gg), treedef.unflatten(pieces), step.count,
+                                      np.full((slot.count,), slot.flag))
+        outs.append(rec(d))
+        news += [jnp.ravel(v).astype(step.dtype) for v in jax.tree.leaves(new)]
+    used = sum(v.size for v in news)
+    if used < step.length or not news:
+        news.append(jnp.zeros(step.length - used, step.dtype))
+    return outs, jnp.concatenate(news)[None]
+
+
+def _iterate_owned(lay: _Layout, profile: tuple[_Slot, ...], x: jax.Array,
+                   state: jax.Array | None = None, *,
+                   newton_schulz: Callable[[jax.Array], jax.Array], ns_dtype: Any,
+                   wire: Any, step: _OwnerStep | None = None
+                   ) -> tuple[jax.Array, jax.Array | None]:
+    """Step 5: an owner's matrices reassembled from their pieces ``x`` (preconditioned
+    first with ``step``, its flat ``state`` updated), one batched iteration per shape,
+    and the results cut back into pieces, ``(P, length)``."""
+    if step is None:
+        mats = [jax.lax.bitcast_convert_type(v, ns_dtype) for v in _assemble(lay, profile, x)]
+    else:
+        mats, state = _precondition_owned(step, lay, profile, x, state)
     outs: list[Any] = [None] * len(profile)
     same_shape: dict[tuple[int, int, bool], list[int]] = {}
     for k, slot in enumerate(profile):
         same_shape.setdefault((*mats[k].shape[1:], slot.flip), []).append(k)
     for (_, _, flip), ks in same_shape.items():
         v = [mats[k] for k in ks]
-        v = jax.lax.bitcast_convert_type(v[0] if len(v) == 1 else jnp.concatenate(v),
-                                         ns_dtype)
+        v = (v[0] if len(v) == 1 else jnp.concatenate(v)).astype(ns_dtype)
         v = jnp.swapaxes(v, -1, -2) if flip else v
         v = newton_schulz(v)
         v = jnp.swapaxes(v, -1, -2) if flip else v
@@ -658,7 +916,7 @@ def _iterate_owned(lay: _Layout, profile: tuple[_Slot, ...], x: jax.Array, *,
         chunks = out.reshape(slot.count, n_r, rb, n_c, cb).transpose(1, 3, 0, 2, 4)
         back.append(chunks.reshape(lay.n_pieces, slot.count, rb, cb)
                     [np.argsort(lay.orders[slot.group])])
-    return _payload(back, lay.n_pieces, lay.length, wire)
+    return _payload(back, lay.n_pieces, lay.length, wire), state
 
 
 def _scatter_back(ex: Exchange, lay: _Layout, y: jax.Array) -> tuple[jax.Array, ...]:
@@ -686,28 +944,53 @@ def _scatter_back(ex: Exchange, lay: _Layout, y: jax.Array) -> tuple[jax.Array, 
 
 
 def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array], jax.Array],
-                   ns_dtype: Any, wire: Any) -> Callable[..., tuple[jax.Array, ...]]:
+                   ns_dtype: Any, wire: Any, step: _OwnerStep | None = None,
+                   flags: Sequence[bool] = ()) -> Callable[..., tuple[jax.Array, ...]]:
     """The per-device body of an `Exchange`, on each part's local block
     ``(B/H, rows/R, cols/C)``: the pieces of every owner's matrices to that owner (one
     all-to-all over the piece axes), the owner's own iteration (a `lax.switch` on its
     index among the distinct lists of shapes owners hold; none where all hold the same),
     the pieces back (one all-to-all) and, where axes replicate the matrices, one
-    all-gather of the results. The code is the same in every slice of the stacks."""
-    lay = _layout(ex, mesh)
-    branches = [functools.partial(_iterate_owned, lay, profile, newton_schulz=newton_schulz,
-                                  ns_dtype=ns_dtype, wire=wire) for profile in lay.profiles]
+    all-gather of the results. The code is the same in every slice of the stacks.
 
-    def body(*stacks: jax.Array) -> tuple[jax.Array, ...]:
-        x, replica = _gather_pieces(ex, lay, stacks, wire)
+    With a precondition ``step`` the operands are the momentum's blocks, the raw
+    gradient's blocks and the owners' flat state; both matrices travel in the same
+    all-to-all, the owner preconditions them before its iteration and returns its state.
+    """
+    lay = _layout(ex, mesh, with_orientation=step is not None, flags=flags)
+    branches = [functools.partial(_iterate_owned, lay, profile, newton_schulz=newton_schulz,
+                                  ns_dtype=ns_dtype, wire=wire, step=step)
+                for profile in lay.profiles]
+    n_in = len(lay.inputs)
+
+    def body(*operands: jax.Array) -> tuple[jax.Array, ...]:
+        if step is None:
+            lists, state = [operands], None
+        else:
+            lists, state = [operands[:n_in], operands[n_in:2 * n_in]], operands[2 * n_in]
+        x, replica = _gather_pieces(ex, lay, lists, step.wire if step else wire)
         if len(branches) == 1:
-            y = branches[0](x)
+            y, state = branches[0](x, state)
         else:
             owner = replica * lay.n_pieces + (jax.lax.axis_index(ex.pieces) if ex.pieces
                                               else 0)
-            y = jax.lax.switch(jnp.asarray(lay.profile_of)[owner], branches, x)
-        return _scatter_back(ex, lay, y)
+            y, state = jax.lax.switch(jnp.asarray(lay.profile_of)[owner], branches, x, state)
+        outs = _scatter_back(ex, lay, y)
+        return outs if step is None else (*outs, state)
 
     return body
+
+
+def _stacks(leaves: Sequence[jax.Array], parts: Sequence[tuple[Group, tuple[Leaf, ...]]],
+            specs: Sequence[P], mesh: Any, dtype: Any, bits: Any) -> list[jax.Array]:
+    """Each part's leaves as one stack in ``dtype``, carried as the unsigned ``bits``."""
+    out = []
+    for (_, part), spec in zip(parts, specs, strict=True):
+        stack = [to_stack(leaves[leaf.index], leaf).astype(dtype) for leaf in part]
+        stack = stack[0] if len(stack) == 1 else jnp.concatenate(stack, axis=0)
+        out.append(jax.lax.with_sharding_constraint(
+            jax.lax.bitcast_convert_type(stack, bits), NamedSharding(mesh, spec)))
+    return out
 
 
 def orthogonalize_sharded(
@@ -717,7 +1000,8 @@ def orthogonalize_sharded(
     shardings: Sequence[NamedSharding | None],
     newton_schulz: Callable[[jax.Array], jax.Array],
     ns_dtype: Any,
-) -> dict[int, jax.Array]:
+    precondition: _OwnerPrecondition | None = None,
+) -> tuple[dict[int, jax.Array], tuple[jax.Array, ...]]:
     """Orthogonalise the leaves of `groups`, each device its own whole matrices.
 
     Args:
@@ -727,32 +1011,50 @@ def orthogonalize_sharded(
       shardings: each leaf's sharding (the result is constrained to it).
       newton_schulz: the batched iteration on ``(S, rows, cols)``, rows <= cols.
       ns_dtype: the iteration dtype (the transfers use it).
+      precondition: a `MatrixPrecondition` to run on the owners first, with the raw
+        gradients, the owners' states and the count; None: none.
 
     Returns:
       ``{leaf index: orthogonalised leaf}`` in float32 (float64 for a float64
-      iteration), for the leaves of `groups`.
+      iteration), for the leaves of `groups`, and the owners' new precondition states.
     """
     out_dtype = jnp.promote_types(ns_dtype, jnp.float32)
     ns_dtype = jnp.dtype(ns_dtype)
     # The transfers carry the bits of ns_dtype values as unsigned ints: XLA would move a
     # float convert across the collective and send float32.
     wire = jnp.dtype(f"uint{8 * ns_dtype.itemsize}")
-    results = {}
-    for ex in plan_exchanges(groups, mesh):
+    results, owned = {}, []
+    for n, ex in enumerate(plan_exchanges(groups, mesh)):
         parts = [(group, part) for group in ex.groups for part in _parts(group, mesh)]
         specs = tuple(P(*group.spec) for group, _ in parts)
-        body = jax.shard_map(_exchange_body(ex, mesh, newton_schulz, ns_dtype, wire),
-                             mesh=mesh, in_specs=specs, out_specs=specs,
+        step, flags, in_dtype = None, (), ns_dtype
+        if precondition is not None:
+            # The precondition reads the momentum and the gradient as the single-device
+            # path does: in the state's dtype (float32), not the iteration's.
+            table = precondition.owned[n]
+            in_dtype = table.dtype
+            step = _OwnerStep(precondition.transform, precondition.count, in_dtype,
+                              jnp.dtype(f"uint{8 * in_dtype.itemsize}"), table.shape[1])
+            flags = precondition.flags
+
+        operands = _stacks(xs, parts, specs, mesh, in_dtype, step.wire if step else wire)
+        owner_spec = _owner_spec(ex)
+        if step is not None:
+            operands += _stacks(precondition.grads, parts, specs, mesh, in_dtype, step.wire)
+            operands.append(precondition.owned[n])
+        body = jax.shard_map(_exchange_body(ex, mesh, newton_schulz, ns_dtype, wire, step,
+                                            flags),
+                             mesh=mesh,
+                             in_specs=(*specs, *specs, owner_spec) if step else specs,
+                             out_specs=(*specs, owner_spec) if step else specs,
                              # the all-gather over the replicating axes makes the
                              # result replicated there; the checker cannot infer it
                              check_vma=False)
-        stacks = []
-        for (_, part), spec in zip(parts, specs, strict=True):
-            stack = [to_stack(xs[leaf.index], leaf).astype(ns_dtype) for leaf in part]
-            stack = stack[0] if len(stack) == 1 else jnp.concatenate(stack, axis=0)
-            stacks.append(jax.lax.with_sharding_constraint(
-                jax.lax.bitcast_convert_type(stack, wire), NamedSharding(mesh, spec)))
-        for (_, part), out in zip(parts, body(*stacks), strict=True):
+        outs = body(*operands)
+        if step is not None:
+            outs, state = outs[:-1], outs[-1]
+            owned.append(state)
+        for (_, part), out in zip(parts, outs, strict=True):
             out = jax.lax.bitcast_convert_type(out, ns_dtype).astype(out_dtype)
             start = 0
             for leaf in part:
@@ -761,4 +1063,4 @@ def orthogonalize_sharded(
                 if shardings[leaf.index] is not None:
                     y = jax.lax.with_sharding_constraint(y, shardings[leaf.index])
                 results[leaf.index] = y
-    return results
+    return results, tuple(owned)

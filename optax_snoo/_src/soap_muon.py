@@ -16,11 +16,13 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,7 +34,7 @@ from optax_snoo._src.muon import (
     gram_frobenius_norm,
     scale_by_muon,
 )
-from optax_snoo._src.muon_sharding import NewtonSchulzPlan
+from optax_snoo._src.muon_sharding import MatrixPrecondition, NewtonSchulzPlan
 from optax_snoo._src.sharding import concrete_sharding, spec_entries
 from optax_snoo._src.utils import (
     check_int_at_least,
@@ -280,19 +282,10 @@ def scale_by_soap_whitening(
       <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
       2026
     """
-    check_unit_interval("beta", beta)
-    check_unit_interval("beta2", beta2, allow_none=True)
-    check_int_at_least("precondition_frequency", precondition_frequency, 1)
-    check_non_negative("denom_power", denom_power)
-    check_positive("eps", eps)
-    check_unit_interval("trust_min_agree", trust_min_agree)
-    check_positive("trust_power", trust_power)
-    if norm_match not in NORM_MATCHES:
-        raise ValueError(f"norm_match must be one of {NORM_MATCHES}, got {norm_match!r}.")
     axes = _check_matrix_axes(matrix_axes)
-    norm = _gram_norm if norm_match == "gram" else _frobenius_norm
-    floor = trust_gate_floor() if trust_floor is None else trust_floor
-    cap = trust_gate_cap() if trust_cap is None else trust_cap
+    whiten = _matrix_whitening(beta, beta2, precondition_frequency, denom_power, eps,
+                               norm_match, trust_min_agree, trust_min_grad_align,
+                               trust_power, trust_floor, trust_cap)
 
     def stat_dtype(x: Any) -> Any:
         return jnp.promote_types(jnp.result_type(x), jnp.float32)
@@ -322,13 +315,6 @@ def scale_by_soap_whitening(
             basis_out=jax.tree.map(eye, gram_out), basis_in=jax.tree.map(eye, gram_in),
             second_moment=jax.tree.map(lambda p: jnp.zeros_like(p, stat_dtype(p)), params))
 
-    def gated_leaves(with_paths: list, treedef: Any) -> list[bool]:
-        if trust_gate is None or isinstance(trust_gate, bool):
-            return [bool(trust_gate)] * len(with_paths)
-        if callable(trust_gate):
-            return [bool(trust_gate(path_to_str(p))) for p, _ in with_paths]
-        return [bool(b) for b in treedef.flatten_up_to(trust_gate)]
-
     def update_fn(updates: optax.Updates, state: SoapWhiteningState,
                   params: optax.Params | None = None, *,
                   raw_gradient: optax.Updates | None = None, **extra_args: Any
@@ -339,21 +325,20 @@ def scale_by_soap_whitening(
                              "with raw_gradient=grads (scale_by_muon(precondition=...) does).")
         count = state.count
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        gates = gated_leaves(with_paths, treedef)
+        gates = _gated_leaves(trust_gate, [path_to_str(p) for p, _ in with_paths], treedef)
         flat = [treedef.flatten_up_to(t) for t in (
             raw_gradient, state.gram_out, state.gram_in, state.basis_out, state.basis_in,
             state.second_moment)]
-        beta_t = _at(beta, count)
-        beta2_t = beta_t if beta2 is None else _at(beta2, count)
-        bounds = (_at(floor, count), _at(cap, count))
-        refresh = jnp.where(count == 0, 0,
-                            jnp.where(count % precondition_frequency == 0, 1, 2))
-        results = [
-            _whiten_leaf(m, *leaf, gated=gated, beta=beta_t, beta2=beta2_t, count=count,
-                         refresh=refresh, axes=axes, denom_power=denom_power, eps=eps,
-                         norm=norm, bounds=bounds,
-                         trust=(trust_min_agree, trust_min_grad_align, trust_power))
-            for (_, m), *leaf, gated in zip(with_paths, *flat, gates, strict=True)]
+        results = []
+        for (_, m), g, *stats, gated in zip(with_paths, *flat, gates, strict=True):
+            fan_in, fan_out = _normalized_axes(m.shape, axes)
+            # The record's (.., out, in) layout, so that L = G Gᵀ is the fan_out side.
+            to_rec = lambda x, i=fan_in, o=fan_out: jnp.moveaxis(x, (o, i), (-2, -1))
+            *grams, v = stats
+            d, new = whiten(to_rec(m), to_rec(g), SoapMatrixState(*grams, to_rec(v)), count,
+                            np.full(to_rec(m).shape[:-2], gated))
+            from_rec = lambda x, i=fan_in, o=fan_out: jnp.moveaxis(x, (-2, -1), (o, i))
+            results.append((from_rec(d).astype(m.dtype), *new[:4], from_rec(new[4])))
         fields = list(zip(*results, strict=True)) if results else [[]] * 6
         out, gram_out, gram_in, basis_out, basis_in, second = (
             treedef.unflatten(list(f)) for f in fields)
@@ -363,19 +348,32 @@ def scale_by_soap_whitening(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _whiten_leaf(m: jax.Array, g: jax.Array, gram_out: jax.Array, gram_in: jax.Array,
-                 basis_out: jax.Array, basis_in: jax.Array, v: jax.Array, *, gated: bool,
-                 beta: Any, beta2: Any, count: jax.Array, refresh: jax.Array,
-                 axes: tuple[int, int], denom_power: float, eps: float,
-                 norm: Callable[[jax.Array], jax.Array], bounds: tuple[Any, Any],
-                 trust: tuple[float, float, float]) -> tuple[jax.Array, ...]:
-    """One leaf: (whitened M, L, R, Q_L, Q_R, V), in the record's (out, in) order inside."""
-    fan_in, fan_out = _normalized_axes(m.shape, axes)
-    dt = gram_out.dtype
-    # The record's (.., out, in) layout, so that L = G Gᵀ is the fan_out side.
-    to_rec = lambda x: jnp.moveaxis(x, (fan_out, fan_in), (-2, -1)).astype(dt)
-    from_rec = lambda x: jnp.moveaxis(x, (-2, -1), (fan_out, fan_in))
-    M, G, V = to_rec(m), to_rec(g), to_rec(v)
+class SoapMatrixState(NamedTuple):
+    """SOAP's statistics of a batch of matrices ``(..., out, in)`` (the record's layout):
+    ``L`` (gram_out) and its basis ``(..., out, out)``, ``R`` (gram_in) and its basis
+    ``(..., in, in)``, ``V`` (second_moment) ``(..., out, in)``."""
+
+    gram_out: jax.Array
+    gram_in: jax.Array
+    basis_out: jax.Array
+    basis_in: jax.Array
+    second_moment: jax.Array
+
+
+def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax.Array,
+                     gated: Any, *, beta: Any, beta2: Any, precondition_frequency: int,
+                     denom_power: float, eps: float, norm: Callable[[jax.Array], jax.Array],
+                     floor: Any, cap: Any, trust: tuple[float, float, float]
+                     ) -> tuple[jax.Array, SoapMatrixState]:
+    """The whitening of matrices ``(..., out, in)`` and their new statistics: the one
+    implementation, per leaf or on the matrices' owners. ``gated``: a numpy bool array of
+    the batch's shape (which matrices the trust gate blends)."""
+    beta = _at(beta, count)
+    beta2 = beta if beta2 is None else _at(beta2, count)
+    refresh = jnp.where(count == 0, 0, jnp.where(count % precondition_frequency == 0, 1, 2))
+    dt = st.gram_out.dtype
+    M, G, V = M.astype(dt), G.astype(dt), st.second_moment
+    basis_out, basis_in = st.basis_out, st.basis_in
 
     P = _mm("...ji,...jk,...kl->...il", basis_out, M, basis_in)
     V_new = beta2 * V + (1 - beta2) * jnp.square(P)
@@ -384,12 +382,14 @@ def _whiten_leaf(m: jax.Array, g: jax.Array, gram_out: jax.Array, gram_in: jax.A
     D = D * (norm(M) / norm(D))
     first = count == 0
     D, V = jnp.where(first, M, D), jnp.where(first, V, V_new)
-    if gated:
-        D = _trust_blend(M, D, G, bounds, trust, norm)
+    gated = np.asarray(gated, bool)
+    if gated.any():
+        blended = _trust_blend(M, D, G, (_at(floor, count), _at(cap, count)), trust, norm)
+        D = blended if gated.all() else jnp.where(gated[..., None, None], blended, D)
 
     # Statistics after use: they whiten the next update.
-    gram_out = beta * gram_out + (1 - beta) * _mm("...ij,...kj->...ik", G, G)
-    gram_in = beta * gram_in + (1 - beta) * _mm("...ji,...jk->...ik", G, G)
+    gram_out = beta * st.gram_out + (1 - beta) * _mm("...ij,...kj->...ik", G, G)
+    gram_in = beta * st.gram_in + (1 - beta) * _mm("...ji,...jk->...ik", G, G)
 
     def build(ops: tuple) -> tuple:
         L, R, _, _, V = ops
@@ -405,8 +405,108 @@ def _whiten_leaf(m: jax.Array, g: jax.Array, gram_out: jax.Array, gram_in: jax.A
     keep = lambda ops: (ops[2], ops[3], ops[4])
     basis_out, basis_in, V = jax.lax.switch(
         refresh, (build, power_qr, keep), (gram_out, gram_in, basis_out, basis_in, V))
-    return (from_rec(D).astype(m.dtype), gram_out, gram_in, basis_out, basis_in,
-            from_rec(V))
+    return D, SoapMatrixState(gram_out, gram_in, basis_out, basis_in, V)
+
+
+def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
+                      denom_power: float, eps: float, norm_match: str, trust_min_agree: float,
+                      trust_min_grad_align: float, trust_power: float, trust_floor: Any,
+                      trust_cap: Any) -> Callable[..., tuple[jax.Array, SoapMatrixState]]:
+    """The checked settings bound into `_whiten_matrices`."""
+    check_unit_interval("beta", beta)
+    check_unit_interval("beta2", beta2, allow_none=True)
+    check_int_at_least("precondition_frequency", precondition_frequency, 1)
+    check_non_negative("denom_power", denom_power)
+    check_positive("eps", eps)
+    check_unit_interval("trust_min_agree", trust_min_agree)
+    check_positive("trust_power", trust_power)
+    if norm_match not in NORM_MATCHES:
+        raise ValueError(f"norm_match must be one of {NORM_MATCHES}, got {norm_match!r}.")
+    return functools.partial(
+        _whiten_matrices, beta=beta, beta2=beta2,
+        precondition_frequency=precondition_frequency, denom_power=denom_power, eps=eps,
+        norm=_gram_norm if norm_match == "gram" else _frobenius_norm,
+        floor=trust_gate_floor() if trust_floor is None else trust_floor,
+        cap=trust_gate_cap() if trust_cap is None else trust_cap,
+        trust=(trust_min_agree, trust_min_grad_align, trust_power))
+
+
+def soap_whitening_per_matrix(
+    beta: float | optax.Schedule = 0.9,
+    *,
+    beta2: float | optax.Schedule | None = None,
+    precondition_frequency: int = 1,
+    denom_power: float = 0.5,
+    eps: float = 1e-8,
+    norm_match: str = "gram",
+    trust_gate: TrustGateLeaves = None,
+    trust_min_agree: float = 0.2,
+    trust_min_grad_align: float = 0.0,
+    trust_power: float = 1.0,
+    trust_floor: float | optax.Schedule | None = None,
+    trust_cap: float | optax.Schedule | None = None,
+) -> MatrixPrecondition:
+    """`scale_by_soap_whitening` as a `MatrixPrecondition`: the same whitening, a function
+    of each matrix alone, so that under `scale_by_muon`'s sharded plan each device whitens
+    the whole matrices it owns (their statistics kept there), beside their Newton-Schulz.
+
+    Args:
+      beta: as in `scale_by_soap_whitening`.
+      beta2: as in `scale_by_soap_whitening`.
+      precondition_frequency: as in `scale_by_soap_whitening`.
+      denom_power: as in `scale_by_soap_whitening`.
+      eps: as in `scale_by_soap_whitening`.
+      norm_match: as in `scale_by_soap_whitening`.
+      trust_gate: as in `scale_by_soap_whitening`.
+      trust_min_agree: as in `scale_by_soap_whitening`.
+      trust_min_grad_align: as in `scale_by_soap_whitening`.
+      trust_power: as in `scale_by_soap_whitening`.
+      trust_floor: as in `scale_by_soap_whitening`.
+      trust_cap: as in `scale_by_soap_whitening`.
+
+    Returns:
+      A `MatrixPrecondition` for `scale_by_muon(precondition=...)`; the per-matrix state
+      is a `SoapMatrixState` (the record's ``(out, in)`` layout).
+
+    Raises:
+      ValueError: as `scale_by_soap_whitening`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo import scale_by_muon, soap_whitening_per_matrix
+      >>> tx = scale_by_muon(precondition=soap_whitening_per_matrix(),
+      ...                    ns_normalization="gram_frobenius")
+      >>> state = tx.init({"w": jnp.ones((8, 4))})
+      >>> state.precondition.leaves["w"].gram_out.shape  # L over the fan_out axis (4)
+      (4, 4)
+
+    References:
+      Jordan et al., `modded-nanogpt Track 3 records #14, #16, #44, #46
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026
+    """
+    whiten = _matrix_whitening(beta, beta2, precondition_frequency, denom_power, eps,
+                               norm_match, trust_min_agree, trust_min_grad_align,
+                               trust_power, trust_floor, trust_cap)
+    return MatrixPrecondition(_init_matrices, whiten,
+                              functools.partial(_gated_leaves, trust_gate))
+
+
+def _gated_leaves(trust_gate: TrustGateLeaves, paths: list[str], treedef: Any) -> list[bool]:
+    """Per leaf, whether the trust gate applies (``trust_gate`` as documented)."""
+    if trust_gate is None or isinstance(trust_gate, bool):
+        return [bool(trust_gate)] * len(paths)
+    if callable(trust_gate):
+        return [bool(trust_gate(p)) for p in paths]
+    return [bool(b) for b in treedef.flatten_up_to(trust_gate)]
+
+
+def _init_matrices(batch: int, out: int, inn: int, dtype: Any) -> SoapMatrixState:
+    """Zero statistics, identity bases, of ``batch`` matrices ``(out, in)``."""
+    dt = jnp.promote_types(dtype, jnp.float32)
+    eye = lambda n: jnp.broadcast_to(jnp.eye(n, dtype=dt), (batch, n, n))
+    return SoapMatrixState(jnp.zeros((batch, out, out), dt), jnp.zeros((batch, inn, inn), dt),
+                           eye(out), eye(inn), jnp.zeros((batch, out, inn), dt))
 
 
 def _trust_blend(M: jax.Array, D: jax.Array, G: jax.Array, bounds: tuple[Any, Any],
@@ -500,10 +600,10 @@ def soap_muon(
       <https://arxiv.org/abs/2409.11321>`_, 2024
     """
     check_non_negative("learning_rate", learning_rate)
-    whitening = scale_by_soap_whitening(
+    whitening = soap_whitening_per_matrix(
         soap_beta, precondition_frequency=precondition_frequency, denom_power=denom_power,
-        eps=eps, norm_match=norm_match, matrix_axes=matrix_axes, trust_gate=trust_gate,
-        trust_floor=trust_floor, trust_cap=trust_cap)
+        eps=eps, norm_match=norm_match, trust_gate=trust_gate, trust_floor=trust_floor,
+        trust_cap=trust_cap)
     return optax.chain(
         scale_by_muon(beta, precondition=whitening, ns_normalization="gram_frobenius",
                       coefficients=coefficients, ns_dtype=ns_dtype, matrix_axes=matrix_axes,
