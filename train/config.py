@@ -128,6 +128,11 @@ class OptimizerConfig:
     qk_clip_tau: float = _field(0.0, "QK-clip (MuonClip): after each update, scale the query "
                                 "and key heads whose max attention logit exceeded this back "
                                 "to it (0 = off; Kimi K2 used 100)")
+    loss_reduction: str = _field("mean", "the differentiated loss: mean token cross-entropy, "
+                                 "or sum, its sum over the step's whole batch (modded-"
+                                 "nanogpt Track 3's reduction='sum' + all_reduce(SUM); the "
+                                 "track3 presets); Adam's eps and clipping see that scale",
+                                 choices=("mean", "sum"))
 
     def __post_init__(self):
         _validate(self, non_negative_float=("grad_clip", "qk_clip_tau"))
@@ -145,10 +150,18 @@ class AdamWConfig:
     beta2: float = _field(0.99, "Adam beta2 (every Adam-like group; SkewAdam's too)")
     eps: float = _field(1e-8, "Adam epsilon (SkewAdam's clamp on squared statistics)")
     weight_decay: float = _field(0.1, "AdamW weight decay on >= 2-D params (adamw stacks "
-                                 "and K-FAC's; Muon's Adam group has none)")
+                                 "and K-FAC's; Muon's Adam group has none; every Adam group "
+                                 "of track3_baseline)")
+    head_learning_rate: float | None = _field(None, "track3_baseline: peak lr of the AdamW "
+                                              "group of the LM head's kernel (None = "
+                                              "learning_rate, the embedding's)")
+    vector_learning_rate: float | None = _field(None, "track3_baseline: peak lr of the AdamW "
+                                                "group of every bias and norm gain (None = "
+                                                "learning_rate)")
 
     def __post_init__(self):
-        _validate(self, positive_float=("learning_rate", "eps"),
+        _validate(self, positive_float=("learning_rate", "eps", "head_learning_rate",
+                                        "vector_learning_rate"),
                   unit_interval=("beta1", "beta2"), non_negative_float=("weight_decay",))
 
 
@@ -281,6 +294,10 @@ class DataConfig:
                                         "(None: 64 above 1024 ids, as nanoGPT's 50257 -> "
                                         "50304, else none); mesh_tensor must divide it")
     prefetch: bool = _field(True, "read the next batch while the current step runs")
+    order: str = _field("random", "random windows each step (nanoGPT), or sequential: the "
+                        "next contiguous tokens of the sorted shards each step (modded-"
+                        "nanogpt Track 3's generator)", key="data_order",
+                        choices=("random", "sequential"))
 
     def __post_init__(self):
         _validate(self, positive=("batch_size", "grad_accum", "vocab_multiple"))
@@ -293,6 +310,15 @@ class RunConfig:
     max_iters: int = _field(2000, "optimizer steps")
     eval_interval: int = _field(250, "evaluate every this many steps")
     eval_iters: int = _field(20, "batches per split in an evaluation")
+    eval_interval_tail: int | None = _field(None, "evaluate every this many steps in the last "
+                                            "eval_tail_frac of the run (None = eval_interval)")
+    eval_tail_frac: float = _field(0.1, "the tail of eval_interval_tail: steps with "
+                                   "step/max_iters >= 1 - this (modded-nanogpt Track 3: 125 "
+                                   "steps, then 25 from 90%)")
+    val_tokens: int | None = _field(None, "val loss over the val split's first this many "
+                                    "tokens, as contiguous windows, the same every evaluation "
+                                    "(modded-nanogpt Track 3: 10,485,760); None = eval_iters "
+                                    "random batches")
     log_interval: int = _field(10, "log train metrics every this many steps")
     checkpoint_every: int = _field(1000, "save a checkpoint every this many steps")
     seed: int = _field(1337, "seed of the init, the data windows and dropout")
@@ -308,11 +334,29 @@ class RunConfig:
 
     def __post_init__(self):
         _validate(self, positive=("eval_interval", "eval_iters", "log_interval",
-                                  "checkpoint_every", "max_bad_steps"),
-                  non_negative=("max_iters",))
+                                  "checkpoint_every", "max_bad_steps", "eval_interval_tail",
+                                  "val_tokens"),
+                  non_negative=("max_iters",), fraction=("eval_tail_frac",))
         if self.wandb_project is not None and not self.wandb_project.strip():
             raise ValueError(f"wandb_project={self.wandb_project!r}: expected a project name "
                              "(or None for no Weights & Biases logging)")
+
+    def is_cadence_step(self, step: int) -> bool:
+        """Whether the evaluation cadence falls on `step` (the step after `step` updates):
+        every `eval_interval` steps while `step / max_iters < 1 - eval_tail_frac`, every
+        `eval_interval_tail` after, and at `max_iters`. modded-nanogpt's
+        train_gpt_simple.py: `freq = 125 if step / T < 0.9 else 25; step == T or step %
+        freq == 0`. (The loop adds checkpoint steps and skips the step a resume starts at.)
+
+        Example:
+          >>> run = RunConfig(max_iters=3250, eval_interval=125, eval_interval_tail=25)
+          >>> [s for s in range(2850, 3251) if run.is_cadence_step(s)][:5]
+          [2875, 2925, 2950, 2975, 3000]
+        """
+        tail = self.max_iters > 0 and step / self.max_iters >= 1 - self.eval_tail_frac
+        interval = self.eval_interval_tail if tail and self.eval_interval_tail else (
+            self.eval_interval)
+        return step == self.max_iters or step % interval == 0
 
 
 @dataclasses.dataclass(frozen=True)
