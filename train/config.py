@@ -508,6 +508,21 @@ def _upgrade(values: Mapping[str, Any]) -> dict[str, Any]:
     return nested
 
 
+#: modded-nanogpt Track 3's baseline recipe (#36, records/track_3_optimization/
+#: train_gpt_simple.py), shared by the `track3` presets: Muon (12 Newton-Schulz steps of
+#: (2, -1.5, 0.5) in bf16, lr 0.025, decoupled wd 0.05, EMA-Nesterov momentum 0.95) on the
+#: hidden matrices; AdamW (0.8, 0.95), eps 1e-10, wd 0.001 on the embedding (lr 0.7), the
+#: head (0.004) and every bias and gain (0.015); every group flat for 30% then linear to 0;
+#: no clipping; the loss summed over the step's tokens; the sequential data order; the val
+#: loss over the val split's first tokens every eval_interval steps, every
+#: eval_interval_tail in the last 10% and at the end.
+_TRACK3_RECIPE: dict[str, Any] = dict(
+    optimizer="track3_baseline", muon_learning_rate=0.025, muon_weight_decay=0.05,
+    muon_beta=0.95, muon_beta_warmup=0, learning_rate=0.7, head_learning_rate=0.004,
+    vector_learning_rate=0.015, beta1=0.8, beta2=0.95, eps=1e-10, weight_decay=0.001,
+    schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0, grad_clip=0.0,
+    loss_reduction="sum", data_order="sequential", eval_tail_frac=0.1, num_samples=0)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's CPU recipe (README: --device=cpu --eval_iters=20 --block_size=64 ...).
     # bf16 compute, also on a CPU: XLA:CPU runs bf16 matmuls on the CPU's bf16 units
@@ -557,6 +572,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_iters=5640, eval_interval=250, eval_iters=160, log_interval=10,
         checkpoint_every=500, vocab_multiple=128, data="data/fineweb10B",
         out_dir="out/gpt2_medium_fineweb"),
+    # modded-nanogpt Track 3 (the optimizer benchmark) at its baseline #36: 3250 steps of
+    # 8 x 64 x 1024 = 524,288 tokens (here 64 sequences x 8 accumulated micro-batches; on
+    # N devices keep the product), FineWeb's GPT-2 shards (data/cached_fineweb10B.py of
+    # modded-nanogpt; the vocabulary padded to 50,304), val loss over the first 10,485,760
+    # val tokens every 125 steps, every 25 from step 2925, and at 3250. For GPUs (the file
+    # ran 8 x H100; about 1.7B tokens); its target: mean val loss < 3.28.
+    "track3": dict(
+        **_TRACK3_RECIPE, block_size=1024, n_layer=12, n_head=6, n_embd=768, batch_size=64,
+        grad_accum=8, vocab_multiple=64, max_iters=3250, eval_interval=125,
+        eval_interval_tail=25, val_tokens=10_485_760, eval_iters=4, log_interval=25,
+        checkpoint_every=250, data="data/fineweb10B", out_dir="out/track3"),
+    # Its twin for a 2-core CPU (benchmarks/README.md, "Track 3 on a CPU"): the same recipe,
+    # data order, validation and cadence on the shipped tiny shakespeare as characters
+    # (vocabulary 65), 4 x 128 wide (4 heads of 32), context 128, 8 x 2 accumulated
+    # sequences = 2,048 tokens a step, 300 steps (of the 490 one pass holds); val over the
+    # first 16,384 val characters every 25 steps, every 5 from step 270.
+    "track3_cpu": dict(
+        **_TRACK3_RECIPE, block_size=128, n_layer=4, n_head=4, n_embd=128, batch_size=8,
+        grad_accum=2, max_iters=300, eval_interval=25, eval_interval_tail=5,
+        val_tokens=16_384, eval_iters=2, log_interval=25, checkpoint_every=300,
+        out_dir="out/track3_cpu"),
 }
 
 
