@@ -95,7 +95,7 @@ def test_loss_reduction_is_the_gradient_of_the_summed_token_loss(reduction):
 def test_loss_reduction_is_refused_where_it_cannot_hold():
     with pytest.raises(ValueError, match="loss_reduction"):
         tc.override(tc.TrainConfig(), loss_reduction="max")
-    model, state, spec, mesh = _state()
+    model, _, spec, mesh = _state()
     kfac_like = TrainOptimizer(spec.tx, spec.learning_rate, grad_fn=lambda m, p: None)
     with pytest.raises(ValueError, match="loss_reduction='sum' needs plain gradients"):
         make_train_step(model, kfac_like, mesh=mesh, state_shardings=None,
