@@ -15,12 +15,13 @@ from models.attention import (
     cudnn_attention_error,
     resolve_attention,
 )
-from models.config import GPTConfig
+from models.config import GPTConfig, track3_config
 from models.generate import generate, sample_token
 from models.gpt import GPT, Block, forward, stack_blocks
-from models.layers import MLP, Dense, LayerNorm
+from models.layers import MLP, Dense, LayerNorm, RMSNorm
 from models.moe import Experts, MoE, Routing, load_balance_loss, route, router_z_loss
 from models.sharding import LOGICAL_AXES, logical_rules
+from models.torch_weights import from_torch, to_torch
 
 __all__ = [
     "GPT",
@@ -34,10 +35,12 @@ __all__ = [
     "KVCache",
     "LayerNorm",
     "MoE",
+    "RMSNorm",
     "Routing",
     "causal_attention",
     "cudnn_attention_error",
     "forward",
+    "from_torch",
     "generate",
     "load_balance_loss",
     "logical_rules",
@@ -46,4 +49,6 @@ __all__ = [
     "router_z_loss",
     "sample_token",
     "stack_blocks",
+    "to_torch",
+    "track3_config",
 ]

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import GPTConfig
-from models.layers import Dense, residual_std, sow
+from models.layers import Dense, input_std, residual_std, rms_norm, sow
 
 
-@jax.custom_vjp
-def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
-    """``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` with a hand-written VJP.
+def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                     scale: float | None = None) -> jax.Array:
+    """``jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)`` with a
+    hand-written VJP.
 
     Called outside differentiation it is that call (softmax in float32, grouped-query
     heads when ``K < N``). Under differentiation the forward pass is the same math
@@ -24,7 +25,8 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) ->
     log-sum-exp. The backward pass is FlashAttention's (without tiling): ``P = softmax(S)``
     recomputed from the saved log-sum-exp, ``dV = Pᵀ dO``,
     ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dQ = dS K / sqrt(H)``,
-    ``dK = dSᵀ Q / sqrt(H)``, every product accumulated in float32; in bf16 it is as
+    ``dK = dSᵀ Q / sqrt(H)`` (``scale`` for ``1/sqrt(H)`` when given), every product
+    accumulated in float32; in bf16 it is as
     accurate as autodiff. The XLA implementation works on arrays with a unit axis (its
     ``vmap`` over the query groups), whose reductions XLA:CPU's YNNPACK runs much slower
     than the same reduction without that axis, and its ``P V`` product is not in a form
@@ -35,6 +37,7 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) ->
       q_BTNH: queries ``(B, T, N, H)``.
       k_BSKH: keys ``(B, T, K, H)`` with ``N % K == 0``.
       v_BSKH: values, shaped like the keys.
+      scale: the factor of ``q . k`` in the logits; ``None`` is ``1/sqrt(H)``.
 
     Returns:
       The attention output ``(B, T, N, H)`` in the queries' dtype.
@@ -43,7 +46,16 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) ->
       Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with
       IO-Awareness", https://arxiv.org/abs/2205.14135, 2022 (the backward pass, Alg. 4).
     """
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True)
+    return _causal_attention(q_BTNH, k_BSKH, v_BSKH, _scale(q_BTNH, scale))
+
+
+def _scale(q_BTNH: jax.Array, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q_BTNH.shape[-1]) if scale is None else float(scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _causal_attention(q_BTNH, k_BSKH, v_BSKH, scale):
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale, is_causal=True)
 
 
 def _groups(q_BTNH: jax.Array, k_BSKH: jax.Array) -> tuple[str, tuple[int, ...]]:
@@ -57,7 +69,7 @@ def _groups(q_BTNH: jax.Array, k_BSKH: jax.Array) -> tuple[str, tuple[int, ...]]
     return ("g", (B, T, K, N // K)) if N > K else ("", (B, T, K))
 
 
-def _attend(q_BTNH, k_BSKH, v_BSKH):
+def _attend(q_BTNH, k_BSKH, v_BSKH, scale):
     """The forward pass in the backward's layouts (no unit axis, every product a bf16 one
     on XLA:CPU): the output, the float32 log-sum-exp as the backward reads it, and the
     float32 logits ``(B, K[, G], T, S)`` with the non-causal ones at ``-inf``."""
@@ -65,7 +77,7 @@ def _attend(q_BTNH, k_BSKH, v_BSKH):
     g, grouped = _groups(q_BTNH, k_BSKH)
     q = q_BTNH.reshape(*grouped, H)
     s = jnp.einsum(f"btk{g}h,bskh->bk{g}ts", q, k_BSKH,
-                   preferred_element_type=jnp.float32) * (1.0 / math.sqrt(H))
+                   preferred_element_type=jnp.float32) * scale
     s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.exp(s - m)
@@ -82,18 +94,17 @@ def _max_per_query_head(s, num_heads):
     return jnp.max(s, axis=(0, *range(s.ndim - 2, s.ndim))).reshape(num_heads)
 
 
-def _causal_attention_fwd(q_BTNH, k_BSKH, v_BSKH):
-    out, lse, _ = _attend(q_BTNH, k_BSKH, v_BSKH)
+def _causal_attention_fwd(q_BTNH, k_BSKH, v_BSKH, scale):
+    out, lse, _ = _attend(q_BTNH, k_BSKH, v_BSKH, scale)
     return out, (q_BTNH, k_BSKH, v_BSKH, lse)
 
 
-def _causal_attention_bwd(residuals, dout_BTNH):
+def _causal_attention_bwd(scale, residuals, dout_BTNH):
     q_BTNH, k_BSKH, v_BSKH, lse = residuals
     B, T, N, H = q_BTNH.shape
     g, grouped = _groups(q_BTNH, k_BSKH)
     q, do = q_BTNH.reshape(*grouped, H), dout_BTNH.reshape(*grouped, H)
     f32 = dict(preferred_element_type=jnp.float32)
-    scale = 1.0 / math.sqrt(H)
     s = jnp.einsum(f"btk{g}h,bskh->bk{g}ts", q, k_BSKH, **f32) * scale
     p = jnp.where(jnp.tril(jnp.ones((T, T), bool)), jnp.exp(s - lse[..., None]), 0.0)
     dv = jnp.einsum(f"bk{g}ts,btk{g}h->bskh", p.astype(v_BSKH.dtype), do, **f32)
@@ -104,15 +115,16 @@ def _causal_attention_bwd(residuals, dout_BTNH):
     return dq.astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype), dv.astype(v_BSKH.dtype)
 
 
-causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+_causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
 
 
-@jax.custom_vjp
-def causal_attention_and_max_logits(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
+def causal_attention_and_max_logits(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                                    scale: float | None = None
                                     ) -> tuple[jax.Array, jax.Array]:
     """:func:`causal_attention` and each query head's largest pre-softmax logit.
 
-    The logits ``q . k / sqrt(H)`` (float32, causal positions only) are the ones the
+    The logits ``q . k * scale`` (``scale`` default ``1/sqrt(H)``; float32, causal
+    positions only) are the ones the
     softmax reads, so their maximum over the batch and the positions costs one reduction
     and no second pass; it is what QK-clip (``optax_snoo.scale_by_qk_clip``) bounds. The
     backward pass is :func:`causal_attention`'s; the maximum's cotangent is ignored (it is
@@ -122,6 +134,7 @@ def causal_attention_and_max_logits(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH
       q_BTNH: queries ``(B, T, N, H)``.
       k_BSKH: keys ``(B, T, K, H)`` with ``N % K == 0``.
       v_BSKH: values, shaped like the keys.
+      scale: the factor of ``q . k`` in the logits; ``None`` is ``1/sqrt(H)``.
 
     Returns:
       ``(out_BTNH, max_logits_N)``: the attention output in the queries' dtype and the
@@ -131,21 +144,26 @@ def causal_attention_and_max_logits(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH
       Kimi Team, "Kimi K2: Open Agentic Intelligence", https://arxiv.org/abs/2507.20534,
       2025 (QK-clip reads the per-head max logit of the forward pass).
     """
-    out, _, s = _attend(q_BTNH, k_BSKH, v_BSKH)
+    return _with_max_logits(q_BTNH, k_BSKH, v_BSKH, _scale(q_BTNH, scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _with_max_logits(q_BTNH, k_BSKH, v_BSKH, scale):
+    out, _, s = _attend(q_BTNH, k_BSKH, v_BSKH, scale)
     return out, _max_per_query_head(s, q_BTNH.shape[2])
 
 
-def _with_max_logits_fwd(q_BTNH, k_BSKH, v_BSKH):
-    out, lse, s = _attend(q_BTNH, k_BSKH, v_BSKH)
+def _with_max_logits_fwd(q_BTNH, k_BSKH, v_BSKH, scale):
+    out, lse, s = _attend(q_BTNH, k_BSKH, v_BSKH, scale)
     return (out, _max_per_query_head(s, q_BTNH.shape[2])), (q_BTNH, k_BSKH, v_BSKH, lse)
 
 
-def _with_max_logits_bwd(residuals, cotangents):
+def _with_max_logits_bwd(scale, residuals, cotangents):
     dout_BTNH, _ = cotangents
-    return _causal_attention_bwd(residuals, dout_BTNH)
+    return _causal_attention_bwd(scale, residuals, dout_BTNH)
 
 
-causal_attention_and_max_logits.defvjp(_with_max_logits_fwd, _with_max_logits_bwd)
+_with_max_logits.defvjp(_with_max_logits_fwd, _with_max_logits_bwd)
 
 
 def cudnn_attention_error(config: GPTConfig, platform: str, seq_len: int | None = None
@@ -238,6 +256,48 @@ def resolve_attention(config: GPTConfig, *, platform: str | None = None,
     return "xla"
 
 
+def half_truncated_frequencies(head_dim: int) -> jax.Array:
+    """modded-nanogpt's rotary frequencies: ``head_dim/4`` of ``(1/1024)^(j/(head_dim/4 - 1))``
+    (``torch.linspace(0, 1, head_dim/4)`` exponents), then ``head_dim/4`` zeros.
+
+    Args:
+      head_dim: width of one head, a multiple of 4.
+
+    Returns:
+      ``(head_dim/2,)`` float32 angular frequencies, one per rotated pair.
+    """
+    quarter = head_dim // 4
+    exponents = jnp.linspace(0.0, 1.0, quarter, dtype=jnp.float32)
+    return jnp.concatenate([(1.0 / 1024.0) ** exponents, jnp.zeros((quarter,), jnp.float32)])
+
+
+def rotate_half_truncated(x_BTNH: jax.Array, pos_T: jax.Array) -> jax.Array:
+    """modded-nanogpt's half-truncated rotary embedding of ``x`` at positions ``pos_T``.
+
+    Pairs ``(x1, x2) = (x[:H/2], x[H/2:])`` turn by ``-theta`` (theta = position x
+    frequency, :func:`half_truncated_frequencies`): ``y1 = x1 cos + x2 sin``,
+    ``y2 = -x1 sin + x2 cos``, in float32; the pairs of zero frequency pass unchanged.
+
+    Args:
+      x_BTNH: queries or keys ``(B, T, N, H)``.
+      pos_T: position of each of the ``T`` tokens.
+
+    Returns:
+      The rotated ``x`` in its dtype.
+
+    References:
+      Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding",
+      https://arxiv.org/abs/2104.09864, 2021; modded-nanogpt ``Rotary`` (Track 3,
+      https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization).
+    """
+    H = x_BTNH.shape[-1]
+    theta_TF = jnp.asarray(pos_T, jnp.float32)[:, None] * half_truncated_frequencies(H)[None]
+    cos, sin = jnp.cos(theta_TF)[:, None], jnp.sin(theta_TF)[:, None]  # (T, 1, H/2)
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    y = jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
+    return y.astype(x_BTNH.dtype)
+
+
 class KVCache(NamedTuple):
     """Keys and values of one attention layer for positions ``[0, S)``.
 
@@ -265,7 +325,10 @@ class CausalSelfAttention(nnx.Module):
     copying it. Without a cache it is computed as ``config.attention`` names
     (:func:`resolve_attention`): by default on CPU its gradient comes from
     :func:`causal_attention`'s hand-written backward pass, on a GPU from cuDNN's fused
-    flash attention where it runs.
+    flash attention where it runs. Options of ``config``: ``qk_norm`` (a parameter-free
+    RMS norm of each head's q and k), ``rotary`` (:func:`rotate_half_truncated` of q and k
+    at their positions, after the norm; the cache holds rotated keys) and ``attn_scale``
+    (the logit scale on every path, QK-clip's max logits included).
 
     Args:
       config: the model configuration.
@@ -280,9 +343,10 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         D, N, K, H = config.n_embd, config.n_head, config.kv_heads, config.head_dim
         kw = dict(dtype=config.compute_dtype, param_dtype=config.params_dtype, bias=config.bias)
-        self.c_q = Dense(D, N * H, names=("embed", "heads"), rngs=rngs, **kw)
-        self.c_k = Dense(D, K * H, names=("embed", "kv"), rngs=rngs, **kw)
-        self.c_v = Dense(D, K * H, names=("embed", "kv"), rngs=rngs, **kw)
+        std = input_std(config, D)
+        self.c_q = Dense(D, N * H, names=("embed", "heads"), std=std, rngs=rngs, **kw)
+        self.c_k = Dense(D, K * H, names=("embed", "kv"), std=std, rngs=rngs, **kw)
+        self.c_v = Dense(D, K * H, names=("embed", "kv"), std=std, rngs=rngs, **kw)
         self.c_proj = Dense(
             N * H, D, names=("heads", "embed"), std=residual_std(config), rngs=rngs, **kw
         )
@@ -314,18 +378,28 @@ class CausalSelfAttention(nnx.Module):
         q_BTNH = self.c_q(x_BTD).reshape(B, T, self.n_head, self.head_dim)
         k_BTKH = self.c_k(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
         v_BTKH = self.c_v(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
+        cfg = self.config
+        if cfg.qk_norm:  # float32, rounded to the compute dtype as F.rms_norm does
+            q_BTNH = rms_norm(q_BTNH).astype(q_BTNH.dtype)
+            k_BTKH = rms_norm(k_BTKH).astype(k_BTKH.dtype)
+        if cfg.rotary == "half_truncated":
+            pos_T = pos + jnp.arange(T)
+            q_BTNH = rotate_half_truncated(q_BTNH, pos_T)
+            k_BTKH = rotate_half_truncated(k_BTKH, pos_T)
+        scale = cfg.attn_scale
         if max_logits and cache is not None:
             raise ValueError("max_logits=True is for training without a key/value cache")
         if cache is None:
             attention = resolve_attention(self.config, max_logits=max_logits, seq_len=T)
         if max_logits:
-            y_BTNH, max_logits_N = causal_attention_and_max_logits(q_BTNH, k_BTKH, v_BTKH)
+            y_BTNH, max_logits_N = causal_attention_and_max_logits(q_BTNH, k_BTKH, v_BTKH,
+                                                                   scale)
             sow(self, nnx.Intermediate, "max_logits", max_logits_N)
         elif cache is None and attention == "handwritten":
-            y_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
+            y_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH, scale)
         elif cache is None:
-            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
-                                                  implementation=attention)
+            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, scale=scale,
+                                                  is_causal=True, implementation=attention)
         else:
             start = (0, pos, 0, 0)
             k_BSKH = jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), start)
@@ -334,6 +408,6 @@ class CausalSelfAttention(nnx.Module):
             S = k_BSKH.shape[1]
             mask_TS = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]
             y_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BSKH, v_BSKH, mask=mask_TS[None, None]
+                q_BTNH, k_BSKH, v_BSKH, scale=scale, mask=mask_TS[None, None]
             )
         return self.c_proj(y_BTNH.reshape(B, T, self.n_head * self.head_dim)), cache

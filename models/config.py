@@ -12,11 +12,17 @@ from typing import Any
 
 import jax.numpy as jnp
 
-MLP_KINDS = ("gelu", "swiglu")
+MLP_KINDS = ("gelu", "swiglu", "relu2")
+NORM_KINDS = ("layernorm", "rmsnorm")
+POSITION_KINDS = ("learned", "none")
+ROTARY_KINDS = ("none", "half_truncated")
+#: Initialisations (``GPTConfig.init``): nanoGPT's, or modded-nanogpt Track 3's
+#: ``train_gpt_simple.py``'s.
+INIT_KINDS = ("nanogpt", "track3")
 #: How attention is computed (``GPTConfig.attention``; see :func:`models.resolve_attention`).
 ATTENTION_KINDS = ("auto", "handwritten", "xla", "cudnn")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-_BOOLS = ("bias", "tie_embeddings", "scan_layers")
+_BOOLS = ("bias", "tie_embeddings", "scan_layers", "embed_norm", "qk_norm", "lm_head_bias")
 _REALS = ("dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
@@ -45,18 +51,49 @@ class GPTConfig:
         n_kv_head: number of key/value heads (grouped-query attention); ``None`` means
             ``n_head`` (plain multi-head attention). Must divide ``n_head``.
         n_embd: model width; must be a multiple of ``n_head``.
-        mlp: ``"gelu"`` (``c_proj(gelu(c_fc x))``) or ``"swiglu"``
-            (``c_proj(silu(c_gate x) * c_fc x)``).
+        mlp: ``"gelu"`` (``c_proj(gelu(c_fc x))``), ``"swiglu"``
+            (``c_proj(silu(c_gate x) * c_fc x)``) or ``"relu2"`` (``c_proj(relu(c_fc x)^2)``,
+            modded-nanogpt's ReLU²).
         mlp_hidden: hidden width of the dense MLP. ``None`` means ``4 * n_embd`` for
-            ``"gelu"`` and ``8/3 * n_embd`` rounded up to a multiple of 64 for ``"swiglu"``
+            ``"gelu"``/``"relu2"`` and ``8/3 * n_embd`` rounded up to a multiple of 64 for
+            ``"swiglu"``
             (LLaMA's choice: about the parameter count of a 4x GELU MLP; 384 for width 128).
-        bias: whether dense layers and LayerNorms have biases.
+        bias: whether dense layers (and, unless ``norm_bias`` says otherwise, the norms)
+            have biases. Never the LM head (``lm_head_bias``) nor the MoE router.
+        norm_bias: whether the norms have a learned bias; ``None`` follows ``bias``.
+        norm: ``"layernorm"`` (mean-centred, eps 1e-5, as ``torch.nn.LayerNorm``) or
+            ``"rmsnorm"`` (``x / sqrt(mean(x^2) + eps) * gain``, no centring, eps the float32
+            machine epsilon 2^-23, which is what PyTorch's ``F.rms_norm(eps=None)`` uses for
+            float32, bfloat16 and float16 inputs).
+        embed_norm: a norm (of kind ``norm``, parameters ``ln_embed``) directly on the token
+            embedding, before the first block.
+        position: ``"learned"`` (a ``wpe`` table added to the token embedding) or ``"none"``.
+        rotary: ``"none"`` or ``"half_truncated"``: modded-nanogpt's rotary embedding of
+            queries and keys, ``head_dim / 4`` frequencies ``(1/1024)^(j / (head_dim/4 - 1))``
+            then ``head_dim / 4`` zero frequencies, pairs ``(x[i], x[i + head_dim/2])``,
+            ``y1 = x1 cos + x2 sin``, ``y2 = -x1 sin + x2 cos`` (float32); ``head_dim`` must
+            be a multiple of 4.
+        qk_norm: a parameter-free RMS norm (eps as ``norm="rmsnorm"``) of each head's query
+            and key, before the rotary embedding.
+        attn_scale: the factor of ``q . k`` in the attention logits; ``None`` is
+            ``1/sqrt(head_dim)`` (modded-nanogpt Track 3 uses 0.12).
+        lm_head_bias: a bias on the untied LM head (``tie_embeddings=False`` only).
+        logit_softcap: ``c`` of the logit soft-cap ``c z / sqrt(z^2 + c^2)`` (float32, after
+            the head); ``None`` for none.
+        init: ``"nanogpt"`` (described on :class:`models.GPT`) or ``"track3"``
+            (``train_gpt_simple.py``'s: input matrices ``q/k/v``, ``fc`` (and ``gate``)
+            ``N(0, 0.33 / fan_in)``, every output projection and the LM head zero, biases
+            zero, embeddings ``N(0, 1)``, gains one).
+        embed_dtype: dtype name of the token (and position) embedding tables; ``None`` means
+            ``param_dtype`` (modded-nanogpt stores its embedding in bfloat16).
+        residual_dtype: dtype name of the residual stream between blocks (``"float32"``, or
+            ``"bfloat16"`` as modded-nanogpt, whose stream follows its bf16 embedding).
         dropout: dropout rate on the embeddings and on each residual branch (used only
             when the model is called with a ``dropout_key``).
         tie_embeddings: whether the output head reuses ``wte`` (no ``lm_head`` parameter).
         dtype: compute dtype name for matmuls and activations. Logits, losses, LayerNorm
-            statistics, the softmax of attention and the router are always float32, and so
-            is the residual stream.
+            statistics, the softmax of attention and the router are always float32, and
+            the residual stream is ``residual_dtype``.
         param_dtype: dtype name of the parameters (the router kernel is float32 always).
         moe_every: 0 for a dense model; ``N`` makes block ``i`` a mixture-of-experts block
             when ``(i + 1) % N == 0`` (so ``N = 1``: every block, ``N = 2``: blocks 1, 3, ...).
@@ -111,6 +148,20 @@ class GPTConfig:
                             "may resume with another)", choices=ATTENTION_KINDS)
     scan_layers: bool = _field(False, "stack the blocks (params (n_layer, ...)) and run them "
                                "with jax.lax.scan: compiles one block (dense models only)")
+    norm: str = _field("layernorm", "norm kind", choices=NORM_KINDS)
+    norm_bias: bool | None = _field(None, "biases in the norms (None = as bias)")
+    embed_norm: bool = _field(False, "a norm directly after the token embedding")
+    position: str = _field("learned", "position embedding added to the tokens",
+                           choices=POSITION_KINDS)
+    rotary: str = _field("none", "rotary embedding of queries and keys", choices=ROTARY_KINDS)
+    qk_norm: bool = _field(False, "parameter-free RMS norm of each head's q and k")
+    attn_scale: float | None = _field(None, "attention logit scale (None = 1/sqrt(head_dim))")
+    lm_head_bias: bool = _field(False, "a bias on the untied LM head")
+    logit_softcap: float | None = _field(None, "logit soft-cap c: c z / sqrt(z^2 + c^2)")
+    init: str = _field("nanogpt", "parameter initialisation", choices=INIT_KINDS)
+    embed_dtype: str | None = _field(None, "embedding table dtype (None = param_dtype)",
+                                     choices=FLOAT_DTYPES)
+    residual_dtype: str = _field("float32", "residual stream dtype", choices=FLOAT_DTYPES)
 
     def __post_init__(self):
         def positive(name):
@@ -140,8 +191,28 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}."
             )
-        if self.mlp not in MLP_KINDS:
-            raise ValueError(f"GPTConfig.mlp must be one of {MLP_KINDS}, got {self.mlp!r}.")
+        for name, kinds in (("mlp", MLP_KINDS), ("norm", NORM_KINDS),
+                            ("position", POSITION_KINDS), ("rotary", ROTARY_KINDS),
+                            ("init", INIT_KINDS), ("residual_dtype", FLOAT_DTYPES)):
+            if getattr(self, name) not in kinds:
+                raise ValueError(
+                    f"GPTConfig.{name} must be one of {kinds}, got {getattr(self, name)!r}.")
+        if self.embed_dtype is not None and self.embed_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"GPTConfig.embed_dtype must be None or one of {FLOAT_DTYPES}, "
+                             f"got {self.embed_dtype!r}.")
+        if self.norm_bias is not None and not isinstance(self.norm_bias, bool):
+            raise ValueError(f"GPTConfig.norm_bias must be None or a bool, got {self.norm_bias!r}.")
+        for name in ("attn_scale", "logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not value > 0):
+                raise ValueError(f"GPTConfig.{name} must be None or a float > 0, got {value!r}.")
+        if self.lm_head_bias and self.tie_embeddings:
+            raise ValueError("GPTConfig.lm_head_bias=True needs an untied head "
+                             "(tie_embeddings=False).")
+        if self.rotary != "none" and self.head_dim % 4:
+            raise ValueError(f"GPTConfig.rotary={self.rotary!r} needs head_dim (n_embd / n_head) "
+                             f"a multiple of 4, got {self.head_dim}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}.")
         if self.attention not in ATTENTION_KINDS:
@@ -192,12 +263,27 @@ class GPTConfig:
         """Resolved hidden width of the dense MLP."""
         if self.mlp_hidden is not None:
             return self.mlp_hidden
-        return 4 * self.n_embd if self.mlp == "gelu" else _swiglu_hidden(self.n_embd)
+        return _swiglu_hidden(self.n_embd) if self.mlp == "swiglu" else 4 * self.n_embd
 
     @property
     def expert_hidden_dim(self) -> int:
         """Resolved hidden width of one expert."""
         return self.hidden if self.expert_hidden is None else self.expert_hidden
+
+    @property
+    def has_norm_bias(self) -> bool:
+        """Whether the norms have biases (``norm_bias``, or ``bias`` when it is ``None``)."""
+        return self.bias if self.norm_bias is None else self.norm_bias
+
+    @property
+    def embeddings_dtype(self) -> jnp.dtype:
+        """``embed_dtype`` (or ``param_dtype``) as a numpy dtype."""
+        return jnp.dtype(self.embed_dtype or self.param_dtype)
+
+    @property
+    def stream_dtype(self) -> jnp.dtype:
+        """``residual_dtype`` as a numpy dtype."""
+        return jnp.dtype(self.residual_dtype)
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -217,3 +303,74 @@ class GPTConfig:
         """Token slots per expert for a batch of ``num_tokens`` tokens (at most ``num_tokens``)."""
         slots = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.n_experts)
         return max(1, min(num_tokens, slots))
+
+
+def track3_config(
+    n_layer: int = 12,
+    n_embd: int = 768,
+    head_dim: int = 128,
+    vocab_size: int = 50304,
+    block_size: int = 1024,
+    dtype: str = "bfloat16",
+    param_dtype: str = "float32",
+    embed_dtype: str | None = "bfloat16",
+    residual_dtype: str = "bfloat16",
+    **overrides: Any,
+) -> GPTConfig:
+    """The network of modded-nanogpt's optimizer benchmark (Track 3), as a :class:`GPTConfig`.
+
+    ``train_gpt_simple.py``'s ``GPT`` (result #36): RMSNorm with learned gains and no bias
+    in the blocks, directly after the token embedding and before the head; no learned
+    positions; its half-truncated rotary embedding after a parameter-free RMS norm of each
+    head's q and k; attention scale 0.12; a ReLU² MLP of width ``4 n_embd``; biases on every
+    linear layer including the untied LM head; the logit soft-cap ``15 z / sqrt(z^2 + 225)``;
+    its initialisation (``init="track3"``). The defaults are the file's shape (12 x 768,
+    6 heads of 128, vocabulary 50304, context 1024, about 162.4M parameters) and precision
+    (bf16 matmuls, a bf16 embedding table and a bf16 residual stream; other parameters
+    float32). The file sums the token losses (``reduction="sum"``): the logits are the
+    same either way, the reduction is the trainer's choice.
+
+    Args:
+      n_layer: number of blocks.
+      n_embd: model width; a multiple of ``head_dim``.
+      head_dim: width of one head (``n_head = n_embd / head_dim``); a multiple of 4.
+      vocab_size: number of token ids.
+      block_size: longest sequence.
+      dtype: compute dtype name.
+      param_dtype: parameter dtype name (except the embedding's).
+      embed_dtype: dtype name of the token embedding table (``None``: ``param_dtype``).
+      residual_dtype: dtype name of the residual stream.
+      **overrides: any other :class:`GPTConfig` field (``scan_layers``, ``attention``, ...).
+
+    Returns:
+      The configuration.
+
+    Raises:
+      ValueError: ``n_embd`` not a multiple of ``head_dim``, or an invalid field.
+
+    Example:
+      >>> import models
+      >>> cfg = models.track3_config()
+      >>> cfg.n_head, cfg.head_dim, cfg.hidden, cfg.norm, cfg.rotary
+      (6, 128, 3072, 'rmsnorm', 'half_truncated')
+
+    References:
+      Jordan et al., modded-nanogpt Track 3 (optimization), ``train_gpt_simple.py``,
+      https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization,
+      2026.
+    """
+    for name, value in (("n_embd", n_embd), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"track3_config: {name} must be a positive int, got {value!r}.")
+    if n_embd % head_dim:
+        raise ValueError(f"track3_config: n_embd={n_embd} must be a multiple of "
+                         f"head_dim={head_dim}.")
+    fields = dict(
+        vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
+        n_head=n_embd // head_dim, n_embd=n_embd, mlp="relu2", bias=True, norm_bias=False,
+        dropout=0.0, tie_embeddings=False, dtype=dtype, param_dtype=param_dtype,
+        norm="rmsnorm", embed_norm=True, position="none", rotary="half_truncated",
+        qk_norm=True, attn_scale=0.12, lm_head_bias=True, logit_softcap=15.0, init="track3",
+        embed_dtype=embed_dtype, residual_dtype=residual_dtype,
+    )
+    return GPTConfig(**{**fields, **overrides})

@@ -1,4 +1,6 @@
-"""The GPT: pre-LayerNorm transformer blocks (dense or MoE), learned positions, tied head.
+"""The GPT: pre-norm transformer blocks (dense or MoE), learned positions, tied head by
+default; the options of :class:`models.GPTConfig` also make modded-nanogpt's Track-3 network
+(:func:`models.track3_config`).
 
 Shapes: ``B`` batch, ``T`` time, ``D`` width, ``V`` vocabulary.
 """
@@ -13,12 +15,13 @@ from flax import nnx
 
 from models.attention import CausalSelfAttention, KVCache
 from models.config import GPTConfig
-from models.layers import MLP, Dense, Embed, LayerNorm, dropout, matmul
+from models.layers import MLP, Dense, Embed, dropout, embed_std, head_std, matmul, norm
 from models.moe import MoE
 
 
 class Block(nnx.Module):
-    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` (``moe`` in an MoE block).
+    """``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` (``moe`` in an MoE block); the
+    sums in ``config.residual_dtype``.
 
     Args:
       config: the model configuration.
@@ -27,10 +30,9 @@ class Block(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, layer: int, *, rngs: nnx.Rngs):
-        kw = dict(bias=config.bias, param_dtype=config.params_dtype)
-        self.ln_1 = LayerNorm(config.n_embd, **kw)
+        self.ln_1 = norm(config, config.n_embd)
         self.attn = CausalSelfAttention(config, rngs=rngs)
-        self.ln_2 = LayerNorm(config.n_embd, **kw)
+        self.ln_2 = norm(config, config.n_embd)
         moe = config.is_moe_block(layer)
         self.mlp = None if moe else MLP(config, rngs=rngs)
         self.moe = MoE(config, rngs=rngs) if moe else None
@@ -46,16 +48,17 @@ class Block(nnx.Module):
         dropless: bool = False,
         max_logits: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Apply the block to the float32 residual stream; returns it and the cache.
+        """Apply the block to the residual stream; returns it and the cache.
 
         ``max_logits``: the attention sows its per-head max logits (see
         :class:`CausalSelfAttention`)."""
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+        dt = x_BTD.dtype  # the residual stream's: each branch is added in it
         y_BTD, cache = self.attn(self.ln_1(x_BTD), cache, pos, max_logits=max_logits)
-        x_BTD = x_BTD + dropout(y_BTD, self.dropout_rate, keys[0])
+        x_BTD = x_BTD + dropout(y_BTD, self.dropout_rate, keys[0]).astype(dt)
         h_BTD = self.ln_2(x_BTD)
         y_BTD = self.mlp(h_BTD) if self.moe is None else self.moe(h_BTD, dropless=dropless)
-        return x_BTD + dropout(y_BTD, self.dropout_rate, keys[1]), cache
+        return x_BTD + dropout(y_BTD, self.dropout_rate, keys[1]).astype(dt), cache
 
 
 class GPT(nnx.Module):
@@ -64,14 +67,16 @@ class GPT(nnx.Module):
     Parameters (paths as in ``nnx.state(model, nnx.Param)``; every one carries logical
     axis names, see :mod:`models.sharding`):
 
-    - ``wte/embedding`` ``(V, D)`` and ``wpe/embedding`` ``(block_size, D)``;
-    - ``blocks/<i>/ln_1/scale`` (``/bias`` if ``config.bias``), ``blocks/<i>/ln_2/...``;
+    - ``wte/embedding`` ``(V, D)`` and (``position="learned"``) ``wpe/embedding``
+      ``(block_size, D)``; (``embed_norm``) ``ln_embed/scale``;
+    - ``blocks/<i>/ln_1/scale`` (``/bias`` if ``config.has_norm_bias``), ``blocks/<i>/ln_2/...``;
     - ``blocks/<i>/attn/{c_q,c_k,c_v,c_proj}/kernel`` (and ``bias``);
     - dense blocks: ``blocks/<i>/mlp/{c_fc,c_proj}/kernel`` (+ ``c_gate`` for SwiGLU);
     - MoE blocks: ``blocks/<i>/moe/router/kernel`` ``(D, E)`` float32 and
       ``blocks/<i>/moe/experts/{w_fc,w_proj}`` ``(E, D, F)``/``(E, F, D)``
       (+ ``w_gate`` for SwiGLU);
-    - ``ln_f/scale`` (``/bias``) and, untied only, ``lm_head/kernel`` ``(D, V)``.
+    - ``ln_f/scale`` (``/bias``) and, untied only, ``lm_head/kernel`` ``(D, V)`` (and
+      ``lm_head/bias`` with ``lm_head_bias``).
 
     With ``config.scan_layers`` the blocks are one stack: ``blocks/<i>/...`` becomes
     ``blocks/...`` with a leading ``(n_layer, ...)`` axis (logical name ``"layers"``,
@@ -80,8 +85,12 @@ class GPT(nnx.Module):
 
     Init as nanoGPT: ``N(0, 0.02)`` for matrices and embeddings, ``0.02 / sqrt(2 n_layer)``
     for residual output projections (``c_proj``, ``w_proj``), zeros for biases, ones for
-    LayerNorm scales. The residual stream, LayerNorms and logits are float32; matmuls run
-    in ``config.dtype``.
+    norm scales; ``config.init="track3"`` is modded-nanogpt's (see :class:`GPTConfig`). Norms
+    and logits are float32, the residual stream ``config.residual_dtype`` (float32 by
+    default); matmuls run in ``config.dtype``. The options of :class:`GPTConfig` (norm kind,
+    ``embed_norm``, ``position``, ``rotary``, ``qk_norm``, ``attn_scale``, ``mlp="relu2"``,
+    ``lm_head_bias``, ``logit_softcap``, dtypes) make modded-nanogpt's Track-3 network
+    (:func:`models.track3_config`, weights from PyTorch with :func:`models.from_torch`).
 
     Sharding: the parameters are created sharded when a mesh is set
     (``jax.set_mesh(mesh)``) and the logical names are mapped
@@ -114,16 +123,19 @@ class GPT(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         D, dt = config.n_embd, config.params_dtype
-        self.wte = Embed(config.vocab_size, D, names=("vocab", "embed"), param_dtype=dt, rngs=rngs)
-        self.wpe = Embed(config.block_size, D, names=(None, "embed"), param_dtype=dt, rngs=rngs)
+        emb = dict(param_dtype=config.embeddings_dtype, std=embed_std(config), rngs=rngs)
+        self.wte = Embed(config.vocab_size, D, names=("vocab", "embed"), **emb)
+        self.wpe = (Embed(config.block_size, D, names=(None, "embed"), **emb)
+                    if config.position == "learned" else None)
+        self.ln_embed = norm(config, D) if config.embed_norm else None
         if config.scan_layers:
             self.blocks = _stacked_blocks(config, rngs)
         else:
             self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.n_layer)])
-        self.ln_f = LayerNorm(D, bias=config.bias, param_dtype=dt)
+        self.ln_f = norm(config, D)
         self.lm_head = None if config.tie_embeddings else Dense(
             D, config.vocab_size, names=("embed", "vocab"), dtype=config.compute_dtype,
-            param_dtype=dt, bias=False, rngs=rngs,
+            param_dtype=dt, bias=config.lm_head_bias, std=head_std(config), rngs=rngs,
         )
         self.config = config
 
@@ -146,7 +158,7 @@ class GPT(nnx.Module):
             (read them through :func:`forward`).
 
         Returns:
-          ``logits_BTV`` in float32.
+          ``logits_BTV`` in float32 (soft-capped with ``config.logit_softcap``).
         """
         seq_len, block_size = tokens_BT.shape[1], self.config.block_size
         if seq_len > block_size:
@@ -195,8 +207,12 @@ class GPT(nnx.Module):
     def _run(self, tokens_BT, cache, pos, dropout_key, dropless, max_logits=False):
         cfg = self.config
         T = tokens_BT.shape[1]
-        pos_T = pos + jnp.arange(T)
-        x_BTD = self.wte(tokens_BT).astype(jnp.float32) + self.wpe(pos_T).astype(jnp.float32)
+        x_BTD = self.wte(tokens_BT)
+        if self.wpe is not None:
+            x_BTD = x_BTD.astype(jnp.float32) + self.wpe(pos + jnp.arange(T)).astype(jnp.float32)
+        if self.ln_embed is not None:
+            x_BTD = self.ln_embed(x_BTD)
+        x_BTD = x_BTD.astype(cfg.stream_dtype)
         if dropout_key is not None:
             x_BTD = dropout(x_BTD, cfg.dropout, jax.random.fold_in(dropout_key, cfg.n_layer))
         if cfg.scan_layers:
@@ -212,7 +228,11 @@ class GPT(nnx.Module):
                                 preferred_element_type=jnp.float32)
         else:
             logits_BTV = self.lm_head(x_BTD)
-        return logits_BTV.astype(jnp.float32), new_cache
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        if cfg.logit_softcap is not None:
+            c = cfg.logit_softcap
+            logits_BTV = c * logits_BTV * jax.lax.rsqrt(jnp.square(logits_BTV) + c * c)
+        return logits_BTV, new_cache
 
     def _unrolled_blocks(self, x_BTD, cache, pos, dropout_key, dropless, max_logits):
         new_cache = []
@@ -325,8 +345,8 @@ def forward(
       auxiliary loss, already scaled by its coefficient (a float32 scalar, 0.0 for a dense
       model); and ``None``, or with ``max_logits=True`` a dict from each attention layer's
       path (``"blocks/0/attn"``, the prefix of its ``c_q``/``c_k`` parameters) to the
-      float32 ``(n_head,)`` maximum of ``q . k / sqrt(head_dim)`` over the batch and the
-      causal positions.
+      float32 ``(n_head,)`` maximum of ``q . k / sqrt(head_dim)`` (``q . k * attn_scale``,
+      after ``qk_norm`` and ``rotary``) over the batch and the causal positions.
 
     Example:
       >>> import jax.numpy as jnp

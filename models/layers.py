@@ -1,4 +1,4 @@
-"""Building blocks of the GPT: embedding, dense layer, LayerNorm, dropout, MLP.
+"""Building blocks of the GPT: embedding, dense layer, LayerNorm/RMSNorm, dropout, MLP.
 
 Every parameter is an ``nnx.Param`` with ``out_sharding`` logical axis names (see
 :mod:`models.sharding`). Matrices are stored ``(in, out)`` and named ``kernel``.
@@ -21,6 +21,9 @@ from flax import nnx
 from models.config import GPTConfig
 
 INIT_STD = 0.02  # nanoGPT's std for every matrix and embedding
+#: ``F.rms_norm(eps=None)``'s epsilon: ``numeric_limits<opmath_t>::epsilon()``, the float32
+#: machine epsilon (2^-23) for float32, bfloat16 and float16 inputs (ATen's layer_norm.cpp).
+RMS_EPS = float(jnp.finfo(jnp.float32).eps)
 
 
 def _capturing(module: nnx.Module) -> bool:
@@ -61,13 +64,14 @@ def param(
 
 
 class Embed(nnx.Module):
-    """A lookup table ``embedding`` ``(num, dim)``, init ``N(0, 0.02^2)``.
+    """A lookup table ``embedding`` ``(num, dim)``, init ``N(0, std^2)``.
 
     Args:
       num: number of rows (vocabulary or positions).
       dim: row width.
       names: logical axis names of the table.
       param_dtype: parameter dtype.
+      std: init std (nanoGPT's 0.02 by default).
       rngs: random streams (``params`` is used).
     """
 
@@ -78,9 +82,10 @@ class Embed(nnx.Module):
         *,
         names: tuple[str | None, str | None],
         param_dtype: jnp.dtype,
+        std: float = INIT_STD,
         rngs: nnx.Rngs,
     ):
-        self.embedding = param(rngs.params(), (num, dim), names, param_dtype, INIT_STD)
+        self.embedding = param(rngs.params(), (num, dim), names, param_dtype, std)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0)
@@ -186,7 +191,7 @@ class Dense(nnx.Module):
       dtype: compute dtype; inputs and the kernel are cast to it.
       param_dtype: parameter dtype.
       bias: whether to add a bias (initialised to zeros).
-      std: init std of the kernel.
+      std: init std of the kernel; ``None`` initialises it to zeros.
       rngs: random streams (``params`` is used).
     """
 
@@ -199,7 +204,7 @@ class Dense(nnx.Module):
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
         bias: bool,
-        std: float = INIT_STD,
+        std: float | None = INIT_STD,
         rngs: nnx.Rngs,
     ):
         self.kernel = param(rngs.params(), (d_in, d_out), names, param_dtype, std)
@@ -239,6 +244,55 @@ class LayerNorm(nnx.Module):
         return y
 
 
+def rms_norm(x: jax.Array, eps: float = RMS_EPS) -> jax.Array:
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis, in float32 (no gain, no centring).
+
+    Args:
+      x: input ``(..., D)``.
+      eps: added to the mean square (default PyTorch's ``F.rms_norm(eps=None)``: 2^-23).
+
+    Returns:
+      The normalised ``x`` in float32.
+    """
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis: ``rms_norm(x) * scale (+ bias)``, in float32.
+
+    The gain is named ``scale`` as LayerNorm's, so both kinds have the same parameter
+    paths. eps is PyTorch's default for ``F.rms_norm`` (:data:`RMS_EPS`, 2^-23).
+
+    Args:
+      dim: normalised width.
+      bias: whether to add a learned bias.
+      param_dtype: parameter dtype.
+
+    References:
+      Zhang and Sennrich, "Root Mean Square Layer Normalization",
+      https://arxiv.org/abs/1910.07467, 2019.
+    """
+
+    def __init__(self, dim: int, *, bias: bool, param_dtype: jnp.dtype):
+        self.scale = nnx.Param(
+            jnp.ones((dim,), param_dtype), out_sharding=(None,), eager_sharding=_eager_sharding()
+        )
+        self.bias = param(None, (dim,), (None,), param_dtype, None) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = rms_norm(x) * self.scale[...].astype(jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y
+
+
+def norm(config: GPTConfig, dim: int) -> LayerNorm | RMSNorm:
+    """The norm ``config.norm`` names, with a bias when ``config.has_norm_bias``."""
+    kind = RMSNorm if config.norm == "rmsnorm" else LayerNorm
+    return kind(dim, bias=config.has_norm_bias, param_dtype=config.params_dtype)
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout; the identity when ``key`` is ``None`` or ``rate`` is 0."""
     if key is None or rate == 0.0:
@@ -258,16 +312,34 @@ def gelu(x: jax.Array) -> jax.Array:
     return (0.5 * x32 * (1.0 + jax.lax.erf(x32 * (1.0 / math.sqrt(2.0))))).astype(x.dtype)
 
 
-def residual_std(config: GPTConfig) -> float:
-    """nanoGPT's init std of residual output projections: ``0.02 / sqrt(2 n_layer)``."""
-    return INIT_STD / math.sqrt(2 * config.n_layer)
+def residual_std(config: GPTConfig) -> float | None:
+    """Init std of residual output projections: nanoGPT's ``0.02 / sqrt(2 n_layer)``, or
+    ``None`` (zeros) for ``init="track3"``."""
+    return None if config.init == "track3" else INIT_STD / math.sqrt(2 * config.n_layer)
+
+
+def input_std(config: GPTConfig, fan_in: int) -> float:
+    """Init std of a matrix reading the residual stream (q, k, v, fc, gate): nanoGPT's
+    0.02, or ``sqrt(0.33 / fan_in)`` for ``init="track3"``."""
+    return math.sqrt(0.33 / fan_in) if config.init == "track3" else INIT_STD
+
+
+def embed_std(config: GPTConfig) -> float:
+    """Init std of the embedding tables: nanoGPT's 0.02, or 1 for ``init="track3"``."""
+    return 1.0 if config.init == "track3" else INIT_STD
+
+
+def head_std(config: GPTConfig) -> float | None:
+    """Init std of the untied LM head: nanoGPT's 0.02, or ``None`` (zeros) for
+    ``init="track3"``."""
+    return None if config.init == "track3" else INIT_STD
 
 
 class MLP(nnx.Module):
-    """Dense feed-forward block: GELU (``c_fc``, ``c_proj``) or SwiGLU (+ ``c_gate``).
+    """Dense feed-forward block: GELU or ReLU² (``c_fc``, ``c_proj``), or SwiGLU (+ ``c_gate``).
 
-    GELU is the exact (erf) one, as nanoGPT's ``nn.GELU()``. SwiGLU computes
-    ``c_proj(silu(c_gate x) * c_fc x)``.
+    GELU is the exact (erf) one, as nanoGPT's ``nn.GELU()``; ReLU² is ``relu(x)^2``
+    (modded-nanogpt's). SwiGLU computes ``c_proj(silu(c_gate x) * c_fc x)``.
 
     Args:
       config: the model configuration (``mlp``, ``hidden``, ``bias``, dtypes).
@@ -277,16 +349,23 @@ class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         D, F = config.n_embd, config.hidden
         kw = dict(dtype=config.compute_dtype, param_dtype=config.params_dtype, bias=config.bias)
-        self.c_fc = Dense(D, F, names=("embed", "mlp"), rngs=rngs, **kw)
+        std = input_std(config, D)
+        self.c_fc = Dense(D, F, names=("embed", "mlp"), std=std, rngs=rngs, **kw)
         self.c_gate = (
-            Dense(D, F, names=("embed", "mlp"), rngs=rngs, **kw) if config.mlp == "swiglu" else None
+            Dense(D, F, names=("embed", "mlp"), std=std, rngs=rngs, **kw)
+            if config.mlp == "swiglu" else None
         )
         self.c_proj = Dense(
             F, D, names=("mlp", "embed"), std=residual_std(config), rngs=rngs, **kw
         )
+        self.relu2 = config.mlp == "relu2"
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         h_BTF = self.c_fc(x_BTD)
-        gate_BTF = None if self.c_gate is None else jax.nn.silu(self.c_gate(x_BTD))
-        h_BTF = gelu(h_BTF) if gate_BTF is None else gate_BTF * h_BTF
+        if self.c_gate is not None:
+            h_BTF = jax.nn.silu(self.c_gate(x_BTD)) * h_BTF
+        elif self.relu2:
+            h_BTF = jnp.square(jax.nn.relu(h_BTF))
+        else:
+            h_BTF = gelu(h_BTF)
         return self.c_proj(h_BTF)

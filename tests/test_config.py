@@ -89,7 +89,7 @@ def test_the_help_of_the_model_keys_is_read_from_gpt_config():
         choices = f.metadata["choices"]
         shown = f" {{{', '.join(choices)}}}" if choices else ""
         assert f.metadata["help"] and lines[f"--{f.name}"].endswith(f.metadata["help"] + shown)
-    assert lines["--mlp"].endswith("MLP kind {gelu, swiglu}")
+    assert lines["--mlp"].endswith("MLP kind {gelu, swiglu, relu2}")
 
 
 @pytest.mark.parametrize("old, new", sorted(tc.RENAMED["key"].items()))
