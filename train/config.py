@@ -36,7 +36,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from models import GPTConfig, resolve_attention
+from models import GPTConfig, resolve_attention, track3_config
 
 __all__ = [
     "CHOICES",
@@ -515,13 +515,27 @@ def _upgrade(values: Mapping[str, Any]) -> dict[str, Any]:
 #: head (0.004) and every bias and gain (0.015); every group flat for 30% then linear to 0;
 #: no clipping; the loss summed over the step's tokens; the sequential data order; the val
 #: loss over the val split's first tokens every eval_interval steps, every
-#: eval_interval_tail in the last 10% and at the end.
+#: eval_interval_tail in the last 10% and at the end; and the file's network
+#: (`models.track3_config`: RMSNorm, half-truncated RoPE, QK-norm, ReLU², biases, soft-cap,
+#: its init, bf16 embedding and residual stream), added below.
 _TRACK3_RECIPE: dict[str, Any] = dict(
     optimizer="track3_baseline", muon_learning_rate=0.025, muon_weight_decay=0.05,
     muon_beta=0.95, muon_beta_warmup=0, learning_rate=0.7, head_learning_rate=0.004,
     vector_learning_rate=0.015, beta1=0.8, beta2=0.95, eps=1e-10, weight_decay=0.001,
     schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0, grad_clip=0.0,
     loss_reduction="sum", data_order="sequential", eval_tail_frac=0.1, num_samples=0)
+
+
+def _track3_network() -> dict[str, Any]:
+    """The Track-3 network's options (`models.track3_config`, their one home) that differ
+    from `GPTConfig`'s defaults, less the shape, which each preset sets."""
+    network, default = track3_config(), GPTConfig()
+    shape = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}
+    return {f.name: getattr(network, f.name) for f in dataclasses.fields(GPTConfig)
+            if f.name not in shape and getattr(network, f.name) != getattr(default, f.name)}
+
+
+_TRACK3_RECIPE.update(_track3_network())
 
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's CPU recipe (README: --device=cpu --eval_iters=20 --block_size=64 ...).
