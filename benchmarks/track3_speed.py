@@ -87,7 +87,7 @@ def torch_step(n_layer: int, d: int, head_dim: int, vocab: int, block: int, batc
                 h = block(h)
             z = self.head(rms(h, self.g_out)).float()
             z = 15 * z * (z.square() + 225).rsqrt()
-            return F.cross_entropy(z.view(-1, z.size(-1)), y.view(-1), reduction="sum")
+            return F.cross_entropy(z.view(-1, z.size(-1)), y.reshape(-1), reduction="sum")
 
     model = GPT()
     for name, p in model.named_parameters():  # the file's init

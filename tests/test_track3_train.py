@@ -4,6 +4,7 @@ windows that resumes exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -166,3 +167,26 @@ def test_sequential_run_evaluates_the_first_val_windows_and_resumes_exactly(corp
     data = TokenDataset.from_text(Path(corpus).read_text())
     x, _ = data.first_windows("val", num_tokens=256, batch_size=8, block_size=16)
     assert x.shape == (2, 8, 16)
+
+
+def test_track3_presets_hold_the_files_values():
+    full, twin = tc.get_preset("track3"), tc.get_preset("track3_cpu")
+    d, r, m = full.data, full.run, full.model
+    assert d.batch_size * d.grad_accum * m.block_size == 8 * 64 * 1024  # 524,288 tokens
+    assert (r.max_iters, r.val_tokens, d.order, full.optimizer.loss_reduction) == (
+        3250, 20 * 524288, "sequential", "sum")
+    assert [s for s in range(3251) if r.is_cadence_step(s)] == file_eval_steps(3250)
+    resolved = lambda config, vocab: dataclasses.replace(tc.model_config(config, vocab),
+                                                         attention="auto")
+    assert resolved(full, 50257) == models.track3_config(vocab_size=50304)
+    for config in (full, twin):  # the #36 recipe on both
+        o, a, mu, s = config.optimizer, config.adamw, config.muon, config.schedule
+        assert (o.name, o.grad_clip, mu.learning_rate, mu.weight_decay, mu.beta,
+                mu.beta_warmup) == ("track3_baseline", 0.0, 0.025, 0.05, 0.95, 0)
+        assert (a.learning_rate, a.head_learning_rate, a.vector_learning_rate, a.beta1,
+                a.beta2, a.eps, a.weight_decay) == (0.7, 0.004, 0.015, 0.8, 0.95, 1e-10, 0.001)
+        assert (s.kind, s.cooldown_frac, s.final_lr_scale) == ("stable_cooldown", 0.7, 0.0)
+    assert resolved(twin, 65) == models.track3_config(n_layer=4, n_embd=128, head_dim=32,
+                                                      vocab_size=65, block_size=128)
+    # one pass of the shipped characters holds the twin's steps
+    assert twin.run.max_iters <= (1_003_854 - 2) // (8 * 2 * 128)
