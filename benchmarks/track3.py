@@ -15,10 +15,11 @@ preset's data order, validation and cadence), then applies the benchmark's stati
   3 decimals: the smallest 3-decimal target the baseline passes at its last step.
 - pairwise rule, for each pair (old = the earlier in `--optimizers`):
   `(old mean - new mean + (old steps - new steps) / 100 * d) / sqrt(1/n_old + 1/n_new) >= c`,
-  each at its own result step; `d` is the loss the baseline loses per 100 fewer steps near
-  the target (the benchmark measured 0.0045), here the least-squares slope of the
-  baseline's mean val loss over the evaluations of the last `--slope_frac` of the run
-  (an approximation: the benchmark compared runs of different lengths).
+  each at its own result step (both at their last step where one has no result); `d` is
+  the loss the baseline loses per 100 fewer steps near the target (the benchmark
+  measured 0.0045), here the least-squares slope of the baseline's mean val loss over the
+  evaluations of the last `--slope_frac` of the run (an approximation: the benchmark
+  compared runs of different lengths).
 
 Writes `<out>.json`, `<out>.md` and `<out>.png` (default `benchmarks/results/<preset>`);
 each run keeps its folder under `--runs_dir` and is not run again while its metrics hold
@@ -165,17 +166,16 @@ def summarize(curves: Mapping[str, Mapping[int, Mapping[int, float]]], *,
     for i, old in enumerate(names):
         for new in names[i + 1:]:
             o, n = out["optimizers"][old], out["optimizers"][new]
-            if o["result_step"] is None or n["result_step"] is None:
-                pairs.append({"old": old, "new": new, "score": None, "better": None})
-                continue
-            score = pairwise_score((o["result_mean"], len(o["seeds"]), o["result_step"]),
-                                   (n["result_mean"], len(n["seeds"]), n["result_step"]),
-                                   per_100)
-            reverse = pairwise_score((n["result_mean"], len(n["seeds"]), n["result_step"]),
-                                     (o["result_mean"], len(o["seeds"]), o["result_step"]),
-                                     per_100)
-            pairs.append({"old": old, "new": new, "score": score, "better": score >= c,
-                          "reverse_score": reverse, "old_better": reverse >= c})
+            # at each one's result step; where one has none, both at their last step
+            at_result = o["result_step"] is not None and n["result_step"] is not None
+            pick = lambda r, at_result=at_result: ((r["result_mean"], len(r["seeds"]), r["result_step"])
+                              if at_result else
+                              (r["final_mean"], len(r["seeds"]), r["steps"][-1]))
+            score = pairwise_score(pick(o), pick(n), per_100)
+            reverse = pairwise_score(pick(n), pick(o), per_100)
+            pairs.append({"old": old, "new": new, "at": "result" if at_result else "final",
+                          "score": score, "better": score >= c, "reverse_score": reverse,
+                          "old_better": reverse >= c})
     out["pairs"] = pairs
     return out
 
@@ -243,14 +243,12 @@ def write_report(summary: dict, out: Path, title: str) -> None:
         lines.append(f"| {name} | {len(o['seeds'])} | {o['final_mean']:.4f}{std} | "
                      f"{o['score_at_final']:.4f} | {o['result_step'] or 'none'} | "
                      f"{o['result_mean']:.4f} |")
-    lines += ["", "| old | new | pairwise score (new better) | new better? | reverse score | "
-              "old better? |", "|---|---|---|---|---|---|"]
+    lines += ["", "| old | new | compared at | pairwise score (new better) | new better? | "
+              "reverse score | old better? |", "|---|---|---|---|---|---|---|"]
     for p in summary["pairs"]:
-        if p["score"] is None:
-            lines.append(f"| {p['old']} | {p['new']} | - | - | - | - |")
-        else:
-            lines.append(f"| {p['old']} | {p['new']} | {p['score']:.4f} | {p['better']} | "
-                         f"{p['reverse_score']:.4f} | {p['old_better']} |")
+        at = "result steps" if p["at"] == "result" else "last step (a result is missing)"
+        lines.append(f"| {p['old']} | {p['new']} | {at} | {p['score']:.4f} | {p['better']} "
+                     f"| {p['reverse_score']:.4f} | {p['old_better']} |")
     lines += ["", "Per-seed val loss at every evaluation:", ""]
     for name, o in opt.items():
         lines.append(f"- {name}: steps {o['steps']}")

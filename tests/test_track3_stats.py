@@ -84,4 +84,10 @@ def test_summarize_end_to_end_on_synthetic_curves():
     assert out["per_100_steps"] == pytest.approx(-100 * np.polyfit(window, clean, 1)[0],
                                                  abs=0.01)
     (pair,) = out["pairs"]
-    assert pair["better"] and not pair["old_better"]
+    assert pair["at"] == "result" and pair["better"] and not pair["old_better"]
+    # a slower optimizer that never passes: compared at the last step
+    curves["slow"] = {s: curve(0.05, s) for s in range(4)}
+    out = t3.summarize(curves)
+    assert out["optimizers"]["slow"]["result_step"] is None
+    last = [p for p in out["pairs"] if p["new"] == "slow"]
+    assert [p["at"] for p in last] == ["final", "final"] and all(p["old_better"] for p in last)
