@@ -168,11 +168,10 @@ def summarize(curves: Mapping[str, Mapping[int, Mapping[int, float]]], *,
             o, n = out["optimizers"][old], out["optimizers"][new]
             # at each one's result step; where one has none, both at their last step
             at_result = o["result_step"] is not None and n["result_step"] is not None
-            pick = lambda r, at_result=at_result: ((r["result_mean"], len(r["seeds"]), r["result_step"])
-                              if at_result else
-                              (r["final_mean"], len(r["seeds"]), r["steps"][-1]))
-            score = pairwise_score(pick(o), pick(n), per_100)
-            reverse = pairwise_score(pick(n), pick(o), per_100)
+            key = ("result_mean", "result_step") if at_result else ("final_mean", "last")
+            a, b = ((r[key[0]], len(r["seeds"]), r["steps"][-1] if key[1] == "last" else
+                     r[key[1]]) for r in (o, n))
+            score, reverse = pairwise_score(a, b, per_100), pairwise_score(b, a, per_100)
             pairs.append({"old": old, "new": new, "at": "result" if at_result else "final",
                           "score": score, "better": score >= c, "reverse_score": reverse,
                           "old_better": reverse >= c})
