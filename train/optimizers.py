@@ -352,8 +352,9 @@ def track3_labels(params: Any) -> Any:
 def _track3_stack(config: TrainConfig) -> optax.GradientTransformation:
     """modded-nanogpt Track 3's baseline (#36, train_gpt_simple.py), from the config.
 
-    Muon on the hidden matrices: EMA-form Nesterov momentum `muon_beta` (0.95, no
-    warm-up), 12 Newton-Schulz steps of (2, -1.5, 0.5) in bf16 (`"track3"`), the shape
+    Muon on the hidden matrices: EMA-form Nesterov momentum `muon_beta` (0.95; warmed up
+    from 0.85 over `muon_beta_warmup` steps, which the presets set to 0 as the file has
+    no warm-up), 12 Newton-Schulz steps of (2, -1.5, 0.5) in bf16 (`"track3"`), the shape
     scale `sqrt(max(1, fan_out/fan_in))`, decoupled decay `muon_weight_decay` (0.05) at
     `muon_learning_rate` (0.025). AdamW (bias-corrected, decoupled decay `weight_decay`
     0.001 on every group, `beta1`, `beta2`, `eps`) at `learning_rate` on the embedding (0.7),
@@ -362,10 +363,12 @@ def _track3_stack(config: TrainConfig) -> optax.GradientTransformation:
     """
     m, a = config.muon, config.adamw
     lr = lambda peak: learning_rate_schedule(config, peak)
+    beta = m.beta if m.beta_warmup == 0 else muon_momentum_warmup(  # the presets: constant
+        min(0.85, m.beta), m.beta, m.beta_warmup)
     adamw = lambda peak: optax.adamw(lr(peak), b1=a.beta1, b2=a.beta2, eps=a.eps,
                                      weight_decay=a.weight_decay)
     muon = optax.chain(
-        optax_snoo.scale_by_muon(m.beta, coefficients=((2.0, -1.5, 0.5),) * 12,
+        optax_snoo.scale_by_muon(beta, coefficients=((2.0, -1.5, 0.5),) * 12,
                                  ns_dtype=jnp.bfloat16, nesterov=True, shape_scale="modded",
                                  shard_newton_schulz=config.mesh.diloco == 1),
         optax_snoo.add_decoupled_weight_decay(m.weight_decay),
@@ -378,9 +381,6 @@ def _track3_stack(config: TrainConfig) -> optax.GradientTransformation:
 
 
 def _track3(config: TrainConfig, snoo_k: int | None) -> TrainOptimizer:
-    if config.muon.beta_warmup:
-        raise ValueError(f"--muon_beta_warmup={config.muon.beta_warmup}: track3_baseline keeps "
-                         "Muon's momentum constant, as the file; pass --muon_beta_warmup=0")
     stack = _track3_stack(config)
     if snoo_k is not None:
         stack = with_snoo(config, stack)
