@@ -67,7 +67,8 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "skew_adam": "skew_learning_rate", "snoo_skew_adam": "skew_learning_rate",
            "adafactor": "skew_learning_rate", "kfac": "kfac_learning_rate",
            "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
-           "snoo_adamw": "learning_rate"}
+           "snoo_adamw": "learning_rate", "track3_baseline": "muon_learning_rate",
+           "snoo_track3_baseline": "muon_learning_rate"}
 
 
 @pytest.mark.parametrize("name", sorted(MAIN_LR))
