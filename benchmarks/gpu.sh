@@ -6,7 +6,11 @@
 #     STUDY_STEPS (default 150) steps each, written to benchmarks/results/gpu_headline.md;
 #  3. SkewAdam's update time against AdamW's on the moe_tiny, moe_10m and dense GPT-2 trees
 #     (benchmarks/skewadam_speed.py, under a minute; SKEW_ROUNDS=0 skips it). On XLA:CPU
-#     it is 1.1-1.5x (no multi-output fusion); this is where the <= 1.0x target is checked.
+#     it is 1.1-1.5x (no multi-output fusion); this is where the <= 1.0x target is checked;
+#  4. tokens/s and MFU of modded-nanogpt Track 3's step (the track3 preset: the file's
+#     12 x 768 network, 8 x 64 x 1024 tokens accumulated, the #36 optimizer, summed loss)
+#     on random GPT-2 ids, one compilation then 3 rounds of 3 steps (TRACK3_ROUNDS=0
+#     skips it; the machine needs no data or network).
 # Attention is the trainer's default choice by backend (--attention=auto: cuDNN's fused
 # flash attention where it runs the config, else XLA's); the throughput table's shape
 # line and each study run's start-up line print which ran (--attention=xla compares).
@@ -24,6 +28,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 STUDY_STEPS="${STUDY_STEPS:-150}"
 SKEW_ROUNDS="${SKEW_ROUNDS:-7}"
+TRACK3_ROUNDS="${TRACK3_ROUNDS:-3}"
 nvidia-smi --query-gpu=name,memory.total,utilization.gpu --format=csv 2>/dev/null || true
 "$PYTHON" -m benchmarks.throughput --require_accelerator --preset=gpt2_small \
   --dtypes=bfloat16 --no_reference --rounds=5 --steps=10 --warmup=3 "$@"
@@ -34,4 +39,9 @@ if [ "$STUDY_STEPS" -gt 0 ]; then
 fi
 if [ "$SKEW_ROUNDS" -gt 0 ]; then
   "$PYTHON" -m benchmarks.skewadam_speed --rounds="$SKEW_ROUNDS" --hlo
+fi
+if [ "$TRACK3_ROUNDS" -gt 0 ]; then
+  "$PYTHON" -m benchmarks.throughput --require_accelerator --preset=track3 \
+    --optimizers=track3_baseline --dtypes=bfloat16 --no_reference --vocab=50257 \
+    --rounds="$TRACK3_ROUNDS" --steps=3 --warmup=1
 fi

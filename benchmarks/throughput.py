@@ -71,10 +71,11 @@ class Variant:
     cpu: list[float] = dataclasses.field(default_factory=list)
 
 
-def _batches(config: TrainConfig, count: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+def _batches(config: TrainConfig, count: int = 4, vocab: int = VOCAB
+             ) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)
     shape = (config.data.grad_accum, config.data.batch_size, config.model.block_size + 1)
-    windows = [rng.integers(0, VOCAB, shape, dtype=np.int32) for _ in range(count)]
+    windows = [rng.integers(0, vocab, shape, dtype=np.int32) for _ in range(count)]
     return [(w[..., :-1], w[..., 1:]) for w in windows]
 
 
@@ -93,10 +94,12 @@ def ours(config: TrainConfig, *, vocab: int = VOCAB,
     spec = build_optimizer(config)
     mesh = make_mesh(config)
     model, state = create_train_state(gpt_config, spec.tx, seed=config.run.seed, mesh=mesh)
-    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh),
+                           loss_reduction=config.optimizer.loss_reduction)
     if batch is None:
         data = batch_sharding(mesh)
-        batches = [(put_batch(x, data), put_batch(y, data)) for x, y in _batches(config)]
+        batches = [(put_batch(x, data), put_batch(y, data))
+                   for x, y in _batches(config, vocab=vocab)]
         batch = lambda i: batches[i % len(batches)]
     tokens = config.data.grad_accum * config.data.batch_size * config.model.block_size
     flops = flops_per_token(state["params"], gpt_config) * tokens
@@ -259,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=VOCAB,
+                        help="the random tokens' vocabulary (before padding; GPT-2's: 50257)")
     parser.add_argument("--require_accelerator", action="store_true",
                         help="fail unless JAX's default backend is a GPU or TPU")
     args, rest = parser.parse_known_args(argv)
@@ -267,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> str:
                          f"{jax.devices()}); install jax[cuda12] or run on a GPU machine")
     config = parse_args(["--optimizer=adamw", *rest])
     names = args.optimizers.split(",") if args.optimizers else [config.optimizer.name]
-    variants = [ours(override(config, optimizer=o, dtype=d))
+    variants = [ours(override(config, optimizer=o, dtype=d), vocab=args.vocab)
                 for o in names for d in args.dtypes.split(",")]
     if not args.no_reference:
         variants.append(reference(config))

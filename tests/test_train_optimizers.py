@@ -68,8 +68,9 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "adafactor": "skew_learning_rate", "kfac": "kfac_learning_rate",
            "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
            "snoo_adamw": "learning_rate", "newton_muon": "muon_learning_rate",
-           "track3_baseline": None, "track3_record": None, "track3_soap_muon": None,
-           "muonh": None, "muloco_normuonh": None,
+           "track3_baseline": "muon_learning_rate",
+           "snoo_track3_baseline": "muon_learning_rate", "track3_record": None,
+           "track3_soap_muon": None, "muonh": None, "muloco_normuonh": None,
            "track3_newton_muon": None}  # None: the record's lrs
 
 
@@ -101,10 +102,10 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
 
 
 def test_track3_baseline_is_the_recipe():
-    """`--optimizer=track3_baseline` is clipping + `recipes.track3_baseline(max_iters)`,
-    logging Muon's scheduled lr (record #36: 0.025, flat for 30%, then linear to 0)."""
-    config = override(tc.TrainConfig(), optimizer="track3_baseline", max_iters=50,
-                      grad_clip=0.0)
+    """`--optimizer=track3_baseline` with the `track3` presets' values is
+    `recipes.track3_baseline(max_iters)`, logging Muon's scheduled lr (record #36: 0.025,
+    flat for 30%, then linear to 0)."""
+    config = override(tc.TrainConfig(), **tc._TRACK3_RECIPE, max_iters=50)
     spec = build_optimizer(config)
     assert spec.sync_period is None
     assert [float(spec.learning_rate(t)) for t in (0, 14, 50)] == pytest.approx(

@@ -36,7 +36,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from models import GPTConfig, resolve_attention
+from models import GPTConfig, resolve_attention, track3_config
 
 __all__ = [
     "CHOICES",
@@ -128,6 +128,11 @@ class OptimizerConfig:
     qk_clip_tau: float = _field(0.0, "QK-clip (MuonClip): after each update, scale the query "
                                 "and key heads whose max attention logit exceeded this back "
                                 "to it (0 = off; Kimi K2 used 100)")
+    loss_reduction: str = _field("mean", "the differentiated loss: mean token cross-entropy, "
+                                 "or sum, its sum over the step's whole batch (modded-"
+                                 "nanogpt Track 3's reduction='sum' + all_reduce(SUM); the "
+                                 "track3 presets); Adam's eps and clipping see that scale",
+                                 choices=("mean", "sum"))
 
     def __post_init__(self):
         _validate(self, non_negative_float=("grad_clip", "qk_clip_tau"))
@@ -145,10 +150,18 @@ class AdamWConfig:
     beta2: float = _field(0.99, "Adam beta2 (every Adam-like group; SkewAdam's too)")
     eps: float = _field(1e-8, "Adam epsilon (SkewAdam's clamp on squared statistics)")
     weight_decay: float = _field(0.1, "AdamW weight decay on >= 2-D params (adamw stacks "
-                                 "and K-FAC's; Muon's Adam group has none)")
+                                 "and K-FAC's; Muon's Adam group has none; every Adam group "
+                                 "of track3_baseline)")
+    head_learning_rate: float | None = _field(None, "track3_baseline: peak lr of the AdamW "
+                                              "group of the LM head's kernel (None = "
+                                              "learning_rate, the embedding's)")
+    vector_learning_rate: float | None = _field(None, "track3_baseline: peak lr of the AdamW "
+                                                "group of every bias and norm gain (None = "
+                                                "learning_rate)")
 
     def __post_init__(self):
-        _validate(self, positive_float=("learning_rate", "eps"),
+        _validate(self, positive_float=("learning_rate", "eps", "head_learning_rate",
+                                        "vector_learning_rate"),
                   unit_interval=("beta1", "beta2"), non_negative_float=("weight_decay",))
 
 
@@ -289,6 +302,10 @@ class DataConfig:
                                         "(None: 64 above 1024 ids, as nanoGPT's 50257 -> "
                                         "50304, else none); mesh_tensor must divide it")
     prefetch: bool = _field(True, "read the next batch while the current step runs")
+    order: str = _field("random", "random windows each step (nanoGPT), or sequential: the "
+                        "next contiguous tokens of the sorted shards each step (modded-"
+                        "nanogpt Track 3's generator)", key="data_order",
+                        choices=("random", "sequential"))
 
     def __post_init__(self):
         _validate(self, positive=("batch_size", "grad_accum", "vocab_multiple"))
@@ -301,6 +318,15 @@ class RunConfig:
     max_iters: int = _field(2000, "optimizer steps")
     eval_interval: int = _field(250, "evaluate every this many steps")
     eval_iters: int = _field(20, "batches per split in an evaluation")
+    eval_interval_tail: int | None = _field(None, "evaluate every this many steps in the last "
+                                            "eval_tail_frac of the run (None = eval_interval)")
+    eval_tail_frac: float = _field(0.1, "the tail of eval_interval_tail: steps with "
+                                   "step/max_iters >= 1 - this (modded-nanogpt Track 3: 125 "
+                                   "steps, then 25 from 90%)")
+    val_tokens: int | None = _field(None, "val loss over the val split's first this many "
+                                    "tokens, as contiguous windows, the same every evaluation "
+                                    "(modded-nanogpt Track 3: 10,485,760); None = eval_iters "
+                                    "random batches")
     log_interval: int = _field(10, "log train metrics every this many steps")
     checkpoint_every: int = _field(1000, "save a checkpoint every this many steps")
     seed: int = _field(1337, "seed of the init, the data windows and dropout")
@@ -316,11 +342,29 @@ class RunConfig:
 
     def __post_init__(self):
         _validate(self, positive=("eval_interval", "eval_iters", "log_interval",
-                                  "checkpoint_every", "max_bad_steps"),
-                  non_negative=("max_iters",))
+                                  "checkpoint_every", "max_bad_steps", "eval_interval_tail",
+                                  "val_tokens"),
+                  non_negative=("max_iters",), fraction=("eval_tail_frac",))
         if self.wandb_project is not None and not self.wandb_project.strip():
             raise ValueError(f"wandb_project={self.wandb_project!r}: expected a project name "
                              "(or None for no Weights & Biases logging)")
+
+    def is_cadence_step(self, step: int) -> bool:
+        """Whether the evaluation cadence falls on `step` (the step after `step` updates):
+        every `eval_interval` steps while `step / max_iters < 1 - eval_tail_frac`, every
+        `eval_interval_tail` after, and at `max_iters`. modded-nanogpt's
+        train_gpt_simple.py: `freq = 125 if step / T < 0.9 else 25; step == T or step %
+        freq == 0`. (The loop adds checkpoint steps and skips the step a resume starts at.)
+
+        Example:
+          >>> run = RunConfig(max_iters=3250, eval_interval=125, eval_interval_tail=25)
+          >>> [s for s in range(2850, 3251) if run.is_cadence_step(s)][:5]
+          [2875, 2925, 2950, 2975, 3000]
+        """
+        tail = self.max_iters > 0 and step / self.max_iters >= 1 - self.eval_tail_frac
+        interval = self.eval_interval_tail if tail and self.eval_interval_tail else (
+            self.eval_interval)
+        return step == self.max_iters or step % interval == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,6 +516,35 @@ def _upgrade(values: Mapping[str, Any]) -> dict[str, Any]:
     return nested
 
 
+#: modded-nanogpt Track 3's baseline recipe (#36, records/track_3_optimization/
+#: train_gpt_simple.py), shared by the `track3` presets: Muon (12 Newton-Schulz steps of
+#: (2, -1.5, 0.5) in bf16, lr 0.025, decoupled wd 0.05, EMA-Nesterov momentum 0.95) on the
+#: hidden matrices; AdamW (0.8, 0.95), eps 1e-10, wd 0.001 on the embedding (lr 0.7), the
+#: head (0.004) and every bias and gain (0.015); every group flat for 30% then linear to 0;
+#: no clipping; the loss summed over the step's tokens; the sequential data order; the val
+#: loss over the val split's first tokens every eval_interval steps, every
+#: eval_interval_tail in the last 10% and at the end; and the file's network
+#: (`models.track3_config`: RMSNorm, half-truncated RoPE, QK-norm, ReLU², biases, soft-cap,
+#: its init, bf16 embedding and residual stream), added below.
+_TRACK3_RECIPE: dict[str, Any] = dict(
+    optimizer="track3_baseline", muon_learning_rate=0.025, muon_weight_decay=0.05,
+    muon_beta=0.95, muon_beta_warmup=0, learning_rate=0.7, head_learning_rate=0.004,
+    vector_learning_rate=0.015, beta1=0.8, beta2=0.95, eps=1e-10, weight_decay=0.001,
+    schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0, grad_clip=0.0,
+    loss_reduction="sum", data_order="sequential", eval_tail_frac=0.1, num_samples=0)
+
+
+def _track3_network() -> dict[str, Any]:
+    """The Track-3 network's options (`models.track3_config`, their one home) that differ
+    from `GPTConfig`'s defaults, less the shape, which each preset sets."""
+    network, default = track3_config(), GPTConfig()
+    shape = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd"}
+    return {f.name: getattr(network, f.name) for f in dataclasses.fields(GPTConfig)
+            if f.name not in shape and getattr(network, f.name) != getattr(default, f.name)}
+
+
+_TRACK3_RECIPE.update(_track3_network())
+
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's CPU recipe (README: --device=cpu --eval_iters=20 --block_size=64 ...).
     # bf16 compute, also on a CPU: XLA:CPU runs bf16 matmuls on the CPU's bf16 units
@@ -521,6 +594,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_iters=5640, eval_interval=250, eval_iters=160, log_interval=10,
         checkpoint_every=500, vocab_multiple=128, data="data/fineweb10B",
         out_dir="out/gpt2_medium_fineweb"),
+    # modded-nanogpt Track 3 (the optimizer benchmark) at its baseline #36: 3250 steps of
+    # 8 x 64 x 1024 = 524,288 tokens (here 64 sequences x 8 accumulated micro-batches; on
+    # N devices keep the product), FineWeb's GPT-2 shards (data/cached_fineweb10B.py of
+    # modded-nanogpt; the vocabulary padded to 50,304), val loss over the first 10,485,760
+    # val tokens every 125 steps, every 25 from step 2925, and at 3250. For GPUs (the file
+    # ran 8 x H100; about 1.7B tokens); its target: mean val loss < 3.28.
+    "track3": dict(
+        **_TRACK3_RECIPE, block_size=1024, n_layer=12, n_head=6, n_embd=768, batch_size=64,
+        grad_accum=8, vocab_multiple=64, max_iters=3250, eval_interval=125,
+        eval_interval_tail=25, val_tokens=10_485_760, eval_iters=4, log_interval=25,
+        checkpoint_every=250, data="data/fineweb10B", out_dir="out/track3"),
+    # Its twin for a 2-core CPU (benchmarks/README.md, "Track 3 on a CPU"): the same recipe,
+    # data order, validation and cadence on the shipped tiny shakespeare as characters
+    # (vocabulary 65), 4 x 128 wide (4 heads of 32), context 128, 8 x 2 accumulated
+    # sequences = 2,048 tokens a step, 300 steps (of the 490 one pass holds); val over the
+    # first 16,384 val characters every 25 steps, every 5 from step 270.
+    "track3_cpu": dict(
+        **_TRACK3_RECIPE, block_size=128, n_layer=4, n_head=4, n_embd=128, batch_size=8,
+        grad_accum=2, max_iters=300, eval_interval=25, eval_interval_tail=5,
+        val_tokens=16_384, eval_iters=2, log_interval=25, checkpoint_every=300,
+        out_dir="out/track3_cpu"),
 }
 
 

@@ -29,6 +29,14 @@ random offsets), so a resumed run draws exactly the batches the uninterrupted on
 whatever the number of shards. A process reads only the rows of the global batch its
 devices hold (`rows=`).
 
+`sequential_batch` is the other data order (`--data_order=sequential`), modded-nanogpt's
+`distributed_data_generator` (records/track_3_optimization/train_gpt_simple.py): the
+shards in sorted order, each step the next contiguous `grad_accum * batch_size *
+block_size + 1` ids, inputs and targets that stream shifted by one and cut into rows of
+`block_size` (no document alignment), a shard's remainder dropped when the next step would
+not fit (`pos + tokens + 1 >= length`, the file's test). It too is a pure function of the
+step: `sequential_position` finds a step's shard and offset by arithmetic, not by replay.
+
 Example:
   >>> data = TokenDataset.from_text("hello world, hello jax" * 10)
   >>> x_ABT, y_ABT = data.batch("train", step=0, batch_size=2, block_size=8, seed=0)
@@ -83,6 +91,8 @@ __all__ = [
     "load_meta_pkl",
     "open_dataset",
     "read_shard_header",
+    "sequential_position",
+    "sequential_steps_per_shard",
     "write_shard",
 ]
 
@@ -332,6 +342,53 @@ class TokenSplit:
         return out.reshape(*offset.shape, length)
 
 
+def sequential_steps_per_shard(length: int, step_tokens: int, *, first: bool = False) -> int:
+    """Steps the sequential order takes from a shard of `length` ids, `step_tokens` each.
+
+    modded-nanogpt's generator tests `pos + step_tokens + 1 >= length` before each step and
+    then opens the next shard, which it reads at `pos = 0` without testing again. So the
+    first shard gives the steps `k` with `k * step_tokens + step_tokens + 1 < length`,
+    `(length - 2) // step_tokens`; every later shard its step at 0 too: `max(1, ...)`, for
+    a shard of at least `step_tokens + 1` ids. A shorter later shard gives 0 steps (skipped
+    whole; the file would read a short buffer there and fail).
+
+    Example:
+      >>> sequential_steps_per_shard(10, 4), sequential_steps_per_shard(9, 4)
+      (2, 1)
+      >>> sequential_steps_per_shard(5, 4, first=True), sequential_steps_per_shard(5, 4)
+      (0, 1)
+    """
+    if step_tokens < 1:
+        raise ValueError(f"step_tokens={step_tokens}: expected >= 1")
+    tested = max(0, (length - 2) // step_tokens)
+    if first or length < step_tokens + 1:
+        return tested
+    return max(1, tested)
+
+
+def sequential_position(lengths: Sequence[int], step: int, step_tokens: int
+                        ) -> tuple[int, int]:
+    """`(shard, pos)`: where the sequential order reads step `step` (>= 0), without replay.
+
+    Raises:
+      ValueError: a negative step, or a step beyond the last shard (naming how many steps
+        the shards hold).
+    """
+    if step < 0:
+        raise ValueError(f"step={step}: expected >= 0")
+    per_shard = np.array([sequential_steps_per_shard(n, step_tokens, first=i == 0)
+                          for i, n in enumerate(lengths)], np.int64)
+    ends = np.cumsum(per_shard)
+    total = int(ends[-1]) if ends.size else 0
+    if step >= total:
+        raise ValueError(f"step {step}: the sequential data order holds {total} steps of "
+                         f"{step_tokens:,} tokens in these {len(lengths)} file(s) (a file of "
+                         "length n reads (n - 2) // tokens steps); train fewer steps or use "
+                         "more data")
+    shard = int(np.searchsorted(ends, step, side="right"))
+    return shard, int(step - (ends[shard] - per_shard[shard])) * step_tokens
+
+
 # ---------------------------------------------------------------------------- dataset
 
 
@@ -417,6 +474,67 @@ class TokenDataset:
         check_split(split)
         rng = np.random.default_rng([seed, _SPLITS[split], step])
         return self._windows(split, rng, grad_accum, batch_size, block_size, rows)
+
+    def sequential_batch(self, split: str, step: int, *, batch_size: int, block_size: int,
+                         grad_accum: int = 1, rows: slice | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """The contiguous tokens of step `step` in the sequential order (module docstring).
+
+        The step's `A * B * T + 1` ids from `(shard, pos) = sequential_position(...)` form
+        `A * B` rows of `T`: row `i` is inputs `ids[pos + i*T : pos + i*T + T]`, targets one
+        further. Micro-batch `a` holds rows `a*B ... a*B + B - 1` (the step's chunk split
+        in order, as the file splits a rank's rows into micro-batches), so `grad_accum=2,
+        batch_size=b` reshapes `grad_accum=1, batch_size=2b`. With `rows` only those rows
+        of each micro-batch are read: with `grad_accum=1`, rows `lo:hi` start at `pos +
+        lo*T`, the file's rank offset `pos + rank * local_batch`.
+
+        Returns:
+          `(inputs, targets)`, int32 `(grad_accum, batch_size, block_size)` (`batch_size`
+          cut to `rows`).
+        """
+        check_split(split)
+        split_ = self.splits[split]
+        step_tokens = grad_accum * batch_size * block_size
+        shard, pos = sequential_position([s.length for s in split_.shards], step, step_tokens)
+        lo, hi, _ = (rows or slice(None)).indices(batch_size)
+        n = hi - lo
+        starts = (pos + (np.arange(grad_accum)[:, None] * batch_size + lo
+                         + np.arange(n)[None, :]) * block_size)
+        window = split_.read(np.full(starts.shape, shard), starts, block_size + 1,
+                             self.vocab_size)
+        return window[..., :-1], window[..., 1:]
+
+    def first_windows(self, split: str, *, num_tokens: int, batch_size: int, block_size: int,
+                      rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The split's first `num_tokens // block_size` contiguous windows (those of
+        `sequential_windows(max_tokens=num_tokens)`) as evaluation batches: modded-nanogpt's
+        validation set (its first `val_tokens` ids, the same every evaluation).
+
+        Returns:
+          `(inputs, targets)` int32 `(num_batches, batch_size, block_size)` (`batch_size`
+          cut to `rows`).
+
+        Raises:
+          ValueError: fewer windows than asked, or a count `batch_size` does not divide.
+        """
+        windows = num_tokens // block_size
+        if num_tokens < 1 or num_tokens % (batch_size * block_size):
+            raise ValueError(f"val_tokens={num_tokens}: expected a multiple of batch_size x "
+                             f"block_size = {batch_size * block_size} (whole evaluation "
+                             "batches, as the file asserts)")
+        keep = slice(None) if rows is None else rows
+        xs, ys = [], []
+        for x, y in self.sequential_windows(split, block_size, batch_size=batch_size,
+                                            max_tokens=num_tokens):
+            if len(x) < batch_size:
+                break
+            xs.append(x[keep])
+            ys.append(y[keep])
+        if len(xs) * batch_size < windows:
+            raise ValueError(f"val_tokens={num_tokens}: the {split} split holds "
+                             f"{len(xs) * batch_size * block_size:,} tokens of whole "
+                             f"windows of {block_size}; expected at least {num_tokens:,}")
+        return np.stack(xs), np.stack(ys)
 
     def eval_batches(self, split: str, *, num_batches: int, batch_size: int, block_size: int,
                      seed: int = 0, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -176,22 +176,29 @@ def run(config: TrainConfig) -> RunResult:
     put = lambda x: put_batch(x, batch_sharding(mesh), d.batch_size)
 
     def train_batch(step, grad_accum=d.grad_accum):  # only this process's rows are read
-        inputs_ABT, targets_ABT = data.batch("train", step, batch_size=d.batch_size,
-                                             block_size=config.model.block_size,
-                                             grad_accum=grad_accum, seed=r.seed, rows=rows)
+        shape = dict(batch_size=d.batch_size, block_size=config.model.block_size,
+                     grad_accum=grad_accum, rows=rows)
+        inputs_ABT, targets_ABT = (data.sequential_batch("train", step, **shape)
+                                   if d.order == "sequential" else
+                                   data.batch("train", step, seed=r.seed, **shape))
         return put(inputs_ABT), put(targets_ABT)
 
     state = optimizer.prepare(state, model=model, mesh=mesh, shardings=shardings,
                               batch=train_batch, start=start)
     monitor = optimizer.monitor(out, start)
     train_step = make_train_step(model, optimizer, mesh=mesh, state_shardings=shardings,
-                                 max_bad_steps=r.max_bad_steps)
+                                 max_bad_steps=r.max_bad_steps,
+                                 loss_reduction=config.optimizer.loss_reduction)
     eval_step = make_eval_step(model, mesh=mesh, params_shardings=params0_shardings)
     readout = make_readout(state["opt_state"])  # the weights the optimizer says to evaluate
     evals = {split: [put(a) for a in data.eval_batches(
         split, num_batches=r.eval_iters, batch_size=d.batch_size,
         block_size=config.model.block_size, seed=r.seed, rows=rows)]
         for split in ("train", "val")}
+    if r.val_tokens is not None:  # the split's first val_tokens, as modded-nanogpt's Track 3
+        evals["val"] = [put(a) for a in data.first_windows(
+            "val", num_tokens=r.val_tokens, batch_size=d.batch_size,
+            block_size=config.model.block_size, rows=rows)]
     log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=r.resume,
                      trackers=open_trackers(config, out, start=start) if lead else ())
     tokens_per_step = d.batch_size * d.grad_accum * config.model.block_size
@@ -213,7 +220,7 @@ def run(config: TrainConfig) -> RunResult:
         is_save_step = (step > start or (is_last_step and not r.resume)) and (
             step % r.checkpoint_every == 0 or is_last_step)
         is_eval_step = (step > start or not r.resume) and (
-            step % r.eval_interval == 0 or is_save_step or is_last_step)
+            r.is_cadence_step(step) or is_save_step)
         if is_eval_step:
             params0 = replica0(readout(state))
             losses = {s: float(eval_step(params0, *evals[s])) for s in evals}

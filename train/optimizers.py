@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import optax_snoo
 from optax_snoo import muon_momentum_warmup, power_cool, recipes, snoo_is_sync_step
-from optax_snoo.recipes import stable_cooldown_schedule, track3_baseline
+from optax_snoo.recipes import stable_cooldown_schedule
 from train.sharding import REPLICA_AXIS
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ __all__ = [
     "get_builder",
     "learning_rate_schedule",
     "register",
+    "track3_labels",
 ]
 
 
@@ -341,22 +343,73 @@ def snoo_normuon(config: TrainConfig) -> TrainOptimizer:
     return _muon_stack(config, config.snoo.k, normuon=True)
 
 
-def _track3_baseline(config: TrainConfig, params: Any = None) -> TrainOptimizer:
-    steps, muon_lr = max(config.run.max_iters, 1), 0.025  # record #36's Muon lr
-    plan = None if params is None else optax_snoo.NewtonSchulzPlan.from_params(params)
-    tx = track3_baseline(steps, muon_learning_rate=muon_lr, newton_schulz_plan=plan,
-                         shard_newton_schulz=config.mesh.diloco == 1)
-    return TrainOptimizer(
-        optax.chain(clipping(config), tx), stable_cooldown_schedule(muon_lr, steps),
-        for_params=lambda p: _track3_baseline(config, p))
+#: The Adam groups of modded-nanogpt's Track-3 baseline, by path (first match wins): the
+#: LM head's kernel, the token (and any position) embedding, then every other non-Muon leaf
+#: (biases, norm gains: the file's `p.ndim < 2`, also when `--scan_layers` stacks them).
+TRACK3_ADAM_RULES = ((r"(^|/)lm_head/kernel$", "head"), (r"(^|/)(wte|wpe)(/|$)", "embed"),
+                     (r".*", "vector"))
+
+
+def track3_labels(params: Any) -> Any:
+    """`"muon"` on the hidden matrices (`optax_snoo.labels.muon_adam_labels`), else the
+    Adam group of `TRACK3_ADAM_RULES`: `"head"`, `"embed"` or `"vector"`."""
+    adam = optax_snoo.labels.label_by_rules(TRACK3_ADAM_RULES)(params)
+    return jax.tree.map(lambda base, group: base if base == "muon" else group,
+                        optax_snoo.labels.muon_adam_labels(params), adam)
+
+
+def _track3_stack(config: TrainConfig) -> optax.GradientTransformation:
+    """modded-nanogpt Track 3's baseline (#36, train_gpt_simple.py), from the config.
+
+    Muon on the hidden matrices: EMA-form Nesterov momentum `muon_beta` (0.95; warmed up
+    from 0.85 over `muon_beta_warmup` steps, which the presets set to 0 as the file has
+    no warm-up), 12 Newton-Schulz steps of (2, -1.5, 0.5) in bf16 (`"track3"`), the shape
+    scale `sqrt(max(1, fan_out/fan_in))`, decoupled decay `muon_weight_decay` (0.05) at
+    `muon_learning_rate` (0.025). AdamW (bias-corrected, decoupled decay `weight_decay`
+    0.001 on every group, `beta1`, `beta2`, `eps`) at `learning_rate` on the embedding (0.7),
+    `head_learning_rate` on the LM head's kernel (0.004), `vector_learning_rate` on biases
+    and gains (0.015). Every group on `--schedule` (stable_cooldown 0.7 to 0).
+    """
+    m, a = config.muon, config.adamw
+    lr = lambda peak: learning_rate_schedule(config, peak)
+    beta = m.beta if m.beta_warmup == 0 else muon_momentum_warmup(  # the presets: constant
+        min(0.85, m.beta), m.beta, m.beta_warmup)
+    adamw = lambda peak: optax.adamw(lr(peak), b1=a.beta1, b2=a.beta2, eps=a.eps,
+                                     weight_decay=a.weight_decay)
+    muon = optax.chain(
+        optax_snoo.scale_by_muon(beta, coefficients=((2.0, -1.5, 0.5),) * 12,
+                                 ns_dtype=jnp.bfloat16, nesterov=True, shape_scale="modded",
+                                 shard_newton_schulz=config.mesh.diloco == 1),
+        optax_snoo.add_decoupled_weight_decay(m.weight_decay),
+        optax.scale_by_learning_rate(lr(m.learning_rate)))
+    head = a.learning_rate if a.head_learning_rate is None else a.head_learning_rate
+    vector = a.learning_rate if a.vector_learning_rate is None else a.vector_learning_rate
+    return optax_snoo.labels.partition(
+        {"muon": muon, "embed": adamw(a.learning_rate), "head": adamw(head),
+         "vector": adamw(vector)}, track3_labels)
+
+
+def _track3(config: TrainConfig, snoo_k: int | None) -> TrainOptimizer:
+    stack = _track3_stack(config)
+    if snoo_k is not None:
+        stack = with_snoo(config, stack)
+    return TrainOptimizer(optax.chain(clipping(config), stack),
+                          learning_rate_schedule(config, config.muon.learning_rate),
+                          sync_period=snoo_k)
 
 
 @register("track3_baseline")
-def track3_baseline_optimizer(config: TrainConfig) -> TrainOptimizer:
-    """modded-nanogpt Track 3's tuned Muon + AdamW baseline (record #36) with the record's
-    hyperparameters (`optax_snoo.recipes.track3_baseline`), its schedule over `max_iters`
-    steps; only `grad_clip` (0 in the record) is read besides. Logs Muon's lr."""
-    return _track3_baseline(config)
+def track3_baseline(config: TrainConfig) -> TrainOptimizer:
+    """modded-nanogpt Track 3's tuned Muon + AdamW baseline (#36, `_track3_stack`); the
+    `track3` presets set its values. Logs Muon's lr."""
+    return _track3(config, None)
+
+
+@register("snoo_track3_baseline")
+def snoo_track3_baseline(config: TrainConfig) -> TrainOptimizer:
+    """`track3_baseline` wrapped in Snoo (`snoo_learning_rate`, `snoo_momentum`,
+    `snoo_k`). Logs Muon's lr."""
+    return _track3(config, config.snoo.k)
 
 
 def _track3_recipe(config: TrainConfig, name: str, params: Any = None) -> TrainOptimizer:

@@ -186,7 +186,7 @@ def _finish_accumulation(total: dict, count: int) -> dict:
 
 def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
                     state_shardings: Any, max_bad_steps: int | None = 10,
-                    ) -> TrainStep:
+                    loss_reduction: str = "mean") -> TrainStep:
     """Build `train_step(state, inputs_ABT, targets_ABT, **hints)` (jitted).
 
     Args:
@@ -200,6 +200,12 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
       max_bad_steps: a step with a non-finite loss or gradient leaves the state unchanged
         but for its counters (`train.nonfinite`); after this many in a row, all are
         skipped. `None` applies every update unchecked.
+      loss_reduction: `"mean"`: the gradient of the mean token cross-entropy over the
+        step's batch; `"sum"`: of its sum over every token of the step (all micro-batches;
+        each DiLoCo replica its own rows), modded-nanogpt Track 3's `reduction="sum"` with
+        gradients summed over micro-batches and ranks: the mean's gradient times the
+        step's token count (so clipping and Adam's eps see that scale). The logged
+        `loss` stays the mean.
 
     `hints` are static keyword arguments of `tx.update`, `optimizer.update_kwargs(step)`
     on the host (Snoo's `snoo_sync`; one program is compiled per distinct value). With
@@ -220,12 +226,19 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
     make_grad_fn = optimizer.grad_fn or functools.partial(_plain_grad_fn,
                                                           max_logits=optimizer.max_logits)
     use_dropout = model.config.dropout > 0
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction={loss_reduction!r}: expected 'mean' or 'sum'")
+    if loss_reduction == "sum" and optimizer.grad_fn is not None:
+        raise ValueError("loss_reduction='sum' needs plain gradients; this optimizer computes "
+                         "its own (K-FAC's curvature would not be rescaled): use 'mean'")
 
     replicas = replica_axis(mesh)
 
     def gradients(params, inputs_ABT, targets_ABT, key, step):
         """(grads, update_args, ce, aux_loss) of one replica's batch."""
         A = inputs_ABT.shape[0]
+        # the mean's gradient times the tokens: that of the sum over the step's tokens
+        to_sum = inputs_ABT.size if loss_reduction == "sum" else 1
         grad_fn = make_grad_fn(model, params)
         keys_A = jax.random.split(key, A if use_dropout else 1)
         key_of = lambda a: keys_A[a] if use_dropout else None
@@ -233,6 +246,9 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
         if A == 1:
             (_, (ce, aux_loss)), (grads, update_args) = grad_fn(
                 params, inputs_ABT[0], targets_ABT[0], key_of(0), step)
+            if to_sum != 1:
+                grads = jax.tree.map(lambda g: (g.astype(jnp.float32) * to_sum).astype(g.dtype),
+                                     grads)
         else:
             def micro_step(total, batch):
                 inputs_BT, targets_BT, a = batch
@@ -249,7 +265,7 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
                      _accumulator(args_shapes))
             (grads, update_args), (ce_A, aux_A) = jax.lax.scan(
                 micro_step, zeros, (inputs_ABT, targets_ABT, jnp.arange(A)))
-            grads = jax.tree.map(lambda g, p: (g / A).astype(p.dtype), grads, params)
+            grads = jax.tree.map(lambda g, p: (g * (to_sum / A)).astype(p.dtype), grads, params)
             update_args = _finish_accumulation(update_args, A)
             ce, aux_loss = ce_A.mean(), aux_A.mean()
         return grads, update_args, ce, aux_loss
