@@ -64,7 +64,7 @@ def test_compiled_step_moves_two_scalars_between_syncs(corpus):
     config = dataclasses.replace(config, model=tc.model_config(config, 64))
     _, state = create_train_state(config.model, build_optimizer(config).replica_tx, seed=0,
                                   mesh=make_mesh(config))
-    for leaf in jax.tree.leaves(state["opt_state"]):
+    for leaf in jax.tree.leaves(state.opt_state):
         assert leaf.ndim == 0 or leaf.sharding.spec[0] == "diloco"
 
 

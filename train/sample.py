@@ -107,12 +107,11 @@ def load_params(out_dir: str | Path, step: int | None = None
     mesh = make_mesh(config)
     model_def, like = create_train_state(config.model, tx, seed=config.run.seed, mesh=mesh)
     if replicas > 1:
-        like = {**like, **_stacked_like({k: like[k] for k in ("params", "opt_state")},
-                                        replicas)}
+        like = like._replace(**_stacked_like({"params": like.params,
+                                              "opt_state": like.opt_state}, replicas))
     state, _ = ckpt.restore(step, like=like)
     ckpt.close()
-    params = state["params"] if replicas == 1 else jax.tree.map(lambda x: x[0],
-                                                                  state["params"])
+    params = state.params if replicas == 1 else jax.tree.map(lambda x: x[0], state.params)
     return model_def, params, {**meta, "tokenizer": tokenizer, "vocab_size": vocab_size,
                                "checkpoint_step": step}
 
