@@ -74,8 +74,8 @@ def test_refusals(corpus, tmp_path):
         build_optimizer(tiny(corpus, tmp_path, optimizer="adamw"))
     with pytest.raises(ValueError, match="--mesh_diloco=3: 8 devices do not split into 3"):
         make_mesh(tiny(corpus, tmp_path, mesh_diloco=3))
-    with pytest.raises(ValueError, match=r"batch_size=6 must be divisible by mesh "
-                                         r"diloco\*data\*fsdp=4"):
+    with pytest.raises(ValueError, match=r"--batch_size=6 does not divide over the 4 "
+                                         r"data-parallel devices \(mesh diloco\*data\*fsdp=4"):
         train.run(tiny(corpus, tmp_path / "odd", batch_size=6))
     with pytest.raises(ValueError, match="mesh_diloco=0: expected a positive integer"):
         tiny(corpus, tmp_path, mesh_diloco=0)

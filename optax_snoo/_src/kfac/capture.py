@@ -73,6 +73,7 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 
+from optax_snoo._src.kfac.description import Description
 from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
 from optax_snoo._src.utils import check_int_at_least, path_to_str
 
@@ -718,7 +719,7 @@ def describe(
     *args: Any,
     layers: Collection[str] | None = None,
     bias_name: str = "bias",
-) -> dict[str, str]:
+) -> Description:
     r"""What K-FAC's capture makes of each params leaf: a kernel's kind, or why not.
 
     Traces ``loss_fn(params, *args)`` as `value_grad_and_stats` does (no computation:
@@ -743,7 +744,8 @@ def describe(
       bias_name: key of a kernel's bias sibling.
 
     Returns:
-      A dict from each leaf's path (in leaf order) to its description; print it.
+      A dict from each leaf's path (in leaf order) to its description, which prints as
+      a table (`Description`).
 
     Raises:
       ValueError: ``layers`` naming a path that is not a params leaf.
@@ -757,11 +759,12 @@ def describe(
       ...   h = jax.lax.conv_general_dilated(x, p["c"]["kernel"], (1, 1), "VALID",
       ...       dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["c"]["bias"]
       ...   return jnp.mean(h.reshape(len(x), -1) @ p["head"]["kernel"].T)
-      >>> for path, what in kfac.describe(loss_fn, p, jnp.ones((2, 8, 8, 1))).items():
-      ...   print(f"{path}: {what}")
-      c/bias: bias of c/kernel
-      c/kernel: conv, d_in 9, d_out 4, 36 locations, kernel axes (2, 0, 1, 3), with bias c/bias
-      head/kernel: dense, d_in 144, d_out 2, transposed (1, 0)
+      >>> print(kfac.describe(loss_fn, p, jnp.ones((2, 8, 8, 1))))
+      leaf         K-FAC
+      c/bias       bias of c/kernel
+      c/kernel     conv, d_in 9, d_out 4, 36 locations, kernel axes (2, 0, 1, 3), with bias c/bias
+      head/kernel  dense, d_in 144, d_out 2, transposed (1, 0)
+      2 kernels preconditioned, 0 skipped, 1 other leaf (biases go with their kernel)
 
     References:
       Grosse and Martens, `A Kronecker-factored approximate Fisher matrix for
@@ -801,7 +804,7 @@ def describe(
         else:
             reads = sorted(trace.analysis.others.get(i, ()))
             out[path] = f"first-order: read by {', '.join(reads)}" if reads else "unused"
-    return {path: out[path] for path in trace.paths}
+    return Description({path: out[path] for path in trace.paths})
 
 
 def _every_nth(a: jax.Array, stride: int, offset: int | jax.Array) -> jax.Array:
