@@ -228,7 +228,6 @@ def _setup(config: TrainConfig, stack: contextlib.ExitStack) -> _Run:
     get_builder(config.optimizer.name)  # an unknown optimizer: the first thing said
     check_trackers(config.run)  # tensorboardX / wandb installed, if asked for
     mesh = make_mesh(config)
-    check_batch_size(config.data.batch_size, mesh)  # with the other config errors
     out = Path(config.run.out_dir)
     _check_writable(out)
     data = open_dataset(config.data.path)  # headers, sizes and ids checked: before compiling
@@ -237,6 +236,7 @@ def _setup(config: TrainConfig, stack: contextlib.ExitStack) -> _Run:
     d, r = config.data, config.run
     # Told where the params will live (Muon's plan); bad optimizer values: here.
     optimizer = build_optimizer(config, params=param_shardings(config.model, mesh))
+    check_batch_size(d.batch_size, mesh)  # the last config error: before anything is written
     check_memory(config, config.model, optimizer.replica_tx,  # before any compile
                  list(mesh.devices.flat))
     model, state = create_train_state(config.model, optimizer.replica_tx, seed=r.seed, mesh=mesh)
