@@ -1,8 +1,12 @@
 """The training loop, `run(config)`, read top to bottom like nanoGPT's train.py.
 
-Per step: (the learning-rate schedule lives in the optimizer) -> evaluate and checkpoint
--> forward/backward over the micro-batches -> clip -> update -> log. Outputs go to
-`out_dir`: `config.json`, `metrics.jsonl`, `checkpoints/`, `loss.png`, `samples.txt`.
+`run` is three parts under one `contextlib.ExitStack`: `_setup` (every check that can
+fail before anything is written, then the model, state, data and the things to close),
+`_train` (the loop), and the teardown the stack does however the run ends. Per step,
+`step_actions` (a pure function) says what to do: evaluate and checkpoint -> forward/
+backward over the micro-batches -> clip -> update (the learning-rate schedule lives in
+the optimizer) -> log. Outputs go to `out_dir`: `config.json`, `metrics.jsonl`,
+`checkpoints/`, `loss.png`, `samples.txt`.
 
 With several processes (`jax.distributed`, see `train.__main__`) every process runs this
 same loop on the global mesh and feeds only its own rows of each batch; checkpoints are
