@@ -325,6 +325,11 @@ def test_unsupported_uses_warn_raise_and_describe():
     kinds = [v.split(",")[0].split(":")[0] for v in described.values()]
     assert table[-1].startswith(f"{sum(k == 'dense' for k in kinds)} kernels preconditioned, "
                                 f"{kinds.count('skipped')} skipped, ")
+    # paths shorter than the header still line up under it
+    short = type(described)({"w": "dense, d_in 4, d_out 4", "b": "unused"})
+    assert str(short).splitlines() == ["leaf  K-FAC", "w     dense, d_in 4, d_out 4",
+                                       "b     unused", "1 kernel preconditioned, 0 skipped, "
+                                       "1 other leaf (biases go with their kernel)"]
     # A K-FAC transform told to precondition a kernel the statistics lack says where to look.
     tx = kfac.kfac(0.1, layers=kfac.layers_from_params(p, ["ok/kernel", "scaled/kernel"]))
     state = tx.init(p)
