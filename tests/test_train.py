@@ -515,7 +515,7 @@ def test_mesh_shape_fill_and_errors():
     with pytest.raises(ValueError, match="--mesh_data=4 --mesh_fsdp=4 --mesh_tensor=1: the mesh "
                                          "needs 16 devices; 8 available"):
         mesh_shape(cfg(mesh_data=4, mesh_fsdp=4), 8)
-    with pytest.raises(ValueError, match="not divisible"):
+    with pytest.raises(ValueError, match="fixed axes. product 3 does not divide the 8 devices"):
         mesh_shape(cfg(mesh_data=-1, mesh_fsdp=3), 8)
     with pytest.raises(ValueError, match="at most one"):
         cfg(mesh_data=-1, mesh_fsdp=-1)
