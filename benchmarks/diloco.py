@@ -177,7 +177,7 @@ def trainer_step_costs(config: Any, block: int) -> tuple[dict[Any, tuple[float, 
         text = step.lower(state, x, x, **kwargs).compile().as_text()
         out[hint] = (hlo.analyze(text, only=hlo.spans_blocks(block)).collective_bytes,
                      hlo.analyze(text).collective_bytes)
-    params = sum(x.size * 4 for x in jax.tree.leaves(state["params"])) // replica_axis(mesh)
+    params = sum(x.size * 4 for x in jax.tree.leaves(state.params)) // replica_axis(mesh)
     return out, params
 
 

@@ -102,7 +102,7 @@ def ours(config: TrainConfig, *, vocab: int = VOCAB,
                    for x, y in _batches(config, vocab=vocab)]
         batch = lambda i: batches[i % len(batches)]
     tokens = config.data.grad_accum * config.data.batch_size * config.model.block_size
-    flops = flops_per_token(state["params"], gpt_config) * tokens
+    flops = flops_per_token(state.params, gpt_config) * tokens
     box = {"state": state, "i": 0}
 
     def run(n: int) -> None:

@@ -112,43 +112,8 @@ def test_an_old_optimizer_name_is_refused_naming_its_new_name(old, new):
     assert str(err.value) == f"--optimizer={old} was renamed --optimizer={new}"
 
 
-def test_every_rename_names_a_group_field_or_key_of_today():
-    renamed = tc.RENAMED
-    assert set(renamed["group"].values()) <= set(tc.GROUPS)
-    assert not set(renamed["group"]) & set(tc.GROUPS)
-    for old, new in renamed["field"].items():
-        group, name = old.split(".")
-        group = renamed["group"].get(group, group)
-        fields = [f.name for f in dataclasses.fields(getattr(tc.TrainConfig(), group))]
-        assert new in fields and name not in fields, old
-
-
-# A run's config.json (and its checkpoints' metadata) as the versions before the renames
-# wrote it: nested, and (older still) flat.
-OLD_NESTED = {
-    "optimizer": {"name": "snoo_skewadam", "grad_clip": 0.5, "rounding": "none"},
-    "muon": {"lr": 0.03, "beta": 0.9}, "snoo": {"lr": 0.5, "k": 7},
-    "skewadam": {"lr": 3e-3, "weight_decay": 0.01, "clip": 1.0, "policies": "skew_adam"},
-    "kfac": {"lr": 0.2, "ema": 0.9, "damping": 1e-2},
-    "run": {"max_iters": 30},
-}
-OLD_FLAT = {"optimizer": "snoo_skewadam", "grad_clip": 0.5, "muon_lr": 0.03, "muon_beta": 0.9,
-            "snoo_lr": 0.5, "snoo_k": 7, "skew_lr": 3e-3, "skew_weight_decay": 0.01,
-            "kfac_lr": 0.2, "kfac_ema": 0.9, "kfac_damping": 1e-2, "max_iters": 30}
-
-
-@pytest.mark.parametrize("saved", [OLD_NESTED, OLD_FLAT], ids=["nested", "flat"])
-def test_a_config_saved_under_the_old_names_loads_under_the_new(saved):
-    expected = tc.override(
-        tc.TrainConfig(), optimizer="snoo_skew_adam", grad_clip=0.5, muon_learning_rate=0.03,
-        muon_beta=0.9, snoo_learning_rate=0.5, snoo_k=7, skew_learning_rate=3e-3,
-        skew_weight_decay=0.01, kfac_learning_rate=0.2, kfac_ema_decay=0.9,
-        kfac_damping=1e-2, max_iters=30)
-    assert tc.config_from_dict(saved) == expected
-    # what resuming compares (train.checkpoint.check_compatible): today's keys and values
-    flat = tc.flat_dict(saved)
-    assert {k: flat[k] for k in ("optimizer", "muon_learning_rate", "skew_learning_rate",
-                                 "kfac_ema_decay")} == {
-        "optimizer": "snoo_skew_adam", "muon_learning_rate": 0.03,
-        "skew_learning_rate": 3e-3, "kfac_ema_decay": 0.9}
-    assert not set(flat) & set(tc.RENAMED["key"])
+def test_sample_start_keeps_its_characters_and_decodes_backslash_escapes():
+    # A prompt beyond Latin-1 once came back as mojibake ("héllo" -> "hÃ©llo").
+    for text, want in [("héllo ✓ ", "héllo ✓ "), ("ROMEO:\\n", "ROMEO:\n"),
+                       ("a\\tb\\u2713 é", "a\tb✓ é"), ("日本\\n", "日本\n")]:
+        assert tc.parse_args([f"--sample_start={text}"]).sample.start == want, text

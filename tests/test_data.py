@@ -208,6 +208,8 @@ def _shard_bytes(magic=td.SHARD_MAGIC, version=td.SHARD_VERSION, count=10, token
     (_shard_bytes(magic=1234), "magic number 1234, expected 20240520"),
     (_shard_bytes(version=2), "version 2, expected 1"),
     (_shard_bytes(count=12), r"1044 bytes, expected 1048 \(header \+ 2 bytes x 12 tokens"),
+    # longer than its header says (trailing ids no reader would count)
+    (_shard_bytes(count=8), r"1044 bytes, expected 1040 \(header \+ 2 bytes x 8 tokens"),
     (b"\0" * 100, "shorter than a shard's 1024-byte header"),
 ])
 def test_a_bad_shard_is_one_line_naming_the_file(tmp_path, payload, message):
@@ -272,6 +274,15 @@ def test_meta_pkl_that_would_run_code_is_refused(tmp_path):
     (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 3, "itos": Exploit()}))
     with pytest.raises(ValueError, match=r"meta.pkl: not a nanoGPT meta.pkl of plain data "
                                          r"\(refused to load (posix|os).system"):
+        td.open_dataset(folder)
+    assert not marker.exists()
+    # a builtin is as much code as os.system: eval of a string that would write the marker
+    class BuiltinExploit:
+        def __reduce__(self):
+            return (eval, (f"open({str(marker)!r}, 'w').close()",))
+
+    (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 3, "itos": BuiltinExploit()}))
+    with pytest.raises(ValueError, match=r"refused to load builtins.eval"):
         td.open_dataset(folder)
     assert not marker.exists()
     (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 2, "itos": {0: "a"}}))

@@ -86,16 +86,14 @@ def test_nonfinite_step_leaves_state_unchanged(corpus, tmp_path, poison):
         state, metrics = step(state, put(bad[0]), put(bad[1]), snoo_sync=True)
         assert not np.isfinite(float(metrics["loss"]) + float(metrics["grad_norm"]))
         assert float(metrics["skipped"]) == 1.0
-        assert int(state["bad_steps"]) == t + 1 and int(state["skipped_steps"]) == t + 1
+        assert int(state.bad_steps) == t + 1 and int(state.skipped_steps) == t + 1
         # Only Snoo's count moves: the skipped step keeps its slot in the period.
         assert [int(c) for c in snoo_counts(state)] == [c + t + 1 for c in snoo_counts(before)]
-        after = {k: without_snoo_count(v) for k, v in state.items()
-                 if k not in ("bad_steps", "skipped_steps")}
-        jax.tree.map(np.testing.assert_array_equal, after,
-                     {k: without_snoo_count(v) for k, v in before.items() if k in after})
+        unchanged = lambda s: without_snoo_count(s._replace(bad_steps=0, skipped_steps=0))
+        jax.tree.map(np.testing.assert_array_equal, unchanged(state), unchanged(before))
     # Latched: past max_bad_steps even a good batch is skipped (the host stops the run).
     state, metrics = step(state, put(xy[0]), put(xy[1]), snoo_sync=False)
-    assert float(metrics["skipped"]) == 1.0 and int(state["bad_steps"]) == 4
+    assert float(metrics["skipped"]) == 1.0 and int(state.bad_steps) == 4
 
 
 def test_snoo_hint_from_the_step_agrees_with_the_in_jit_sync_after_a_skipped_step(
@@ -345,6 +343,12 @@ def _tree(root: Path) -> dict[str, bytes | None]:
     ("missing data", dict(data="/no/such/corpus.txt"), FileNotFoundError),
     ("mesh", dict(mesh_data=4, mesh_fsdp=4), ValueError),
     ("nothing to resume", dict(resume=True), FileNotFoundError),
+    # 8 devices: the default batch of 12 rows does not split over them
+    ("batch", dict(mesh_data=8, batch_size=12), ValueError),
+    # the prompt of the samples at the end: refused before the first step
+    ("prompt", dict(num_samples=1, sample_start="✓"), ValueError),
+    ("prompt file", dict(num_samples=1, sample_start="FILE:/no/such/prompt.txt"),
+     FileNotFoundError),
 ])
 def test_a_failed_start_leaves_out_dir_as_it_was(corpus, tmp_path, before, failure, overrides,
                                                  error):
@@ -401,3 +405,45 @@ def test_full_disk_at_save_is_a_clear_error_and_loses_no_checkpoint(
     finally:
         if disk == "tmpfs":
             subprocess.run(["umount", str(out)], check=True)
+
+
+# ----------------------------------------------------------------------------- interrupted
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_exception_at_a_step_closes_everything_and_keeps_the_last_checkpoint(
+        eight_steps, tmp_path, monkeypatch, error):
+    """A `KeyboardInterrupt` (a notebook's stop button) or a prefetch error reading step
+    6's batch: the run's threads end, its checkpointer is closed, step 4 stays whole and
+    a resume trains steps 5-8 as the uninterrupted run did."""
+    import threading
+
+    config, history = eight_steps
+    clean, opened = td.TokenDataset.batch, []
+    init = Checkpointer.__init__
+
+    def failing(self, split, step, **kw):
+        if split == "train" and step == 6:
+            raise error("stopped at step 6")
+        return clean(self, split, step, **kw)
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(td.TokenDataset, "batch", failing)
+    monkeypatch.setattr(Checkpointer, "__init__", recorded)
+    threads = set(threading.enumerate())
+    run = tc.override(config, out_dir=str(tmp_path / "run"), tensorboard=True)
+    with pytest.raises(error, match="stopped at step 6"):
+        train.run(run)
+    left = [t.name for t in set(threading.enumerate()) - threads if t.is_alive()]
+    assert left == [], left  # no prefetch thread, no Orbax writer, no tracker's
+    assert len(opened) == 1 and opened[0]._closed
+    monkeypatch.undo()
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
+    assert ckpt.steps() == [4] and ckpt.restore_meta(4)["step"] == 4
+    ckpt.close()
+    resumed = train.run(tc.override(run, resume=True))
+    assert train_losses(resumed.history) == {s: v for s, v in train_losses(history).items()
+                                             if s > 4}

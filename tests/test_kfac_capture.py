@@ -317,6 +317,19 @@ def test_unsupported_uses_warn_raise_and_describe():
     assert described["t/kernel"] == "dense, d_in 4, d_out 4, transposed (1, 0)"
     assert described["s/kernel"] == "dense, d_in 4, d_out 4, shared by 2 products"
     assert described["loop/kernel"].startswith("skipped: a scan body reads it whole")
+    # print(describe(...)) is a table: a header, one aligned line per leaf, a count
+    table = str(described).splitlines()
+    width = max(map(len, described))
+    assert table[0] == "leaf".ljust(width) + "  K-FAC" and len(table) == len(described) + 2
+    assert table[1:-1] == [f"{k.ljust(width)}  {v}" for k, v in described.items()]
+    kinds = [v.split(",")[0].split(":")[0] for v in described.values()]
+    assert table[-1].startswith(f"{sum(k == 'dense' for k in kinds)} kernels preconditioned, "
+                                f"{kinds.count('skipped')} skipped, ")
+    # paths shorter than the header still line up under it
+    short = type(described)({"w": "dense, d_in 4, d_out 4", "b": "unused"})
+    assert str(short).splitlines() == ["leaf  K-FAC", "w     dense, d_in 4, d_out 4",
+                                       "b     unused", "1 kernel preconditioned, 0 skipped, "
+                                       "1 other leaf (biases go with their kernel)"]
     # A K-FAC transform told to precondition a kernel the statistics lack says where to look.
     tx = kfac.kfac(0.1, layers=kfac.layers_from_params(p, ["ok/kernel", "scaled/kernel"]))
     state = tx.init(p)

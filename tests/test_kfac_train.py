@@ -116,14 +116,14 @@ def _assert_factors_close(state, expected):
     """The K-FAC factor EMAs agree to float32 rounding relative to each factor's scale
     (entries reach ~1e4: g = M·dy), and so do the refresh events."""
     is_state = lambda x: isinstance(x, kfac.ScaleByKfacState)
-    states = [[s for s in jax.tree.leaves(t["opt_state"], is_leaf=is_state) if is_state(s)]
+    states = [[s for s in jax.tree.leaves(t.opt_state, is_leaf=is_state) if is_state(s)]
               for t in (state, expected)]
     assert len(states[0]) == len(states[1]) == 1
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b)))),
         states[0][0].factors, states[1][0].factors)
-    assert kfac.refresh_events(state["opt_state"])[0]["refresh"] == kfac.refresh_events(
-        expected["opt_state"])[0]["refresh"]
+    assert kfac.refresh_events(state.opt_state)[0]["refresh"] == kfac.refresh_events(
+        expected.opt_state)[0]["refresh"]
 
 
 def test_stats_every_reduces_the_factors_only_on_statistics_steps(corpus, tmp_path):
@@ -136,7 +136,7 @@ def test_stats_every_reduces_the_factors_only_on_statistics_steps(corpus, tmp_pa
     compiled = step.lower(state, x, x).compile()
     text = compiled.as_text()
     is_state = lambda s: isinstance(s, kfac.ScaleByKfacState)
-    factors = [s.factors for s in jax.tree.leaves(state["opt_state"], is_leaf=is_state)
+    factors = [s.factors for s in jax.tree.leaves(state.opt_state, is_leaf=is_state)
                if is_state(s)]
     factor_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(factors))
     costs = [hlo.analyze(text, eigh_branch=False, cheapest=c) for c in (False, True)]
@@ -148,7 +148,7 @@ def test_stats_every_reduces_the_factors_only_on_statistics_steps(corpus, tmp_pa
     assert costs[0].by_kind["all-reduce"] - costs[1].by_kind["all-reduce"] <= 256
     # Each device holds 1/8 of the factors, before the step and after it.
     out_factors = [s.factors for s in jax.tree.leaves(
-        compiled.output_shardings[0]["opt_state"], is_leaf=is_state) if is_state(s)]
+        compiled.output_shardings[0].opt_state, is_leaf=is_state) if is_state(s)]
     for leaf, out in zip(jax.tree.leaves(factors), jax.tree.leaves(out_factors), strict=True):
         for sharding in (leaf.sharding, out):
             assert math.prod(sharding.shard_shape(leaf.shape)) * 8 == leaf.size
@@ -166,10 +166,10 @@ def test_eight_devices_match_one(corpus, tmp_path):
         (1, one), (8, tc.override(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)))}
     np.testing.assert_allclose(runs[8][0], runs[1][0], rtol=2e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 runs[8][1]["params"], runs[1][1]["params"])
+                 runs[8][1].params, runs[1][1].params)
     _assert_factors_close(runs[8][1], runs[1][1])
     state = runs[8][1]
-    events = kfac.refresh_events(state["opt_state"])
+    events = kfac.refresh_events(state.opt_state)
     assert events[0]["refresh"] == 2  # steps 1 and 4
     factors = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
                if "factors" in jax.tree_util.keystr(path)]
@@ -184,7 +184,7 @@ def test_accumulation_averages_the_statistics(corpus, tmp_path):
     (l_big, s_big), (l_small, s_small) = _run_steps(big, 3), _run_steps(small, 3)
     np.testing.assert_allclose(l_small, l_big, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 s_small["params"], s_big["params"])
+                 s_small.params, s_big.params)
     _assert_factors_close(s_small, s_big)
 
 
@@ -248,7 +248,7 @@ def test_kfac_on_moe_experts_run(corpus, tmp_path):
     result = train.run(config)
     _check_run(config, result)
     _, state, _, _ = _curvature_setup(config)
-    (k_state,) = kfac.kfac_states(state["opt_state"])
+    (k_state,) = kfac.kfac_states(state.opt_state)
     experts = k_state.factors["blocks"]["1"]["moe"]["experts"]
     assert experts["w_fc"].a.shape == (4, 32, 32) and experts["w_proj"].g.shape == (4, 32, 32)
 

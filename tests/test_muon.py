@@ -353,6 +353,31 @@ def test_normuon_on_square_matrices_reduces_over_fan_in():
     assert state.nu["w"].shape == (1, 12)
 
 
+def test_normuon_on_a_dead_neuron_and_an_expert_with_no_tokens_stays_finite():
+    """The floors (1e-10 under the second moment and under the rescaled norm) are what keep
+    these finite: a neuron whose gradient is zero (its second moment stays 0) and an
+    expert that got no tokens (its whole matrix zero: 0/0 without them). Over 4 steps the
+    dead parts get exactly no update and the rest equals the record's formula (float64)."""
+    tx = scale_by_muon(0.0, ns_dtype=F32, shape_scale=None, beta2=0.9)  # beta 0: v = g
+    shapes = {"w": (12, 16), "experts": (2, 8, 12)}
+    ref = RefMuon({k: jnp.zeros(v) for k, v in shapes.items()}, dict.fromkeys(shapes, "muon"),
+                  lr=1.0, beta=0.0, triples=MODDED, beta2=0.9)
+    update, state = jax.jit(tx.update), tx.init({k: jnp.zeros(v) for k, v in shapes.items()})
+    for t in range(4):
+        g = {k: normal(v, seed=(t, 21 + i)) for i, (k, v) in enumerate(shapes.items())}
+        g["w"] = g["w"].at[:, 3].set(0.0)  # output neuron 3 never gets a gradient
+        g["experts"] = g["experts"].at[1].set(0.0)  # expert 1 routed no token
+        u, state = update(g, state)
+        for k in shapes:
+            assert np.all(np.isfinite(np.asarray(u[k]))), (k, t)
+            o = np.asarray(orthogonalize(g[k], "modded", F32), np.float64)
+            np.testing.assert_allclose(np.asarray(u[k], np.float64), ref.normuon(k, o, 0.9),
+                                       rtol=0, atol=1e-6 * np.max(np.abs(o)))
+        assert np.all(np.asarray(u["w"])[:, 3] == 0) and np.all(np.asarray(u["experts"])[1] == 0)
+        assert float(np.max(np.abs(np.asarray(u["w"])))) > 0.1  # the rest does move
+    assert np.all(np.asarray(state.nu["w"])[:, 3] == 0)
+
+
 def test_normuon_keeps_the_frobenius_norm_and_evens_the_neurons():
     """Properties: the update's Frobenius norm is the orthogonalised one's, and a matrix
     whose orthogonalised rows differ in size comes out with rows of equal RMS at step 0."""

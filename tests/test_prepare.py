@@ -225,7 +225,7 @@ def test_round_trip_with_eot_per_format(kind, fmt, request, tmp_path):
         "layout": fmt, "vocab_size": tok.vocab_size, "tokenizer": meta["tokenizer"],
         "eot_id": tok.eot_id, "eot_position": "before" if before else "after",
         "documents": len(DOCS), "train_tokens": int(n * 0.9), "val_tokens": n - int(n * 0.9),
-        "source": str(src), "format_version": 1}
+        "source": str(src.absolute()), "format_version": 1}
     assert (result.documents, result.train_tokens, result.val_tokens) == (
         len(DOCS), int(n * 0.9), n - int(n * 0.9))
     if kind == "hf":
@@ -334,6 +334,37 @@ def test_a_bad_jsonl_line_is_one_line_naming_file_and_line(line, why, tmp_path, 
     captured = capsys.readouterr()
     assert code == MISTAKE_EXIT_STATUS and captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith(f"error: {src}:3: ")
+
+
+@pytest.mark.parametrize("bad", ["latin1", "json", "no_text"])
+@pytest.mark.parametrize("out_was", ["absent", "kept_files"])
+def test_a_bad_input_leaves_out_as_it_was(tmp_path, bad, out_was):
+    src = tmp_path / "in"
+    src.mkdir()  # a good document first, so the split files are begun before the error
+    (src / "a.txt").write_text("good text\n" * 2000)
+    if bad == "latin1":
+        (src / "b.txt").write_bytes("caf\xe9".encode("latin-1"))
+    else:
+        (src / "b.jsonl").write_text('{"text": "ok"}\n' + ("{bad" if bad == "json" else
+                                                            '{"body": "x"}') + "\n")
+    out = tmp_path / "parent" / "out"
+    if out_was == "kept_files":
+        out.mkdir(parents=True)
+        (out / "README").write_text("mine")
+    with pytest.raises(ValueError):
+        prep.prepare(src, out, tokenizer="bytes", workers=1, chunk_bytes=64, overwrite=True)
+    if out_was == "absent":
+        assert not (tmp_path / "parent").exists()
+    else:
+        assert [p.name for p in out.iterdir()] == ["README"]
+
+
+def test_relative_input_is_stored_as_an_absolute_source(tmp_path, monkeypatch):
+    (tmp_path / "doc.txt").write_text("some text\n" * 50)
+    monkeypatch.chdir(tmp_path)
+    prep.prepare("doc.txt", "out", tokenizer="bytes", workers=1)
+    meta = json.loads((tmp_path / "out" / DATASET_META).read_text())
+    assert meta["source"] == str(tmp_path / "doc.txt")
 
 
 def test_text_that_is_not_utf8_names_the_byte(tmp_path):

@@ -277,7 +277,7 @@ def test_step_clips_with_the_max_over_micro_batches(corpus, tmp_path):
     step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
     xy = np.random.default_rng(0).integers(0, 40, (2, 2, 4, 16)).astype(np.int32)
 
-    params = jax.device_get(state["params"])
+    params = jax.device_get(state.params)
     grad_fn = jax.jit(_plain_grad_fn(model, params, max_logits=True))
     outs = [grad_fn(params, xy[0, a], xy[1, a], None, 0)[1] for a in range(2)]
     grads = jax.tree.map(lambda a, b: (a + b) / 2, outs[0][0], outs[1][0])
@@ -292,7 +292,7 @@ def test_step_clips_with_the_max_over_micro_batches(corpus, tmp_path):
                               put_batch(xy[1], batch_sharding(mesh)))
     np.testing.assert_allclose(metrics["max_logit"], np.max(per_batch), rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 jax.device_get(new_state["params"]), want)
+                 jax.device_get(new_state.params), want)
     # the clip is active: the query kernel differs from the unclipped AdamW update
     unclipped = update(build_optimizer(tc.override(config, qk_clip_tau=0.0)).tx, {})
     get = lambda t: t["blocks"][0]["attn"]["c_q"]["kernel"]

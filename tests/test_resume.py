@@ -47,12 +47,16 @@ def test_retention_across_resumes_keeps_the_latest_two_and_the_oldest_best(tmp_p
     assert kept == [[10, 20, 30], [10, 40, 50], [10, 60, 70]]
 
 
-def test_resumed_run_deletes_the_earlier_runs_checkpoints(corpus, tmp_path):
-    """The issue's case scaled down: 6 steps, then resumed to 10, a checkpoint every 2."""
+def test_resumed_run_deletes_the_earlier_runs_checkpoints(corpus, tmp_path, capsys):
+    """The issue's case scaled down: 6 steps, then resumed to 10, a checkpoint every 2.
+    A resume that moves the schedule's end says so in one line; one that keeps it, not."""
     config = tiny(corpus, tmp_path / "run", max_iters=6, checkpoint_every=2, eval_interval=2)
     train.run(config)
-    train.run(tc.override(config, max_iters=10, resume=True))
-    train.run(tc.override(config, max_iters=12, resume=True))
+    train.run(tc.override(config, max_iters=10, resume=True))  # the cosine still ends at 10
+    assert "warning" not in capsys.readouterr().err
+    train.run(tc.override(config, max_iters=12, resume=True, lr_decay_iters=None))
+    warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning")]
+    assert len(warned) == 1 and "schedule now ends at step 12, not 10" in warned[0], warned
     val = {h["step"]: h["val_loss"] for h in logged(tmp_path / "run") if "val_loss" in h}
     best = min((s for s in val if s > 0), key=val.get)
     assert Checkpointer(tmp_path / "run" / "checkpoints").steps() == sorted({best, 10, 12})

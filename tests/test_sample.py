@@ -85,6 +85,25 @@ def test_sample_cli_unknown_step_lists_the_saved_ones(finished, capsys):
                   "4, 8\n"
 
 
+def test_sample_cli_bad_prompt_file_is_one_error_line(finished, tmp_path, capsys):
+    _, out = finished
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9".encode("latin-1"))
+    for start, message in [(f"FILE:{tmp_path}/missing.txt", "cannot read the prompt file"),
+                           (f"FILE:{latin1}", "is not UTF-8 text (byte 3"),
+                           ("the ✓", "--start='the ✓': characters ['✓'] are not in the "
+                                     "vocabulary")]:
+        assert sample_main(["--out_dir", str(out), f"--start={start}"]) == 2, start
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --start={start!r}") and message in err, err
+        assert err.count("\n") == 1, err
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the", encoding="utf-8")
+    assert sample_main(["--out_dir", str(out), "--num_samples=1", "--max_new_tokens=5",
+                        f"--start=FILE:{prompt}"]) == 0
+    assert capsys.readouterr().out.startswith("the")
+
+
 def test_sample_cli_creates_nothing_in_a_missing_out_dir(tmp_path, capsys):
     missing = tmp_path / "nope" / "run"
     assert sample_main(["--out_dir", str(missing)]) == 2

@@ -92,6 +92,21 @@ def test_scanned_gpt_matches_the_unrolled_gpt():
     assert len(cache_s) == N_LAYER
     for i in range(N_LAYER):
         _assert_close_blockwise(cache_s[i].k, cache_u[i].k, f"cached keys {i}", rtol=1e-6)
+    # Three more steps, one token each, through the cache: every step's logits are the
+    # unrolled model's and the full forward's at that position, and the cached keys and
+    # values (each layer's own, carried across steps) the unrolled model's.
+    full = _f64(unrolled(tokens))
+    for pos in range(5, 8):
+        (logits_s, cache_s), (logits_u, cache_u) = (
+            m.decode(tokens[:, pos:pos + 1], c, pos)
+            for m, c in ((scanned, cache_s), (unrolled, cache_u)))
+        _assert_close_blockwise(logits_s, logits_u, f"decode logits at {pos}", rtol=1e-6)
+        _assert_close_blockwise(logits_s[:, -1], full[:, pos], f"logits at {pos}", rtol=1e-5)
+        for i in range(N_LAYER):
+            for part in ("k", "v"):
+                _assert_close_blockwise(getattr(cache_s[i], part)[:, :pos + 1],
+                                        getattr(cache_u[i], part)[:, :pos + 1],
+                                        f"cached {part} {i} at {pos}", rtol=1e-6)
     with pytest.raises(ValueError, match="moe_every"):
         dataclasses.replace(cfg, scan_layers=True, moe_every=1)
 

@@ -165,7 +165,7 @@ def _step_setup(config):
     model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
                                       mesh=mesh)
     shardings = tree_shardings(state, mesh)
-    spec = build_optimizer(config, params=shardings["params"])  # as the loop does
+    spec = build_optimizer(config, params=shardings.params)  # as the loop does
     step = make_train_step(model, spec, mesh=mesh, state_shardings=shardings)
     return mesh, state, step, spec, vocab_size
 
@@ -235,7 +235,7 @@ def test_gradient_accumulation_equals_big_batch(corpus, tmp_path):
             state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
                                   put_batch(xy[1], batch_sharding(mesh)))
             losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
-        results[config.data.grad_accum] = (losses, state["params"])
+        results[config.data.grad_accum] = (losses, state.params)
     np.testing.assert_allclose(results[2][0], results[1][0], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  results[2][1], results[1][1])
@@ -264,7 +264,7 @@ def test_eight_devices_match_one_and_stay_sharded(corpus, tmp_path):
                if path_to_str(path).endswith(name)]
     assert len(mirrors) >= 4  # the param, Snoo's slow copy and momentum, Adam's mu and nu
     assert all(leaf.sharding.spec == P("fsdp", "tensor") for leaf in mirrors)
-    assert state["step"].sharding.spec == P()
+    assert state.step.sharding.spec == P()
 
     ckpt = Checkpointer(tmp_path / "ckpt")
     ckpt.save(4, state, {"step": 4}, val_loss=1.0)
@@ -515,7 +515,7 @@ def test_mesh_shape_fill_and_errors():
     with pytest.raises(ValueError, match="--mesh_data=4 --mesh_fsdp=4 --mesh_tensor=1: the mesh "
                                          "needs 16 devices; 8 available"):
         mesh_shape(cfg(mesh_data=4, mesh_fsdp=4), 8)
-    with pytest.raises(ValueError, match="not divisible"):
+    with pytest.raises(ValueError, match="fixed axes. product 3 does not divide the 8 devices"):
         mesh_shape(cfg(mesh_data=-1, mesh_fsdp=3), 8)
     with pytest.raises(ValueError, match="at most one"):
         cfg(mesh_data=-1, mesh_fsdp=-1)

@@ -64,7 +64,7 @@ def test_compiled_step_moves_two_scalars_between_syncs(corpus):
     config = dataclasses.replace(config, model=tc.model_config(config, 64))
     _, state = create_train_state(config.model, build_optimizer(config).replica_tx, seed=0,
                                   mesh=make_mesh(config))
-    for leaf in jax.tree.leaves(state["opt_state"]):
+    for leaf in jax.tree.leaves(state.opt_state):
         assert leaf.ndim == 0 or leaf.sharding.spec[0] == "diloco"
 
 
@@ -74,8 +74,8 @@ def test_refusals(corpus, tmp_path):
         build_optimizer(tiny(corpus, tmp_path, optimizer="adamw"))
     with pytest.raises(ValueError, match="--mesh_diloco=3: 8 devices do not split into 3"):
         make_mesh(tiny(corpus, tmp_path, mesh_diloco=3))
-    with pytest.raises(ValueError, match=r"batch_size=6 must be divisible by mesh "
-                                         r"diloco\*data\*fsdp=4"):
+    with pytest.raises(ValueError, match=r"--batch_size=6 does not divide over the 4 "
+                                         r"data-parallel devices \(mesh diloco\*data\*fsdp=4"):
         train.run(tiny(corpus, tmp_path / "odd", batch_size=6))
     with pytest.raises(ValueError, match="mesh_diloco=0: expected a positive integer"):
         tiny(corpus, tmp_path, mesh_diloco=0)

@@ -14,9 +14,10 @@ from optax_snoo import MuonState, recipes
 from optax_snoo import kfac as kfac_lib
 from train import config as tc
 from train.config import get_preset, override, parse_args
-from train.nonfinite import counters, update_if_finite
+from train.nonfinite import update_if_finite
 from train.optimizers import OPTIMIZERS, TrainOptimizer, build_optimizer, register
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
+from train.state import TrainState
 from train.step import create_train_state, make_train_step
 
 PARAMS = {"blocks": {"0": {"mlp": {"c_fc": {"kernel": jnp.ones((8, 16))}}}},
@@ -189,8 +190,8 @@ def test_each_micro_batch_gets_its_own_dropout_mask(corpus, tmp_path):
     rng = np.random.default_rng(0)
     xy = rng.integers(0, 32, (2, 1, 4, 8)).astype(np.int32)
     xy = np.concatenate([xy, xy], axis=1)  # (2, A=2, B, T): identical micro-batches
-    key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-    gpt = model.merge(jax.device_get(state["params"]))
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    gpt = model.merge(jax.device_get(state.params))
     ce = [float(optax.softmax_cross_entropy_with_integer_labels(
         models.forward(gpt, jnp.asarray(xy[0, a]), dropout_key=k)[0], xy[1, a]).mean())
         for a, k in enumerate(jax.random.split(key, 2))]
@@ -203,17 +204,17 @@ def test_each_micro_batch_gets_its_own_dropout_mask(corpus, tmp_path):
 def test_latch_skips_finite_steps_after_max_bad_steps():
     """After `max_bad_steps` bad steps in a row, a finite step is skipped too (latched);
     before the limit a finite step applies and resets the run of bad steps."""
-    state = {"w": jnp.ones(2), "opt_state": (), **counters()}
-    update = lambda s: {**s, "w": s["w"] + 1.0}
+    state = TrainState.start({"w": jnp.ones(2)}, (), seed=0)
+    update = lambda s: s._replace(params={"w": s.params["w"] + 1.0})
     nan, one = jnp.float32(jnp.nan), jnp.float32(1.0)
     step = jax.jit(lambda s, loss: update_if_finite(s, update, loss, one, max_bad_steps=2))
     state, flags = step(state, nan)
     state, flags = step(state, one)  # one bad step: below the limit, so it applies
-    assert (float(state["w"][0]), int(state["bad_steps"]), float(flags["skipped"])) == (
+    assert (float(state.params["w"][0]), int(state.bad_steps), float(flags["skipped"])) == (
         2.0, 0, 0.0)
     for _ in range(2):
         state, _ = step(state, nan)
-    assert int(state["bad_steps"]) == 2
+    assert int(state.bad_steps) == 2
     state, flags = step(state, one)  # finite, but latched
-    assert (float(state["w"][0]), float(flags["skipped"]), int(state["bad_steps"]),
-            int(state["skipped_steps"])) == (2.0, 1.0, 3, 4)
+    assert (float(state.params["w"][0]), float(flags["skipped"]), int(state.bad_steps),
+            int(state.skipped_steps)) == (2.0, 1.0, 3, 4)

@@ -76,14 +76,14 @@ def test_skew_adam_bf16_moe_run_loss_falls(corpus, tmp_path):
 def test_bf16_params_stay_bf16_and_state_has_the_roles(corpus, tmp_path):
     config = tiny_moe(corpus, tmp_path)
     state, step, _, batch = setup(config)
-    params0 = jax.tree.map(np.asarray, state["params"])  # the step donates the state
+    params0 = jax.tree.map(np.asarray, state.params)  # the step donates the state
     dtypes = {path_to_str(p): x.dtype for p, x in jax.tree_util.tree_leaves_with_path(params0)}
     # The model keeps its router kernel in float32 (a float32 master weight the rounding
     # passes through); every other parameter, LayerNorm scales included, is bf16.
     assert {k for k, d in dtypes.items() if d == jnp.float32} == {"blocks/1/moe/router/kernel"}
     assert {d for k, d in dtypes.items() if "router" not in k} == {jnp.dtype(jnp.bfloat16)}
 
-    opt_state = state["opt_state"]
+    opt_state = state.opt_state
     # Measured statistics equal the paper's formula per role (float32 whatever the params).
     assert state_bytes_by_group(opt_state, statistics_only=True) == (
         skew_adam_state_bytes_by_role(params0))
@@ -101,7 +101,7 @@ def test_bf16_params_stay_bf16_and_state_has_the_roles(corpus, tmp_path):
 
     for t in range(3):
         state, _ = step(state, *batch(t))
-    params = state["params"]
+    params = state.params
     same = jax.tree.map(lambda a, b: a.dtype == b.dtype, params, params0)
     assert all(jax.tree.leaves(same))
     changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), params, params0)
@@ -118,7 +118,7 @@ def test_stochastic_rounding_keeps_steps_below_half_a_bf16_unit(corpus, tmp_path
         config = tiny_moe(corpus, tmp_path, param_dtype=dtype, rounding=rounding,
                           skew_learning_rate=1e-5, warmup_iters=0, skew_weight_decay=0.0)
         state, step, _, batch = setup(config)
-        kernel = lambda s: np.asarray(s["params"]["blocks"][0]["mlp"]["c_fc"]["kernel"],
+        kernel = lambda s: np.asarray(s.params["blocks"][0]["mlp"]["c_fc"]["kernel"],
                                       np.float64)
         w0 = kernel(state)
         state, _ = step(state, *batch(0))

@@ -155,6 +155,7 @@ class Checkpointer:
         self.read_only = read_only
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: list[int] = []  # saves started and not yet confirmed on disk
+        self._closed = False
 
     def steps(self) -> list[int]:
         """Steps with a checkpoint on disk, ascending."""
@@ -292,7 +293,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Finish pending saves and the clean-up of leftover temporary folders, and release
-        the manager."""
+        the manager (once: a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
             # Orbax awaits its clean-up thread only in `save`: a run stopped before its

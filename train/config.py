@@ -9,8 +9,8 @@ optimizer family (`adamw`, `muon`, `snoo`, `skew_adam`, `kfac`), and `schedule`,
 The command line keeps one flat key per field (`--n_layer`, `--muon_learning_rate`,
 `--kfac_damping`, `--snoo_k`...): `KEYS` maps each flat key to its `(group, field)`;
 `override(config, **flat)` is the same from Python. This module knows no optimizer: the
-registry (`train.optimizers`) checks `optimizer` names. `RENAMED` holds the names of
-earlier versions: refused with the new name when given, mapped when a saved config is read.
+registry (`train.optimizers`) checks `optimizer` names. `RENAMED` holds renamed flags and
+optimizer names: given, each is refused in one line naming its new name.
 
 Example:
   >>> config = parse_args(["--preset=shakespeare_char_cpu", "--max_iters=100"])
@@ -476,44 +476,14 @@ def _choices() -> dict[str, tuple[str, ...]]:
 CHOICES: dict[str, tuple[str, ...]] = _choices()
 
 
-#: The names of earlier versions, old -> new, the one home of the renames (the library's
-#: names: `learning_rate`, `ema_decay`, `skew_adam`): flat keys, config groups, fields
-#: (`"group.field"`, under the old group's name) and optimizer names. Given now, an old
-#: key or optimizer name is refused with its new name; `config_from_dict` and `flat_dict`
-#: map those of saved configs (checkpoints, config.json), nested or flat.
+#: Flags and optimizer names renamed, old -> new: given now, an old one is refused in one
+#: line naming its new name (`--muon_lr was renamed --muon_learning_rate`).
 RENAMED: dict[str, dict[str, str]] = {
     "key": {"muon_lr": "muon_learning_rate", "snoo_lr": "snoo_learning_rate",
             "skew_lr": "skew_learning_rate", "kfac_lr": "kfac_learning_rate",
             "kfac_ema": "kfac_ema_decay"},
-    "group": {"skewadam": "skew_adam"},
-    "field": {"muon.lr": "learning_rate", "snoo.lr": "learning_rate",
-              "skewadam.lr": "learning_rate", "kfac.lr": "learning_rate",
-              "kfac.ema": "ema_decay"},
     "optimizer": {"skewadam": "skew_adam", "snoo_skewadam": "snoo_skew_adam"},
 }
-
-
-def _renamed_optimizer(name: Any) -> Any:
-    return RENAMED["optimizer"].get(name, name) if isinstance(name, str) else name
-
-
-def _upgrade(values: Mapping[str, Any]) -> dict[str, Any]:
-    """A saved config dict (nested or flat) with the old names of `RENAMED` made new."""
-    if not any(isinstance(v, Mapping) for v in values.values()):  # flat
-        flat = {RENAMED["key"].get(key, key): value for key, value in values.items()}
-        if "optimizer" in flat:
-            flat["optimizer"] = _renamed_optimizer(flat["optimizer"])
-        return flat
-    nested = {}
-    for group, fields in values.items():
-        if isinstance(fields, Mapping):
-            fields = {RENAMED["field"].get(f"{group}.{name}", name): value
-                      for name, value in fields.items()}
-        nested[RENAMED["group"].get(group, group)] = fields
-    optimizer = nested.get("optimizer")
-    if isinstance(optimizer, Mapping) and "name" in optimizer:
-        nested["optimizer"] = {**optimizer, "name": _renamed_optimizer(optimizer["name"])}
-    return nested
 
 
 #: modded-nanogpt Track 3's baseline recipe (#36, records/track_3_optimization/
@@ -703,9 +673,8 @@ def config_to_dict(config: TrainConfig) -> dict[str, Any]:
 
 def flat_dict(config: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Every flat key with its value, from a config or a dict of `config_to_dict` (a flat
-    dict, as older checkpoints stored, passes through; old names of `RENAMED` are made
-    new): what `train.checkpoint.check_compatible` compares."""
-    config = config_to_dict(config) if isinstance(config, TrainConfig) else _upgrade(config)
+    dict passes through): what `train.checkpoint.check_compatible` compares."""
+    config = config_to_dict(config) if isinstance(config, TrainConfig) else dict(config)
     if not any(isinstance(v, Mapping) for v in config.values()):
         return dict(config)
     return {key: config[group][name] for key, (group, name) in KEYS.items()
@@ -713,10 +682,8 @@ def flat_dict(config: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
-    """Inverse of `config_to_dict` (a flat dict of keys also works); the old names of
-    `RENAMED` (older runs' saved configs) are mapped to the new; unknown keys and wrong
-    types raise ValueError."""
-    values = _upgrade(values)
+    """Inverse of `config_to_dict` (a flat dict of keys also works); unknown keys and
+    wrong types raise ValueError."""
     if not any(isinstance(v, Mapping) for v in values.values()):
         return override(TrainConfig(), **values)
     groups = {}
@@ -790,8 +757,16 @@ def _parse_value(key: str, text: str) -> Any:
             except ValueError:
                 pass
         if a is str:
-            return text.encode().decode("unicode_escape") if key == "sample_start" else text
+            return _unescape(text) if key == "sample_start" else text
     raise ValueError(f"--{key}={text!r}: expected {_type_name(tp)}")
+
+
+def _unescape(text: str) -> str:
+    """`text` with its backslash escapes (`\\n`, `\\t`, `\\u2713`) decoded and every other
+    character kept: `unicode_escape` reads bytes as Latin-1, so the characters beyond it
+    go in as escapes of their own rather than as UTF-8 bytes (which would come back as
+    mojibake, "é" as "Ã©")."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def parse_args(argv: Sequence[str]) -> TrainConfig:

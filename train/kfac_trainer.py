@@ -58,6 +58,7 @@ from train.optimizers import (
     with_snoo,
 )
 from train.sharding import BATCH_AXES, batch_sharding, replicated
+from train.state import TrainState
 from train.step import compiler_options, cross_entropy
 
 if TYPE_CHECKING:
@@ -254,8 +255,8 @@ def make_curvature_estimate(model: Any, *, mesh: Any, params_shardings: Any,
                    out_shardings=replicated(mesh), compiler_options=compiler_options(mesh))
 
 
-def warm_start_state(state: dict, estimate: Callable[[Any, Any, Any, Any], Any],
-                     batches: Sequence[tuple[Any, Any]], shardings: Any) -> dict:
+def warm_start_state(state: TrainState, estimate: Callable[[Any, Any, Any, Any], Any],
+                     batches: Sequence[tuple[Any, Any]], shardings: Any) -> TrainState:
     """`state` with its K-FAC factors seeded from `batches` (`optax_snoo.kfac.warm_start`).
 
     Args:
@@ -265,10 +266,10 @@ def warm_start_state(state: dict, estimate: Callable[[Any, Any, Any, Any], Any],
       batches: `(inputs_ABT, targets_ABT)` pairs already placed on the mesh.
       shardings: the train state's shardings (the result is put back on them).
     """
-    curvatures = [estimate(state["params"], x, y, jnp.int32(i))
+    curvatures = [estimate(state.params, x, y, jnp.int32(i))
                   for i, (x, y) in enumerate(batches)]
-    opt_state = kfac_lib.warm_start(state["opt_state"], curvatures)
-    return jax.device_put({**state, "opt_state": opt_state}, shardings)
+    opt_state = kfac_lib.warm_start(state.opt_state, curvatures)
+    return jax.device_put(state._replace(opt_state=opt_state), shardings)
 
 
 def _observe(opt_state: Any) -> Any:
@@ -293,8 +294,8 @@ def _hooks(config: TrainConfig) -> dict[str, Any]:
         if start > 0 or config.kfac.warm_start == 0:
             return state
         estimate = make_curvature_estimate(
-            model, mesh=mesh, params_shardings=shardings["params"],
-            curvature_fn=kfac_curvature_fn(state["params"], stride, experts))
+            model, mesh=mesh, params_shardings=shardings.params,
+            curvature_fn=kfac_curvature_fn(state.params, stride, experts))
         batches = [batch(config.run.max_iters + i, grad_accum=1)
                    for i in range(config.kfac.warm_start)]
         return warm_start_state(state, estimate, batches, shardings)

@@ -1,8 +1,12 @@
 """The training loop, `run(config)`, read top to bottom like nanoGPT's train.py.
 
-Per step: (the learning-rate schedule lives in the optimizer) -> evaluate and checkpoint
--> forward/backward over the micro-batches -> clip -> update -> log. Outputs go to
-`out_dir`: `config.json`, `metrics.jsonl`, `checkpoints/`, `loss.png`, `samples.txt`.
+`run` is three parts under one `contextlib.ExitStack`: `_setup` (every check that can
+fail before anything is written, then the model, state, data and the things to close),
+`_train` (the loop), and the teardown the stack does however the run ends. Per step,
+`step_actions` (a pure function) says what to do: evaluate and checkpoint -> forward/
+backward over the micro-batches -> clip -> update (the learning-rate schedule lives in
+the optimizer) -> log. Outputs go to `out_dir`: `config.json`, `metrics.jsonl`,
+`checkpoints/`, `loss.png`, `samples.txt`.
 
 With several processes (`jax.distributed`, see `train.__main__`) every process runs this
 same loop on the global mesh and feeds only its own rows of each batch; checkpoints are
@@ -20,6 +24,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -30,6 +35,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,14 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from train.checkpoint import Checkpointer, check_compatible, saved_tokenizer
-from train.config import TrainConfig, config_to_dict, flat_dict, model_config
+from train.config import (
+    RunConfig,
+    TrainConfig,
+    config_from_dict,
+    config_to_dict,
+    flat_dict,
+    model_config,
+)
 from train.data import BatchPrefetcher, TokenDataset, open_dataset
 from train.errors import one_line
 from train.metrics import (
@@ -55,19 +68,36 @@ from train.metrics import (
     show_compiling,
 )
 from train.nonfinite import check_bad_steps
-from train.optimizers import build_optimizer
+from train.optimizers import (
+    Monitor,
+    TrainOptimizer,
+    build_optimizer,
+    get_builder,
+    learning_rate_schedule,
+)
 from train.sharding import (
     batch_sharding,
+    check_batch_size,
     make_mesh,
     process_rows,
     put_batch,
     replica_zero,
     tree_shardings,
 )
-from train.step import create_train_state, make_eval_step, make_readout, make_train_step
-from train.tokenizer import describe_meta
+from train.state import TrainState
+from train.step import (
+    ModelDef,
+    TrainStep,
+    create_train_state,
+    make_eval_step,
+    make_readout,
+    make_train_step,
+    param_shardings,
+)
+from train.tokenizer import describe_meta, prompt_ids, read_prompt
 
-__all__ = ["RunResult", "run", "run_tokenizer"]
+__all__ = ["RunResult", "StepActions", "eval_due", "run", "run_tokenizer",
+           "schedule_change", "step_actions"]
 
 
 @dataclasses.dataclass
@@ -79,11 +109,358 @@ class RunResult:
     out_dir: Path
 
 
-def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, tokenizer: dict):
+# ---------------------------------------------------------------- what a step does
+
+
+@dataclasses.dataclass(frozen=True)
+class StepActions:
+    """What the loop does at a step.
+
+    Attributes:
+      evaluate: before the step's update, evaluate (and log both splits' losses).
+      save: then write a checkpoint (only with `evaluate`: it stores the val loss).
+      log: after the update, log the train metrics (a host sync).
+      last: the run ends here, with no update.
+    """
+
+    evaluate: bool
+    save: bool
+    log: bool
+    last: bool
+
+
+def eval_due(step: int, run: RunConfig) -> bool:
+    """The evaluation cadence: whether `step` is an evaluation step of its own
+    (`RunConfig.is_cadence_step`: every `eval_interval` steps, every `eval_interval_tail`
+    in the last `eval_tail_frac` of the run); `step_actions` adds the save steps and the
+    last."""
+    return run.is_cadence_step(step)
+
+
+def step_actions(step: int, *, start: int, run: RunConfig,
+                 cadence: Callable[[int, RunConfig], bool] = eval_due) -> StepActions:
+    """What the loop does at `step` of a run that starts (or resumes) at `start`.
+
+    A checkpoint is saved every `checkpoint_every` steps and at the last step, and every
+    save step is evaluated; `cadence(step, run)` adds evaluations between them. The step
+    a resumed run starts from was evaluated and saved by the run before: neither again.
+    A fresh run evaluates step 0 (and with `max_iters=0` also saves it).
+    """
+    last = step == run.max_iters
+    done_before = run.resume and step == start  # the previous run evaluated and saved it
+    save = not done_before and (step > start or last) and (
+        step % run.checkpoint_every == 0 or last)
+    evaluate = not done_before and (cadence(step, run) or save or last)
+    log = not last and ((step + 1) % run.log_interval == 0 or step + 1 == run.max_iters)
+    return StepActions(evaluate=evaluate, save=save, log=log, last=last)
+
+
+def schedule_end(config: TrainConfig) -> int:
+    """The step where `config`'s learning-rate schedule reaches its final value."""
+    s = config.schedule
+    if s.kind == "cosine" and s.lr_decay_iters is not None:
+        return s.lr_decay_iters
+    return config.run.max_iters
+
+
+def schedule_change(saved: TrainConfig, config: TrainConfig, step: int) -> str | None:
+    """A one-line warning when resuming at `step` moves the schedule's end (a new
+    `--max_iters` stretches or shrinks it), with the learning rate's jump; else None."""
+    old, new = schedule_end(saved), schedule_end(config)
+    if old == new:
+        return None
+    lr_old = float(learning_rate_schedule(saved)(step))
+    lr_new = float(learning_rate_schedule(config)(step))
+    keep = (f"; to keep the first run's end pass --lr_decay_iters={old}"
+            if config.schedule.kind == "cosine" else "")
+    return (f"warning: resuming at step {step} with --max_iters={config.run.max_iters} (the "
+            f"checkpoint's run had {saved.run.max_iters}): the {config.schedule.kind} "
+            f"learning-rate schedule now ends at step {new}, not {old}, so the lr at step "
+            f"{step} goes from {lr_old:.4g} to {lr_new:.4g} (AdamW's; every group alike){keep}")
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the setup builds and the loop and the finish use (closed by `run`'s stack)."""
+
+    config: TrainConfig
+    out: Path
+    data: TokenDataset
+    mesh: Any
+    model: ModelDef
+    optimizer: TrainOptimizer
+    state: TrainState
+    start: int
+    replica0: Callable[[Any], Any]
+    readout: Callable[[TrainState], Any]
+    train_step: TrainStep
+    eval_step: Callable[..., Any]
+    evals: dict[str, Any]
+    ckpt: Checkpointer
+    log: MetricsLog
+    monitor: Monitor
+    batches: BatchPrefetcher
+    meta: dict[str, Any]
+    prompt: str
+    tokens_per_step: int
+    flops_per_step: float
+    peak_flops: float | None
+
+
+def run(config: TrainConfig) -> RunResult:
+    """Train `config` and return the final metrics and the logged history.
+
+    Whatever ends the run (success, a mistake found at the start, an exception at any
+    step, a `KeyboardInterrupt`), the prefetch thread, the progress bar, the trackers and
+    the checkpointer are closed on the way out, and the checkpoints already written stay
+    intact (a pending write is finished first).
+    """
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        r = _setup(config, stack)
+        progress = stack.enter_context(_Progress(r))
+        state = _train(r, progress)
+        r.ckpt.close()  # the last writes on disk (or their error) before the outputs
+        r.monitor.finish()
+        result = _finish(r, state, progress.rates)
+    result.final["wall_s"] = time.perf_counter() - t_start
+    return result
+
+
+def _setup(config: TrainConfig, stack: contextlib.ExitStack) -> _Run:
+    """Check everything that can be checked before any work, then build the run; each
+    thing that must be closed is entered on `stack`."""
+    get_builder(config.optimizer.name)  # an unknown optimizer: the first thing said
+    check_trackers(config.run)  # tensorboardX / wandb installed, if asked for
+    mesh = make_mesh(config)
+    out = Path(config.run.out_dir)
+    _check_writable(out)
+    data = open_dataset(config.data.path)  # headers, sizes and ids checked: before compiling
+    config = dataclasses.replace(config, model=model_config(config, data.vocab_size))
+    prompt = _checked_prompt(config, data)  # a bad --sample_start: now, not after the run
+    d, r = config.data, config.run
+    # Told where the params will live (Muon's plan); bad optimizer values: here.
+    optimizer = build_optimizer(config, params=param_shardings(config.model, mesh))
+    check_batch_size(d.batch_size, mesh)  # the last config error: before anything is written
+    check_memory(config, config.model, optimizer.replica_tx,  # before any compile
+                 list(mesh.devices.flat))
+    model, state = create_train_state(config.model, optimizer.replica_tx, seed=r.seed, mesh=mesh)
+    shardings = tree_shardings(state, mesh)
+    # Evaluation, sampling and the FLOPs count see replica 0 (all of the params without
+    # DiLoCo replicas): its fast weights, as a single-replica Snoo run evaluates its own.
+    replica0, params0_shardings = replica_zero(shardings.params, mesh)
+    params0_shapes = jax.eval_shape(replica0, state.params)
+    ckpt = Checkpointer(out / "checkpoints")
+    stack.push(_closing(ckpt))
+    tokenizer, tokenizer_file = run_tokenizer(data)
+    state, start = _start(config, ckpt, state, tokenizer)
+    lead = jax.process_index() == 0
+    if lead:
+        print(_startup_line(config, params0_shapes, mesh, start, data), flush=True)
+        out.mkdir(parents=True, exist_ok=True)  # the first output: the start succeeded
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+    rows = process_rows(batch_sharding(mesh), d.batch_size)  # this process's slice
+    put = lambda x: put_batch(x, batch_sharding(mesh), d.batch_size)
+
+    def train_batch(step, grad_accum=d.grad_accum):  # only this process's rows are read
+        shape = dict(batch_size=d.batch_size, block_size=config.model.block_size,
+                     grad_accum=grad_accum, rows=rows)
+        inputs_ABT, targets_ABT = (data.sequential_batch("train", step, **shape)
+                                   if d.order == "sequential" else
+                                   data.batch("train", step, seed=r.seed, **shape))
+        return put(inputs_ABT), put(targets_ABT)
+
+    state = optimizer.prepare(state, model=model, mesh=mesh, shardings=shardings,
+                              batch=train_batch, start=start)
+    evals = {split: [put(a) for a in data.eval_batches(
+        split, num_batches=r.eval_iters, batch_size=d.batch_size,
+        block_size=config.model.block_size, seed=r.seed, rows=rows)]
+        for split in ("train", "val")}
+    if r.val_tokens is not None:  # the split's first val_tokens, as modded-nanogpt's Track 3
+        evals["val"] = [put(a) for a in data.first_windows(
+            "val", num_tokens=r.val_tokens, batch_size=d.batch_size,
+            block_size=config.model.block_size, rows=rows)]
+    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=r.resume,
+                     trackers=open_trackers(config, out, start=start) if lead else ())
+    stack.callback(log.close)  # the trackers (W&B's run ends here)
+    tokens_per_step = d.batch_size * d.grad_accum * config.model.block_size
+    return _Run(
+        config=config, out=out, data=data, mesh=mesh, model=model, optimizer=optimizer,
+        state=state, start=start, replica0=replica0,
+        readout=make_readout(state.opt_state),  # the weights the optimizer says to evaluate
+        train_step=make_train_step(model, optimizer, mesh=mesh, state_shardings=shardings,
+                                   max_bad_steps=r.max_bad_steps,
+                                   loss_reduction=config.optimizer.loss_reduction),
+        eval_step=make_eval_step(model, mesh=mesh, params_shardings=params0_shardings),
+        evals=evals, ckpt=ckpt, log=log, monitor=optimizer.monitor(out, start),
+        batches=stack.enter_context(BatchPrefetcher(train_batch, enabled=d.prefetch)),
+        meta={"config": config_to_dict(config), "tokenizer": tokenizer,
+              "vocab_size": data.vocab_size, "seed": r.seed},
+        prompt=prompt, tokens_per_step=tokens_per_step,
+        flops_per_step=flops_per_token(params0_shapes, config.model) * tokens_per_step,
+        peak_flops=peak_flops_per_device(jax.devices()[0].device_kind))
+
+
+def _train(r: _Run, progress: _Progress) -> TrainState:
+    """The loop: per step, evaluate and checkpoint when due, then one update (forward and
+    backward over the micro-batches, clip, update: one jitted call), then log when due."""
+    state, run_config = r.state, r.config.run
+    for step in range(r.start, run_config.max_iters + 1):
+        due = step_actions(step, start=r.start, run=run_config)
+        if due.evaluate:
+            val_loss = _evaluate(r, state, step, progress)
+            if due.save:  # never after max_bad_steps bad steps in a row
+                _check_bad_steps(int(state.bad_steps), r.config, step, r.ckpt)
+                r.ckpt.save(step, state, {**r.meta, "step": step, "val_loss": val_loss},
+                            val_loss=val_loss)
+            progress.restart_interval()  # the next rate counts steps only
+        if due.last:
+            break
+        hints = r.optimizer.update_kwargs(step)  # static: Snoo's sync or no-sync step
+        with progress.step(hints):
+            state, metrics = r.train_step(state, *r.batches.get(step), **hints)
+        r.monitor.add(metrics.pop("observed"))  # kept on device, read when logging
+        if due.log:  # the only host sync outside evaluations
+            _log_train(r, step + 1, metrics, progress)
+    return state
+
+
+def _evaluate(r: _Run, state: TrainState, step: int, progress: _Progress) -> float:
+    """Both splits' losses at `step` (replica 0's params), logged; returns the val loss."""
+    params0 = r.replica0(r.readout(state))
+    losses = {split: float(r.eval_step(params0, *batches)) for split, batches in r.evals.items()}
+    r.log.write(step=step, train_loss=losses["train"], val_loss=losses["val"])
+    progress.write(f"step {step}: train loss {losses['train']:.4f}, val loss "
+                   f"{losses['val']:.4f}{progress.speed()}")
+    return losses["val"]
+
+
+def _log_train(r: _Run, step: int, metrics: dict, progress: _Progress) -> None:
+    """Log the train metrics after update `step` (and the throughput since the last log);
+    stop on too many bad steps or a failed checkpoint write."""
+    r.monitor.flush()
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    rate = progress.interval_rate(r.tokens_per_step)
+    mfu = (rate * r.flops_per_step / r.tokens_per_step / (r.peak_flops * r.mesh.size)
+           if r.peak_flops else None)
+    progress.mfu = mfu
+    r.log.write(step=step, **metrics, tokens_per_sec=rate,
+                **({} if mfu is None else {"mfu": mfu}))
+    progress.note_skipped(step, metrics["skipped_steps"], metrics["bad_steps"])
+    _check_bad_steps(int(metrics["bad_steps"]), r.config, step, r.ckpt)
+    r.ckpt.check_for_errors()  # a failed asynchronous write stops the run now
+    progress.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{rate:,.0f}")
+
+
+class _Progress:
+    """The progress bar (process 0, `--progress`) and the throughput bookkeeping: the
+    bar reads "compiling" while a step variant compiles and counts its rate and ETA from
+    the end of compilation; the tokens/s of each logging interval."""
+
+    def __init__(self, r: _Run):
+        run_config, lead = r.config.run, jax.process_index() == 0
+        self.bar = tqdm(total=run_config.max_iters, initial=r.start,
+                        disable=not (run_config.progress and lead), dynamic_ncols=True,
+                        desc="compiling", bar_format=COMPILING_BAR)
+        self.compiled: set = set()  # the train-step variants called so far (Snoo: two)
+        self.rates: list[float] = []
+        self.mfu: float | None = None
+        self.skipped = float(r.state.skipped_steps)
+        self.restart_interval()
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+    @contextlib.contextmanager
+    def step(self, hints: dict[str, Any]):
+        """Around one train step: a variant's first call compiles, so it gets no rate."""
+        variant = tuple(sorted(hints.items()))
+        first = variant not in self.compiled
+        if first:
+            show_compiling(self.bar)
+        yield
+        self.steps_since += 1
+        self.bar.update()
+        if first:  # compiled: time from now on
+            self.compiled.add(variant)
+            restart_clock(self.bar)
+
+    def restart_interval(self) -> None:
+        """Time the next interval from now (after an evaluation, or a log)."""
+        self.t_last, self.steps_since = time.perf_counter(), 0
+
+    def interval_rate(self, tokens_per_step: int) -> float:
+        """Tokens/s since the last interval began (kept in `rates`); a new one begins."""
+        rate = self.steps_since * tokens_per_step / (time.perf_counter() - self.t_last)
+        self.rates.append(rate)
+        self.restart_interval()
+        return rate
+
+    def speed(self) -> str:
+        """`", N tokens/s, MFU x%"` of the last interval, or `""` before the first."""
+        if not self.rates:
+            return ""
+        mfu = f", MFU {self.mfu:.1%}" if self.mfu is not None else ""
+        return f", {self.rates[-1]:,.0f} tokens/s{mfu}"
+
+    def note_skipped(self, step: int, skipped: float, bad_steps: float) -> None:
+        """Say when steps were skipped (a non-finite loss or gradient) since the last log."""
+        if skipped > self.skipped:
+            self.skipped = skipped
+            self.write(f"step {step}: skipped {skipped:.0f} step(s) with a non-finite loss "
+                       f"or gradient so far ({bad_steps:.0f} in a row)")
+
+    def write(self, line: str) -> None:
+        self.bar.write(line)
+
+    def set_postfix(self, **values: str) -> None:
+        self.bar.set_postfix(**values)
+
+
+def _closing(ckpt: Checkpointer) -> Callable[..., bool]:
+    """The exit of `ckpt` for an `ExitStack`: close it (pending writes finished first). On
+    the way out of an error, an error of the close itself is not raised over it."""
+    def exit_(exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            ckpt.close()
+        else:
+            with contextlib.suppress(Exception):
+                ckpt.close()
+        return False
+
+    return exit_
+
+
+def _checked_prompt(config: TrainConfig, data: TokenDataset) -> str:
+    """`--sample_start`'s text (a `FILE:` read), checked against the vocabulary now, so a
+    bad prompt stops the run before its first step rather than after its last."""
+    s = config.sample
+    if s.num_samples == 0:
+        return s.start
+    prompt = read_prompt(s.start, flag="--sample_start")
+    try:
+        tokenizer = data.tokenizer
+    except OSError:  # e.g. GPT-2's encoding offline: `_finish` says so, the run goes on
+        return prompt
+    prompt_ids(tokenizer, prompt, flag="--sample_start")
+    return prompt
+
+
+def _start(config: TrainConfig, ckpt: Checkpointer, state: TrainState, tokenizer: dict
+           ) -> tuple[TrainState, int]:
     """Restore the newest readable checkpoint for `--resume` (checking it fits), else step 0.
 
     A damaged newer checkpoint is set aside with a warning (`Checkpointer.restore_latest`);
-    the metrics log is cut back to the restored step, so it reads as one run.
+    the metrics log is cut back to the restored step, so it reads as one run. A resume
+    that moves the schedule's end (a new `--max_iters`) says so in one line.
     """
     latest = ckpt.latest_step()
     if not config.run.resume:
@@ -110,7 +487,10 @@ def _start(config: TrainConfig, ckpt: Checkpointer, state: Any, tokenizer: dict)
                              f"({describe_meta(saved)}) is not this --data's "
                              f"({describe_meta(tokenizer)})")
 
-    state, _, step = ckpt.restore_latest(like=state, check=check)
+    state, meta, step = ckpt.restore_latest(like=state, check=check)
+    warning = schedule_change(config_from_dict(meta["config"]), config, step)
+    if warning is not None and jax.process_index() == 0:
+        print(warning, file=sys.stderr, flush=True)
     log = Path(config.run.out_dir) / "metrics.jsonl"
     if log.exists() and jax.process_index() == 0:  # drop what a killed run logged after it
         lines = log.read_text().splitlines()
@@ -139,147 +519,10 @@ def _check_writable(out: Path) -> None:
                         "or fix its permissions.") from None
 
 
-def run(config: TrainConfig) -> RunResult:
-    """Train `config` and return the final metrics and the logged history."""
-    t_start, out = time.perf_counter(), Path(config.run.out_dir)
-    optimizer = build_optimizer(config)  # an unknown name or bad values: before any work
-    check_trackers(config.run)  # tensorboardX / wandb installed, if asked for
-    _check_writable(out)
-    data = open_dataset(config.data.path)  # headers, sizes and ids checked: before compiling
-    config = dataclasses.replace(config, model=model_config(config, data.vocab_size))
-    d, r = config.data, config.run
-    mesh = make_mesh(config)
-    check_memory(config, config.model, optimizer.replica_tx,  # before any compile
-                 list(mesh.devices.flat))
-    model, state = create_train_state(config.model, optimizer.replica_tx, seed=r.seed, mesh=mesh)
-    shardings = tree_shardings(state, mesh)
-    # Evaluation, sampling and the FLOPs count see replica 0 (all of the params without
-    # DiLoCo replicas): its fast weights, as a single-replica Snoo run evaluates its own.
-    replica0, params0_shardings = replica_zero(shardings["params"], mesh)
-    params0_shapes = jax.eval_shape(replica0, state["params"])
-    optimizer = build_optimizer(config, params=shardings["params"])  # Muon's plan: same state
-    ckpt = Checkpointer(out / "checkpoints")
-    try:
-        tokenizer, tokenizer_file = run_tokenizer(data)
-        state, start = _start(config, ckpt, state, tokenizer)
-    except BaseException:
-        ckpt.close()  # a refused start: nothing pending, but Orbax's clean-up must end
-        raise
-    lead = jax.process_index() == 0
-    if lead:
-        print(_startup_line(config, params0_shapes, mesh, start, data), flush=True)
-        out.mkdir(parents=True, exist_ok=True)  # the first output: the start succeeded
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
-    rows = process_rows(batch_sharding(mesh), d.batch_size)  # this process's slice
-    put = lambda x: put_batch(x, batch_sharding(mesh), d.batch_size)
-
-    def train_batch(step, grad_accum=d.grad_accum):  # only this process's rows are read
-        shape = dict(batch_size=d.batch_size, block_size=config.model.block_size,
-                     grad_accum=grad_accum, rows=rows)
-        inputs_ABT, targets_ABT = (data.sequential_batch("train", step, **shape)
-                                   if d.order == "sequential" else
-                                   data.batch("train", step, seed=r.seed, **shape))
-        return put(inputs_ABT), put(targets_ABT)
-
-    state = optimizer.prepare(state, model=model, mesh=mesh, shardings=shardings,
-                              batch=train_batch, start=start)
-    monitor = optimizer.monitor(out, start)
-    train_step = make_train_step(model, optimizer, mesh=mesh, state_shardings=shardings,
-                                 max_bad_steps=r.max_bad_steps,
-                                 loss_reduction=config.optimizer.loss_reduction)
-    eval_step = make_eval_step(model, mesh=mesh, params_shardings=params0_shardings)
-    readout = make_readout(state["opt_state"])  # the weights the optimizer says to evaluate
-    evals = {split: [put(a) for a in data.eval_batches(
-        split, num_batches=r.eval_iters, batch_size=d.batch_size,
-        block_size=config.model.block_size, seed=r.seed, rows=rows)]
-        for split in ("train", "val")}
-    if r.val_tokens is not None:  # the split's first val_tokens, as modded-nanogpt's Track 3
-        evals["val"] = [put(a) for a in data.first_windows(
-            "val", num_tokens=r.val_tokens, batch_size=d.batch_size,
-            block_size=config.model.block_size, rows=rows)]
-    log = MetricsLog(out / "metrics.jsonl" if lead else os.devnull, append=r.resume,
-                     trackers=open_trackers(config, out, start=start) if lead else ())
-    tokens_per_step = d.batch_size * d.grad_accum * config.model.block_size
-    peak = peak_flops_per_device(jax.devices()[0].device_kind)
-    flops = flops_per_token(params0_shapes, config.model) * tokens_per_step
-    meta = {"config": config_to_dict(config), "tokenizer": tokenizer,
-            "vocab_size": data.vocab_size, "seed": r.seed}
-    batches = BatchPrefetcher(train_batch, enabled=d.prefetch)  # the next step's, meanwhile
-    # The bar's rate and ETA count from the end of compilation (restart_clock).
-    bar = tqdm(total=r.max_iters, initial=start, disable=not (r.progress and lead),
-               dynamic_ncols=True, desc="compiling", bar_format=COMPILING_BAR)
-    compiled = set()  # the train-step variants called so far (Snoo: sync and no-sync)
-    rates, mfu, t_last, steps_since = [], None, time.perf_counter(), 0
-    skipped = float(state["skipped_steps"])
-    for step in range(start, r.max_iters + 1):
-        is_last_step = step == r.max_iters
-        # evaluate and checkpoint (not again at the step a resumed run starts from)
-        # (the last step always; also step 0 of a fresh run with max_iters=0)
-        is_save_step = (step > start or (is_last_step and not r.resume)) and (
-            step % r.checkpoint_every == 0 or is_last_step)
-        is_eval_step = (step > start or not r.resume) and (
-            r.is_cadence_step(step) or is_save_step)
-        if is_eval_step:
-            params0 = replica0(readout(state))
-            losses = {s: float(eval_step(params0, *evals[s])) for s in evals}
-            log.write(step=step, train_loss=losses["train"], val_loss=losses["val"])
-            speed = "" if not rates else f", {rates[-1]:,.0f} tokens/s" + (
-                f", MFU {mfu:.1%}" if mfu is not None else "")
-            bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss "
-                      f"{losses['val']:.4f}{speed}")
-            if is_save_step:  # never after max_bad_steps bad steps in a row
-                _check_bad_steps(int(state["bad_steps"]), config, step, ckpt)
-                ckpt.save(step, state, {**meta, "step": step, "val_loss": losses["val"]},
-                          val_loss=losses["val"])
-            t_last, steps_since = time.perf_counter(), 0
-        if is_last_step:
-            break
-        step_kwargs = optimizer.update_kwargs(step)  # static: Snoo's sync or no-sync step
-        variant = tuple(sorted(step_kwargs.items()))
-        if variant not in compiled:  # this call compiles its variant: no rate or ETA
-            show_compiling(bar)
-        # forward/backward over grad_accum micro-batches -> clip -> update (one jitted call)
-        state, metrics = train_step(state, *batches.get(step), **step_kwargs)
-        steps_since += 1
-        bar.update()
-        if variant not in compiled:  # this call compiled its variant: time from now on
-            compiled.add(variant)
-            restart_clock(bar)
-        monitor.add(metrics.pop("observed"))  # kept on device, read when logging
-        # log (the only host sync outside evaluations)
-        if (step + 1) % r.log_interval == 0 or step + 1 == r.max_iters:
-            monitor.flush()
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            rate = steps_since * tokens_per_step / (now - t_last)
-            rates.append(rate)
-            mfu = rate * flops / tokens_per_step / (peak * mesh.size) if peak else None
-            log.write(step=step + 1, **metrics, tokens_per_sec=rate,
-                      **({} if mfu is None else {"mfu": mfu}))
-            if metrics["skipped_steps"] > skipped:
-                skipped = metrics["skipped_steps"]
-                bar.write(f"step {step + 1}: skipped {skipped:.0f} step(s) with a non-finite "
-                          f"loss or gradient so far ({metrics['bad_steps']:.0f} in a row)")
-            _check_bad_steps(int(metrics["bad_steps"]), config, step + 1, ckpt)
-            ckpt.check_for_errors()  # a failed asynchronous write stops the run now
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{rate:,.0f}")
-            t_last, steps_since = now, 0
-    bar.close()
-    batches.close()
-    ckpt.close()
-    monitor.finish()
-    result = _finish(config, model, replica0(readout(state)), data, log, rates, out)
-    log.close()  # the trackers (W&B's run ends here)
-    result.final["wall_s"] = time.perf_counter() - t_start
-    return result
-
-
 def _check_bad_steps(bad_steps: int, config: TrainConfig, step: int, ckpt: Checkpointer):
     """Stop (pending checkpoint writes finished first) after too many bad steps in a row."""
     if bad_steps >= config.run.max_bad_steps:
-        ckpt.close()
+        ckpt.wait()
         check_bad_steps(bad_steps, max_bad_steps=config.run.max_bad_steps, step=step,
                         checkpoints=ckpt.steps())
 
@@ -314,12 +557,14 @@ def run_tokenizer(data: TokenDataset) -> tuple[dict[str, Any], Path | None]:
     return {**meta, "file": "tokenizer.json", "sha256": digest}, source
 
 
-def _finish(config, model, params, data, log, rates, out) -> RunResult:
-    """Write loss.png and samples.txt (process 0, sampled from `params`: replica 0's);
+def _finish(r: _Run, state: TrainState, rates: list[float]) -> RunResult:
+    """Write loss.png and samples.txt (process 0, sampled from replica 0's params);
     summarise the run (all of it, across resumes: the metrics log's earlier lines count
     too)."""
     from train.sample import generate_text  # here: `python -m train.sample` runs cleanly
 
+    config, out, log = r.config, r.out, r.log
+    params = r.replica0(r.readout(state))
     lead = jax.process_index() == 0
     whole = log.whole_run
     if lead:
@@ -329,12 +574,12 @@ def _finish(config, model, params, data, log, rates, out) -> RunResult:
         params = multihost_utils.process_allgather(params, tiled=True)
     if s.num_samples > 0 and lead:
         try:
-            tokenizer = data.tokenizer
+            tokenizer = r.data.tokenizer
         except OSError as err:  # e.g. GPT-2's encoding offline: the run itself is done
             print(f"warning: no samples.txt: {one_line(str(err))}", file=sys.stderr)
         else:
-            texts = generate_text(model.merge(params), tokenizer, data.vocab_size,
-                                  start=s.start, num_samples=s.num_samples,
+            texts = generate_text(r.model.merge(params), tokenizer, r.data.vocab_size,
+                                  start=r.prompt, num_samples=s.num_samples,
                                   max_new_tokens=s.tokens, temperature=s.temperature,
                                   top_k=s.top_k, seed=config.run.seed)
             (out / "samples.txt").write_text("\n---------------\n".join(texts) + "\n")

@@ -21,11 +21,11 @@ pass and copies of that state; see README.md, "Reliability".)
 
 Example:
   >>> import jax.numpy as jnp
-  >>> state = {"w": jnp.ones(2), "opt_state": (), **counters()}
-  >>> update = lambda s: {**s, "w": s["w"] * jnp.nan}
+  >>> state = TrainState.start({"w": jnp.ones(2)}, (), seed=0)
+  >>> update = lambda s: s._replace(params={"w": s.params["w"] * jnp.nan})
   >>> kept, _ = update_if_finite(state, update, jnp.float32(jnp.nan), jnp.float32(1.0),
   ...                            max_bad_steps=3)
-  >>> kept["w"].tolist(), int(kept["bad_steps"]), int(kept["skipped_steps"])
+  >>> kept.params["w"].tolist(), int(kept.bad_steps), int(kept.skipped_steps)
   ([1.0, 1.0], 1, 1)
 
 References:
@@ -35,36 +35,30 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 import optax_snoo
+from train.state import TrainState
 
-__all__ = ["COUNTERS", "NonFiniteError", "check_bad_steps", "counters", "update_if_finite"]
-
-COUNTERS = ("bad_steps", "skipped_steps")
+__all__ = ["NonFiniteError", "check_bad_steps", "update_if_finite"]
 
 
 class NonFiniteError(FloatingPointError):
     """Training stopped: too many consecutive steps with a non-finite loss or gradient."""
 
 
-def counters() -> dict[str, jax.Array]:
-    """The two int32 counters a train state starts with (both 0)."""
-    return {name: jnp.int32(0) for name in COUNTERS}
-
-
-def update_if_finite(state: Mapping[str, Any], update: Callable[[dict], dict], loss: jax.Array,
-                     grad_norm: jax.Array, *, max_bad_steps: int) -> tuple[dict, dict]:
+def update_if_finite(state: TrainState, update: Callable[[TrainState], TrainState],
+                     loss: jax.Array, grad_norm: jax.Array, *, max_bad_steps: int
+                     ) -> tuple[TrainState, dict]:
     """`update(state)` if `loss` and `grad_norm` are finite (and not latched), else `state`.
 
     Args:
-      state: the train state before the update (with `counters()` and `opt_state`).
-      update: maps the state without its counters to the updated one (same structure and
-        dtypes); it runs inside `lax.cond`, only on a good step.
+      state: the train state before the update.
+      update: maps the state to the updated one (same structure and dtypes; its counters
+        are set here afterwards); it runs inside `lax.cond`, only on a good step.
       loss: the step's scalar loss.
       grad_norm: the global norm of the step's gradients (before clipping).
       max_bad_steps: consecutive bad steps after which every step is skipped.
@@ -73,22 +67,20 @@ def update_if_finite(state: Mapping[str, Any], update: Callable[[dict], dict], l
       `(state, flags)`: the kept state with updated counters, and float32 metrics
       `skipped` (1.0 when this step was skipped), `bad_steps`, `skipped_steps`.
     """
-    bad_run = state["bad_steps"]
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (bad_run < max_bad_steps)
-    body = {key: value for key, value in state.items() if key not in COUNTERS}
-    kept = dict(jax.lax.cond(ok, lambda s: dict(update(s)), _keep, body))
-    kept["bad_steps"] = jnp.where(ok, 0, bad_run + 1).astype(jnp.int32)
-    kept["skipped_steps"] = state["skipped_steps"] + (~ok).astype(jnp.int32)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (state.bad_steps < max_bad_steps)
+    kept = jax.lax.cond(ok, update, _keep, state)
+    kept = kept._replace(bad_steps=jnp.where(ok, 0, state.bad_steps + 1).astype(jnp.int32),
+                         skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32))
     flags = {"skipped": (~ok).astype(jnp.float32),
-             "bad_steps": kept["bad_steps"].astype(jnp.float32),
-             "skipped_steps": kept["skipped_steps"].astype(jnp.float32)}
+             "bad_steps": kept.bad_steps.astype(jnp.float32),
+             "skipped_steps": kept.skipped_steps.astype(jnp.float32)}
     return kept, flags
 
 
-def _keep(state: dict) -> dict:
+def _keep(state: TrainState) -> TrainState:
     """The state of a skipped step: unchanged but for what `optax_snoo.skip_update` moves
     in the optimizer state (Snoo's counts: its period goes on)."""
-    return {**state, "opt_state": optax_snoo.skip_update(state["opt_state"])}
+    return state._replace(opt_state=optax_snoo.skip_update(state.opt_state))
 
 
 def check_bad_steps(bad_steps: int, *, max_bad_steps: int, step: int,

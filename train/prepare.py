@@ -17,7 +17,8 @@ DIR receives:
   the end-of-text id comes AFTER each document (nanoGPT's
   `data/openwebtext/prepare.py` appends it);
 - `dataset.json`: the layout, the vocabulary size, the tokenizer (`to_meta()`), the
-  end-of-text id and its position, the document and token counts, the input path;
+  end-of-text id and its position, the document and token counts, the input's absolute
+  path;
   with a `tokenizer.json`, a copy of it beside (`"file": "tokenizer.json"`), so the
   folder is self-contained. `python -m train --data=DIR` (`train.data.open_dataset`)
   reads the folder.
@@ -62,7 +63,9 @@ A progress bar over the input's bytes shows on a terminal (`--no_progress` hides
 the run ends with one line: documents, train/val tokens, files, MB of text per second.
 A mistake (a missing input, a bad JSON line, an existing `--out`, an unknown
 tokenizer, gpt2 offline and not cached) ends with one `error: ...` line, exit status 2
-(`train.errors.MISTAKE_EXIT_STATUS`).
+(`train.errors.MISTAKE_EXIT_STATUS`); a bad input found while reading (text that is not
+UTF-8, a bad JSON line) leaves `--out` as it was: what was written is removed, and the
+folder too if this run made it.
 
 Examples:
   $ python -m train.prepare data/tinyshakespeare/input.txt --out=data/shakespeare_bytes \\
@@ -546,8 +549,36 @@ def prepare(input: str | os.PathLike, out: str | os.PathLike, *,
     files = input_files(input)
     tok, tokenizer_json = _load_tokenizer(tokenizer, eot)
     out = Path(out)
+    new_folders = [f for f in (out, *out.parents) if not f.exists()]  # made here, deepest first
     _prepare_out(out, overwrite)
+    try:
+        written, documents, n_train, n = _write_dataset(
+            files, tok, tokenizer_json, out, format=format, val_fraction=val_fraction,
+            val_tokens=val_tokens, shard_tokens=shard_tokens, workers=workers, name=name,
+            progress=progress, chunk_bytes=chunk_bytes, source=Path(input).absolute(),
+            input_name=str(input))
+    except BaseException:  # a bad input found while reading: leave no half dataset behind
+        for path in _output_files(out):
+            path.unlink(missing_ok=True)
+        for folder in new_folders:
+            with contextlib.suppress(OSError):  # kept if something else appeared in it
+                folder.rmdir()
+        raise
+    total_bytes = sum(path.stat().st_size for path, _ in files)
+    return Prepared(out, written, documents, n_train, n - n_train, total_bytes,
+                    time.perf_counter() - started)
 
+
+def _write_dataset(files: Sequence[tuple[Path, str]], tok: Tokenizer,
+                   tokenizer_json: bytes | None, out: Path, *, format: str,
+                   val_fraction: float | None, val_tokens: int | None, shard_tokens: int,
+                   workers: int, name: str, progress: bool, chunk_bytes: int, source: Path,
+                   input_name: str) -> tuple[dict[str, list[Path]], int, int, int]:
+    """Tokenize `files` into `out` (the split files, `tokenizer.json`, `dataset.json`).
+
+    Returns:
+      `(written, documents, train_tokens, tokens)`.
+    """
     before = format == "shards"
     rule = cut_rule(tok)
     total_bytes = sum(path.stat().st_size for path, _ in files)
@@ -570,7 +601,7 @@ def prepare(input: str | os.PathLike, out: str | os.PathLike, *,
         if not 0 < n_train < n:
             split = (f"--val_tokens={val_tokens}" if val_tokens is not None
                      else f"--val_fraction={val_fraction}")
-            raise ValueError(f"input {str(input)!r} gives {n:,} tokens: too few for a train "
+            raise ValueError(f"input {input_name!r} gives {n:,} tokens: too few for a train "
                              f"and a val split with {split}; expected more text or a smaller "
                              "val split")
         stream = np.memmap(tmp, np.uint16, "r", shape=(n,)) if n else np.zeros(0, np.uint16)
@@ -587,10 +618,9 @@ def prepare(input: str | os.PathLike, out: str | os.PathLike, *,
     dataset = {"layout": format, "vocab_size": tok.vocab_size, "tokenizer": meta,
                "eot_id": tok.eot_id, "eot_position": "before" if before else "after",
                "documents": documents, "train_tokens": n_train, "val_tokens": n - n_train,
-               "source": str(input), "format_version": 1}
+               "source": str(source), "format_version": 1}
     (out / DATASET_META).write_text(json.dumps(dataset, indent=2) + "\n")
-    return Prepared(out, written, documents, n_train, n - n_train, total_bytes,
-                    time.perf_counter() - started)
+    return written, documents, n_train, n
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:

@@ -35,7 +35,7 @@ from train.errors import run_cli
 from train.optimizers import build_optimizer
 from train.sharding import make_mesh
 from train.step import ModelDef, create_train_state, is_step_count, make_readout
-from train.tokenizer import Tokenizer, from_meta
+from train.tokenizer import Tokenizer, from_meta, prompt_ids, read_prompt
 
 __all__ = ["generate_text", "load_model", "load_params", "main"]
 
@@ -49,10 +49,7 @@ def generate_text(model: models.GPT, tokenizer: Tokenizer, vocab_size: int, *, s
     masked). An empty `start` begins at the end-of-text id (a document's start), or id 0
     for a character vocabulary.
     """
-    if start:
-        prompt = np.asarray(tokenizer.encode(start), np.int32)
-    else:
-        prompt = np.full(1, tokenizer.eot_id or 0, np.int32)
+    prompt = np.asarray(prompt_ids(tokenizer, start), np.int32)
     tokens_BT = jnp.asarray(np.tile(prompt[None], (num_samples, 1)))
     top_k = None if top_k is None else min(top_k, vocab_size)
     out_BT = models.generate(model, tokens_BT, max_new_tokens, temperature=temperature,
@@ -110,11 +107,11 @@ def load_params(out_dir: str | Path, step: int | None = None
     mesh = make_mesh(config)
     model_def, like = create_train_state(config.model, tx, seed=config.run.seed, mesh=mesh)
     if replicas > 1:
-        like = {**like, **_stacked_like({k: like[k] for k in ("params", "opt_state")},
-                                        replicas)}
+        like = like._replace(**_stacked_like({"params": like.params,
+                                              "opt_state": like.opt_state}, replicas))
     state, _ = ckpt.restore(step, like=like)
     ckpt.close()
-    params = make_readout(state["opt_state"])(state)  # the weights the run evaluated
+    params = make_readout(state.opt_state)(state)  # the weights the run evaluated
     params = params if replicas == 1 else jax.tree.map(lambda x: x[0], params)
     return model_def, params, {**meta, "tokenizer": tokenizer, "vocab_size": vocab_size,
                                "checkpoint_step": step}
@@ -148,11 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
+    given = None if args.start is None else read_prompt(args.start)  # before any work
     model, tokenizer, meta = load_model(args.out_dir, args.step)
     cfg = flat_dict(meta["config"])
-    start = cfg["sample_start"] if args.start is None else args.start
-    if start.startswith("FILE:"):
-        start = Path(start[5:]).read_text(encoding="utf-8")
+    start = read_prompt(cfg["sample_start"], flag="--sample_start") if given is None else given
     pick = lambda value, key: cfg[key] if value is None else value
     texts = generate_text(model, tokenizer, meta["vocab_size"], start=start,
                           num_samples=pick(args.num_samples, "num_samples"),

@@ -39,6 +39,7 @@ __all__ = [
     "MESH_AXES",
     "REPLICA_AXIS",
     "batch_sharding",
+    "check_batch_size",
     "make_mesh",
     "mesh_shape",
     "process_rows",
@@ -67,11 +68,11 @@ def mesh_shape(config: TrainConfig, num_devices: int) -> tuple[int, int, int]:
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % fixed:
-            raise ValueError(f"{flags}: {num_devices} devices are not divisible by the "
-                             f"fixed axes' product {fixed}")
+            raise ValueError(f"{flags}: the fixed axes' product {fixed} does not divide "
+                             f"the {_count(num_devices, 'device')}, so -1 cannot fill them")
         sizes[sizes.index(-1)] = num_devices // fixed
     if math.prod(sizes) > num_devices:
-        raise ValueError(f"{flags}: the mesh needs {math.prod(sizes)} devices; "
+        raise ValueError(f"{flags}: the mesh needs {_count(math.prod(sizes), 'device')}; "
                          f"{num_devices} available")
     return tuple(sizes)
 
@@ -138,12 +139,28 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(sharding, tree)
 
 
-def _check_divisible(batch_size: int, mesh: Mesh) -> None:
+def check_batch_size(batch_size: int, mesh: Mesh) -> None:
+    """Raise unless `batch_size` splits evenly over the mesh's data-parallel devices (the
+    product of its `diloco`, `data` and `fsdp` axes): each holds its own rows.
+
+    Raises:
+      ValueError: naming the batch size, the device count and the nearest that work.
+    """
     axes = _batch_axes(mesh)
     ways = math.prod(mesh.shape[a] for a in axes)
     if batch_size % ways:
-        raise ValueError(f"batch_size={batch_size} must be divisible by mesh "
-                         f"{'*'.join(axes)}={ways}")
+        below, above = batch_size // ways * ways, (batch_size // ways + 1) * ways
+        fits = " or ".join(f"--batch_size={b}" for b in (below, above) if b > 0)
+        raise ValueError(f"--batch_size={batch_size} does not divide over the "
+                         f"{_count(ways, 'data-parallel device')} (mesh "
+                         f"{'*'.join(axes)}={ways}; each holds its own rows): expected a "
+                         f"multiple of {ways}, e.g. {fits}, or a mesh with fewer "
+                         "data-parallel devices (--mesh_data, --mesh_fsdp)")
+
+
+def _count(n: int, noun: str) -> str:
+    """`"1 device"`, `"8 devices"`."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
@@ -153,7 +170,7 @@ def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
       ValueError: if the batch does not divide over the mesh, or this process's rows are
         not one contiguous range (a mesh whose batch axes interleave processes).
     """
-    _check_divisible(batch_size, sharding.mesh)
+    check_batch_size(batch_size, sharding.mesh)
     indices = sharding.addressable_devices_indices_map((1, batch_size, 1)).values()
     rows = sorted({(i[1].start or 0, batch_size if i[1].stop is None else i[1].stop)
                    for i in indices})
@@ -177,8 +194,8 @@ def put_batch(x: np.ndarray, sharding: NamedSharding, batch_size: int | None = N
       ValueError: if the batch axis does not divide over `("data", "fsdp")`.
     """
     if batch_size is not None:
-        _check_divisible(batch_size, sharding.mesh)
+        check_batch_size(batch_size, sharding.mesh)
         shape = (x.shape[0], batch_size, *x.shape[2:])
         return jax.make_array_from_process_local_data(sharding, x, shape)
-    _check_divisible(x.shape[1], sharding.mesh)
+    check_batch_size(x.shape[1], sharding.mesh)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

@@ -1,8 +1,8 @@
 """The train state and the jitted train and eval steps.
 
-The state is a pure pytree, `{"params", "opt_state", "step", "rng"}`: the GPT's
-parameters (a nested dict from `nnx.split`), the optax state, the number of updates done
-and the base PRNG key data. The step merges the parameters into the model inside
+The state is a `train.state.TrainState`, a typed pytree: the GPT's parameters (a
+nested dict from `nnx.split`), the optax state, the number of updates done, the base
+PRNG key data and the non-finite step counters. The step merges the parameters into the model inside
 `jax.jit` (explicit in/out shardings, donated state), accumulates gradients over the
 micro-batches with `lax.scan`, and applies the optimizer (whose chain starts with
 global-norm clipping). Everything optimizer-specific comes from the `TrainOptimizer`
@@ -33,12 +33,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import models
 import optax_snoo
-from train.nonfinite import counters, update_if_finite
+from train.nonfinite import update_if_finite
 from train.sharding import REPLICA_AXIS, batch_sharding, replica_axis, replicated, tree_shardings
+from train.state import TrainState
 
 if TYPE_CHECKING:
     from train.optimizers import TrainOptimizer
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_COMPILER_OPTIONS",
     "ModelDef",
+    "TrainState",
     "TrainStep",
     "compiler_options",
     "create_train_state",
@@ -53,9 +56,8 @@ __all__ = [
     "make_eval_step",
     "make_readout",
     "make_train_step",
+    "param_shardings",
 ]
-
-TrainState = dict[str, Any]
 
 # XLA:CPU's memory-optimized instruction schedule, not its default concurrency-optimized
 # one: the nanoGPT CPU recipe's step runs 1.35x faster (benchmarks/README.md).
@@ -105,10 +107,20 @@ def create_train_state(gpt_config: models.GPTConfig, tx: optax.GradientTransform
         trained = {"params": params, "opt_state": tx.init(params)}
         if replica_axis(mesh) > 1:
             trained = _stack_replicas(trained, mesh)
-        state = {**trained, "step": jnp.int32(0),
-                 "rng": jax.random.key_data(jax.random.key(seed)), **counters()}
+        state = TrainState.start(trained["params"], trained["opt_state"], seed=seed)
     state = jax.device_put(state, tree_shardings(state, mesh))
     return ModelDef(graphdef, rest, gpt_config), state
+
+
+def param_shardings(gpt_config: models.GPTConfig, mesh: Mesh) -> Any:
+    """The shardings `create_train_state` gives the params on `mesh` (one replica's),
+    from an abstract init: nothing is allocated, so the optimizer can be built, told
+    where its params live, before the state it initialises."""
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(models.logical_rules()):
+        abstract = nnx.eval_shape(lambda: models.GPT(gpt_config, rngs=nnx.Rngs(0)))
+        params = nnx.to_pure_dict(nnx.split(abstract, nnx.Param, ...)[1])
+    spec = lambda x: getattr(getattr(x, "sharding", None), "spec", None) or P()
+    return jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), params)
 
 
 def is_step_count(x: Any) -> bool:
@@ -271,8 +283,8 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
         return grads, update_args, ce, aux_loss
 
     def train_step(state, inputs_ABT, targets_ABT, hints):
-        params, step = state["params"], state["step"]
-        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+        params, step = state.params, state.step
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
         if replicas == 1:
             grads, update_args, ce, aux_loss = gradients(params, inputs_ABT, targets_ABT,
                                                          key, step)
@@ -288,13 +300,13 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
             grad_norm = jnp.sqrt(jnp.mean(jax.vmap(optax.tree.norm)(grads) ** 2))
         extra = {**dict(hints), **update_args}
 
-        def update(state):
-            updates, opt_state = tx.update(grads, state["opt_state"], state["params"], **extra)
-            return {**state, "params": optax.apply_updates(state["params"], updates),
-                    "opt_state": opt_state, "step": state["step"] + 1}
+        def update(state: TrainState) -> TrainState:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
+            return state._replace(params=optax.apply_updates(state.params, updates),
+                                  opt_state=opt_state, step=state.step + 1)
 
         metrics = {"loss": ce, "aux_loss": aux_loss, "grad_norm": grad_norm,
-                   "lr": jnp.asarray(lr_schedule(state["step"]), jnp.float32)}
+                   "lr": jnp.asarray(lr_schedule(state.step), jnp.float32)}
         if "max_logits" in update_args:
             metrics["max_logit"] = jnp.max(jnp.stack(
                 [jnp.max(m) for m in jax.tree.leaves(update_args["max_logits"])]))
@@ -304,7 +316,7 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
             new_state, flags = update_if_finite(state, update, ce + aux_loss,
                                                 metrics["grad_norm"], max_bad_steps=max_bad_steps)
             metrics.update(flags)
-        metrics["observed"] = optimizer.observe(new_state["opt_state"])
+        metrics["observed"] = optimizer.observe(new_state.opt_state)
         return new_state, metrics
 
     data = batch_sharding(mesh)
@@ -353,9 +365,9 @@ def make_readout(opt_state: Any) -> Callable[[TrainState], Any]:
     """
     is_readout = lambda x: isinstance(x, optax_snoo.EmaNesterovState | optax_snoo.TailEmaState)
     if not any(is_readout(x) for x in jax.tree.leaves(opt_state, is_leaf=is_readout)):
-        return lambda state: state["params"]
+        return lambda state: state.params
     readout = jax.jit(optax_snoo.eval_params)
-    return lambda state: readout(state["params"], state["opt_state"])
+    return lambda state: readout(state.params, state.opt_state)
 
 
 def make_eval_step(model: ModelDef, *, mesh: Mesh,

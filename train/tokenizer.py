@@ -55,6 +55,8 @@ __all__ = [
     "describe_meta",
     "from_meta",
     "get_tokenizer",
+    "prompt_ids",
+    "read_prompt",
 ]
 
 #: How the end-of-text id reads when decoded (GPT-2's special token).
@@ -294,3 +296,42 @@ def describe_meta(meta: Mapping[str, Any]) -> str:
     if meta.get("kind") == "chars":
         return f"a vocabulary of {len(meta['chars'])} characters"
     return ", ".join(f"{k}={v}" for k, v in meta.items() if k != "sha256")
+
+
+#: A prompt that starts with this names a UTF-8 file holding the prompt.
+PROMPT_FILE = "FILE:"
+
+
+def read_prompt(start: str, *, flag: str = "--start") -> str:
+    """The prompt `start` names: its text, or with `FILE:path` that file's (UTF-8) text.
+
+    Raises:
+      OSError, ValueError: the file cannot be read or is not UTF-8, in one line naming
+        `flag` and the file.
+    """
+    if not start.startswith(PROMPT_FILE):
+        return start
+    path = Path(start[len(PROMPT_FILE):]).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{flag}={start!r}: {str(path)!r} is not UTF-8 text (byte "
+                         f"{err.start}: {err.reason}); expected a UTF-8 prompt file") from None
+    except OSError as err:
+        raise type(err)(f"{flag}={start!r}: cannot read the prompt file {str(path)!r} "
+                        f"({err.strerror or err})") from None
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str, *, flag: str = "--start") -> list[int]:
+    """`prompt`'s ids, or, for an empty prompt, the end-of-text id (a document's start; id
+    0 for a character vocabulary).
+
+    Raises:
+      ValueError: a character the vocabulary lacks, in one line naming `flag`.
+    """
+    if not prompt:
+        return [tokenizer.eot_id or 0]
+    try:
+        return list(tokenizer.encode(prompt))
+    except ValueError as err:
+        raise ValueError(f"{flag}={prompt!r}: {err}") from None

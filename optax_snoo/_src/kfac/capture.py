@@ -74,6 +74,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_snoo._src.kfac.description import Description
 from optax_snoo._src.kfac.factors import LayerCurvature, layer_factors
 from optax_snoo._src.kfac.interpreter import run_jaxpr
 from optax_snoo._src.kfac.jaxpr_analysis import Site, trace_loss
@@ -250,7 +251,7 @@ def describe(
     *args: Any,
     layers: Collection[str] | None = None,
     bias_name: str = "bias",
-) -> dict[str, str]:
+) -> Description:
     r"""What K-FAC's capture makes of each params leaf: a kernel's kind, or why not.
 
     Traces ``loss_fn(params, *args)`` as `value_grad_and_stats` does (no computation:
@@ -275,7 +276,8 @@ def describe(
       bias_name: key of a kernel's bias sibling.
 
     Returns:
-      A dict from each leaf's path (in leaf order) to its description; print it.
+      A dict from each leaf's path (in leaf order) to its description, which prints as
+      a table (`Description`).
 
     Raises:
       ValueError: ``layers`` naming a path that is not a params leaf.
@@ -289,11 +291,12 @@ def describe(
       ...   h = jax.lax.conv_general_dilated(x, p["c"]["kernel"], (1, 1), "VALID",
       ...       dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["c"]["bias"]
       ...   return jnp.mean(h.reshape(len(x), -1) @ p["head"]["kernel"].T)
-      >>> for path, what in kfac.describe(loss_fn, p, jnp.ones((2, 8, 8, 1))).items():
-      ...   print(f"{path}: {what}")
-      c/bias: bias of c/kernel
-      c/kernel: conv, d_in 9, d_out 4, 36 locations, kernel axes (2, 0, 1, 3), with bias c/bias
-      head/kernel: dense, d_in 144, d_out 2, transposed (1, 0)
+      >>> print(kfac.describe(loss_fn, p, jnp.ones((2, 8, 8, 1))))
+      leaf         K-FAC
+      c/bias       bias of c/kernel
+      c/kernel     conv, d_in 9, d_out 4, 36 locations, kernel axes (2, 0, 1, 3), with bias c/bias
+      head/kernel  dense, d_in 144, d_out 2, transposed (1, 0)
+      2 kernels preconditioned, 0 skipped, 1 other leaf (biases go with their kernel)
 
     References:
       Grosse and Martens, `A Kronecker-factored approximate Fisher matrix for
@@ -333,7 +336,7 @@ def describe(
         else:
             reads = sorted(trace.analysis.others.get(i, ()))
             out[path] = f"first-order: read by {', '.join(reads)}" if reads else "unused"
-    return {path: out[path] for path in trace.paths}
+    return Description({path: out[path] for path in trace.paths})
 
 
 def _every_nth(a: jax.Array, stride: int, offset: int | jax.Array) -> jax.Array:
