@@ -35,7 +35,7 @@ def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
 
 def _preconditioner_state(state):
     is_state = lambda x: isinstance(x, optax_snoo.InputCovarianceState)
-    (found,) = [s for s in jax.tree.leaves(state["opt_state"], is_leaf=is_state)
+    (found,) = [s for s in jax.tree.leaves(state.opt_state, is_leaf=is_state)
                 if is_state(s)]
     return found
 
@@ -54,7 +54,7 @@ def test_refresh_step_reads_its_own_batch(corpus, tmp_path):
     for xy in batches[:2]:
         state, _ = step(state, put(xy[0]), put(xy[1]))
     assert int(_preconditioner_state(state).refreshes) == 0
-    params, (inputs, targets) = state["params"], batches[2]
+    params, (inputs, targets) = state.params, batches[2]
     model, _ = create_train_state(tc.model_config(config, vocab_size), optax.identity(),
                                   seed=0, mesh=mesh)
 

@@ -69,7 +69,7 @@ def test_loss_reduction_is_the_gradient_of_the_summed_token_loss(reduction):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 17, (2, 4, 8)).astype(np.int32)  # 2 micro-batches of 4 x 8
     y = rng.integers(0, 17, (2, 4, 8)).astype(np.int32)
-    params = jax.tree.map(np.asarray, state["params"])
+    params = jax.tree.map(np.asarray, state.params)
 
     def summed(p):  # the file's F.cross_entropy(..., reduction="sum") over the step
         total = 0.0

@@ -38,7 +38,7 @@ def test_recipe_trains(corpus, tmp_path, name):
 def test_readout_is_zero_cost_without_a_wrapper():
     state = {"params": {"w": jnp.ones((2, 2))},
              "opt_state": optax_snoo.muon(0.1).init({"w": jnp.ones((2, 2))})}
-    assert make_readout(state["opt_state"])(state) is state["params"]
+    assert make_readout(state.opt_state)(state) is state.params
 
 
 def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkeypatch):
