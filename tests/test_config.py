@@ -27,7 +27,7 @@ def test_a_learning_rate_must_be_positive_and_finite(key, text):
 
 
 @pytest.mark.parametrize("key", [*WEIGHT_DECAYS, "min_lr", "grad_clip", "kfac_damping",
-                                 "skew_clip", "temperature"])
+                                 "skew_clip", "sample_temperature"])
 def test_decays_clips_damping_and_min_lr_must_not_be_negative(key):
     with pytest.raises(ValueError) as err:
         tc.parse_args([f"--{key}=-0.1"])

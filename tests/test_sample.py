@@ -54,7 +54,7 @@ def finished(corpus, tmp_path_factory):
     config = tc.override(
         tc.TrainConfig(), n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
         dtype="float32", optimizer="adamw", max_iters=8, eval_interval=4, eval_iters=1,
-        checkpoint_every=4, mesh_data=1, num_samples=2, sample_tokens=40, progress=False,
+        checkpoint_every=4, mesh_data=1, num_samples=2, sample_max_new_tokens=40, progress=False,
         vocab_multiple=8, data=str(corpus), out_dir=str(out))
     vocab = len(set(Path(corpus).read_text()))
     assert tc.model_config(config, vocab).vocab_size > vocab  # padding exists
@@ -120,3 +120,15 @@ def test_sample_module_runs_without_a_runpy_warning():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "--out_dir" in proc.stdout
     assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("tool", ["train.sample", "train.evaluate"])
+def test_out_is_not_a_run_folder_flag(tool, capsys):
+    """`--out` names a dataset folder (`train.prepare`); a run's folder is `--out_dir`, and
+    argparse's abbreviations must not make `--out` mean it."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(tool).main(["--out=somewhere"])
+    assert exit_.value.code == 2
+    assert "--out_dir" in capsys.readouterr().err

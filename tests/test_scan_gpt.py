@@ -164,7 +164,7 @@ def test_scanned_gpt_trains_with_kfac_and_muon(corpus, tmp_path):
 
     for optimizer, samples in (("kfac", 0), ("muon", 1)):
         config = _tiny_run(corpus, tmp_path / optimizer, optimizer=optimizer,
-                           num_samples=samples, sample_tokens=8)
+                           num_samples=samples, sample_max_new_tokens=8)
         result = train.run(config)
         evals = [h["val_loss"] for h in result.history if "val_loss" in h]
         assert evals[-1] < evals[0] - 0.3, (optimizer, evals)

@@ -65,7 +65,7 @@ def train_losses(result) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """An uninterrupted 8-step run on one device (Snoo k=3 around AdamW)."""
-    config = tiny(corpus, tmp_path_factory.mktemp("ref"), num_samples=1, sample_tokens=6)
+    config = tiny(corpus, tmp_path_factory.mktemp("ref"), num_samples=1, sample_max_new_tokens=6)
     return config, train.run(config)
 
 
@@ -91,11 +91,12 @@ def test_tiny_run_loss_falls_and_writes_outputs(reference):
     assert "mfu" not in lines[1]  # no peak FLOP/s for CPUs
     assert (out / "loss.png").stat().st_size > 0
     # Every sampled id is a real character (padding is masked), so a sample re-encodes to
-    # the prompt plus exactly sample_tokens ids, whichever ids were drawn.
+    # the prompt plus exactly sample_max_new_tokens ids, whichever ids were drawn.
     data = td.open_dataset(config.data.path)
     assert tc.model_config(config, data.vocab_size).vocab_size > data.vocab_size  # padded
     sample = (out / "samples.txt").read_text()[:-1]
-    assert len(data.tokenizer.encode(sample)) == len(config.sample.start) + config.sample.tokens
+    assert len(data.tokenizer.encode(sample)) == (len(config.sample.start)
+                                                  + config.sample.max_new_tokens)
 
 
 def test_sample_cli_restores_the_final_model(reference, capsys):

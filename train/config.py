@@ -400,13 +400,13 @@ class SampleConfig:
     """Text generated at the end of a run (`samples.txt`)."""
 
     num_samples: int = _field(3, "samples generated at the end (0 = none)")
-    tokens: int = _field(300, "new tokens per sample", key="sample_tokens")
-    temperature: float = _field(0.8, "sampling temperature")
+    max_new_tokens: int = _field(300, "new tokens per sample", key="sample_max_new_tokens")
+    temperature: float = _field(0.8, "sampling temperature", key="sample_temperature")
     top_k: int | None = _field(200, "keep the k most likely tokens", key="sample_top_k")
     start: str = _field("\n", "prompt", key="sample_start")
 
     def __post_init__(self):
-        _validate(self, non_negative=("num_samples", "tokens"), positive=("top_k",),
+        _validate(self, non_negative=("num_samples", "max_new_tokens"), positive=("top_k",),
                   non_negative_float=("temperature",))
 
 
@@ -481,7 +481,8 @@ CHOICES: dict[str, tuple[str, ...]] = _choices()
 RENAMED: dict[str, dict[str, str]] = {
     "key": {"muon_lr": "muon_learning_rate", "snoo_lr": "snoo_learning_rate",
             "skew_lr": "skew_learning_rate", "kfac_lr": "kfac_learning_rate",
-            "kfac_ema": "kfac_ema_decay"},
+            "kfac_ema": "kfac_ema_decay", "sample_tokens": "sample_max_new_tokens",
+            "temperature": "sample_temperature"},
     "optimizer": {"skewadam": "skew_adam", "snoo_skewadam": "snoo_skew_adam"},
 }
 

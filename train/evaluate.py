@@ -100,8 +100,9 @@ def evaluate_split(out_dir: str | Path, *, split: str = "val", step: int | None 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m train.evaluate`; prints the loss."""
     parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__,
+                                     allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", "--out", dest="out_dir", required=True,
+    parser.add_argument("--out_dir", required=True,
                         help="the run's --out_dir (holds checkpoints/)")
     parser.add_argument("--split", default="val", choices=("train", "val"))
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (latest)")

@@ -580,7 +580,7 @@ def _finish(r: _Run, state: TrainState, rates: list[float]) -> RunResult:
         else:
             texts = generate_text(r.model.merge(params), tokenizer, r.data.vocab_size,
                                   start=r.prompt, num_samples=s.num_samples,
-                                  max_new_tokens=s.tokens, temperature=s.temperature,
+                                  max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                                   top_k=s.top_k, seed=config.run.seed)
             (out / "samples.txt").write_text("\n---------------\n".join(texts) + "\n")
     evals = [h for h in whole if "val_loss" in h]

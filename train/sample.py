@@ -1,7 +1,8 @@
 """Sample text from a trained GPT: `python -m train.sample --out_dir=DIR [options]`.
 
-`--out_dir` is the trainer's (`--out` is an alias). Options (defaults from the run's
-config): `--num_samples`, `--max_new_tokens`, `--temperature`, `--top_k`, `--start` (a
+`--out_dir` is the trainer's. Options (defaults from the run's config, where the trainer
+names them `--num_samples` and, for the rest, with a `sample_` prefix):
+`--num_samples`, `--max_new_tokens`, `--temperature`, `--top_k`, `--start` (a
 prompt, or `FILE:path`), `--seed`, `--step` (default: the latest checkpoint; an unknown
 step lists the saved ones). Samples decode with the run's tokenizer (its characters,
 bytes, GPT-2's BPE, or the `tokenizer.json` the run copied into `--out_dir`); only the
@@ -130,8 +131,9 @@ def _stacked_like(tree, replicas: int):
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m train.sample`; prints the samples."""
     parser = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__,
+                                     allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", "--out", dest="out_dir", required=True,
+    parser.add_argument("--out_dir", required=True,
                         help="the run's --out_dir (holds checkpoints/)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (latest)")
     parser.add_argument("--num_samples", type=int, default=None)
@@ -152,8 +154,8 @@ def _sample(args: argparse.Namespace) -> int:
     pick = lambda value, key: cfg[key] if value is None else value
     texts = generate_text(model, tokenizer, meta["vocab_size"], start=start,
                           num_samples=pick(args.num_samples, "num_samples"),
-                          max_new_tokens=pick(args.max_new_tokens, "sample_tokens"),
-                          temperature=pick(args.temperature, "temperature"),
+                          max_new_tokens=pick(args.max_new_tokens, "sample_max_new_tokens"),
+                          temperature=pick(args.temperature, "sample_temperature"),
                           top_k=pick(args.top_k, "sample_top_k"), seed=args.seed)
     for text in texts:
         print(text, "\n---------------", sep="")
