@@ -65,7 +65,7 @@ def test_the_edges_of_each_range_are_accepted():
     config = tc.override(
         tc.TrainConfig(), kfac_learning_rate=None, muon_smoothing=None, sample_top_k=None,
         kfac_first=0, min_lr=1e-3, learning_rate=1e-3, cooldown_frac=1.0, final_lr_scale=1.0,
-        temperature=0.0, lr_decay_iters=0)
+        sample_temperature=0.0, lr_decay_iters=0)
     assert config.schedule.min_lr == config.adamw.learning_rate
     # min_lr is the cosine's: stable_cooldown ignores it, so it may exceed the peak there
     assert tc.override(config, schedule="stable_cooldown", min_lr=1.0).schedule.min_lr == 1.0
