@@ -233,3 +233,15 @@ def check_orbax_roundtrip(tx, params, tmp_path, steps_before: int = 3, steps_aft
     p_resumed, _, _ = run(tx, restored["params"], steps_after, start=steps_before,
                           state=restored["state"], **extra_args)
     assert_trees_equal(p_resumed, p_full)
+
+
+def nest(flat):
+    """A nested dict of float32 arrays from `{"a/b/c": value}` (a params tree by path)."""
+    out = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = jnp.asarray(value, jnp.float32)
+    return out

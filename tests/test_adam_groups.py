@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import optax_snoo
+from optax_matrix import nest
 from optax_snoo import AdamGroup, adam_group, muon, scale_by_adam
 
 MODDED = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
@@ -88,17 +89,6 @@ SHAPES = {"wte/embedding": (12, 6), "blocks/0/attn/c_q/kernel": (6, 10),
           "blocks/0/attn/c_q/bias": (10,), "blocks/0/ln_1/scale": (6,),
           "lm_head/kernel": (6, 12)}
 STEPS = 60
-
-
-def nest(flat):
-    out = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = out
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = jnp.asarray(value, jnp.float32)
-    return out
 
 
 def flatten(tree):

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import optax_snoo
+from optax_matrix import nest
 from optax_snoo import recipes
 from optax_snoo.recipes import modded_nanogpt, stable_cooldown_schedule
 
@@ -125,17 +126,6 @@ STACK = {
     "blocks/0/mlp/c_fc/kernel": ((8, 32), "muon"), "blocks/0/mlp/c_proj/kernel": ((32, 8), "muon"),
     "blocks/0/moe/experts/w_fc": ((3, 8, 12), "muon"),
 }
-
-
-def nest(flat):
-    out = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = out
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = jnp.asarray(value, jnp.float32)
-    return out
 
 
 def reference_record(params, grads, T, k):

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import optax_snoo
+from optax_matrix import nest
 from optax_snoo import recipes
 
 T = 12  # total steps: flat for steps 0-3 (t/T < 0.3), then the linear cooldown
@@ -75,17 +76,6 @@ PARAMS = {
     "lm_head/bias": ((16,), 0.015),  # the record's head bias is in the 1-D group
 }
 KERNEL = lambda n: n.endswith("kernel")  # (in, out) here, (out, in) in the record
-
-
-def nest(flat):
-    out = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = out
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = jnp.asarray(value, jnp.float32)
-    return out
 
 
 def test_track3_baseline_matches_record_36_in_float64():
