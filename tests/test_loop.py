@@ -48,7 +48,8 @@ def test_a_cadence_plugs_into_step_actions():
     run = _run(max_iters=10, eval_interval=4, checkpoint_every=100, log_interval=100)
     every_third = lambda step, run: step % 3 == 0
     assert _plan(run, 0, cadence=every_third)["evaluate"] == [0, 3, 6, 9, 10]
-    assert [s for s in range(11) if eval_due(s, run)] == [0, 4, 8]
+    # the default cadence (modded-nanogpt's): every eval_interval steps and at the end
+    assert [s for s in range(11) if eval_due(s, run)] == [0, 4, 8, 10]
 
 
 def _nanogpt_lr(it: int, *, peak: float, min_lr: float, warmup: int, decay: int) -> float:

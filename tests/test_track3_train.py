@@ -85,7 +85,7 @@ def test_loss_reduction_is_the_gradient_of_the_summed_token_loss(reduction):
     step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh),
                            max_bad_steps=None, loss_reduction=reduction)
     new, metrics = step(state, x, y)
-    moved = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params, new["params"])
+    moved = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params, new.params)
     for got, want in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6 * (x.size if
                                                                      reduction == "sum" else 1))

@@ -358,7 +358,7 @@ def test_presets_and_overrides():
     assert tc.config_from_dict(tc.config_to_dict(config)) == config
     assert tc.config_from_dict(tc.flat_dict(config)) == config  # older checkpoints: flat
     # Every flat key names one field; the model's are GPTConfig's (no second copy).
-    assert len(tc.KEYS) == len(set(tc.KEYS.values())) == 116
+    assert len(tc.KEYS) == len(set(tc.KEYS.values())) == 115
     assert {name for g, name in tc.KEYS.values() if g == "model"} == {
         f.name for f in dataclasses.fields(models.GPTConfig)} - {"vocab_size"}
     assert tc.parse_args(["--dtype=float16"]).model.dtype == "float16"  # as GPTConfig says

@@ -1,6 +1,8 @@
 """Track 3's recipes in the trainer: each `--optimizer` trains, and the run evaluates,
 samples and restores the weights the optimizer's readout gives (`optax_snoo.eval_params`)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,8 +38,8 @@ def test_recipe_trains(corpus, tmp_path, name):
 
 
 def test_readout_is_zero_cost_without_a_wrapper():
-    state = {"params": {"w": jnp.ones((2, 2))},
-             "opt_state": optax_snoo.muon(0.1).init({"w": jnp.ones((2, 2))})}
+    params = {"w": jnp.ones((2, 2))}
+    state = types.SimpleNamespace(params=params, opt_state=optax_snoo.muon(0.1).init(params))
     assert make_readout(state.opt_state)(state) is state.params
 
 
@@ -58,7 +60,7 @@ def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkey
     model, restored, _ = load_params(config.run.out_dir)
     monkeypatch.undo()
     raw = seen["state"]
-    expected = optax_snoo.eval_params(raw["params"], raw["opt_state"])
+    expected = optax_snoo.eval_params(raw.params, raw.opt_state)
     jax.tree.map(np.testing.assert_array_equal, restored, expected)
     x, y = open_dataset(config.data.path).eval_batches(
         "val", num_batches=2, batch_size=4, block_size=8, seed=config.run.seed)
@@ -66,7 +68,7 @@ def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkey
     evaluate = make_eval_step(model, mesh=mesh, params_shardings=tree_shardings(restored, mesh))
     loss = lambda p: float(evaluate(p, jnp.asarray(x), jnp.asarray(y)))
     assert loss(restored) == pytest.approx(logged, rel=1e-6)
-    assert abs(loss(raw["params"]) - logged) > 1e-6  # the readout made a difference
+    assert abs(loss(raw.params) - logged) > 1e-6  # the readout made a difference
 
 
 @pytest.mark.parametrize("name, lr0, sync", [("track3_record", 0.0375, None),
