@@ -393,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="a trainer option for one optimizer's runs (repeatable), e.g. "
                              "muloco_normuonh:init=nanogpt; its runs' folder and report name "
                              "carry it")
+    parser.add_argument("--seeds_for", action="append", default=[], metavar="OPTIMIZER:N",
+                        help="seeds 0..N-1 for one optimizer instead of --seeds (repeatable)")
     parser.add_argument("--reuse_report", default=None, metavar="JSON",
                         help="take the curves of the optimizers (and seeds) that an earlier "
                              "report of the same preset and options holds instead of rerunning")
@@ -403,6 +405,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     names = [x for x in args.optimizers.split(",") if x]
     extra = [f"--{kv}" for kv in args.set]
     own = per_optimizer_options(args.set_for, names)
+    seeds_for = {}
+    for item in args.seeds_for:
+        name, _, n = item.partition(":")
+        if name not in names or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--seeds_for={item!r}: expected OPTIMIZER:N with OPTIMIZER one "
+                             f"of {names} and N >= 1")
+        seeds_for[name] = int(n)
     max_iters = parse_args([f"--preset={args.preset}", *extra]).run.max_iters
     get_preset(args.preset)
     reused = {}
@@ -417,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for name in names:
         label = name + "".join(f"[{kv[2:]}]" for kv in own.get(name, []))
         curves[label] = {}
-        for seed in range(args.seeds):
+        for seed in range(seeds_for.get(name, args.seeds)):
             if label in reused and seed in reused[label]["seeds"]:
                 row = reused[label]["losses"][reused[label]["seeds"].index(seed)]
                 curves[label][seed] = dict(zip(reused[label]["steps"], row, strict=True))
