@@ -335,6 +335,18 @@ def write_report(summary: dict, out: Path, title: str) -> None:
                          f"{fmt(f['std_diff'], '.4f')} | {fmt(f['p'], '.3g')} | {per_seed} | "
                          f"{fmt(st['mean_diff'], '+.1f')} ({st['n']}) | "
                          f"{fmt(st['p'], '.3g')} |")
+    if summary.get("step_time"):
+        st = summary["step_time"]
+        lines += ["", f"Step time (`benchmarks.track3_step_time`, {st['date']}, {st['cpu']}, "
+                  f"bf16 flags {st['bf16_flags']}, load {st['load'][0][0]:.1f} -> "
+                  f"{st['load'][1][0]:.1f}; {st['rounds']} rounds x {st['steps']} steps, "
+                  "alternating in one process):", "",
+                  "| optimizer | options | ms per step | / baseline | per-round range |",
+                  "|---|---|---|---|---|"]
+        for name, r in st["optimizers"].items():
+            lines.append(f"| {name} | {' '.join(r['options']) or '-'} | "
+                         f"{r['ms_per_step']:.0f} | {r['ratio']:.2f} | "
+                         f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f} |")
     lines += ["", "Per-seed val loss at every evaluation:", ""]
     for name, o in opt.items():
         lines.append(f"- {name}: steps {o['steps']}")
@@ -385,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--runs_dir", default="out/track3_runs")
     parser.add_argument("--out", default=None, help="report path without suffix")
     parser.add_argument("--rerun", action="store_true")
+    parser.add_argument("--step_time", default=None, metavar="JSON",
+                        help="add benchmarks.track3_step_time's --out file to the report")
     parser.add_argument("--title", default=None, help="the report's title")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a trainer option for every run (repeatable)")
@@ -446,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         slope_frac=args.slope_frac)
     summary.update(preset=args.preset, extra=extra, machine=_machine(), wall_s=walls,
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    if args.step_time:
+        summary["step_time"] = json.loads(Path(args.step_time).read_text())
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / args.preset
     write_report(summary, out, args.title or f"Track-3 protocol, {args.preset}")
     print(out.with_suffix(".md").read_text())
