@@ -119,6 +119,49 @@ def target_from_baseline(final_losses: Sequence[float], c: float, decimals: int 
     return math.ceil(need * scale - 1e-9) / scale
 
 
+def steps_to_target(steps: Sequence[int], losses: Sequence[float],
+                    target: float) -> int | None:
+    """One run's first evaluation step with `loss <= target`, or None (a per-seed figure
+    for the paired test; the benchmark's own result is `first_significant_step`)."""
+    for step, loss in zip(steps, losses, strict=True):
+        if loss <= target:
+            return int(step)
+    return None
+
+
+def paired_t_test(base: Mapping[int, float | None],
+                  other: Mapping[int, float | None]) -> dict:
+    """Two-sided paired t-test of `other - base` over the seeds both define (not None).
+
+    Args:
+      base, other: `{seed: value}` (a final loss, or steps to the target).
+
+    Returns:
+      `{"n", "mean_diff", "std_diff", "t", "p", "seeds"}`: the pairs' mean and std
+      (ddof 1) of `other - base`, `t = mean / (std / sqrt(n))` and its two-sided p under
+      Student's t with `n - 1` degrees of freedom; `t` and `p` are None below two pairs,
+      and `t = ±inf`, `p = 0` (or `t = 0`, `p = 1`) when every difference is the same.
+    """
+    from scipy import stats
+
+    seeds = sorted(s for s in base if s in other and base[s] is not None
+                   and other[s] is not None)
+    diff = np.array([other[s] - base[s] for s in seeds], np.float64)
+    out = {"n": len(seeds), "seeds": seeds,
+           "mean_diff": float(diff.mean()) if len(seeds) else None,
+           "std_diff": float(diff.std(ddof=1)) if len(seeds) > 1 else None,
+           "t": None, "p": None}
+    if len(seeds) < 2:
+        return out
+    if out["std_diff"] == 0:
+        out["t"] = 0.0 if out["mean_diff"] == 0 else math.copysign(math.inf, out["mean_diff"])
+        out["p"] = 1.0 if out["mean_diff"] == 0 else 0.0
+        return out
+    t = out["mean_diff"] / (out["std_diff"] / math.sqrt(len(seeds)))
+    out["t"], out["p"] = float(t), float(2 * stats.t.sf(abs(t), len(seeds) - 1))
+    return out
+
+
 def summarize(curves: Mapping[str, Mapping[int, Mapping[int, float]]], *,
               target: float | None = None, sigma: float | None = None,
               slope_frac: float = 0.2) -> dict:
@@ -176,6 +219,21 @@ def summarize(curves: Mapping[str, Mapping[int, Mapping[int, float]]], *,
                           "score": score, "better": score >= c, "reverse_score": reverse,
                           "old_better": reverse >= c})
     out["pairs"] = pairs
+    for name in names:
+        o = out["optimizers"][name]
+        o["seed_steps_to_target"] = {
+            seed: steps_to_target(o["steps"], row, target)
+            for seed, row in zip(o["seeds"], o["losses"], strict=True)}
+    base = out["optimizers"][names[0]]
+    base_final = {s: row[-1] for s, row in zip(base["seeds"], base["losses"], strict=True)}
+    out["paired"] = {}
+    for name in names[1:]:
+        o = out["optimizers"][name]
+        final = {s: row[-1] for s, row in zip(o["seeds"], o["losses"], strict=True)}
+        out["paired"][name] = {
+            "final_loss": paired_t_test(base_final, final),
+            "steps_to_target": paired_t_test(base["seed_steps_to_target"],
+                                             o["seed_steps_to_target"])}
     return out
 
 
@@ -210,6 +268,19 @@ def run_one(preset: str, optimizer: str, seed: int, out_dir: Path, extra: Sequen
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n"
                            f"{done.stderr[-3000:]}")
     return read_curve(metrics), time.perf_counter() - t0
+
+
+def per_optimizer_options(items: Sequence[str], names: Sequence[str]) -> dict[str, list[str]]:
+    """`["opt:key=value", ...]` -> `{opt: ["--key=value", ...]}` (trainer options for one
+    optimizer's runs only)."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, kv = item.partition(":")
+        if not sep or "=" not in kv or name not in names:
+            raise ValueError(f"--set_for={item!r}: expected OPTIMIZER:KEY=VALUE with "
+                             f"OPTIMIZER one of {list(names)}")
+        out.setdefault(name, []).append(f"--{kv}")
+    return out
 
 
 def _machine() -> dict:
@@ -248,6 +319,34 @@ def write_report(summary: dict, out: Path, title: str) -> None:
         at = "result steps" if p["at"] == "result" else "last step (a result is missing)"
         lines.append(f"| {p['old']} | {p['new']} | {at} | {p['score']:.4f} | {p['better']} "
                      f"| {p['reverse_score']:.4f} | {p['old_better']} |")
+    if summary.get("paired"):
+        base = next(iter(opt))
+        lines += ["", f"Paired by seed against {base} (two-sided paired t-test; differences "
+                  "are optimizer - baseline, negative = better; steps to the target per seed "
+                  "where both runs reach it):", "",
+                  "| optimizer | final loss diff (mean ± std) | p | steps to target per seed | "
+                  "steps diff (mean, pairs) | p |", "|---|---|---|---|---|---|"]
+        fmt = lambda x, f: "n/a" if x is None else format(x, f)
+        for name, test in summary["paired"].items():
+            f, st = test["final_loss"], test["steps_to_target"]
+            per_seed = ", ".join(str(v) if v is not None else "-" for v in
+                                 opt[name]["seed_steps_to_target"].values())
+            lines.append(f"| {name} | {fmt(f['mean_diff'], '+.4f')} ± "
+                         f"{fmt(f['std_diff'], '.4f')} | {fmt(f['p'], '.3g')} | {per_seed} | "
+                         f"{fmt(st['mean_diff'], '+.1f')} ({st['n']}) | "
+                         f"{fmt(st['p'], '.3g')} |")
+    if summary.get("step_time"):
+        st = summary["step_time"]
+        lines += ["", f"Step time (`benchmarks.track3_step_time`, {st['date']}, {st['cpu']}, "
+                  f"bf16 flags {st['bf16_flags']}, load {st['load'][0][0]:.1f} -> "
+                  f"{st['load'][1][0]:.1f}; {st['rounds']} rounds x {st['steps']} steps, "
+                  "alternating in one process):", "",
+                  "| optimizer | options | ms per step | / baseline | per-round range |",
+                  "|---|---|---|---|---|"]
+        for name, r in st["optimizers"].items():
+            lines.append(f"| {name} | {' '.join(r['options']) or '-'} | "
+                         f"{r['ms_per_step']:.0f} | {r['ratio']:.2f} | "
+                         f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f} |")
     lines += ["", "Per-seed val loss at every evaluation:", ""]
     for name, o in opt.items():
         lines.append(f"- {name}: steps {o['steps']}")
@@ -298,33 +397,73 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--runs_dir", default="out/track3_runs")
     parser.add_argument("--out", default=None, help="report path without suffix")
     parser.add_argument("--rerun", action="store_true")
+    parser.add_argument("--step_time", default=None, metavar="JSON",
+                        help="add benchmarks.track3_step_time's --out file to the report")
+    parser.add_argument("--title", default=None, help="the report's title")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a trainer option for every run (repeatable)")
+    parser.add_argument("--set_for", action="append", default=[],
+                        metavar="OPTIMIZER:KEY=VALUE",
+                        help="a trainer option for one optimizer's runs (repeatable), e.g. "
+                             "muloco_normuonh:init=nanogpt; its runs' folder and report name "
+                             "carry it")
+    parser.add_argument("--seeds_for", action="append", default=[], metavar="OPTIMIZER:N",
+                        help="seeds 0..N-1 for one optimizer instead of --seeds (repeatable)")
+    parser.add_argument("--reuse_report", default=None, metavar="JSON",
+                        help="take the curves of the optimizers (and seeds) that an earlier "
+                             "report of the same preset and options holds instead of rerunning")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from train.config import get_preset, parse_args
 
     names = [x for x in args.optimizers.split(",") if x]
     extra = [f"--{kv}" for kv in args.set]
+    own = per_optimizer_options(args.set_for, names)
+    seeds_for = {}
+    for item in args.seeds_for:
+        name, _, n = item.partition(":")
+        if name not in names or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--seeds_for={item!r}: expected OPTIMIZER:N with OPTIMIZER one "
+                             f"of {names} and N >= 1")
+        seeds_for[name] = int(n)
     max_iters = parse_args([f"--preset={args.preset}", *extra]).run.max_iters
     get_preset(args.preset)
+    reused = {}
+    if args.reuse_report:
+        old = json.loads(Path(args.reuse_report).read_text())
+        if old.get("preset") != args.preset or old.get("extra", []) != extra:
+            raise ValueError(f"--reuse_report={args.reuse_report}: its preset/options "
+                             f"{old.get('preset')!r} {old.get('extra')} are not "
+                             f"{args.preset!r} {extra}")
+        reused = old["optimizers"]
     curves, walls = {}, {}
     for name in names:
-        curves[name] = {}
-        for seed in range(args.seeds):
-            out_dir = Path(args.runs_dir) / args.preset / name / f"seed{seed}"
-            curve, wall = run_one(args.preset, name, seed, out_dir, extra, max_iters,
-                                  args.rerun)
-            curves[name][seed] = curve
-            walls[f"{name}/{seed}"] = None if wall is None else round(wall, 1)
-            print(f"{name} seed {seed}: final val loss {curve[max_iters]:.4f}"
+        label = name + "".join(f"[{kv[2:]}]" for kv in own.get(name, []))
+        curves[label] = {}
+        for seed in range(seeds_for.get(name, args.seeds)):
+            if label in reused and seed in reused[label]["seeds"]:
+                row = reused[label]["losses"][reused[label]["seeds"].index(seed)]
+                curves[label][seed] = dict(zip(reused[label]["steps"], row, strict=True))
+                walls[f"{label}/{seed}"] = "reused"
+                print(f"{label} seed {seed}: final val loss {row[-1]:.4f} (from "
+                      f"{args.reuse_report})", flush=True)
+                continue
+            out_dir = Path(args.runs_dir) / args.preset / label / f"seed{seed}"
+            curve, wall = run_one(args.preset, name, seed, out_dir,
+                                  [*extra, *own.get(name, [])], max_iters, args.rerun)
+            curves[label][seed] = curve
+            name_seed = label
+            walls[f"{name_seed}/{seed}"] = None if wall is None else round(wall, 1)
+            print(f"{name_seed} seed {seed}: final val loss {curve[max_iters]:.4f}"
                   + ("" if wall is None else f" ({wall:.0f} s)"), flush=True)
     summary = summarize(curves, target=args.target, sigma=args.sigma,
                         slope_frac=args.slope_frac)
     summary.update(preset=args.preset, extra=extra, machine=_machine(), wall_s=walls,
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    if args.step_time:
+        summary["step_time"] = json.loads(Path(args.step_time).read_text())
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / args.preset
-    write_report(summary, out, f"Track-3 protocol, {args.preset}")
+    write_report(summary, out, args.title or f"Track-3 protocol, {args.preset}")
     print(out.with_suffix(".md").read_text())
     return summary
 

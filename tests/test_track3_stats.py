@@ -91,3 +91,50 @@ def test_summarize_end_to_end_on_synthetic_curves():
     assert out["optimizers"]["slow"]["result_step"] is None
     last = [p for p in out["pairs"] if p["new"] == "slow"]
     assert [p["at"] for p in last] == ["final", "final"] and all(p["old_better"] for p in last)
+
+
+def test_steps_to_target_is_each_runs_first_step_at_or_below_it():
+    assert t3.steps_to_target([0, 25, 50], [3.0, 1.90, 1.85], 1.90) == 25
+    assert t3.steps_to_target([0, 25, 50], [3.0, 1.95, 1.91], 1.90) is None
+
+
+def test_paired_t_test_against_the_closed_form_of_two_degrees_of_freedom():
+    # three pairs: df = 2, where Student's two-sided p is 1 - |t| / sqrt(2 + t^2)
+    base = {0: 1.88, 1: 1.86, 2: 1.87, 3: 1.90}
+    other = {0: 1.85, 1: 1.84, 2: 1.86, 4: 1.70}  # seeds 3 and 4 are unpaired
+    diff = np.array([-0.03, -0.02, -0.01])
+    t = diff.mean() / (diff.std(ddof=1) / math.sqrt(3))
+    out = t3.paired_t_test(base, other)
+    assert out["n"] == 3 and out["seeds"] == [0, 1, 2]
+    assert out["mean_diff"] == pytest.approx(-0.02)
+    assert out["t"] == pytest.approx(t) and t == pytest.approx(-2 * math.sqrt(3))
+    assert out["p"] == pytest.approx(1 - abs(t) / math.sqrt(2 + t * t))
+    # a seed without a value (no steps to the target) drops out of the pairs
+    steps = t3.paired_t_test({0: 300, 1: 295, 2: None}, {0: 280, 1: 270, 2: 250})
+    assert steps["n"] == 2 and steps["mean_diff"] == pytest.approx(-22.5)
+    assert t3.paired_t_test({0: 1.0}, {0: 2.0})["p"] is None  # one pair: no test
+    same = t3.paired_t_test({0: 1.0, 1: 2.0}, {0: 1.5, 1: 2.5})  # constant difference
+    assert same["t"] == math.inf and same["p"] == 0.0
+
+
+def test_summarize_pairs_each_optimizer_with_the_baseline_by_seed():
+    steps = [0, 100, 200]
+    curves = {"base": {s: {0: 3.0, 100: 2.0, 200: 1.90 + 0.01 * s} for s in range(3)},
+              "new": {s: {0: 3.0, 100: 1.80 + 0.01 * s, 200: 1.85 + 0.012 * s}
+                      for s in range(3)}}
+    out = t3.summarize(curves, slope_frac=0.6)
+    paired = out["paired"]["new"]
+    assert list(out["paired"]) == ["new"]
+    assert paired["final_loss"]["mean_diff"] == pytest.approx(-0.05 + 0.002)
+    assert out["optimizers"]["new"]["seed_steps_to_target"] == {0: 100, 1: 100, 2: 100}
+    base_steps = [t3.steps_to_target(steps, [curves["base"][s][t] for t in steps],
+                                     out["target"]) for s in range(3)]
+    assert out["optimizers"]["base"]["seed_steps_to_target"] == dict(enumerate(base_steps))
+    assert base_steps == [200] * 3 and paired["steps_to_target"]["mean_diff"] == -100
+
+
+def test_per_optimizer_options():
+    assert t3.per_optimizer_options(["b:init=nanogpt", "b:seed=1"], ["a", "b"]) == {
+        "b": ["--init=nanogpt", "--seed=1"]}
+    with pytest.raises(ValueError, match="OPTIMIZER:KEY=VALUE"):
+        t3.per_optimizer_options(["c:init=nanogpt"], ["a", "b"])

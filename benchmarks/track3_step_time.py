@@ -1,0 +1,80 @@
+"""The compiled `track3_cpu` step of each optimizer against the baseline's, in one process.
+
+`python -m benchmarks.track3_step_time --optimizers=track3_baseline,track3_record
+[--set_for=muloco_normuonh:init=nanogpt --rounds=6 --steps=10]`. Each optimizer is the
+trainer's jitted step on the twin (`benchmarks.throughput.ours`: the preset's network,
+batch, mesh and the optimizer's update, Snoo's outer step included on its steps); after
+two warm-up steps each, the optimizers take turns round by round, so the machine's load
+hits them alike. The ratio is an optimizer's total time over the baseline's (the first
+optimizer), with the range of the per-round ratios; the `lscpu` model, its bf16 flags and
+the load average are reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.track3 import per_optimizer_options
+from benchmarks.track3_speed import _cpu
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--optimizers", default="track3_baseline,snoo_track3_baseline",
+                        help="comma-separated; the first is the baseline")
+    parser.add_argument("--preset", default="track3_cpu")
+    parser.add_argument("--set_for", action="append", default=[],
+                        metavar="OPTIMIZER:KEY=VALUE", help="a config key for one optimizer")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10, help="steps per optimizer per round")
+    parser.add_argument("--out", default=None, help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    import jax
+
+    from benchmarks.throughput import ours
+    from train.config import get_preset, override
+
+    names = [x for x in args.optimizers.split(",") if x]
+    own = per_optimizer_options(args.set_for, names)
+    runs = {}
+    for name in names:
+        values = dict(kv[2:].split("=", 1) for kv in own.get(name, []))
+        runs[name] = ours(override(get_preset(args.preset), optimizer=name, **values)).run
+    load = [os.getloadavg()]
+    for run in runs.values():
+        run(2)  # compile and warm up
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run(args.steps)
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    load.append(os.getloadavg())
+    base = names[0]
+    cpu, flags = _cpu()
+    result = {"preset": args.preset, "cpu": cpu, "bf16_flags": flags, "load": load,
+              "rounds": args.rounds, "steps": args.steps, "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "optimizers": {}}
+    for name in names:
+        ratios = [t / b for t, b in zip(times[name], times[base], strict=True)]
+        result["optimizers"][name] = {
+            "options": own.get(name, []), "ms_per_step": 1e3 * sum(times[name]) / args.rounds,
+            "ratio": sum(times[name]) / sum(times[base]),
+            "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]}
+        r = result["optimizers"][name]
+        print(f"{name}: {r['ms_per_step']:.0f} ms/step, x{r['ratio']:.2f} the {base}'s "
+              f"(rounds {min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+    print(f"{cpu}; bf16 flags: {flags}; load {load[0][0]:.1f} -> {load[1][0]:.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
