@@ -68,13 +68,12 @@ def test_samples_decode_every_token(finished):
     assert [len(s) for s in samples] == [1 + 40] * 2  # the prompt "\n", 40 characters
 
 
-def test_sample_cli_takes_out_dir_and_out(finished, capsys):
+def test_sample_cli_takes_out_dir(finished, capsys):
     _, out = finished
-    for flag in ("--out_dir", "--out"):
-        assert sample_main([flag, str(out), "--num_samples=1", "--max_new_tokens=25",
-                            "--start=the"]) == 0
-        text = capsys.readouterr().out.split("\n---------------\n")[0]
-        assert text.startswith("the") and len(text) == 3 + 25
+    assert sample_main(["--out_dir", str(out), "--num_samples=1", "--max_new_tokens=25",
+                        "--start=the"]) == 0
+    text = capsys.readouterr().out.split("\n---------------\n")[0]
+    assert text.startswith("the") and len(text) == 3 + 25
 
 
 def test_sample_cli_unknown_step_lists_the_saved_ones(finished, capsys):

@@ -124,7 +124,7 @@ def test_evaluate_cli_is_the_mean_loss_over_every_val_window(reference, corpus, 
         assert r["windows"] == len(inputs) == (len(ids) - 1) // config.model.block_size
         assert r["step"] == config.run.max_iters
         np.testing.assert_allclose(r["loss"], expected, rtol=1e-5)
-    assert evaluate_main(["--out", str(result.out_dir), "--split=train"]) == 0
+    assert evaluate_main(["--out_dir", str(result.out_dir), "--split=train"]) == 0
     assert capsys.readouterr().out.startswith("train loss ")
 
 
