@@ -13,6 +13,11 @@ from train.optimizers import OPTIMIZERS
 from train.sharding import batch_sharding, put_batch
 
 SOAP_OPTIMIZERS = ("track3_record", "track3_soap_muon")
+#: The fsdp-only mesh splits matrices 8 ways (Muon's owner assignment and K-FAC's split
+#: refresh at their widest); one optimizer of each family there, every one on data2_fsdp4,
+#: which splits both the batch and the matrices (CI time: the 8-device runs cost most).
+FSDP8_FAMILIES = ("adamw", "snoo_muon", "normuon", "kfac", "skew_adam", "track3_record",
+                  "newton_muon", "muloco_normuonh")
 MESHES = {"fsdp8": dict(mesh_data=1, mesh_fsdp=8), "data2_fsdp4": dict(mesh_data=2, mesh_fsdp=4)}
 
 
@@ -39,6 +44,8 @@ def test_every_optimizer_on_the_eight_device_mesh(corpus, tmp_path, name):
     # losses before that must agree, the later ones stay finite.
     agree = 2 if name in SOAP_OPTIMIZERS else len(reference)
     for mesh, axes in MESHES.items():
+        if mesh == "fsdp8" and name not in FSDP8_FAMILIES:
+            continue
         losses = _losses(tc.override(one, **axes))
         np.testing.assert_allclose(losses[:agree], reference[:agree], rtol=1e-4, err_msg=mesh)
         assert np.all(np.isfinite(losses)), (mesh, losses)
