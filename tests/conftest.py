@@ -3,7 +3,8 @@
 XLA reads the flags once, when jax first initialises its backend, so they are set here,
 before any test module imports jax. It also holds the corpus fixture the trainer test
 modules share. The suite is dominated by compilation of small programs, so XLA's backend
-optimisation is turned down (about 2x less test time), and every compiled program goes
+optimisation is turned down and the legacy CPU emitters used (together about 4x less
+test time), and every compiled program goes
 to one persistent compilation cache: tests build the same programs from fresh ``jit``
 objects, in other xdist workers and in the subprocesses they start, which jax's
 in-memory caches cannot share. The cache is set through the environment, so the
@@ -22,6 +23,9 @@ import pytest
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    # The legacy elemental emitters compile the suite's programs ~2x faster than the fusion
+    # emitters (benchmarks/README.md, "Test-suite compile time"); same math, same results.
+    + " --xla_cpu_use_fusion_emitters=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
@@ -53,3 +57,17 @@ def compilation_cache():
 
     assert jax.config.jax_compilation_cache_dir, "conftest's compilation cache is off"
     yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drops jax's in-memory caches after each module: an xdist worker otherwise holds
+    every program it compiled (5.4 GB per worker by the end of the suite); the persistent
+    cache still serves programs a later module compiles again."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

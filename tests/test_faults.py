@@ -118,7 +118,9 @@ def test_snoo_hint_from_the_step_agrees_with_the_in_jit_sync_after_a_skipped_ste
             assert float(metrics["skipped"]) == (s == 1)
         assert [int(c) for c in snoo_counts(state)] == [len(batches)]
         finals.append(jax.device_get(state))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), *finals)
+    # Two differently compiled f32 programs (a static branch and a `lax.cond`): rounding-
+    # level differences only; a sync at a wrong step moves params by ~lr (1e-3).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *finals)
 
 
 def test_run_skips_bad_steps_then_stops_keeping_the_last_good_checkpoint(

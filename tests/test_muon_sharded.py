@@ -568,7 +568,7 @@ def test_zero_padding_leaves_newton_schulz_unchanged_on_the_block():
     """Zero rows or columns added on either side change Newton-Schulz's result on the
     original block not at all (the Frobenius norm and X Xᵀ's nonzero block are the same,
     and the padding stays zero): exactly in the float64 reference; `orthogonalize` in
-    float32 keeps the padding exactly zero and the block to float32 rounding (the
+    float32 keeps the padding exactly zero and the block within float32's own error (the
     matmuls block differently by size). The plan pads only its transfers (never an
     iterated matrix), so it does not depend on this; a plan padding matrices to a
     common shape could."""
@@ -577,15 +577,17 @@ def test_zero_padding_leaves_newton_schulz_unchanged_on_the_block():
     x = np.random.default_rng(0).standard_normal((12, 20))
     ref64 = ref_ns(x, MODDED)
     ref32 = np.asarray(optax_snoo.orthogonalize(jnp.asarray(x, F32), "modded", F32))
+    # Padding may cost float32 no more than float32 already costs the unpadded block.
+    tol32 = 2 * relative_error(ref32, ref64)
     for pad in (((0, 4), (0, 0)), ((3, 0), (0, 0)), ((0, 0), (0, 9)), ((2, 3), (5, 1)),
                 ((0, 16), (0, 0))):  # the last makes it tall: transposed inside
         (r0, _), (c0, _) = pad
         inside = (slice(r0, r0 + 12), slice(c0, c0 + 20))
-        for out, ref, tol in ((ref_ns(np.pad(x, pad), MODDED), ref64, 1e-13),
-                              (np.asarray(optax_snoo.orthogonalize(
-                                  jnp.asarray(np.pad(x, pad), F32), "modded", F32)),
-                               ref32, 1e-6)):
-            assert relative_error(out[inside], ref) < tol, (pad, relative_error(out[inside], ref))
+        for out, tol in ((ref_ns(np.pad(x, pad), MODDED), 1e-13),
+                         (np.asarray(optax_snoo.orthogonalize(
+                             jnp.asarray(np.pad(x, pad), F32), "modded", F32)), tol32)):
+            error = relative_error(out[inside], ref64)
+            assert error < tol, (pad, error)
             rest = np.array(out, copy=True)
             rest[inside] = 0.0
             assert not rest.any(), pad

@@ -479,6 +479,7 @@ def test_precondition_hook_inputs():
     kw = dict(ns_dtype=F32)
     plain = run(scale_by_muon(0.9, **kw))
     negated = run(scale_by_muon(0.9, precondition=optax.scale(-1.0), **kw))
-    m.assert_trees_close(negated, jax.tree.map(jnp.negative, plain), 0, 0)
+    # Two programs XLA may fuse differently (the negation): float32 rounding apart.
+    m.assert_trees_close(negated, jax.tree.map(jnp.negative, plain), 1e-5, 1e-6)
     m.assert_trees_close(run(scale_by_muon(0.9, precondition=raw(), **kw)),
                          run(scale_by_muon(0.0, **kw)), 0, 0)

@@ -204,16 +204,20 @@ def _schedule(compiled) -> list[str]:
 
 def test_cpu_step_compiles_with_the_memory_optimized_schedule(corpus, tmp_path, monkeypatch):
     """The trainer's CPU programs carry `CPU_COMPILER_OPTIONS`; the schedule changes only
-    the order of the kernels, so the state is bitwise that of XLA's default schedule."""
+    the order of the kernels, so with the CPU emitters users run (conftest turns them off
+    for speed) the state is bitwise that of XLA's default schedule."""
     config = tiny(corpus, tmp_path, dtype="bfloat16", n_embd=64)
     mesh, state, step, _, vocab_size = _step_setup(config)
     assert compiler_options(mesh) == CPU_COMPILER_OPTIONS
     xy = [put_batch(a, batch_sharding(mesh)) for a in _batches(config, 1, vocab_size)[0]]
-    ours = step.lower(state, *xy).compile()
-    explicit = step.lower(state, *xy).compile(compiler_options=CPU_COMPILER_OPTIONS)
-    default = step.lower(state, *xy).compile(
-        compiler_options={"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_DEFAULT"})
-    assert _schedule(ours) == _schedule(explicit) != _schedule(default)
+    lowered = step.lower(state, *xy)
+    assert _schedule(lowered.compile()) == _schedule(
+        lowered.compile(compiler_options=CPU_COMPILER_OPTIONS))
+    users = {"xla_cpu_use_fusion_emitters": True}
+    ours = lowered.compile(compiler_options={**CPU_COMPILER_OPTIONS, **users})
+    default = lowered.compile(
+        compiler_options={"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_DEFAULT", **users})
+    assert _schedule(ours) != _schedule(default)
     copy = jax.tree.map(jnp.copy, state)  # the step donates its state
     for _ in range(3):
         state, _ = ours(state, *xy)

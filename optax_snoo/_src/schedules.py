@@ -39,7 +39,9 @@ def power_cool(
     ``optax.polynomial_schedule(lr0, 0.0, power, transition_steps=t_end - flat_until,
     transition_begin=flat_until)``; it is computed as the record writes it, because
     ``polynomial_schedule`` forms ``1 - (t - begin)/steps``, which loses float32 digits
-    as ``t`` nears ``t_end`` (and clips a negative ``transition_begin`` to 0).
+    as ``t`` nears ``t_end``, can be NaN from ``t_end`` on under ``jit`` with a
+    non-integer power (XLA divides by multiplying by ``1/steps``, leaving the base a
+    rounding below 0), and clips a negative ``transition_begin`` to 0.
 
     Record values (``power=1.2``): Muon ``lr0=0.0375, c=3.3170e-6``; Adam embedding
     ``0.3, 4.9768e-5``; head ``1/320, 5.1842e-7``; other 1-D ``0.01, 1.6589e-6``;
