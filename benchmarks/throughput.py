@@ -152,7 +152,7 @@ def reference(config: TrainConfig) -> Variant:
                   for _ in range(L)]}
     a = config.adamw
     tx = optax.chain(optax.clip_by_global_norm(config.optimizer.grad_clip),
-                     optax.adamw(a.learning_rate, b1=a.beta1, b2=a.beta2,
+                     optax.adamw(a.learning_rate, b1=a.b1, b2=a.b2,
                                  weight_decay=a.weight_decay))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1),

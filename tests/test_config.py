@@ -14,7 +14,7 @@ from train import config as tc
 LEARNING_RATES = ("learning_rate", "muon_learning_rate", "skew_learning_rate",
                   "kfac_learning_rate", "snoo_learning_rate")
 WEIGHT_DECAYS = ("weight_decay", "muon_weight_decay", "skew_weight_decay")
-MOMENTA = ("beta1", "beta2", "muon_beta", "snoo_momentum", "kfac_momentum", "kfac_ema_decay",
+MOMENTA = ("b1", "b2", "muon_beta", "snoo_momentum", "kfac_momentum", "kfac_ema_decay",
            "muon_smoothing")
 
 

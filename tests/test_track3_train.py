@@ -183,8 +183,8 @@ def test_track3_presets_hold_the_files_values():
         o, a, mu, s = config.optimizer, config.adamw, config.muon, config.schedule
         assert (o.name, o.grad_clip, mu.learning_rate, mu.weight_decay, mu.beta,
                 mu.beta_warmup) == ("track3_baseline", 0.0, 0.025, 0.05, 0.95, 0)
-        assert (a.learning_rate, a.head_learning_rate, a.vector_learning_rate, a.beta1,
-                a.beta2, a.eps, a.weight_decay) == (0.7, 0.004, 0.015, 0.8, 0.95, 1e-10, 0.001)
+        assert (a.learning_rate, a.head_learning_rate, a.vector_learning_rate, a.b1,
+                a.b2, a.eps, a.weight_decay) == (0.7, 0.004, 0.015, 0.8, 0.95, 1e-10, 0.001)
         assert (s.kind, s.cooldown_frac, s.final_lr_scale) == ("stable_cooldown", 0.7, 0.0)
     assert resolved(twin, 65) == models.track3_config(n_layer=4, n_embd=128, head_dim=32,
                                                       vocab_size=65, block_size=128)

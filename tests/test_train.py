@@ -345,7 +345,7 @@ def test_presets_and_overrides():
     assert default == tc.get_preset("shakespeare_char_cpu")
     flat = tc.flat_dict(default)
     assert [flat[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
-                              "max_iters", "learning_rate", "min_lr", "warmup_iters", "beta2",
+                              "max_iters", "learning_rate", "min_lr", "warmup_iters", "b2",
                               "dropout")] == [4, 4, 128, 64, 12, 2000, 1e-3, 1e-4, 100, 0.99, 0.0]
     gpu = tc.get_preset("shakespeare_char")
     assert (gpu.model.n_layer, gpu.model.n_embd, gpu.model.block_size, gpu.data.batch_size,

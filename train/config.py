@@ -146,8 +146,8 @@ class AdamWConfig:
     """AdamW (Loshchilov & Hutter), the `adamw` stacks and every Adam group."""
 
     learning_rate: float = _field(1e-3, "peak lr of AdamW (the Adam group of Muon and K-FAC)")
-    beta1: float = _field(0.9, "Adam beta1 (every Adam-like group; SkewAdam's too)")
-    beta2: float = _field(0.99, "Adam beta2 (every Adam-like group; SkewAdam's too)")
+    b1: float = _field(0.9, "Adam's first-moment decay (every Adam-like group; SkewAdam's too)")
+    b2: float = _field(0.99, "Adam's second-moment decay (every Adam-like group; SkewAdam's too)")
     eps: float = _field(1e-8, "Adam epsilon (SkewAdam's clamp on squared statistics)")
     weight_decay: float = _field(0.1, "AdamW weight decay on >= 2-D params (adamw stacks "
                                  "and K-FAC's; Muon's Adam group has none; every Adam group "
@@ -162,7 +162,7 @@ class AdamWConfig:
     def __post_init__(self):
         _validate(self, positive_float=("learning_rate", "eps", "head_learning_rate",
                                         "vector_learning_rate"),
-                  unit_interval=("beta1", "beta2"), non_negative_float=("weight_decay",))
+                  unit_interval=("b1", "b2"), non_negative_float=("weight_decay",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,7 +482,7 @@ RENAMED: dict[str, dict[str, str]] = {
     "key": {"muon_lr": "muon_learning_rate", "snoo_lr": "snoo_learning_rate",
             "skew_lr": "skew_learning_rate", "kfac_lr": "kfac_learning_rate",
             "kfac_ema": "kfac_ema_decay", "sample_tokens": "sample_max_new_tokens",
-            "temperature": "sample_temperature"},
+            "temperature": "sample_temperature", "beta1": "b1", "beta2": "b2"},
     "optimizer": {"skewadam": "skew_adam", "snoo_skewadam": "snoo_skew_adam"},
 }
 
@@ -500,7 +500,7 @@ RENAMED: dict[str, dict[str, str]] = {
 _TRACK3_RECIPE: dict[str, Any] = dict(
     optimizer="track3_baseline", muon_learning_rate=0.025, muon_weight_decay=0.05,
     muon_beta=0.95, muon_beta_warmup=0, learning_rate=0.7, head_learning_rate=0.004,
-    vector_learning_rate=0.015, beta1=0.8, beta2=0.95, eps=1e-10, weight_decay=0.001,
+    vector_learning_rate=0.015, b1=0.8, b2=0.95, eps=1e-10, weight_decay=0.001,
     schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0, grad_clip=0.0,
     loss_reduction="sum", data_order="sequential", eval_tail_frac=0.1, num_samples=0)
 
@@ -535,7 +535,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GPT-2 small's shape (12 x 768, T = 1024) for one GPU; char vocabulary, so ~85M params.
     "gpt2_small": dict(
         n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=32, grad_accum=1,
-        dropout=0.0, learning_rate=6e-4, min_lr=6e-5, beta2=0.95,
+        dropout=0.0, learning_rate=6e-4, min_lr=6e-5, b2=0.95,
         warmup_iters=200, max_iters=5000, lr_decay_iters=5000, eval_interval=500,
         eval_iters=50, checkpoint_every=1000, vocab_multiple=64, out_dir="out/gpt2_small"),
     # nanoGPT's config/train_gpt2.py: GPT-2 (124M) on OpenWebText's GPT-2 tokens (nanoGPT's
@@ -545,7 +545,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2_owt": dict(
         n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=False, dropout=0.0,
         batch_size=12, grad_accum=40, optimizer="adamw", learning_rate=6e-4, min_lr=6e-5,
-        beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_iters=2000,
+        b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_iters=2000,
         max_iters=600000, lr_decay_iters=600000, eval_interval=1000, eval_iters=200,
         log_interval=10, checkpoint_every=1000, vocab_multiple=64,
         data="data/openwebtext", out_dir="out/gpt2_owt", sample_start="\n"),
@@ -560,7 +560,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2_medium_fineweb": dict(
         n_layer=24, n_head=16, n_embd=1024, block_size=1024, bias=False, dropout=0.0,
         batch_size=64, grad_accum=8, optimizer="snoo_muon", muon_learning_rate=0.027,
-        muon_weight_decay=0.01, learning_rate=3e-3, beta1=0.8, beta2=0.95, eps=1e-10,
+        muon_weight_decay=0.01, learning_rate=3e-3, b1=0.8, b2=0.95, eps=1e-10,
         weight_decay=0.0, schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0,
         max_iters=5640, eval_interval=250, eval_iters=160, log_interval=10,
         checkpoint_every=500, vocab_multiple=128, data="data/fineweb10B",

@@ -131,7 +131,7 @@ def _kfac_group(config: TrainConfig, params: Any = None) -> optax.GradientTransf
         kfac_schedule(config), damping=k.damping, momentum=k.momentum,
         weight_decay=a.weight_decay, mask=decay_mask, ema_decay=k.ema_decay,
         refresh=kfac_refresh_policy(config), mode=k.mode,
-        graft=None if k.graft == "none" else k.graft, b2=a.beta2, eps=a.eps,
+        graft=None if k.graft == "none" else k.graft, b2=a.b2, eps=a.eps,
         layers=_kfac_layers, shardings=params, stats_every=k.stats_every,
         stats_axes=BATCH_AXES)
     return optax_snoo.labels.partition(

@@ -243,7 +243,7 @@ def decay_mask(params: optax.Params) -> optax.Params:
 def adamw_group(config: TrainConfig) -> optax.GradientTransformation:
     """AdamW at `learning_rate` on the schedule, decay on `decay_mask` leaves only."""
     a = config.adamw
-    return optax.adamw(learning_rate_schedule(config), b1=a.beta1, b2=a.beta2, eps=a.eps,
+    return optax.adamw(learning_rate_schedule(config), b1=a.b1, b2=a.b2, eps=a.eps,
                        weight_decay=a.weight_decay, mask=decay_mask)
 
 
@@ -300,7 +300,7 @@ def _muon_stack(config: TrainConfig, snoo_k: int | None, *, normuon: bool = Fals
         beta2=m.beta2 if normuon else None,
         cautious_weight_decay=normuon if m.cautious is None else m.cautious,
         newton_schulz_plan=plan, adam_learning_rate=learning_rate_schedule(config),
-        adam_b1=a.beta1, adam_b2=a.beta2, adam_eps=a.eps,
+        adam_b1=a.b1, adam_b2=a.b2, adam_eps=a.eps,
         # Over DiLoCo replicas (a vmap over `diloco`) the partitioner splits the iteration.
         shard_newton_schulz=config.mesh.diloco == 1)
     stack = inner if snoo_k is None else with_snoo(config, inner)
@@ -366,7 +366,7 @@ def _track3_stack(config: TrainConfig) -> optax.GradientTransformation:
     no warm-up), 12 Newton-Schulz steps of (2, -1.5, 0.5) in bf16 (`"track3"`), the shape
     scale `sqrt(max(1, fan_out/fan_in))`, decoupled decay `muon_weight_decay` (0.05) at
     `muon_learning_rate` (0.025). AdamW (bias-corrected, decoupled decay `weight_decay`
-    0.001 on every group, `beta1`, `beta2`, `eps`) at `learning_rate` on the embedding (0.7),
+    0.001 on every group, `b1`, `b2`, `eps`) at `learning_rate` on the embedding (0.7),
     `head_learning_rate` on the LM head's kernel (0.004), `vector_learning_rate` on biases
     and gains (0.015). Every group on `--schedule` (stable_cooldown 0.7 to 0).
     """
@@ -374,7 +374,7 @@ def _track3_stack(config: TrainConfig) -> optax.GradientTransformation:
     lr = lambda peak: learning_rate_schedule(config, peak)
     beta = m.beta if m.beta_warmup == 0 else muon_momentum_warmup(  # the presets: constant
         min(0.85, m.beta), m.beta, m.beta_warmup)
-    adamw = lambda peak: optax.adamw(lr(peak), b1=a.beta1, b2=a.beta2, eps=a.eps,
+    adamw = lambda peak: optax.adamw(lr(peak), b1=a.b1, b2=a.b2, eps=a.eps,
                                      weight_decay=a.weight_decay)
     muon = optax.chain(
         optax_snoo.scale_by_muon(beta, coefficients=((2.0, -1.5, 0.5),) * 12,
@@ -474,7 +474,7 @@ def _skew_adam(config: TrainConfig, rounding_tx: optax.GradientTransformation | 
                ) -> optax.GradientTransformation:
     s, a = config.skew_adam, config.adamw
     return optax_snoo.skew_adam(
-        learning_rate_schedule(config, s.learning_rate), b1=a.beta1, b2=a.beta2, eps=a.eps,
+        learning_rate_schedule(config, s.learning_rate), b1=a.b1, b2=a.b2, eps=a.eps,
         weight_decay=s.weight_decay, policies=s.policies,
         clip_threshold=s.clip if s.clip > 0 else None, rounding=rounding_tx)
 
@@ -483,7 +483,7 @@ def _skew_adam(config: TrainConfig, rounding_tx: optax.GradientTransformation | 
 def skew_adam(config: TrainConfig) -> TrainOptimizer:
     """SkewAdam: roles from param paths (`experts`, `router`, else backbone), momentum for
     the backbone only, factored second moments, no decay on the router;
-    `skew_learning_rate` on the trainer's schedule, `beta1`/`beta2`/`eps` shared with AdamW
+    `skew_learning_rate` on the trainer's schedule, `b1`/`b2`/`eps` shared with AdamW
     (eps is SkewAdam's clamp on the squared statistics), `skew_policies` picks the paper's
     ablations. `--rounding` goes inside SkewAdam, so it rounds `p + u` from the float32
     update rather than from an update already cast to bf16."""

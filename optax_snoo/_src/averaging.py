@@ -27,6 +27,7 @@ from optax_snoo._src.utils import (
     check_non_negative,
     check_unit_interval,
     concrete_real,
+    value_at,
 )
 
 __all__ = ["EmaNesterovState", "TailEmaState", "ema_nesterov", "eval_params", "tail_ema"]
@@ -141,7 +142,7 @@ def ema_nesterov(
     inner = optax.with_extra_args_support(inner)
 
     def beta(t: jax.Array) -> jax.Array:
-        ratio = lr_ratio(t) if callable(lr_ratio) else lr_ratio
+        ratio = value_at(lr_ratio, t)
         active = (t >= prefill) & (t < stop)
         return jnp.where(active, beta0 * jnp.asarray(ratio, jnp.float32), 0.0).astype(
             jnp.float32)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_snoo._src.muon import _check_matrix_axes, _normalized_axes
-from optax_snoo._src.utils import check_non_negative, concrete_real
+from optax_snoo._src.utils import check_non_negative, concrete_real, value_at
 from optax_snoo._src.weight_decay import cautious_mask
 
 __all__ = ["RadiusStepsState", "radius_steps"]
@@ -219,10 +219,8 @@ def radius_steps(
         if params is None:
             raise ValueError("radius_steps: update needs params (the radius is ‖params‖)")
         count = state.count
-        lr = jnp.asarray(learning_rate(count) if callable(learning_rate) else learning_rate,
-                         jnp.float32)
-        wd = jnp.asarray(cautious_weight_decay(count) if callable(cautious_weight_decay)
-                         else cautious_weight_decay, jnp.float32)
+        lr = jnp.asarray(value_at(learning_rate, count), jnp.float32)
+        wd = jnp.asarray(value_at(cautious_weight_decay, count), jnp.float32)
         def leaf(o, w, r0=None):
             return o if _skipped(o) else step(o, w, r0, lr, wd)
 

@@ -203,7 +203,7 @@ def snoo_muon(
         see `optax_snoo.add_decoupled_weight_decay`.
       newton_schulz_plan: where the Muon leaves live under ``jax.jit``; see
         `optax_snoo.NewtonSchulzPlan`.
-      adam_b1: Adam beta1 (of the groups not given as `AdamGroup`).
+      adam_b1: Adam's first-moment decay (of the groups not given as `AdamGroup`).
       adam_b2: Adam beta2 (likewise).
       adam_eps: Adam epsilon (likewise).
       snoo_k: Snoo sync period, or ``None`` for the inner partition alone.
@@ -315,7 +315,7 @@ def modded_nanogpt(
       smoothing: update smoothing σ (float or schedule) or `None`.
       smoothing_form: `"ema"` (PR #137) or `"nesterov"` (PR #129).
       adam_groups: ordered `(path pattern, peak lr)` pairs for the non-Muon leaves.
-      adam_b1: Adam beta1.
+      adam_b1: Adam's first-moment decay.
       adam_b2: Adam beta2.
       adam_eps: Adam epsilon.
       cooldown_frac: fraction of training in the linear cooldown.
@@ -419,7 +419,7 @@ def track3_baseline(
       embed_learning_rate: peak lr of the embedding group.
       head_learning_rate: peak lr of the LM-head group.
       vector_learning_rate: peak lr of the 1-D group.
-      adam_b1: AdamW beta1 of every group.
+      adam_b1: AdamW's first-moment decay of every group.
       adam_b2: AdamW beta2 of every group.
       adam_eps: AdamW epsilon of every group.
       adam_weight_decay: AdamW decoupled weight decay of every group.

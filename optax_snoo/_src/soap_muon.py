@@ -42,6 +42,7 @@ from optax_snoo._src.utils import (
     check_positive,
     check_unit_interval,
     path_to_str,
+    value_at,
 )
 
 NORM_MATCHES = ("gram", "frobenius")
@@ -138,10 +139,6 @@ def trust_gate_cap(cap: float = 0.85, until: int = 1625) -> optax.Schedule:
         return jnp.where(jnp.asarray(count) < until, cap, 1.0)
 
     return schedule
-
-
-def _at(value: Any, count: jax.Array) -> Any:
-    return value(count) if callable(value) else value
 
 
 def _mm(spec: str, *xs: jax.Array) -> jax.Array:
@@ -368,8 +365,8 @@ def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax
     """The whitening of matrices ``(..., out, in)`` and their new statistics: the one
     implementation, per leaf or on the matrices' owners. ``gated``: a numpy bool array of
     the batch's shape (which matrices the trust gate blends)."""
-    beta = _at(beta, count)
-    beta2 = beta if beta2 is None else _at(beta2, count)
+    beta = value_at(beta, count)
+    beta2 = beta if beta2 is None else value_at(beta2, count)
     refresh = jnp.where(count == 0, 0, jnp.where(count % precondition_frequency == 0, 1, 2))
     dt = st.gram_out.dtype
     M, G, V = M.astype(dt), G.astype(dt), st.second_moment
@@ -384,7 +381,8 @@ def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax
     D, V = jnp.where(first, M, D), jnp.where(first, V, V_new)
     gated = np.asarray(gated, bool)
     if gated.any():
-        blended = _trust_blend(M, D, G, (_at(floor, count), _at(cap, count)), trust, norm)
+        bounds = (value_at(floor, count), value_at(cap, count))
+        blended = _trust_blend(M, D, G, bounds, trust, norm)
         D = blended if gated.all() else jnp.where(gated[..., None, None], blended, D)
 
     # Statistics after use: they whiten the next update.
