@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--set_for", action="append", default=[],
                         metavar="OPTIMIZER:KEY=VALUE",
                         help="a trainer option for one optimizer's runs (repeatable), e.g. "
-                             "muloco_normuonh:init=nanogpt; its runs' folder and report name "
+                             "muloco_normuonh:init=hyperball; its runs' folder and report name "
                              "carry it")
     parser.add_argument("--seeds_for", action="append", default=[], metavar="OPTIMIZER:N",
                         help="seeds 0..N-1 for one optimizer instead of --seeds (repeatable)")

@@ -1,7 +1,7 @@
 """The compiled `track3_cpu` step of each optimizer against the baseline's, in one process.
 
 `python -m benchmarks.track3_step_time --optimizers=track3_baseline,track3_record
-[--set_for=muloco_normuonh:init=nanogpt --rounds=6 --steps=10]`. Each optimizer is the
+[--set_for=muloco_normuonh:init=hyperball --rounds=6 --steps=10]`. Each optimizer is the
 trainer's jitted step on the twin (`benchmarks.throughput.ours`: the preset's network,
 batch, mesh and the optimizer's update, Snoo's outer step included on its steps); after
 two warm-up steps each, the optimizers take turns round by round, so the machine's load

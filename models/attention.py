@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import GPTConfig
-from models.layers import Dense, input_std, residual_std, rms_norm, sow
+from models.layers import Dense, input_bias, input_std, residual_std, rms_norm, sow
 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
@@ -343,13 +343,12 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         D, N, K, H = config.n_embd, config.n_head, config.kv_heads, config.head_dim
         kw = dict(dtype=config.compute_dtype, param_dtype=config.params_dtype, bias=config.bias)
-        std = input_std(config, D)
-        self.c_q = Dense(D, N * H, names=("embed", "heads"), std=std, rngs=rngs, **kw)
-        self.c_k = Dense(D, K * H, names=("embed", "kv"), std=std, rngs=rngs, **kw)
-        self.c_v = Dense(D, K * H, names=("embed", "kv"), std=std, rngs=rngs, **kw)
-        self.c_proj = Dense(
-            N * H, D, names=("heads", "embed"), std=residual_std(config), rngs=rngs, **kw
-        )
+        kw.update(std=input_std(config, D), bias_init=input_bias(config, D), rngs=rngs)
+        self.c_q = Dense(D, N * H, names=("embed", "heads"), **kw)
+        self.c_k = Dense(D, K * H, names=("embed", "kv"), **kw)
+        self.c_v = Dense(D, K * H, names=("embed", "kv"), **kw)
+        kw.update(std=residual_std(config, N * H, "attn_proj"), bias_init=None)
+        self.c_proj = Dense(N * H, D, names=("heads", "embed"), **kw)
         self.n_head, self.n_kv_head, self.head_dim = N, K, H
         self.config = config
 

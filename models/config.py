@@ -18,7 +18,7 @@ POSITION_KINDS = ("learned", "none")
 ROTARY_KINDS = ("none", "half_truncated")
 #: Initialisations (``GPTConfig.init``): nanoGPT's, or modded-nanogpt Track 3's
 #: ``train_gpt_simple.py``'s.
-INIT_KINDS = ("nanogpt", "track3")
+INIT_KINDS = ("nanogpt", "track3", "hyperball")
 #: How attention is computed (``GPTConfig.attention``; see :func:`models.resolve_attention`).
 ATTENTION_KINDS = ("auto", "handwritten", "xla", "cudnn")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -84,7 +84,14 @@ class GPTConfig:
             (``train_gpt_simple.py``'s: input matrices ``q/k/v``, ``fc`` (and ``gate``)
             ``N(0, 0.33 / fan_in)``, every output projection and the LM head zero, biases
             zero, embeddings ``N(0, 1)``, gains one; MoE experts, which the file does not
-            have, keep ``N(0, 0.02)`` inputs with zero output projections).
+            have, keep ``N(0, 0.02)`` inputs with zero output projections), or
+            ``"hyperball"`` (Track 3 #5, #8 and #13's, for optimizers that keep each
+            matrix on its initial sphere: PyTorch's ``nn.Linear`` default
+            ``U(±1/sqrt(fan_in))`` for q/k/v and their biases, times 1.5 for ``fc``
+            (and ``gate``; their biases unscaled), 1.25 for the attention ``proj``, 3
+            for the MLP's ``proj``; output-projection biases and the LM head zero;
+            embeddings ``N(0, 1)``, gains one; MoE experts, which the records do not
+            have: ``N(0, 0.02)`` inputs, ``proj`` as the MLP's).
         embed_dtype: dtype name of the token (and position) embedding tables; ``None`` means
             ``param_dtype`` (modded-nanogpt stores its embedding in bfloat16).
         residual_dtype: dtype name of the residual stream between blocks (``"float32"``, or

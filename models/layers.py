@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +44,26 @@ def _eager_sharding() -> bool:
     return nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
 
 
+class Uniform(NamedTuple):
+    """An init draw ``U(-bound, bound)`` (PyTorch's ``nn.Linear`` default has bound
+    ``1/sqrt(fan_in)`` for the weight and the bias)."""
+
+    bound: float
+
+
+#: A parameter's init: a normal's std, a `Uniform`, or ``None`` for zeros.
+Init = float | Uniform | None
+
+
 def param(
     key: jax.Array | None,
     shape: tuple[int, ...],
     names: tuple[str | None, ...],
     dtype: jnp.dtype,
-    std: float | None,
+    std: Init,
 ) -> nnx.Param:
-    """A parameter drawn from ``N(0, std^2)`` (zeros when ``std`` is None), with logical axes.
+    """A parameter drawn from ``N(0, std^2)`` (``U(-b, b)`` for ``std=Uniform(b)``, zeros
+    when ``std`` is None), with logical axes.
 
     The parameter is sharded on creation when a mesh is set (``jax.set_mesh``; map the
     logical names with ``nnx.logical_axis_rules``); with no mesh it is created unsharded
@@ -58,6 +71,8 @@ def param(
     """
     if std is None:
         value = jnp.zeros(shape, dtype)
+    elif isinstance(std, Uniform):
+        value = jax.random.uniform(key, shape, jnp.float32, -std.bound, std.bound).astype(dtype)
     else:
         value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, out_sharding=names, eager_sharding=_eager_sharding())
@@ -190,8 +205,9 @@ class Dense(nnx.Module):
       names: logical axis names of ``kernel`` (``(in, out)``).
       dtype: compute dtype; inputs and the kernel are cast to it.
       param_dtype: parameter dtype.
-      bias: whether to add a bias (initialised to zeros).
-      std: init std of the kernel; ``None`` initialises it to zeros.
+      bias: whether to add a bias.
+      std: the kernel's init (`Init`: a normal's std, a `Uniform`, ``None`` for zeros).
+      bias_init: the bias's init (zeros by default).
       rngs: random streams (``params`` is used).
     """
 
@@ -204,11 +220,14 @@ class Dense(nnx.Module):
         dtype: jnp.dtype,
         param_dtype: jnp.dtype,
         bias: bool,
-        std: float | None = INIT_STD,
+        std: Init = INIT_STD,
+        bias_init: Init = None,
         rngs: nnx.Rngs,
     ):
         self.kernel = param(rngs.params(), (d_in, d_out), names, param_dtype, std)
-        self.bias = param(None, (d_out,), names[1:], param_dtype, None) if bias else None
+        # A key only for a drawn bias, so that zero-bias inits keep their random streams.
+        key = rngs.params() if bias and bias_init is not None else None
+        self.bias = param(key, (d_out,), names[1:], param_dtype, bias_init) if bias else None
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -312,27 +331,48 @@ def gelu(x: jax.Array) -> jax.Array:
     return (0.5 * x32 * (1.0 + jax.lax.erf(x32 * (1.0 / math.sqrt(2.0))))).astype(x.dtype)
 
 
-def residual_std(config: GPTConfig) -> float | None:
-    """Init std of residual output projections: nanoGPT's ``0.02 / sqrt(2 n_layer)``, or
-    ``None`` (zeros) for ``init="track3"``."""
+#: ``init="hyperball"``'s multipliers on PyTorch's default bound ``1/sqrt(fan_in)``, by
+#: matrix (modded-nanogpt Track 3 #5/#8/#13); q/k/v keep 1.
+HYPERBALL_SCALE = {"fc": 1.5, "attn_proj": 1.25, "mlp_proj": 3.0}
+
+
+def residual_std(config: GPTConfig, fan_in: int, matrix: str = "mlp_proj") -> Init:
+    """Init of a residual output projection (``matrix``: ``"attn_proj"`` or
+    ``"mlp_proj"``): nanoGPT's ``N(0, (0.02 / sqrt(2 n_layer))^2)``, zeros for
+    ``init="track3"``, ``Uniform(HYPERBALL_SCALE[matrix] / sqrt(fan_in))`` for
+    ``init="hyperball"``."""
+    if config.init == "hyperball":
+        return Uniform(HYPERBALL_SCALE[matrix] / math.sqrt(fan_in))
     return None if config.init == "track3" else INIT_STD / math.sqrt(2 * config.n_layer)
 
 
-def input_std(config: GPTConfig, fan_in: int) -> float:
-    """Init std of a matrix reading the residual stream (q, k, v, fc, gate): nanoGPT's
-    0.02, or ``sqrt(0.33 / fan_in)`` for ``init="track3"``."""
+def input_std(config: GPTConfig, fan_in: int, matrix: str = "qkv") -> Init:
+    """Init of a matrix reading the residual stream (``matrix``: ``"qkv"`` or ``"fc"``,
+    the latter also the gate): nanoGPT's ``N(0, 0.02^2)``, ``N(0, 0.33 / fan_in)`` for
+    ``init="track3"``, ``Uniform(HYPERBALL_SCALE.get(matrix, 1) / sqrt(fan_in))`` for
+    ``init="hyperball"``."""
+    if config.init == "hyperball":
+        return Uniform(HYPERBALL_SCALE.get(matrix, 1.0) / math.sqrt(fan_in))
     return math.sqrt(0.33 / fan_in) if config.init == "track3" else INIT_STD
 
 
+def input_bias(config: GPTConfig, fan_in: int) -> Init:
+    """Init of the bias of a matrix reading the residual stream: zeros, or PyTorch's
+    default ``Uniform(1 / sqrt(fan_in))`` for ``init="hyperball"`` (output projections'
+    biases are zero in every init)."""
+    return Uniform(1 / math.sqrt(fan_in)) if config.init == "hyperball" else None
+
+
 def embed_std(config: GPTConfig) -> float:
-    """Init std of the embedding tables: nanoGPT's 0.02, or 1 for ``init="track3"``."""
-    return 1.0 if config.init == "track3" else INIT_STD
+    """Init std of the embedding tables: nanoGPT's 0.02, or 1 (PyTorch's ``nn.Embedding``)
+    for ``init="track3"`` and ``"hyperball"``."""
+    return INIT_STD if config.init == "nanogpt" else 1.0
 
 
 def head_std(config: GPTConfig) -> float | None:
     """Init std of the untied LM head: nanoGPT's 0.02, or ``None`` (zeros) for
-    ``init="track3"``."""
-    return None if config.init == "track3" else INIT_STD
+    ``init="track3"`` and ``"hyperball"``."""
+    return INIT_STD if config.init == "nanogpt" else None
 
 
 class MLP(nnx.Module):
@@ -349,14 +389,16 @@ class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         D, F = config.n_embd, config.hidden
         kw = dict(dtype=config.compute_dtype, param_dtype=config.params_dtype, bias=config.bias)
-        std = input_std(config, D)
-        self.c_fc = Dense(D, F, names=("embed", "mlp"), std=std, rngs=rngs, **kw)
+        std, bias = input_std(config, D, "fc"), input_bias(config, D)
+        self.c_fc = Dense(D, F, names=("embed", "mlp"), std=std, bias_init=bias, rngs=rngs,
+                          **kw)
         self.c_gate = (
-            Dense(D, F, names=("embed", "mlp"), std=std, rngs=rngs, **kw)
+            Dense(D, F, names=("embed", "mlp"), std=std, bias_init=bias, rngs=rngs, **kw)
             if config.mlp == "swiglu" else None
         )
         self.c_proj = Dense(
-            F, D, names=("mlp", "embed"), std=residual_std(config), rngs=rngs, **kw
+            F, D, names=("mlp", "embed"), std=residual_std(config, F, "mlp_proj"), rngs=rngs,
+            **kw
         )
         self.relu2 = config.mlp == "relu2"
 

@@ -163,7 +163,8 @@ class Experts(nnx.Module):
             else None
         )
         self.w_proj = param(
-            rngs.params(), (E, F, D), ("expert", "expert_mlp", "embed"), dt, residual_std(config)
+            rngs.params(), (E, F, D), ("expert", "expert_mlp", "embed"), dt,
+            residual_std(config, F, "mlp_proj")
         )
         self.dtype = config.compute_dtype
 

@@ -242,6 +242,37 @@ def test_the_files_init():
     assert nanogpt.blocks[0].mlp.c_proj.kernel[...].any()  # the option is what zeroes them
 
 
+def test_the_hyperball_records_init():
+    """Track 3 #5/#8/#13 (``init="hyperball"``): PyTorch's ``nn.Linear`` default
+    ``U(±1/sqrt(fan_in))`` on q/k/v and every input bias; x1.5 on fc, x1.25 on attn.proj,
+    x3 on mlp.proj; every proj bias and the head zero; embedding N(0, 1); gains one
+    (the records' init loop, in the file's names)."""
+    cfg = dataclasses.replace(models.track3_config(
+        n_layer=2, n_embd=256, head_dim=64, vocab_size=1024, block_size=T), init="hyperball")
+    scale = {".q.weight": 1.0, ".k.weight": 1.0, ".v.weight": 1.0, ".fc.weight": 1.5,
+             "attn.proj.weight": 1.25, "mlp.proj.weight": 3.0}
+    sd = models.to_torch(models.GPT(cfg, rngs=nnx.Rngs(0)), cfg)
+    for name, value in sd.items():
+        value = np.asarray(value, np.float64)
+        if "rotary" in name:
+            continue
+        if name in ("proj.weight", "proj.bias") or name.endswith(".proj.bias"):
+            assert not value.any(), name
+        elif name.endswith("gains"):
+            assert np.all(value == 1), name
+        elif name == "embed.weight":
+            assert abs(value.mean()) < 0.01 and abs(value.std() - 1) < 0.01
+        else:
+            # (out, in) weights, and biases with the bound of their weight's fan_in
+            key = next((k for k in scale if name.endswith(k)), None)
+            weight = sd[name.replace(".bias", ".weight")]
+            bound = (scale[key] if key else 1.0) / np.sqrt(weight.shape[1])
+            assert key or name.endswith(("q.bias", "k.bias", "v.bias", "fc.bias")), name
+            assert np.abs(value).max() <= bound, name
+            assert np.abs(value).max() > 0.97 * bound, name  # uniform: fills its interval
+            assert abs(value.std() / (bound / np.sqrt(3)) - 1) < 0.1, name
+
+
 def test_track3_config_is_the_files_shape_and_refuses_bad_options():
     cfg = models.track3_config()
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.hidden, cfg.vocab_size, cfg.block_size,

@@ -85,3 +85,15 @@ def test_logged_lr_and_snoo_hint(name, lr0, sync):
     assert float(spec.learning_rate(60)) == 0.0
     synced = [t for t in range(60) if spec.update_kwargs(t).get("snoo_sync")]
     assert synced == ([] if sync is None else list(sync))
+
+
+@pytest.mark.parametrize("name", ["muonh", "muloco_normuonh"])
+def test_the_hyperball_refuses_the_files_zero_projections(name):
+    """On the hyperball a zero matrix never moves: `init='track3'` is refused in one line
+    that names the records' init; with it the optimizer builds."""
+    from train.config import get_preset, override
+    config = override(get_preset("track3_cpu"), optimizer=name)
+    with pytest.raises(ValueError, match=rf"^--optimizer={name} keeps every hidden matrix .*"
+                                         r"use --init=hyperball"):
+        build_optimizer(config)
+    assert build_optimizer(override(config, init="hyperball")).tx is not None

@@ -454,19 +454,30 @@ def track3_soap_muon_optimizer(config: TrainConfig) -> TrainOptimizer:
     return _track3_recipe(config, "track3_soap_muon")
 
 
+def _on_the_hyperball(config: TrainConfig) -> None:
+    """The hyperball keeps each hidden matrix at its initial norm: a zero one never moves."""
+    if config.model.init == "track3":
+        raise ValueError(
+            f"--optimizer={config.optimizer.name} keeps every hidden matrix on its initial "
+            "sphere, and --init=track3 starts every proj at zero (it would never move): use "
+            "--init=hyperball (Track 3 #5/#8/#13's init) or --init=nanogpt")
+
+
 @register("muonh")
 def muonh_optimizer(config: TrainConfig) -> TrainOptimizer:
     """MuonH, Muon on the hyperball (Track 3 record #5, `optax_snoo.recipes.muonh`), over
-    `max_iters`; needs non-zero initial hidden matrices (not `init='track3'`'s zero
-    projections). Logs the hyperball's lr."""
+    `max_iters`; needs non-zero initial hidden matrices (`--init=hyperball`, the record's;
+    `init='track3'` is refused). Logs the hyperball's lr."""
+    _on_the_hyperball(config)
     return _track3_recipe(config, "muonh")
 
 
 @register("muloco_normuonh")
 def muloco_normuonh_optimizer(config: TrainConfig) -> TrainOptimizer:
     """MuLoCo's outer Nesterov (0.7, 0.5, after every 30th update) around NorMuonH (Track 3
-    record #13, `optax_snoo.recipes.muloco_normuonh`), over `max_iters`. Logs the
-    hyperball's lr."""
+    record #13, `optax_snoo.recipes.muloco_normuonh`), over `max_iters`; needs non-zero
+    initial hidden matrices (`--init=hyperball`, the record's). Logs the hyperball's lr."""
+    _on_the_hyperball(config)
     return _track3_recipe(config, "muloco_normuonh")
 
 
