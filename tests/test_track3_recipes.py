@@ -292,6 +292,42 @@ def test_track3_newton_muon_groups_match_record_15():
 
 # ---- composition -------------------------------------------------------------------------
 
+class _BlackBox:
+    """An inner transform run as it is, on float32 copies of the reference's point: what
+    Snoo adds around it is the outer step, which `numpy_snoo` writes out in float64."""
+
+    def __init__(self, tx):
+        self.tx, self.update_fn = tx, jax.jit(tx.update)
+
+    def init(self, params):
+        return self.tx.init(nest(params))
+
+    def update(self, grads, state, params):
+        u, state = self.update_fn(nest(grads), state, nest(params))
+        return {k: np.asarray(v, np.float64) for k, v in flatten(u).items()}, state
+
+
+@pytest.mark.parametrize("name", ["track3_soap_muon", "muonh", "track3_record"])
+def test_snoo_around_each_frontier_stack(name):
+    """`snoo(inner, 0.7, 0.5, k=3)` around SOAP-Muon (#44), the hyperball and #46's stack
+    (radius steps, EMA-Nesterov, tail EMA) is Snoo's outer Nesterov step on the inner's
+    k-step displacements, the inner's state carried through every sync."""
+    from test_snoo import numpy_snoo
+    T, k = 12, 3
+    inner = {"track3_soap_muon": lambda: recipes.track3_soap_muon(N, ns_dtype=jnp.float32),
+             "muonh": lambda: recipes.muonh(T, ns_dtype=jnp.float32,
+                                            adam_patterns=AUX_PATTERNS),
+             "track3_record": lambda: recipes.track3_record(N, ns_dtype=jnp.float32)}[name]
+    weights, grads = init_weights(), gradients(T)
+    ref = numpy_snoo(_BlackBox(inner()), weights, grads, 0.7, 0.5, k)
+    tx, params = optax_snoo.snoo(inner(), 0.7, 0.5, k), nest(weights)
+    state, update = tx.init(params), jax.jit(tx.update)
+    for t, g in enumerate(grads):
+        u, state = update(nest(g), state, params)
+        params = optax.apply_updates(params, u)
+        assert_close(flatten(params), ref[t], f"{name} step {t}")
+
+
 def test_track3_record_state_readouts_and_orbax(tmp_path):
     params = nest(init_weights())
     tx = recipes.track3_record(8, ns_dtype=jnp.float32)  # tail EMA from update 7
