@@ -97,3 +97,28 @@ def test_the_hyperball_refuses_the_files_zero_projections(name):
                                          r"use --init=hyperball"):
         build_optimizer(config)
     assert build_optimizer(override(config, init="hyperball")).tx is not None
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_builds_for_the_benchmarks_network(name):
+    """Each recipe on the `track3` preset (the file's 162M-parameter GPT), abstractly:
+    its state initialises and an update traces to the params' shapes, so a GPU run of
+    the real benchmark starts with it."""
+    from flax import nnx
+
+    import models
+    from train import config as tc
+    hyperball = {"init": "hyperball"} if name in ("muonh", "muloco_normuonh") else {}
+    config = tc.override(tc.get_preset("track3"), optimizer=name, **hyperball)
+    gpt = tc.model_config(config, 50257)
+    params = jax.eval_shape(lambda: nnx.to_pure_dict(
+        nnx.split(models.GPT(gpt, rngs=nnx.Rngs(0)), nnx.Param, ...)[1]))
+    assert sum(x.size for x in jax.tree.leaves(params)) > 160e6
+    spec = build_optimizer(config)
+    state = jax.eval_shape(spec.tx.init, params)
+    if spec.grad_fn is None:  # Newton-Muon's update also takes its statistics
+        updates, _ = jax.eval_shape(
+            lambda g, s, p: spec.tx.update(g, s, p, **spec.update_kwargs(0)),
+            params, state, params)
+        assert all(jax.tree.leaves(jax.tree.map(lambda u, p: u.shape == p.shape, updates,
+                                                params)))
