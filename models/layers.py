@@ -336,7 +336,7 @@ def gelu(x: jax.Array) -> jax.Array:
 HYPERBALL_SCALE = {"fc": 1.5, "attn_proj": 1.25, "mlp_proj": 3.0}
 
 
-def residual_std(config: GPTConfig, fan_in: int, matrix: str = "mlp_proj") -> Init:
+def residual_std(config: GPTConfig, fan_in: int, matrix: str) -> Init:
     """Init of a residual output projection (``matrix``: ``"attn_proj"`` or
     ``"mlp_proj"``): nanoGPT's ``N(0, (0.02 / sqrt(2 n_layer))^2)``, zeros for
     ``init="track3"``, ``Uniform(HYPERBALL_SCALE[matrix] / sqrt(fan_in))`` for

@@ -204,7 +204,7 @@ def snoo_muon(
       newton_schulz_plan: where the Muon leaves live under ``jax.jit``; see
         `optax_snoo.NewtonSchulzPlan`.
       adam_b1: Adam's first-moment decay (of the groups not given as `AdamGroup`).
-      adam_b2: Adam beta2 (likewise).
+      adam_b2: Adam's second-moment decay (likewise).
       adam_eps: Adam epsilon (likewise).
       snoo_k: Snoo sync period, or ``None`` for the inner partition alone.
       snoo_learning_rate: Snoo outer lr η.
@@ -316,7 +316,7 @@ def modded_nanogpt(
       smoothing_form: `"ema"` (PR #137) or `"nesterov"` (PR #129).
       adam_groups: ordered `(path pattern, peak lr)` pairs for the non-Muon leaves.
       adam_b1: Adam's first-moment decay.
-      adam_b2: Adam beta2.
+      adam_b2: Adam's second-moment decay.
       adam_eps: Adam epsilon.
       cooldown_frac: fraction of training in the linear cooldown.
       final_lr_scale: lr multiplier at the end.
@@ -420,7 +420,7 @@ def track3_baseline(
       head_learning_rate: peak lr of the LM-head group.
       vector_learning_rate: peak lr of the 1-D group.
       adam_b1: AdamW's first-moment decay of every group.
-      adam_b2: AdamW beta2 of every group.
+      adam_b2: AdamW's second-moment decay of every group.
       adam_eps: AdamW epsilon of every group.
       adam_weight_decay: AdamW decoupled weight decay of every group.
       cooldown_frac: fraction of ``total_steps`` in the linear cooldown.
