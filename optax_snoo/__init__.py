@@ -16,22 +16,10 @@ from optax_snoo._src.averaging import (
     tail_ema,
 )
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
-from optax_snoo._src.muon import (
-    COEFFICIENT_PRESETS,
-    POLAR_EXPRESS_COEFFICIENTS,
-    MuonState,
-    muon,
-    muon_momentum_warmup,
-    normuon,
-    orthogonalize,
-    scale_by_muon,
-    scale_by_normuon,
-)
-from optax_snoo._src.muon_sharding import (
-    MatrixPrecondition,
-    NewtonSchulzPlan,
-    OwnedPreconditionState,
-)
+from optax_snoo._src.muon import MuonState, muon_momentum_warmup, scale_by_muon
+from optax_snoo._src.muon_adam import muon
+from optax_snoo._src.muon_plan import NewtonSchulzPlan
+from optax_snoo._src.muon_sharding import MatrixPrecondition, OwnedPreconditionState
 from optax_snoo._src.newton_muon import (
     InputCovarianceState,
     input_covariance_from_stats,
@@ -39,6 +27,12 @@ from optax_snoo._src.newton_muon import (
     newton_muon,
     precondition_by_input_covariance,
 )
+from optax_snoo._src.newton_schulz import (
+    COEFFICIENT_PRESETS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    orthogonalize,
+)
+from optax_snoo._src.normuon import normuon, scale_by_normuon
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.radius import RadiusStepsState, radius_steps
 from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule

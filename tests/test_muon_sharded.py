@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import optax_snoo
 from benchmarks import hlo
 from optax_snoo import NewtonSchulzPlan, muon, scale_by_muon, snoo
-from optax_snoo._src.muon_sharding import newton_schulz_flops, plan_exchanges, plan_groups
+from optax_snoo._src.muon_plan import newton_schulz_flops, plan_exchanges, plan_groups
 
 F32 = jnp.float32
 

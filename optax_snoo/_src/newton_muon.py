@@ -503,7 +503,7 @@ def newton_muon(
       <https://kellerjordan.github.io/posts/muon/>`_, 2024
     """
     from optax_snoo._src.labels import muon_adam_labels
-    from optax_snoo._src.muon import muon
+    from optax_snoo._src.muon_adam import muon
 
     labels = muon_kwargs.get("labels") or muon_adam_labels
 

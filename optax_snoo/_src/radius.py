@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.muon import _check_matrix_axes, _normalized_axes
+from optax_snoo._src.newton_schulz import _check_matrix_axes, _normalized_axes
 from optax_snoo._src.utils import check_non_negative, concrete_real, value_at
 from optax_snoo._src.weight_decay import cautious_mask
 

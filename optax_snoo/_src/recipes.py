@@ -20,14 +20,10 @@ import optax
 from optax_snoo._src.adam import AdamGroup
 from optax_snoo._src.averaging import ema_nesterov, tail_ema
 from optax_snoo._src.labels import label_by_rules, path_to_str
-from optax_snoo._src.muon import (
-    Coefficients,
-    muon,
-    muon_momentum_warmup,
-    scale_by_muon,
-    with_adam_groups,
-)
-from optax_snoo._src.muon_sharding import NewtonSchulzPlan
+from optax_snoo._src.muon import muon_momentum_warmup, scale_by_muon
+from optax_snoo._src.muon_adam import muon, with_adam_groups
+from optax_snoo._src.muon_plan import NewtonSchulzPlan
+from optax_snoo._src.newton_schulz import Coefficients
 from optax_snoo._src.radius import radius_steps
 from optax_snoo._src.schedules import muon_momentum_schedule, power_cool
 from optax_snoo._src.snoo import snoo

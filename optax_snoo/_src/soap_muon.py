@@ -27,14 +27,15 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_snoo._src.muon import (
+from optax_snoo._src.muon import scale_by_muon
+from optax_snoo._src.muon_plan import NewtonSchulzPlan
+from optax_snoo._src.muon_sharding import MatrixPrecondition
+from optax_snoo._src.newton_schulz import (
     Coefficients,
     _check_matrix_axes,
     _normalized_axes,
     gram_frobenius_norm,
-    scale_by_muon,
 )
-from optax_snoo._src.muon_sharding import MatrixPrecondition, NewtonSchulzPlan
 from optax_snoo._src.sharding import concrete_sharding, spec_entries
 from optax_snoo._src.utils import (
     check_int_at_least,
