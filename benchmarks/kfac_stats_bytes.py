@@ -80,7 +80,7 @@ def _factors(state) -> list:
 
 def _kfac_labels(tree: scaling.Tree):
     import optax_snoo.labels
-    from train.kfac_trainer import kfac_rules
+    from optax_snoo.recipes import kfac_label_rules as kfac_rules
 
     return optax_snoo.labels.label_by_rules(kfac_rules(tree.config.moe_every > 0))(tree.params)
 

@@ -249,7 +249,8 @@ def kfac_stack(tree: Tree, mesh, statistics: bool = True) -> Step | None:
     experts = tree.config.moe_every > 0  # MoE trees: per-expert factors, split like the rest
     config = override(tree.train_config, optimizer="kfac", kfac_experts=experts)
     tx = build_optimizer(config, params=tree.params).tx  # told where the kernels live
-    curvature_fn = kfac_curvature_fn(tree.params, config.kfac.stats_stride, experts)
+    curvature_fn = kfac_curvature_fn(tree.params, config.optimizer.table.kfac_stats_stride,
+                                     experts)
     graphdef, _, rest = nnx.split(
         nnx.eval_shape(lambda: models.GPT(tree.config, rngs=nnx.Rngs(0))), nnx.Param, ...)
 

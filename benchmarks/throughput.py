@@ -150,7 +150,7 @@ def reference(config: TrainConfig) -> Variant:
                    "proj": normal(D, D, std=0.02 / math.sqrt(2 * L)), "ln_2": jnp.ones(D),
                    "fc": normal(D, 4 * D), "out": normal(4 * D, D, std=0.02 / math.sqrt(2 * L))}
                   for _ in range(L)]}
-    a = config.adamw
+    a = override(config, optimizer="adamw").optimizer.table  # AdamW's defaults, its preset's
     tx = optax.chain(optax.clip_by_global_norm(config.optimizer.grad_clip),
                      optax.adamw(a.learning_rate, b1=a.b1, b2=a.b2,
                                  weight_decay=a.weight_decay))

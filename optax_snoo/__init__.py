@@ -17,7 +17,7 @@ from optax_snoo._src.averaging import (
 )
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
 from optax_snoo._src.muon import MuonState, muon_momentum_warmup, scale_by_muon
-from optax_snoo._src.muon_adam import muon
+from optax_snoo._src.muon_adam import MuonGroup, muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import MatrixPrecondition, OwnedPreconditionState
 from optax_snoo._src.newton_muon import (
@@ -35,9 +35,14 @@ from optax_snoo._src.newton_schulz import (
 from optax_snoo._src.normuon import normuon, scale_by_normuon
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.radius import RadiusStepsState, radius_steps
-from optax_snoo._src.recipes import modded_nanogpt, stable_cooldown_schedule
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
-from optax_snoo._src.schedules import muon_momentum_schedule, power_cool
+from optax_snoo._src.schedules import (
+    muon_momentum_schedule,
+    nanogpt_cosine_schedule,
+    power_cool,
+    power_cool_scaled,
+    stable_cooldown_schedule,
+)
 from optax_snoo._src.skew_adam import (
     DEFAULT_POLICIES,
     DEFAULT_ROLE_RULES,
@@ -115,7 +120,7 @@ __all__ = [
     "kfac",
     "labels",
     "memory",
-    "modded_nanogpt",
+    "MuonGroup",
     "muon",
     "muon_momentum_schedule",
     "muon_momentum_warmup",
@@ -123,7 +128,9 @@ __all__ = [
     "normuon",
     "orthogonalize",
     "over_replicas",
+    "nanogpt_cosine_schedule",
     "power_cool",
+    "power_cool_scaled",
     "precondition_by_input_covariance",
     "qk_clip_heads",
     "qk_clip_scales",

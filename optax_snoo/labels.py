@@ -1,7 +1,9 @@
-"""Path-rule labelling of params trees for `optax.partition` (Muon/Adam split, roles)."""
+"""Path rules over params trees: `by_path` (any value per leaf), labels for `optax.partition`
+(Muon/Adam split, roles), `describe`."""
 
 from optax_snoo._src.labels import (
     MUON_ADAM_RULES,
+    by_path,
     describe,
     label_by_rules,
     muon_adam_labels,
@@ -11,6 +13,7 @@ from optax_snoo._src.labels import (
 
 __all__ = [
     "MUON_ADAM_RULES",
+    "by_path",
     "describe",
     "label_by_rules",
     "muon_adam_labels",

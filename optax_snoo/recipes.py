@@ -1,46 +1,106 @@
-"""Ready-made stacks: modded-nanogpt's GPT-2 Medium record (Snoo + Muon + Adam), Track 3's
-Muon + AdamW baseline (#36), and their schedule."""
+"""Ready-made optimizer stacks as `Recipe` objects, one registry shared by the library, the
+trainer (``python -m train --optimizer=NAME``) and the benchmarks.
 
-from optax_snoo._src.recipes import (
-    RECORD_ADAM_GROUPS,
-    RECORD_WEIGHT_DECAY_MULTIPLIERS,
-    TRACK3_ADAM_PATTERNS,
-    TRACK3_COEFFICIENTS,
-    TRACK3_NEWTON_MUON_GROUPS,
-    TRACK3_POWER_COOL_C,
-    TRACK3_RECORD_ADAM_PATTERNS,
-    TRACK3_RECORD_STEPS,
-    TRACK3_TRUST_GATE_PATTERN,
-    modded_nanogpt,
-    muloco_normuonh,
-    muonh,
-    record_weight_decay_multiplier,
-    snoo_muon,
-    stable_cooldown_schedule,
-    track3_baseline,
-    track3_newton_muon,
-    track3_record,
-    track3_soap_muon,
+``recipes.get(name)`` (or the module attribute of the same name) is a `Recipe`:
+``recipe(total_steps, **hyperparameters)`` is its transformation,
+``recipe.stack(total_steps, ...)`` a `Stack` with the learning rate a trainer logs, Snoo's
+sync period and phase, the parameter groups and the readout; ``recipe.hyperparameters``
+is the frozen table of its constants with their defaults and help. `describe` prints
+each leaf's group.
+"""
+
+from optax_snoo._src.recipes import Groups, describe
+from optax_snoo._src.recipes.base import (
+    REGISTRY,
+    Hyperparameters,
+    Recipe,
+    SnooHyperparameters,
+    Stack,
+    get,
+    hyperparameter,
+    register,
+    with_snoo,
 )
+from optax_snoo._src.recipes.gpt2_medium import (
+    RECORD_ADAM_PATTERNS,
+    RECORD_MLP_PATTERN,
+    modded_nanogpt,
+    modded_nanogpt_muon,
+)
+from optax_snoo._src.recipes.stacks import (
+    KFAC_LABEL_RULES,
+    NEWTON_MUON_SHARED_INPUTS,
+    adafactor,
+    adamw,
+    kfac_label_rules,
+    kfac_refresh_policy,
+    nanogpt_decay_mask,
+    snoo_adamw,
+    snoo_kfac,
+    snoo_muon,
+    snoo_normuon,
+    snoo_skew_adam,
+)
+from optax_snoo._src.recipes.stacks import kfac_recipe as kfac
+from optax_snoo._src.recipes.stacks import muon_recipe as muon
+from optax_snoo._src.recipes.stacks import newton_muon_recipe as newton_muon
+from optax_snoo._src.recipes.stacks import normuon_recipe as normuon
+from optax_snoo._src.recipes.stacks import skew_adam_recipe as skew_adam
+from optax_snoo._src.recipes.track3_baseline import snoo_track3_baseline, track3_baseline
+from optax_snoo._src.recipes.track3_common import (
+    TRACK3_ADAM_PATTERNS,
+    TRACK3_RECORD_ADAM_PATTERNS,
+    TRACK3_TRUST_GATE_PATTERN,
+)
+from optax_snoo._src.recipes.track3_hyperball import muloco_normuonh, muonh
+from optax_snoo._src.recipes.track3_newton_muon import (
+    TRACK3_NEWTON_MUON_PATTERNS,
+    track3_newton_muon,
+)
+from optax_snoo._src.recipes.track3_soap import track3_record, track3_soap_muon
 
 __all__ = [
-    "RECORD_ADAM_GROUPS",
-    "RECORD_WEIGHT_DECAY_MULTIPLIERS",
+    "KFAC_LABEL_RULES",
+    "NEWTON_MUON_SHARED_INPUTS",
+    "RECORD_ADAM_PATTERNS",
+    "RECORD_MLP_PATTERN",
+    "REGISTRY",
     "TRACK3_ADAM_PATTERNS",
-    "TRACK3_COEFFICIENTS",
-    "TRACK3_NEWTON_MUON_GROUPS",
-    "TRACK3_POWER_COOL_C",
+    "TRACK3_NEWTON_MUON_PATTERNS",
     "TRACK3_RECORD_ADAM_PATTERNS",
-    "TRACK3_RECORD_STEPS",
     "TRACK3_TRUST_GATE_PATTERN",
+    "Groups",
+    "Hyperparameters",
+    "Recipe",
+    "SnooHyperparameters",
+    "Stack",
+    "adafactor",
+    "adamw",
+    "describe",
+    "get",
+    "hyperparameter",
+    "kfac",
+    "kfac_label_rules",
+    "kfac_refresh_policy",
     "modded_nanogpt",
+    "modded_nanogpt_muon",
     "muloco_normuonh",
+    "muon",
     "muonh",
-    "record_weight_decay_multiplier",
+    "nanogpt_decay_mask",
+    "newton_muon",
+    "normuon",
+    "register",
+    "skew_adam",
+    "snoo_adamw",
+    "snoo_kfac",
     "snoo_muon",
-    "stable_cooldown_schedule",
+    "snoo_normuon",
+    "snoo_skew_adam",
+    "snoo_track3_baseline",
     "track3_baseline",
     "track3_newton_muon",
     "track3_record",
     "track3_soap_muon",
+    "with_snoo",
 ]

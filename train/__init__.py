@@ -32,10 +32,10 @@ if _missing := _missing_train_extra():
         name=_missing[0],
     )
 
-from train import kfac_trainer  # noqa: E402, F401  (registers "kfac" and "snoo_kfac")
+from train import kfac_trainer  # noqa: E402, F401  (registers the K-FAC and Newton-Muon hooks)
 from train.config import PRESETS, TrainConfig, get_preset, override, parse_args  # noqa: E402
 from train.loop import RunResult, run  # noqa: E402
-from train.optimizers import OPTIMIZERS, TrainOptimizer, build_optimizer, register  # noqa: E402
+from train.optimizers import OPTIMIZERS, TrainOptimizer, build_optimizer  # noqa: E402
 
 __all__ = [
     "OPTIMIZERS",
@@ -47,6 +47,5 @@ __all__ = [
     "get_preset",
     "override",
     "parse_args",
-    "register",
     "run",
 ]

@@ -2,22 +2,24 @@
 
 `TrainConfig` holds one small dataclass per group: `model` (a `models.GPTConfig`, whose
 `__post_init__` is the one validation of the model's fields; its `vocab_size` is set from
-the corpus by `train.run`), `optimizer` (the registered name, clipping, rounding), one per
-optimizer family (`adamw`, `muon`, `snoo`, `skew_adam`, `kfac`), and `schedule`, `data`,
-`run`, `mesh`, `sample`. Each group validates its own fields on construction.
+the corpus by `train.run`), `optimizer` (the recipe's name and the hyperparameters given
+for it, clipping, rounding), `data`, `run`, `mesh`, `sample`. Each group validates its own
+fields on construction.
 
-The command line keeps one flat key per field (`--n_layer`, `--muon_learning_rate`,
-`--kfac_damping`, `--snoo_k`...): `KEYS` maps each flat key to its `(group, field)`;
-`override(config, **flat)` is the same from Python. This module knows no optimizer: the
-registry (`train.optimizers`) checks `optimizer` names. `RENAMED` holds renamed flags and
+The command line keeps one flat key per field (`--n_layer`, `--max_iters`...): `KEYS`
+maps each flat key to its `(group, field)`. The optimizer's hyperparameters are the
+chosen recipe's own (`optax_snoo.recipes`, under the library's argument names:
+`--muon_learning_rate`, `--snoo_k`...): a flag that is neither a key nor a hyperparameter
+of the chosen recipe is refused in one line that lists the recipe's own.
+`override(config, **flat)` is the same from Python. `RENAMED` holds renamed flags and
 optimizer names: given, each is refused in one line naming its new name.
 
 Example:
   >>> config = parse_args(["--preset=shakespeare_char_cpu", "--max_iters=100"])
   >>> config.run.max_iters, config.model.n_layer
   (100, 4)
-  >>> override(config, muon_learning_rate=0.01, n_layer=2).muon.learning_rate
-  0.01
+  >>> override(config, muon_learning_rate=0.01, n_layer=2).optimizer.hyperparameters
+  {'muon_learning_rate': 0.01}
 
 References:
   Karpathy, "nanoGPT" (train.py, configurator.py, config/train_shakespeare_char.py),
@@ -37,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from models import GPTConfig, resolve_attention, track3_config
+from optax_snoo import recipes
 
 __all__ = [
     "CHOICES",
@@ -45,17 +48,11 @@ __all__ = [
     "KEYS",
     "PRESETS",
     "RENAMED",
-    "AdamWConfig",
     "DataConfig",
-    "KfacConfig",
     "MeshConfig",
-    "MuonConfig",
     "OptimizerConfig",
     "RunConfig",
     "SampleConfig",
-    "ScheduleConfig",
-    "SkewAdamConfig",
-    "SnooConfig",
     "TrainConfig",
     "config_from_dict",
     "config_help",
@@ -103,6 +100,8 @@ def _validate(group: Any, **ranges: Sequence[str]) -> None:
     """Types and choices of every field of `group`, then the ranges: `rule=(field, ...)`
     for each rule of `_RANGES` (a field set to `None` passes); errors name the flat key."""
     for f in dataclasses.fields(group):
+        if not f.metadata.get("flat", True):
+            continue
         value = getattr(group, f.name)
         _check_type(_key(group, f.name), _hints(type(group))[f.name], value)
         choices = f.metadata.get("choices")
@@ -118,9 +117,16 @@ def _validate(group: Any, **ranges: Sequence[str]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """Which registered optimizer (`train.optimizers.OPTIMIZERS`), and what wraps any."""
+    """Which recipe (`optax_snoo.recipes.REGISTRY`) with which hyperparameters, and what wraps
+    it."""
 
-    name: str = _field("snoo_muon", "name in train.optimizers.OPTIMIZERS", key="optimizer")
+    name: str = _field("snoo_muon", "the recipe, a name in optax_snoo.recipes.REGISTRY "
+                       "(python -m train --optimizer=NAME --help lists its hyperparameters)",
+                       key="optimizer")
+    hyperparameters: dict[str, Any] = dataclasses.field(
+        default_factory=dict, metadata={"help": "the recipe's hyperparameters given (the "
+                                        "others at its defaults)", "key": None,
+                                        "choices": None, "flat": False})
     grad_clip: float = _field(1.0, "global-norm clipping (0 = off)")
     rounding: str = _field("none", "rounding of bf16 params after each update (any "
                            "optimizer; float32 params pass through)",
@@ -139,154 +145,33 @@ class OptimizerConfig:
         if self.name in RENAMED["optimizer"]:
             raise ValueError(f"--optimizer={self.name} was renamed "
                              f"--optimizer={RENAMED['optimizer'][self.name]}")
+        if not isinstance(self.hyperparameters, Mapping):
+            raise ValueError(f"hyperparameters={self.hyperparameters!r}: expected a dict")
+        recipe = recipes.get(f"{self.name}")
+        for key in self.hyperparameters:
+            _check_hyperparameter(key, recipe)
+        table = recipe.resolve(**self.hyperparameters)
+        # One form for equal settings: a value equal to the recipe's default is not kept.
+        defaults = recipe.defaults
+        kept = {k: v for k, v in self.hyperparameters.items()
+                if getattr(defaults, k) != v or type(getattr(defaults, k)) is not type(v)}
+        object.__setattr__(self, "hyperparameters", kept)
+        object.__setattr__(self, "_table", table)
 
+    @property
+    def recipe(self) -> recipes.Recipe:
+        """The registered recipe `name`."""
+        return recipes.get(self.name)
 
-@dataclasses.dataclass(frozen=True)
-class AdamWConfig:
-    """AdamW (Loshchilov & Hutter), the `adamw` stacks and every Adam group."""
+    @property
+    def table(self) -> recipes.Hyperparameters:
+        """The recipe's hyperparameters: its defaults with the given ones in place."""
+        return self._table
 
-    learning_rate: float = _field(1e-3, "peak lr of AdamW (the Adam group of Muon and K-FAC)")
-    b1: float = _field(0.9, "Adam's first-moment decay (every Adam-like group; SkewAdam's too)")
-    b2: float = _field(0.99, "Adam's second-moment decay (every Adam-like group; SkewAdam's too)")
-    eps: float = _field(1e-8, "Adam epsilon (SkewAdam's clamp on squared statistics)")
-    weight_decay: float = _field(0.1, "AdamW weight decay on >= 2-D params (adamw stacks "
-                                 "and K-FAC's; Muon's Adam group has none; every Adam group "
-                                 "of track3_baseline)")
-    head_learning_rate: float | None = _field(None, "track3_baseline: peak lr of the AdamW "
-                                              "group of the LM head's kernel (None = "
-                                              "learning_rate, the embedding's)")
-    vector_learning_rate: float | None = _field(None, "track3_baseline: peak lr of the AdamW "
-                                                "group of every bias and norm gain (None = "
-                                                "learning_rate)")
-
-    def __post_init__(self):
-        _validate(self, positive_float=("learning_rate", "eps", "head_learning_rate",
-                                        "vector_learning_rate"),
-                  unit_interval=("b1", "b2"), non_negative_float=("weight_decay",))
-
-
-@dataclasses.dataclass(frozen=True)
-class MuonConfig:
-    """Muon on hidden matrices (Jordan et al. 2024)."""
-
-    learning_rate: float = _field(0.02, "peak lr of the Muon group", key="muon_learning_rate")
-    beta: float = _field(0.95, "Muon momentum", key="muon_beta")
-    beta_warmup: int = _field(300, "steps warming Muon's momentum up from 0.85 (0 = "
-                              "constant)", key="muon_beta_warmup")
-    weight_decay: float = _field(0.0, "Muon decoupled weight decay", key="muon_weight_decay")
-    smoothing: float | None = _field(None, "Muon update smoothing sigma (modded-nanogpt "
-                                     "PR #137, EMA form; None = off)", key="muon_smoothing")
-    beta2: float = _field(0.95, "NorMuon's per-neuron second-moment decay (normuon stacks)",
-                          key="muon_beta2")
-    cautious: bool | None = _field(None, "decay only where the update and the weight agree "
-                                   "in sign (Muon and Adam groups; None = on for the normuon "
-                                   "stacks, as modded-nanogpt's record, off for muon)",
-                                   key="cautious_weight_decay")
-    newton_interval: int = _field(64, "newton_muon: steps between refreshes of the input-"
-                                  "covariance inverses (Track 3 record #15: 64)",
-                                  key="newton_muon_interval")
-    newton_ema_decay: float = _field(0.95, "newton_muon: input-covariance EMA decay per "
-                                     "refresh", key="newton_muon_ema_decay")
-    newton_damping: float = _field(0.2, "newton_muon: damping as a fraction of the mean "
-                                   "eigenvalue", key="newton_muon_damping")
-
-    def __post_init__(self):
-        _validate(self, positive_float=("learning_rate",),
-                  unit_interval=("beta", "smoothing", "beta2", "newton_ema_decay"),
-                  non_negative_float=("weight_decay", "newton_damping"),
-                  non_negative=("beta_warmup",), positive=("newton_interval",))
-
-
-@dataclasses.dataclass(frozen=True)
-class SnooConfig:
-    """Snoo, the Step-K Nesterov Outer Optimizer (modded-nanogpt PR #128)."""
-
-    learning_rate: float = _field(0.68, "Snoo outer learning rate", key="snoo_learning_rate")
-    momentum: float = _field(0.37, "Snoo outer Nesterov momentum", key="snoo_momentum")
-    k: int = _field(28, "Snoo sync period in steps", key="snoo_k")
-
-    def __post_init__(self):
-        _validate(self, positive_float=("learning_rate",), unit_interval=("momentum",),
-                  positive=("k",))
-
-
-@dataclasses.dataclass(frozen=True)
-class SkewAdamConfig:
-    """SkewAdam (and the Adafactor baseline, which shares its lr and decay)."""
-
-    learning_rate: float = _field(1e-3, "peak lr of SkewAdam and Adafactor (the paper's 3e-4 "
-                                  "is for its 6.8B model; 1e-3 is AdamW's lr for the CPU "
-                                  "presets)", key="skew_learning_rate")
-    weight_decay: float = _field(0.05, "SkewAdam decoupled weight decay (backbone and "
-                                 "experts; never the router)", key="skew_weight_decay")
-    clip: float = _field(1.0, "SkewAdam per-tensor RMS clip (0 = off)", key="skew_clip")
-    policies: str = _field("skew_adam", "SkewAdam per-role state table", key="skew_policies",
-                           choices=("skew_adam", "expert_momentum", "factored_router",
-                                    "uniform"))
-
-    def __post_init__(self):
-        _validate(self, positive_float=("learning_rate",),
-                  non_negative_float=("weight_decay", "clip"))
-
-
-@dataclasses.dataclass(frozen=True)
-class KfacConfig:
-    """K-FAC on hidden Dense kernels (+ biases); AdamW on the rest."""
-
-    learning_rate: float | None = _field(None, "peak lr of the K-FAC group (None = "
-                                         "learning_rate)", key="kfac_learning_rate")
-    damping: float = _field(1e-3, "K-FAC damping lambda", key="kfac_damping")
-    ema_decay: float = _field(0.95, "K-FAC factor EMA decay rho", key="kfac_ema_decay")
-    momentum: float = _field(0.9, "K-FAC group heavy-ball momentum", key="kfac_momentum")
-    mode: str = _field("pi", "K-FAC damping: factored (pi) or exact (eigen)", key="kfac_mode",
-                       choices=("pi", "eigen"))
-    graft: str = _field("adam", "per-layer update norm of the K-FAC group", key="kfac_graft",
-                        choices=("adam", "sgd", "none"))
-    refresh: str = _field("every", "K-FAC inverse refresh policy", key="kfac_refresh",
-                          choices=("every", "by_lr_phase", "lr_ratio"))
-    interval: int = _field(100, "every: steps between refreshes; lr_ratio: the max interval",
-                           key="kfac_interval")
-    first: int | None = _field(None, "every: first refresh step (None = kfac_interval)",
-                               key="kfac_first")
-    phases: str = _field("none,150,300,600", "by_lr_phase: intervals for warmup,peak,decay,"
-                         "tail (an int, none or once)", key="kfac_phases")
-    tau: float = _field(0.15, "lr_ratio: relative lr change that refreshes", key="kfac_tau")
-    min_interval: int = _field(10, "lr_ratio: fewest steps between refreshes",
-                               key="kfac_min_interval")
-    skip_warmup: bool = _field(False, "lr_ratio: no refresh in the warmup",
-                               key="kfac_skip_warmup")
-    warm_start: int = _field(0, "batches estimating the factors before step 0 (0 = none)",
-                             key="kfac_warm_start")
-    stats_stride: int = _field(1, "factors from every n-th position of each sequence "
-                               "(rotating; 1 = all tokens)", key="kfac_stats_stride")
-    stats_every: int = _field(1, "factor statistics every n-th step only (their EMA decay "
-                              "ema_decay^n)", key="kfac_stats_every")
-    experts: bool = _field(False, "K-FAC also on the MoE expert stacks (per-expert "
-                           "factors); else AdamW", key="kfac_experts")
-
-    def __post_init__(self):
-        _validate(self, positive_float=("learning_rate", "tau"),
-                  non_negative_float=("damping",), unit_interval=("ema_decay", "momentum"),
-                  positive=("interval", "min_interval", "stats_stride", "stats_every"),
-                  non_negative=("first", "warm_start"))
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleConfig:
-    """The learning-rate schedule every group's peak follows."""
-
-    kind: str = _field("cosine", "learning-rate schedule", key="schedule",
-                       choices=("cosine", "stable_cooldown"))
-    warmup_iters: int = _field(100, "linear warmup steps (cosine)")
-    lr_decay_iters: int | None = _field(None, "cosine end step (None = max_iters)")
-    min_lr: float = _field(1e-4, "cosine final lr (scaled for the other groups' peaks)")
-    cooldown_frac: float = _field(0.7, "stable_cooldown: fraction spent decaying")
-    final_lr_scale: float = _field(0.0, "stable_cooldown: final lr multiplier")
-
-    def __post_init__(self):
-        _validate(self, non_negative=("warmup_iters", "lr_decay_iters"),
-                  non_negative_float=("min_lr",), positive_fraction=("cooldown_frac",),
-                  fraction=("final_lr_scale",))
+    def resolved(self) -> dict[str, Any]:
+        """Every hyperparameter the recipe reads, with its value: what `config.json` and a
+        checkpoint's compatibility check record."""
+        return self._table.read()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,12 +302,6 @@ class TrainConfig:
 
     model: GPTConfig = dataclasses.field(default_factory=GPTConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    adamw: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
-    muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)
-    snoo: SnooConfig = dataclasses.field(default_factory=SnooConfig)
-    skew_adam: SkewAdamConfig = dataclasses.field(default_factory=SkewAdamConfig)
-    kfac: KfacConfig = dataclasses.field(default_factory=KfacConfig)
-    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -433,16 +312,10 @@ class TrainConfig:
             if not isinstance(getattr(self, f.name), _GROUP_TYPES[f.name]):
                 raise ValueError(f"TrainConfig.{f.name}: expected a {_GROUP_TYPES[f.name].__name__}"
                                  f", got {getattr(self, f.name)!r}")
-        min_lr, peak = self.schedule.min_lr, self.adamw.learning_rate
-        if self.schedule.kind == "cosine" and min_lr > peak:  # the cosine would climb
-            raise ValueError(f"min_lr={min_lr!r}: expected at most learning_rate={peak!r} "
-                             "(the cosine decays from learning_rate to min_lr)")
 
 
 _GROUP_TYPES: dict[str, type] = _hints(TrainConfig)  # group -> its dataclass
 GROUPS: tuple[str, ...] = tuple(_GROUP_TYPES)
-#: The optimizer families: a checkpoint's config must match in these and `optimizer`.
-OPTIMIZER_GROUPS = ("optimizer", "adamw", "muon", "snoo", "skew_adam", "kfac")
 #: Keys that choose how a step is computed, not what: a checkpoint resumes with any value.
 COMPUTE_KEYS = ("attention",)
 
@@ -453,11 +326,13 @@ def _keys() -> dict[str, tuple[str, str]]:
         for f in dataclasses.fields(cls):
             if group == "model" and f.name == "vocab_size":
                 continue  # from the corpus
-            keys[f.metadata.get("key") or f.name] = (group, f.name)
+            if f.metadata.get("flat", True):
+                keys[f.metadata.get("key") or f.name] = (group, f.name)
     return keys
 
 
-#: Every flat key -> `(group, field)`: `--muon_learning_rate` is `config.muon.learning_rate`.
+#: Every flat key of the trainer -> `(group, field)`: `--max_iters` is
+#: `config.run.max_iters` (the optimizer's hyperparameters are the recipe's, not here).
 KEYS: dict[str, tuple[str, str]] = _keys()
 
 
@@ -480,11 +355,45 @@ CHOICES: dict[str, tuple[str, ...]] = _choices()
 #: line naming its new name (`--muon_lr was renamed --muon_learning_rate`).
 RENAMED: dict[str, dict[str, str]] = {
     "key": {"muon_lr": "muon_learning_rate", "snoo_lr": "snoo_learning_rate",
-            "skew_lr": "skew_learning_rate", "kfac_lr": "kfac_learning_rate",
+            "skew_lr": "learning_rate", "kfac_lr": "kfac_learning_rate",
             "kfac_ema": "kfac_ema_decay", "sample_tokens": "sample_max_new_tokens",
-            "temperature": "sample_temperature", "beta1": "b1", "beta2": "b2"},
+            "temperature": "sample_temperature", "beta1": "b1", "beta2": "b2",
+            # The optimizer families became the recipes' own hyperparameters (glossary:
+            # docs/design.md): one name per concept, the library's.
+            "muon_beta": "muon_momentum", "muon_beta_warmup": "muon_momentum_warmup_steps",
+            "newton_muon_interval": "newton_refresh_every",
+            "newton_muon_ema_decay": "newton_ema_decay",
+            "newton_muon_damping": "newton_damping", "skew_learning_rate": "learning_rate",
+            "skew_weight_decay": "weight_decay", "skew_clip": "clip_threshold",
+            "skew_policies": "policies", "min_lr": "final_lr_scale"},
     "optimizer": {"skewadam": "skew_adam", "snoo_skewadam": "snoo_skew_adam"},
 }
+
+
+def _check_hyperparameter(key: str, recipe: recipes.Recipe) -> None:
+    """Refuse, in one line, a key that is not a hyperparameter of `recipe`: with its new
+    name if renamed, close matches, the recipe's own, and the recipes that read it."""
+    names = recipe.hyperparameters.names()
+    if key in names:
+        return
+    hints = []
+    if key in RENAMED["key"]:
+        hints.append(f"--{key} was renamed --{RENAMED['key'][key]}")
+    close = [n for n in names if n.endswith("_" + key)] or difflib.get_close_matches(
+        key, [*names, *KEYS], n=3)
+    if close:
+        hints.append(f"did you mean {', '.join('--' + c for c in close)}?")
+    readers = sorted(name for name, r in recipes.REGISTRY.items()
+                     if key in r.hyperparameters.names())
+    if readers:
+        hints.append(f"--{key} is read by {', '.join(readers)}")
+        hint = f" ({'; '.join(hints)})"
+        raise ValueError(f"--{key} is not read by --optimizer={recipe.name}{hint}; its "
+                         f"hyperparameters are {', '.join(names)} (python -m train "
+                         f"--optimizer={recipe.name} --help)")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    raise ValueError(f"unknown key --{key}{hint}: neither the trainer's (python -m train "
+                     f"--help) nor a hyperparameter of --optimizer={recipe.name}")
 
 
 #: modded-nanogpt Track 3's baseline recipe (#36, records/track_3_optimization/
@@ -498,11 +407,8 @@ RENAMED: dict[str, dict[str, str]] = {
 #: (`models.track3_config`: RMSNorm, half-truncated RoPE, QK-norm, ReLU², biases, soft-cap,
 #: its init, bf16 embedding and residual stream), added below.
 _TRACK3_RECIPE: dict[str, Any] = dict(
-    optimizer="track3_baseline", muon_learning_rate=0.025, muon_weight_decay=0.05,
-    muon_beta=0.95, muon_beta_warmup=0, learning_rate=0.7, head_learning_rate=0.004,
-    vector_learning_rate=0.015, b1=0.8, b2=0.95, eps=1e-10, weight_decay=0.001,
-    schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0, grad_clip=0.0,
-    loss_reduction="sum", data_order="sequential", eval_tail_frac=0.1, num_samples=0)
+    optimizer="track3_baseline", grad_clip=0.0, loss_reduction="sum",
+    data_order="sequential", eval_tail_frac=0.1, num_samples=0)
 
 
 def _track3_network() -> dict[str, Any]:
@@ -535,7 +441,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GPT-2 small's shape (12 x 768, T = 1024) for one GPU; char vocabulary, so ~85M params.
     "gpt2_small": dict(
         n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=32, grad_accum=1,
-        dropout=0.0, learning_rate=6e-4, min_lr=6e-5, b2=0.95,
+        dropout=0.0, adam_learning_rate=6e-4, final_lr_scale=0.1, adam_b2=0.95,
         warmup_iters=200, max_iters=5000, lr_decay_iters=5000, eval_interval=500,
         eval_iters=50, checkpoint_every=1000, vocab_multiple=64, out_dir="out/gpt2_small"),
     # nanoGPT's config/train_gpt2.py: GPT-2 (124M) on OpenWebText's GPT-2 tokens (nanoGPT's
@@ -544,8 +450,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # devices keep the product, e.g. --batch_size=96 --grad_accum=5 on 8.
     "gpt2_owt": dict(
         n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=False, dropout=0.0,
-        batch_size=12, grad_accum=40, optimizer="adamw", learning_rate=6e-4, min_lr=6e-5,
-        b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_iters=2000,
+        batch_size=12, grad_accum=40, optimizer="adamw", learning_rate=6e-4,
+        final_lr_scale=0.1, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_iters=2000,
         max_iters=600000, lr_decay_iters=600000, eval_interval=1000, eval_iters=200,
         log_interval=10, checkpoint_every=1000, vocab_multiple=64,
         data="data/openwebtext", out_dir="out/gpt2_owt", sample_start="\n"),
@@ -560,8 +466,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2_medium_fineweb": dict(
         n_layer=24, n_head=16, n_embd=1024, block_size=1024, bias=False, dropout=0.0,
         batch_size=64, grad_accum=8, optimizer="snoo_muon", muon_learning_rate=0.027,
-        muon_weight_decay=0.01, learning_rate=3e-3, b1=0.8, b2=0.95, eps=1e-10,
-        weight_decay=0.0, schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0,
+        muon_weight_decay=0.01, adam_learning_rate=3e-3, adam_b1=0.8, adam_b2=0.95,
+        adam_eps=1e-10, schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0,
         max_iters=5640, eval_interval=250, eval_iters=160, log_interval=10,
         checkpoint_every=500, vocab_multiple=128, data="data/fineweb10B",
         out_dir="out/gpt2_medium_fineweb"),
@@ -592,22 +498,54 @@ PRESETS: dict[str, dict[str, Any]] = {
 def override(config: TrainConfig, **values: Any) -> TrainConfig:
     """`config` with flat keys replaced: `override(config, max_iters=100, n_layer=2)`.
 
-    Every changed group is rebuilt, so its validation runs (the model's is
-    `models.GPTConfig`'s).
+    A key that is not the trainer's (`KEYS`) is a hyperparameter of the recipe
+    `config` ends up with (its `optimizer`, or the one given here). A new `optimizer`
+    starts from its recipe's defaults; of the hyperparameters `config` was given (by its
+    preset), it keeps those the new recipe also has and reads. Every changed group is
+    rebuilt, so its validation runs (the model's is `models.GPTConfig`'s, the
+    hyperparameters' the recipe's).
 
     Raises:
-      ValueError: an unknown key (with close matches), a wrong type or a bad value.
+      ValueError: an unknown key (with close matches; for a hyperparameter, the recipe's
+        own), a wrong type or a bad value.
     """
     by_group: dict[str, dict[str, Any]] = {}
+    given: dict[str, Any] = {}
     for key, value in values.items():
-        _check_known(key)
+        if key in RENAMED["key"] and key not in KEYS:
+            raise ValueError(f"--{key} was renamed --{RENAMED['key'][key]}")
+        if key not in KEYS:
+            given[key] = value
+            continue
         group, name = KEYS[key]
         if group == "model":  # GPTConfig validates values, not every type
             _check_type(key, _hints(GPTConfig)[name], value)
         by_group.setdefault(group, {})[name] = value
+    name = by_group.get("optimizer", {}).get("name", config.optimizer.name)
+    if name in RENAMED["optimizer"]:
+        raise ValueError(f"--optimizer={name} was renamed --optimizer={RENAMED['optimizer'][name]}")
+    recipe = recipes.get(name)
+    kept = dict(config.optimizer.hyperparameters)
+    if name != config.optimizer.name:
+        kept = _carried(kept, recipe)
+    for key, value in given.items():
+        _check_hyperparameter(key, recipe)
+        _check_type(key, _hints(recipe.hyperparameters)[key], value)
+    if given or name != config.optimizer.name:
+        by_group.setdefault("optimizer", {})["hyperparameters"] = {**kept, **given}
     return dataclasses.replace(config, **{
         group: dataclasses.replace(getattr(config, group), **fields)
         for group, fields in by_group.items()})
+
+
+def _carried(values: Mapping[str, Any], recipe: recipes.Recipe) -> dict[str, Any]:
+    """Of a preset's hyperparameters, those ``recipe`` has and reads with them."""
+    kept = {k: v for k, v in values.items() if k in recipe.hyperparameters.names()}
+    try:
+        table = recipe.hyperparameters(**kept)
+    except ValueError:
+        return {}
+    return {k: v for k, v in kept.items() if k in table.read()}
 
 
 def get_preset(name: str) -> TrainConfig:
@@ -627,14 +565,13 @@ def group_fields(group: str) -> tuple[str, ...]:
     """The flat keys a checkpoint's config must match in, for `group`.
 
     `"model"`: the GPT's keys plus `vocab_multiple` (it sets the padded vocabulary);
-    `"optimizer"`: the optimizer's name, clipping and rounding plus every optimizer family
-    (`OPTIMIZER_GROUPS`); any other group of `GROUPS`: its own keys. Never the
-    `COMPUTE_KEYS` (`attention`).
+    `"optimizer"`: the recipe's name, clipping, rounding and loss reduction (its
+    hyperparameters are compared by `train.checkpoint.check_compatible` as well); any
+    other group of `GROUPS`: its own keys. Never the `COMPUTE_KEYS` (`attention`).
     """
     if group not in GROUPS:
         raise ValueError(f"unknown group {group!r}; expected one of {GROUPS}")
-    groups = OPTIMIZER_GROUPS if group == "optimizer" else (group,)
-    keys = tuple(key for key, (g, _) in KEYS.items() if g in groups and key not in COMPUTE_KEYS)
+    keys = tuple(key for key, (g, _) in KEYS.items() if g == group and key not in COMPUTE_KEYS)
     return (*keys, "vocab_multiple") if group == "model" else keys
 
 
@@ -668,18 +605,33 @@ def model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:
-    """A JSON-ready nested dict, `{group: {field: value}}`."""
-    return dataclasses.asdict(config)
+    """A JSON-ready nested dict, `{group: {field: value}}`; `"recipe"` holds every
+    hyperparameter the recipe reads with its value (`OptimizerConfig.resolved`), beside
+    the given ones in `optimizer.hyperparameters`."""
+    out = dataclasses.asdict(config)
+    out["recipe"] = config.optimizer.resolved()
+    return out
+
+
+def hyperparameter_keys(values: Mapping[str, Any]) -> list[str]:
+    """The keys of a flat dict that are a recipe's hyperparameters (not `KEYS`)."""
+    return [k for k in values if k not in KEYS]
 
 
 def flat_dict(config: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Every flat key with its value, from a config or a dict of `config_to_dict` (a flat
-    dict passes through): what `train.checkpoint.check_compatible` compares."""
+    dict passes through): the trainer's keys and every hyperparameter the recipe reads
+    (resolved from the name and the given ones), what
+    `train.checkpoint.check_compatible` compares."""
     config = config_to_dict(config) if isinstance(config, TrainConfig) else dict(config)
     if not any(isinstance(v, Mapping) for v in config.values()):
         return dict(config)
-    return {key: config[group][name] for key, (group, name) in KEYS.items()
+    flat = {key: config[group][name] for key, (group, name) in KEYS.items()
             if name in config.get(group, {})}
+    optimizer = config.get("optimizer", {})
+    name = optimizer.get("name", OptimizerConfig().name)
+    flat.update(recipes.get(name).resolve(**optimizer.get("hyperparameters", {})).read())
+    return flat
 
 
 def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
@@ -689,6 +641,8 @@ def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
         return override(TrainConfig(), **values)
     groups = {}
     for group, fields in values.items():
+        if group == "recipe":  # the resolved hyperparameters: what the given ones imply
+            continue
         if group not in _GROUP_TYPES:
             raise ValueError(f"unknown config group {group!r}; expected one of {GROUPS}")
         cls = _GROUP_TYPES[group]
@@ -714,15 +668,6 @@ def _type_name(tp: Any) -> str:
     return "None" if tp is type(None) else tp.__name__
 
 
-def _check_known(key: str) -> None:
-    if key in RENAMED["key"]:
-        raise ValueError(f"--{key} was renamed --{RENAMED['key'][key]}")
-    if key not in KEYS:
-        close = difflib.get_close_matches(key, KEYS, n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown config key {key!r}{hint} (see --help for all keys)")
-
-
 def _check_type(key: str, tp: Any, value: Any) -> None:
     allowed = typing.get_args(tp) if typing.get_origin(tp) in (
         typing.Union, types.UnionType) else (tp,)
@@ -738,8 +683,8 @@ def _check_type(key: str, tp: Any, value: Any) -> None:
     raise ValueError(f"{key}={value!r}: expected {_type_name(tp)}")
 
 
-def _parse_value(key: str, text: str) -> Any:
-    tp = _key_type(key)
+def _parse_value(key: str, text: str, tp: Any = None) -> Any:
+    tp = _key_type(key) if tp is None else tp
     allowed = typing.get_args(tp) if typing.get_origin(tp) in (
         typing.Union, types.UnionType) else (tp,)
     if type(None) in allowed and text.lower() in ("none", "null"):
@@ -774,14 +719,16 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     """Build a config from `--preset=NAME` and flat `--key=value` (or `--key value`).
 
     The preset (default `shakespeare_char_cpu`) applies first, whatever its position; a
-    bare `--flag` sets a bool key to true. Values are type-checked against the field.
-    (The optimizer's name is checked by `train.optimizers.get_builder`.)
+    bare `--flag` sets a bool key to true. Values are type-checked against the field; a
+    key that is not the trainer's is a hyperparameter of the chosen recipe
+    (`--optimizer`, else the preset's), typed and checked by it.
 
     Raises:
-      ValueError: naming the key for an unknown key (with close matches), a value of the
-        wrong type or out of range, or an unknown preset.
+      ValueError: naming the key for an unknown key (with close matches; for a
+        hyperparameter, the recipe's own), a value of the wrong type or out of range, or
+        an unknown preset or recipe.
     """
-    preset, overrides, args = "shakespeare_char_cpu", {}, list(argv)
+    preset, pairs, args = "shakespeare_char_cpu", [], list(argv)
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
@@ -789,37 +736,69 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
         key, eq, text = arg[2:].partition("=")
         key = key.replace("-", "_")
         if not eq:
-            is_flag = key in KEYS and _key_type(key) is bool and (
-                not args or args[0].startswith("--"))
-            if is_flag:
-                text = "true"
-            elif args and not args[0].startswith("--"):
+            if args and not args[0].startswith("--"):
                 text = args.pop(0)
             else:
-                if key != "preset":
-                    _check_known(key)
-                raise ValueError(f"--{key} needs a value (--{key}=VALUE)")
+                text = None  # a bare flag: true for a bool key
         if key == "preset":
+            if text is None:
+                raise ValueError("--preset needs a value (--preset=NAME)")
             preset = text
             continue
-        _check_known(key)
-        overrides[key] = _parse_value(key, text)
-    return override(get_preset(preset), **overrides)
+        pairs.append((key, text))
+    base = get_preset(preset)
+    names = [text for key, text in pairs if key == "optimizer"]
+    if names and names[-1] is None:
+        raise ValueError("--optimizer needs a value (--optimizer=NAME)")
+    name = names[-1] if names else base.optimizer.name
+    if name in RENAMED["optimizer"]:
+        raise ValueError(f"--optimizer={name} was renamed --optimizer={RENAMED['optimizer'][name]}")
+    recipe = recipes.get(name)
+    overrides = {}
+    for key, text in pairs:
+        if key in KEYS:
+            tp = _key_type(key)
+        elif key in RENAMED["key"] and key not in recipe.hyperparameters.names():
+            raise ValueError(f"--{key} was renamed --{RENAMED['key'][key]}")
+        else:
+            _check_hyperparameter(key, recipe)
+            tp = _hints(recipe.hyperparameters)[key]
+        if text is None:
+            if tp is not bool:
+                raise ValueError(f"--{key} needs a value (--{key}=VALUE)")
+            text = "true"
+        overrides[key] = _parse_value(key, text, tp)
+    return override(base, **overrides)
+
+
+def recipe_help(config: TrainConfig) -> str:
+    """The `--help` section of the chosen recipe: each hyperparameter with its type, its
+    value in `config` and its help."""
+    recipe, values = config.optimizer.recipe, config.optimizer.table
+    lines = [f"--optimizer={recipe.name}: {recipe.summary}", f"{recipe.name}'s hyperparameters "
+             "(flags of this recipe only; each recipe has its own):"]
+    for name, tp, _, help_ in recipe.hyperparameters.describe():
+        value = getattr(values, name)
+        shown = "None" if value is None else json.dumps(value)
+        lines.append(f"  --{name:<28} {tp:<12} default {shown:<22} {help_}")
+    return "\n".join(lines)
 
 
 def config_help(config: TrainConfig | None = None, optimizers: Sequence[str] = ()) -> str:
-    """The `--help` text: every flat key with its type and (preset) default, by group.
+    """The `--help` text: every flat key with its type and (preset) default, by group,
+    then the chosen recipe's hyperparameters.
 
     Args:
       config: whose values are shown as defaults (default `TrainConfig()`).
-      optimizers: the registered names to list (`train.optimizers.OPTIMIZERS`).
+      optimizers: the recipe names to list (`optax_snoo.recipes.REGISTRY`).
     """
     config = config or TrainConfig()
     values = flat_dict(config)
-    lines = ["usage: python -m train [--preset=NAME] [--key=value ...]", "",
-             f"presets: {', '.join(PRESETS)} (default shakespeare_char_cpu)"]
+    lines = ["usage: python -m train [--preset=NAME] [--optimizer=NAME] [--key=value ...]",
+             "", f"presets: {', '.join(PRESETS)} (default shakespeare_char_cpu)"]
     if optimizers:
-        lines.append(f"optimizers: {', '.join(optimizers)}")
+        lines.append(f"optimizers (recipes; --optimizer=NAME --help lists NAME's "
+                     f"hyperparameters): {', '.join(optimizers)}")
     for group, cls in _GROUP_TYPES.items():
         lines += ["", f"{group}:" + (f" {cls.__doc__.splitlines()[0]}" if group != "model"
                                       else " models.GPTConfig")]
@@ -829,4 +808,4 @@ def config_help(config: TrainConfig | None = None, optimizers: Sequence[str] = (
             default = "None" if value is None else json.dumps(value)
             lines.append(f"  --{key:<18} {_type_name(_key_type(key)):<12} "
                          f"default {default:<14} {_metadata(key)['help']}{shown}")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", recipe_help(config)])

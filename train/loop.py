@@ -72,8 +72,7 @@ from train.optimizers import (
     Monitor,
     TrainOptimizer,
     build_optimizer,
-    get_builder,
-    learning_rate_schedule,
+    check_optimizer,
 )
 from train.sharding import (
     batch_sharding,
@@ -156,27 +155,27 @@ def step_actions(step: int, *, start: int, run: RunConfig,
 
 
 def schedule_end(config: TrainConfig) -> int:
-    """The step where `config`'s learning-rate schedule reaches its final value."""
-    s = config.schedule
-    if s.kind == "cosine" and s.lr_decay_iters is not None:
-        return s.lr_decay_iters
-    return config.run.max_iters
+    """The step where `config`'s learning-rate schedule reaches its final value (a
+    cosine's ``lr_decay_iters`` when set, else ``max_iters``)."""
+    decay = config.optimizer.resolved().get("lr_decay_iters")
+    return config.run.max_iters if decay is None else decay
 
 
 def schedule_change(saved: TrainConfig, config: TrainConfig, step: int) -> str | None:
     """A one-line warning when resuming at `step` moves the schedule's end (a new
-    `--max_iters` stretches or shrinks it), with the learning rate's jump; else None."""
+    `--max_iters` stretches or shrinks it, and every step constant of a record's recipe
+    with it), with the logged learning rate's jump; else None."""
     old, new = schedule_end(saved), schedule_end(config)
     if old == new:
         return None
-    lr_old = float(learning_rate_schedule(saved)(step))
-    lr_new = float(learning_rate_schedule(config)(step))
+    lr_old = float(build_optimizer(saved).learning_rate(step))
+    lr_new = float(build_optimizer(config).learning_rate(step))
     keep = (f"; to keep the first run's end pass --lr_decay_iters={old}"
-            if config.schedule.kind == "cosine" else "")
+            if "lr_decay_iters" in config.optimizer.resolved() else "")
     return (f"warning: resuming at step {step} with --max_iters={config.run.max_iters} (the "
-            f"checkpoint's run had {saved.run.max_iters}): the {config.schedule.kind} "
-            f"learning-rate schedule now ends at step {new}, not {old}, so the lr at step "
-            f"{step} goes from {lr_old:.4g} to {lr_new:.4g} (AdamW's; every group alike){keep}")
+            f"checkpoint's run had {saved.run.max_iters}): --optimizer="
+            f"{config.optimizer.name}'s schedules now end at step {new}, not {old}, so the "
+            f"logged lr at step {step} goes from {lr_old:.4g} to {lr_new:.4g}{keep}")
 
 
 # ---------------------------------------------------------------- the run
@@ -233,7 +232,7 @@ def run(config: TrainConfig) -> RunResult:
 def _setup(config: TrainConfig, stack: contextlib.ExitStack) -> _Run:
     """Check everything that can be checked before any work, then build the run; each
     thing that must be closed is entered on `stack`."""
-    get_builder(config.optimizer.name)  # an unknown optimizer: the first thing said
+    check_optimizer(config)  # a run too short for its recipe: the first thing said
     check_trackers(config.run)  # tensorboardX / wandb installed, if asked for
     mesh = make_mesh(config)
     out = Path(config.run.out_dir)

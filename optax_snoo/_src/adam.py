@@ -139,6 +139,10 @@ class AdamGroup(NamedTuple):
       nesterov: Nesterov momentum in this group.
       name: the group's label in the partition (its key in the optimizer state);
         ``None``: ``"adam"`` for the only group, else ``"adam_<index>"``.
+      claim: the group takes every leaf its pattern matches, also one the labels give to
+        Muon (an embedding or head the default labels do not recognise by name).
+      required: a group that matches no leaf is an error at init (the recipes' embedding
+        and head: a model that names them otherwise would train them with Muon).
 
     Example:
       >>> from optax_snoo import AdamGroup
@@ -157,6 +161,8 @@ class AdamGroup(NamedTuple):
     bias_correction: bool = True
     nesterov: bool = False
     name: str | None = None
+    claim: bool = False
+    required: bool = False
 
 
 def adam_group(group: AdamGroup, *, cautious_weight_decay: bool = False

@@ -24,7 +24,9 @@ Rule = tuple[str | re.Pattern, Label]
 
 __all__ = [
     "MUON_ADAM_RULES",
+    "by_path",
     "describe",
+    "PathRules",
     "label_by_rules",
     "muon_adam_labels",
     "partition",
@@ -49,9 +51,94 @@ MUON_ADAM_RULES: tuple[Rule, ...] = (
 )
 
 
+_REQUIRED = object()
+
+
+def _compiled(rules: Sequence[tuple[Any, Any]], what: str, value: str = "value"
+              ) -> list[tuple[re.Pattern, Any]]:
+    compiled = []
+    for rule in rules:
+        if not (isinstance(rule, tuple | list) and len(rule) == 2):
+            raise ValueError(f"each {what} must be a (pattern, {value}) pair, got {rule!r}")
+        pattern, value = rule
+        if not isinstance(pattern, str | re.Pattern):
+            raise ValueError(f"{what} {rule!r}: pattern must be a regex string or an "
+                             f"re.Pattern, got {type(pattern).__name__}")
+        try:
+            compiled.append((re.compile(pattern), value))
+        except re.error as err:
+            raise ValueError(f"{what} pattern {pattern!r} is not a valid regex: {err}") from None
+    return compiled
+
+
+def by_path(rules: Sequence[tuple[str | re.Pattern, Any]], *, default: Any = _REQUIRED,
+            what: str = "rule") -> Callable[[Any], Any]:
+    """A function giving each leaf of a tree the value of the first rule its path matches.
+
+    The library's one path rule: labels for `optax.partition` (`label_by_rules`), per-group
+    learning rates and decays (`optax_snoo.AdamGroup`, `optax_snoo.MuonGroup`), masks (the
+    tail EMA's, the trust gate's) all come from it. `optax.MaskedNode` leaves (the leaves
+    of other groups inside a partition) stay `optax.MaskedNode`.
+
+    Args:
+      rules: ordered ``(pattern, value)`` pairs; ``pattern`` is a regular expression (a
+        string or a compiled `re.Pattern`) searched (`re.search`) in the leaf's path
+        (`path_to_str`: ``"blocks/0/attn/c_q/kernel"``); ``value`` is any object, given to
+        the leaf as it is. The first match wins.
+      default: the value of a leaf no rule matches, or a callable of such a leaf giving
+        it; omitted: such a leaf is an error naming its path and the patterns.
+      what: what a rule is called in error messages (``"Adam group"``...).
+
+    Returns:
+      A `PathRules`: ``rules(tree)`` is a tree of values with the structure of ``tree``;
+      ``rules.value("blocks/0/mlp/c_fc/kernel")`` the value of one path.
+
+    Raises:
+      ValueError: at construction, a rule that is not a ``(pattern, value)`` pair or an
+        invalid regex; when called, a leaf that matches no rule (without ``default``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo.labels import by_path
+      >>> decay = by_path([(r"(^|/)mlp(/|$)", 2.0)], default=1.0)
+      >>> decay({"mlp": {"w": jnp.ones((2, 2))}, "attn": {"w": jnp.ones((2, 2))}})
+      {'attn': {'w': 1.0}, 'mlp': {'w': 2.0}}
+      >>> decay.value("blocks/0/mlp/c_fc/kernel")
+      2.0
+    """
+    return PathRules(_compiled(rules, what), default, what)
+
+
+class PathRules:
+    """The function `by_path` returns: ``rules(tree)`` maps a tree, ``rules.value(path)``
+    gives one path string's value (a callable ``default`` then gets ``leaf``)."""
+
+    def __init__(self, compiled: list[tuple[re.Pattern, Any]], default: Any, what: str):
+        self._compiled, self._default, self._what = compiled, default, what
+
+    def value(self, name: str, leaf: Any = None) -> Any:
+        """The value of the leaf at path ``name`` (``"blocks/0/attn/c_q/kernel"``)."""
+        for regex, value in self._compiled:
+            if regex.search(name):
+                return value
+        if self._default is _REQUIRED:
+            raise ValueError(f"parameter {name!r} matches no {self._what} "
+                             f"{[r.pattern for r, _ in self._compiled]}")
+        return self._default(leaf) if callable(self._default) else self._default
+
+    def __call__(self, tree: Any) -> Any:
+        masked = lambda x: isinstance(x, optax.MaskedNode)
+        return jax.tree.map_with_path(
+            lambda path, leaf: leaf if masked(leaf) else self.value(path_to_str(path), leaf),
+            tree, is_leaf=masked)
+
+
 def label_by_rules(rules: Sequence[Rule], *, default: str | None = None
                    ) -> Callable[[Any], Any]:
     """Build a labelling function for `optax.partition` from ordered path rules.
+
+    `by_path` with string labels: a rule's label may also be a callable of the leaf (its
+    shape is what matters) returning the string.
 
     Args:
       rules: `(pattern, label)` pairs, tried in order; `pattern` is a regular expression,
@@ -80,36 +167,27 @@ def label_by_rules(rules: Sequence[Rule], *, default: str | None = None
       optax authors, `optax.partition
       <https://optax.readthedocs.io/en/latest/api/combining_optimizers.html>`_, 2024.
     """
-    compiled = []
-    for rule in rules:
-        if not (isinstance(rule, tuple | list) and len(rule) == 2):
-            raise ValueError(f"each rule must be a (pattern, label) pair, got {rule!r}")
-        pattern, label = rule
+    for pattern, label in _compiled(rules, "rule", "label"):
         if not (isinstance(label, str) or callable(label)):
-            raise ValueError(f"rule {pattern!r}: label must be a string or callable, got {label!r}")
-        if not isinstance(pattern, str | re.Pattern):
-            raise ValueError(f"rule {rule!r}: pattern must be a regex string or an re.Pattern, "
-                             f"got {type(pattern).__name__}")
-        try:
-            compiled.append((re.compile(pattern), label))
-        except re.error as err:
-            raise ValueError(f"rule pattern {pattern!r} is not a valid regex: {err}") from None
+            raise ValueError(f"rule {pattern.pattern!r}: label must be a string or callable, "
+                             f"got {label!r}")
+    # Each rule's value is (label, matched): the leaf's label is resolved after matching.
+    tagged = by_path([(pattern, (label,)) for pattern, label in rules],
+                     default=_REQUIRED if default is None else (default,), what="labelling rule")
 
     def labels_fn(params: Any) -> Any:
-        def label_leaf(path, leaf):
-            name = path_to_str(path)
-            for regex, label in compiled:
-                if regex.search(name):
-                    result = label(leaf) if callable(label) else label
-                    if not isinstance(result, str):
-                        raise ValueError(f"label for {name!r} must be a string, got {result!r}")
-                    return result
-            if default is None:
-                patterns = [r.pattern for r, _ in compiled]
-                raise ValueError(f"parameter {name!r} matches no labelling rule {patterns}")
-            return default
+        def resolve(path, leaf, tag):
+            if isinstance(leaf, optax.MaskedNode):
+                return leaf
+            label = tag[0](leaf) if callable(tag[0]) else tag[0]
+            if not isinstance(label, str):
+                raise ValueError(f"label for {path_to_str(path)!r} must be a string, got "
+                                 f"{label!r}")
+            return label
 
-        return jax.tree.map_with_path(label_leaf, params)
+        tags = tagged(params)
+        return jax.tree.map_with_path(resolve, params, tags,
+                                      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
     return labels_fn
 

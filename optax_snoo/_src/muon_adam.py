@@ -1,5 +1,6 @@
 """`muon`, the library's one Muon + Adam builder: Muon's chain and the AdamW groups in
-one partition (`with_adam_groups`).
+one partition (`with_adam_groups`), and the parameter groups of each side: `MuonGroup`
+(a learning rate and decay per set of matrices) beside `optax_snoo.AdamGroup`.
 
 References:
   Jordan et al., `modded-nanogpt: Speedrunning the NanoGPT baseline
@@ -10,19 +11,85 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_snoo._src.adam import AdamGroup, adam_group
-from optax_snoo._src.labels import muon_adam_labels, partition
+from optax_snoo._src.labels import by_path, muon_adam_labels, partition
 from optax_snoo._src.muon import scale_by_muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.newton_schulz import Coefficients
-from optax_snoo._src.utils import check_non_negative, path_to_str
+from optax_snoo._src.utils import check_non_negative, path_to_str, value_at
 from optax_snoo._src.weight_decay import add_decoupled_weight_decay
+
+
+class MuonGroup(NamedTuple):
+    """One group of Muon's matrices: the Muon leaves whose path matches ``pattern``, with
+    their own learning rate and decoupled weight decay.
+
+    Muon's direction (momentum, Newton-Schulz, shape scale) is shared by every matrix,
+    whose whole matrices `scale_by_muon` splits over the devices together; a group sets
+    only the step ``p ← p (1 - lr_g·wd_g) - lr_g·O`` of its leaves (modded-nanogpt Track 3
+    record #15: q/k/v, attention output, MLP in and MLP out each their own).
+
+    Attributes:
+      pattern: regular expression (string or compiled) searched in the leaf's path.
+      learning_rate: the group's learning rate or schedule; ``None``: `muon`'s.
+      weight_decay: the group's decoupled weight decay (times its learning rate);
+        ``None``: `muon`'s.
+      name: what errors and `optax_snoo.recipes.describe` call the group.
+
+    Example:
+      >>> from optax_snoo import MuonGroup
+      >>> MuonGroup(r"(^|/)mlp/", weight_decay=0.02, name="mlp").learning_rate is None
+      True
+    """
+
+    pattern: str | re.Pattern
+    learning_rate: optax.ScalarOrSchedule | None = None
+    weight_decay: jax.typing.ArrayLike | None = None
+    name: str | None = None
+
+
+def _muon_step(learning_rate: optax.ScalarOrSchedule, weight_decay: Any,
+               groups: Sequence[MuonGroup] | None, cautious: bool
+               ) -> optax.GradientTransformation:
+    """Muon's step after its direction: decoupled decay, then minus the learning rate; per
+    `MuonGroup` when groups are given (each Muon leaf must match one)."""
+    if groups is None:
+        return optax.chain(add_decoupled_weight_decay(weight_decay, cautious=cautious),
+                           optax.scale_by_learning_rate(learning_rate))
+    groups = tuple(groups)
+    for i, g in enumerate(groups):
+        if not isinstance(g, MuonGroup):
+            raise ValueError(f"muon_groups[{i}]: expected a MuonGroup, got {g!r}")
+        check_non_negative(f"muon_groups[{i}] ({g.name or g.pattern}) learning_rate",
+                           g.learning_rate, allow_none=True)
+        check_non_negative(f"muon_groups[{i}] ({g.name or g.pattern}) weight_decay",
+                           g.weight_decay, allow_none=True)
+    rates = by_path([(g.pattern, learning_rate if g.learning_rate is None else g.learning_rate)
+                     for g in groups], what="Muon group")
+    decays = by_path([(g.pattern, weight_decay if g.weight_decay is None else g.weight_decay)
+                      for g in groups], what="Muon group")
+
+    def init_fn(params):
+        rates(params)  # a Muon leaf no group matches: an error at init
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        lr = rates(updates)
+        masked = lambda x: isinstance(x, optax.MaskedNode)
+        updates = jax.tree.map(
+            lambda u, r: u if masked(u) else -jnp.asarray(value_at(r, state.count), u.dtype) * u,
+            updates, lr, is_leaf=masked)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.chain(
+        add_decoupled_weight_decay(1.0, decays, cautious=cautious),
+        optax.GradientTransformation(init_fn, update_fn))
 
 
 def muon(
@@ -30,7 +97,7 @@ def muon(
     *,
     beta: float | optax.Schedule = 0.95,
     weight_decay: jax.typing.ArrayLike = 0.0,
-    weight_decay_multiplier: optax.Params | Callable[[optax.Params], Any] | None = None,
+    muon_groups: Sequence[MuonGroup] | None = None,
     coefficients: Coefficients = "modded",
     ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     nesterov: bool = True,
@@ -44,11 +111,11 @@ def muon(
     newton_schulz_plan: NewtonSchulzPlan | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    adam_b1: float = 0.9,
-    adam_b2: float = 0.999,
-    adam_eps: float = 1e-8,
-    adam_weight_decay: float = 0.0,
-    adam_nesterov: bool = False,
+    adam_b1: float | None = None,
+    adam_b2: float | None = None,
+    adam_eps: float | None = None,
+    adam_weight_decay: float | None = None,
+    adam_nesterov: bool | None = None,
     adam_groups: Sequence[AdamGroup] | None = None,
     cautious_weight_decay: bool = False,
     labels: Any | Callable[[optax.Params], Any] | None = None,
@@ -60,8 +127,10 @@ def muon(
 
     - ``"muon"``: ``chain(scale_by_muon(...), decoupled weight decay,
       scale_by_learning_rate(learning_rate))``, i.e.
-      ``p ← p (1 - lr·wd·wd_mul) - lr·s(fan_in, fan_out)·O`` with the shape scale ``s``
-      of `scale_by_muon` (``sqrt(max(1, fan_out/fan_in))`` by default);
+      ``p ← p (1 - lr·wd) - lr·s(fan_in, fan_out)·O`` with the shape scale ``s``
+      of `scale_by_muon` (``sqrt(max(1, fan_out/fan_in))`` by default); with
+      ``muon_groups``, each matrix with the ``lr``, ``wd`` of the first `MuonGroup` its
+      path matches (one Newton-Schulz over all of them);
     - one AdamW group per `AdamGroup` of ``adam_groups`` (`adam_group`: its own
       learning rate or schedule, betas, eps, decoupled weight decay and bias correction),
       each non-Muon leaf in the first group whose pattern its path matches; without
@@ -85,10 +154,10 @@ def muon(
         `muon_momentum_schedule`).
       weight_decay: decoupled weight decay of the Muon group, multiplied by the learning
         rate (record: 0.01).
-      weight_decay_multiplier: per-leaf factor on ``weight_decay``: a tree of floats with
-        the params' structure, or a callable ``params -> tree`` (inside the partition it
-        receives the params with Adam leaves replaced by ``optax.MaskedNode``); ``None``
-        means 1.0 everywhere (record: 2.0 on MLP weights).
+      muon_groups: ordered `MuonGroup` entries (first match wins; a Muon leaf no group
+        matches is an error at init; add ``MuonGroup(".*")`` for the rest): per-group
+        learning rates and decays (the GPT-2 Medium record: twice the decay on the MLP
+        matrices; Track 3 #15: four groups); ``None``: one group.
       coefficients: Newton-Schulz preset or triples; see `orthogonalize`.
       ns_dtype: dtype of the Newton-Schulz iteration.
       nesterov: Nesterov (EMA form) momentum for Muon.
@@ -107,18 +176,20 @@ def muon(
         (`NewtonSchulzPlan.from_params(params)`); see `scale_by_muon`.
       mesh: the mesh for leaves of unknown sharding (default: the ``jax.set_mesh``
         context); see `scale_by_muon`.
-      adam_learning_rate: learning rate of the single AdamW group (default:
-        ``learning_rate``); not with ``adam_groups``.
-      adam_b1: first-moment decay of the single AdamW group.
-      adam_b2: second-moment decay of the single AdamW group.
-      adam_eps: epsilon of the single AdamW group.
-      adam_weight_decay: decoupled weight decay of the single AdamW group.
+      adam_learning_rate: learning rate of the single AdamW group (``None``:
+        ``learning_rate``). The ``adam_*`` arguments are ``optax.contrib.muon``'s and
+        describe the one group ``"adam"``; they cannot be given with ``adam_groups``.
+      adam_b1: first-moment decay of the single AdamW group (``None``: 0.9).
+      adam_b2: second-moment decay of the single AdamW group (``None``: 0.999).
+      adam_eps: epsilon of the single AdamW group (``None``: 1e-8).
+      adam_weight_decay: decoupled weight decay of the single AdamW group (``None``: 0).
       adam_nesterov: Nesterov momentum in the single AdamW group
-        (``optax.adamw(nesterov=)``); ``optax.contrib.muon(nesterov=True)`` does this,
-        the record does not.
+        (``optax.adamw(nesterov=)``; ``None``: off); ``optax.contrib.muon(nesterov=True)``
+        does this, the record does not.
       adam_groups: ordered `AdamGroup` entries for the non-Muon leaves (first match wins; a
-        leaf no group matches is an error at init); replaces the ``adam_*`` arguments,
-        which must then keep their defaults.
+        leaf no group matches is an error at init; a ``claim`` group also takes matching
+        leaves the labels give to Muon; a ``required`` group matching nothing is an
+        error); instead of the ``adam_*`` arguments.
       cautious_weight_decay: in every group, decay only the entries where the update
         (before the learning rate) and the weight agree in sign,
         ``u + wd·mul·p·[u·p >= 0]``; see `add_decoupled_weight_decay`.
@@ -162,20 +233,20 @@ def muon(
     """
     check_non_negative("learning_rate", learning_rate)
     check_non_negative("weight_decay", weight_decay)
+    single = dict(adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
+                  adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+                  adam_nesterov=adam_nesterov)
+    given = sorted(k for k, v in single.items() if v is not None)
     if adam_groups is None:
-        check_non_negative("adam_learning_rate", adam_learning_rate)
+        check_non_negative("adam_learning_rate", adam_learning_rate, allow_none=True)
+        pick = lambda value, default: default if value is None else value
         adam_groups = (AdamGroup(
-            ".*", learning_rate if adam_learning_rate is None else adam_learning_rate,
-            adam_b1, adam_b2, adam_eps, adam_weight_decay, nesterov=adam_nesterov,
-            name="adam"),)
-    else:
-        single = dict(adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
-                      adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
-                      adam_nesterov=adam_nesterov)
-        changed = {k: v for k, v in single.items() if v != _SINGLE_ADAM_DEFAULTS[k]}
-        if changed:
-            raise ValueError(f"muon: {changed} given beside adam_groups; set the Adam "
-                             "hyperparameters on each AdamGroup instead.")
+            ".*", pick(adam_learning_rate, learning_rate), pick(adam_b1, 0.9),
+            pick(adam_b2, 0.999), pick(adam_eps, 1e-8), pick(adam_weight_decay, 0.0),
+            nesterov=pick(adam_nesterov, False), name="adam"),)
+    elif given:
+        raise ValueError(f"muon: {', '.join(given)} given beside adam_groups; set the Adam "
+                         "hyperparameters on each AdamGroup instead.")
     muon_tx = optax.chain(
         scale_by_muon(
             beta, coefficients=coefficients, ns_dtype=ns_dtype, nesterov=nesterov,
@@ -183,9 +254,7 @@ def muon(
             smoothing_form=smoothing_form, shape_scale=shape_scale, beta2=beta2,
             shard_newton_schulz=shard_newton_schulz, newton_schulz_plan=newton_schulz_plan,
             mesh=mesh),
-        add_decoupled_weight_decay(weight_decay, weight_decay_multiplier,
-                                   cautious=cautious_weight_decay),
-        optax.scale_by_learning_rate(learning_rate),
+        _muon_step(learning_rate, weight_decay, muon_groups, cautious_weight_decay),
     )
     return with_adam_groups(muon_tx, adam_groups, labels=labels,
                             cautious_weight_decay=cautious_weight_decay)
@@ -231,12 +300,26 @@ def with_adam_groups(
     transforms = {"muon": muon_tx} | {
         name: adam_group(group, cautious_weight_decay=cautious_weight_decay)
         for name, group in zip(names, adam_groups, strict=True)}
+    return partition(transforms, group_labels(adam_groups, labels))
+
+
+def group_labels(adam_groups: Sequence[AdamGroup],
+                 labels: Any | Callable[[optax.Params], Any] | None = None
+                 ) -> Callable[[optax.Params], Any]:
+    """``params -> tree of group names`` of `with_adam_groups`' partition: ``"muon"`` or
+    the name of each leaf's `AdamGroup` (see `with_adam_groups` for the rules).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo import AdamGroup
+      >>> from optax_snoo._src.muon_adam import group_labels
+      >>> group_labels([AdamGroup("tok_emb", 0.3, name="embed", claim=True),
+      ...               AdamGroup(".*", 0.01, name="rest")])(
+      ...     {"tok_emb": jnp.ones((8, 4)), "w": jnp.ones((4, 4)), "b": jnp.ones(4)})
+      {'b': 'rest', 'tok_emb': 'embed', 'w': 'muon'}
+    """
     base = muon_adam_labels if labels is None else labels
-    return partition(transforms, _labels_with_adam_groups(base, adam_groups, names))
-
-
-_SINGLE_ADAM_DEFAULTS = dict(adam_learning_rate=None, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
-                             adam_weight_decay=0.0, adam_nesterov=False)
+    return _labels_with_adam_groups(base, adam_groups, _adam_group_names(adam_groups))
 
 
 def _adam_group_names(groups: Sequence[AdamGroup]) -> list[str]:
@@ -259,20 +342,35 @@ def _adam_group_names(groups: Sequence[AdamGroup]) -> list[str]:
 def _labels_with_adam_groups(labels: Any, groups: Sequence[AdamGroup], names: Sequence[str]
                              ) -> Callable[[optax.Params], Any]:
     """``labels`` (a tree or a function of the params) with each ``"adam"`` leaf relabelled
-    by the first group whose pattern its path matches."""
-    compiled = [re.compile(g.pattern) for g in groups]
+    by the first group whose pattern its path matches, and any leaf a ``claim`` group's
+    pattern matches given to that group; a ``required`` group that gets no leaf is an
+    error naming it."""
+    compiled = [(re.compile(g.pattern), name, g) for g, name in zip(groups, names, strict=True)]
+    claims = [(regex, name) for regex, name, g in compiled if g.claim]
 
     def group_labels(params: optax.Params) -> Any:
         def refine(path: Any, label: Any) -> Any:
+            name = path_to_str(path)
+            for regex, group_name in claims:
+                if regex.search(name):
+                    return group_name
             if label != "adam":
                 return label
-            name = path_to_str(path)
-            for regex, group_name in zip(compiled, names, strict=True):
+            for regex, group_name, _ in compiled:
                 if regex.search(name):
                     return group_name
             raise ValueError(f"parameter {name!r} matches no Adam group "
-                             f"{[regex.pattern for regex in compiled]}")
+                             f"{[regex.pattern for regex, _, _ in compiled]}")
 
-        return jax.tree.map_with_path(refine, labels(params) if callable(labels) else labels)
+        out = jax.tree.map_with_path(refine, labels(params) if callable(labels) else labels)
+        found = set(jax.tree.leaves(out))
+        for regex, group_name, g in compiled:
+            if g.required and group_name not in found:
+                raise ValueError(
+                    f"Adam group {group_name!r} matches no parameter (pattern "
+                    f"{regex.pattern!r}): name its leaves in the group's pattern (a recipe's "
+                    "adam_patterns) or pass labels=; optax_snoo.recipes.describe(recipe, "
+                    "params) shows each leaf's group")
+        return out
 
     return group_labels

@@ -64,13 +64,18 @@ def _polar_express(steps: int = 5, safety: float = 1.01) -> Triples:
 #: Algorithm 1 (degree 5, l = 1e-3), their 1.01 safety factors and ``1.01 ‖X‖_F``
 #: normalisation folded into the first triple, so they run on plain ``‖X‖_F``.
 POLAR_EXPRESS_COEFFICIENTS: Triples = _polar_express(5)
+#: modded-nanogpt Track 3's Newton-Schulz (``train_gpt_simple.py`` and every record
+#: after it): the cubic (2, -1.5, 0.5), i.e. ``X <- 2X - 1.5 XXᵀX + 0.5 (XXᵀ)²X``, twelve
+#: times (the ``"track3"`` preset).
+TRACK3_COEFFICIENTS: Triples = ((2.0, -1.5, 0.5),) * 12
 #: The Newton-Schulz presets of ``coefficients=`` by name, each a tuple of ``(a, b, c)``
-#: triples, one per iteration: ``"keller"``, ``"modded"``, ``"polar_express"`` (see
-#: `orthogonalize`).
+#: triples, one per iteration: ``"keller"``, ``"modded"``, ``"polar_express"``,
+#: ``"track3"`` (see `orthogonalize`).
 COEFFICIENT_PRESETS: dict[str, Triples] = {
     "keller": KELLER_COEFFICIENTS,
     "modded": MODDED_COEFFICIENTS,
     "polar_express": POLAR_EXPRESS_COEFFICIENTS,
+    "track3": TRACK3_COEFFICIENTS,
 }
 #: How the Newton-Schulz input is scaled before the iteration (see `orthogonalize`).
 NS_NORMALIZATIONS = ("frobenius", "gram_frobenius")

@@ -1,8 +1,10 @@
-"""Schedules of modded-nanogpt's Track 3 records: PowerCool and Muon's momentum.
+"""The library's schedules, each a callable of the update count as optax's are.
 
-`power_cool` is the learning rate of record #20 onwards, ``min(lr0, c·(t_end - t)^p)``;
-`muon_momentum_schedule` is Muon's momentum warm-up and cool-down of records #30 and
-#44 onwards. Both are callables of the update count, as optax schedules are.
+- `nanogpt_cosine_schedule`: nanoGPT's ``get_lr`` (linear warm-up, cosine to a floor);
+- `stable_cooldown_schedule`: modded-nanogpt's records' flat-then-linear learning rate;
+- `power_cool`: Track 3's PowerCool (record #20 onwards), ``min(lr0, c·(t_end - t)^p)``,
+  and `power_cool_scaled`, a record's PowerCool stretched to another run length;
+- `muon_momentum_schedule`: Muon's momentum warm-up and cool-down (records #30, #44 on).
 
 References:
   Jordan et al., `modded-nanogpt Track 3 (optimization) records #20, #30, #44, #46
@@ -18,7 +20,8 @@ import optax
 
 from optax_snoo._src.utils import check_int_at_least, check_positive, check_unit_interval
 
-__all__ = ["muon_momentum_schedule", "power_cool"]
+__all__ = ["muon_momentum_schedule", "nanogpt_cosine_schedule", "power_cool",
+           "power_cool_scaled", "stable_cooldown_schedule"]
 
 
 def power_cool(
@@ -163,3 +166,124 @@ def muon_momentum_schedule(
         pieces.append(optax.linear_schedule(peak, end, cooldown))
         boundaries.append(total - cooldown)
     return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+
+
+def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac: float = 0.7,
+                             final_lr_scale: float = 0.0) -> optax.Schedule:
+    """Constant, then a linear cooldown over the last `cooldown_frac` of training.
+
+    The multiplier at step `t` of `T` is 1 while `t/T < 1 - cooldown_frac`, then
+    `(1 - t/T) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale`.
+
+    Args:
+      peak_value: the learning rate before the cooldown.
+      total_steps: `T`, the number of training steps (>= 1).
+      cooldown_frac: fraction of `T` spent cooling down, in (0, 1].
+      final_lr_scale: multiplier reached at `t = T` (record: 0 in PR #128, 0.01 later).
+
+    Returns:
+      A schedule `step -> learning rate`.
+
+    Example:
+      >>> from optax_snoo import stable_cooldown_schedule
+      >>> sched = stable_cooldown_schedule(0.03, 1000)
+      >>> round(float(sched(0)), 6), float(sched(1000))
+      (0.03, 0.0)
+
+    References:
+      Jordan et al, `modded-nanogpt <https://github.com/KellerJordan/modded-nanogpt>`_, 2025.
+    """
+    check_int_at_least("total_steps", total_steps, 1)
+    if not 0 < cooldown_frac <= 1:
+        raise ValueError(f"cooldown_frac must be in (0, 1], got {cooldown_frac!r}")
+    if not 0 <= final_lr_scale <= 1:
+        raise ValueError(f"final_lr_scale must be in [0, 1], got {final_lr_scale!r}")
+
+    def schedule(count):
+        x = jnp.asarray(count, jnp.float32) / total_steps
+        cooling = (1 - x) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale
+        return peak_value * jnp.where(x < 1 - cooldown_frac, 1.0, cooling)
+
+    return schedule
+
+
+def nanogpt_cosine_schedule(peak_value: float, *, warmup_steps: int, decay_steps: int,
+                            final_lr_scale: float = 0.1) -> optax.Schedule:
+    """nanoGPT's learning rate: linear warm-up, cosine decay to a floor, then the floor.
+
+    ``peak·(t+1)/(warmup+1)`` for ``t < warmup_steps``, then a half cosine from ``peak``
+    at ``warmup_steps`` to ``peak·final_lr_scale`` at ``decay_steps``, then that floor
+    (nanoGPT's ``get_lr`` with ``min_lr = peak·final_lr_scale``). With ``decay_steps <=
+    warmup_steps`` it is the warm-up, then the floor, as nanoGPT's. optax's linear warm-up
+    from ``peak/(w+1)`` equals nanoGPT's ``peak·(t+1)/(w+1)`` exactly.
+
+    Args:
+      peak_value: the learning rate after the warm-up (>= 0).
+      warmup_steps: warm-up length (>= 0).
+      decay_steps: the step where the cosine reaches the floor (>= 0).
+      final_lr_scale: the floor as a fraction of ``peak_value``, in [0, 1].
+
+    Returns:
+      A schedule `step -> learning rate`.
+
+    Example:
+      >>> from optax_snoo import nanogpt_cosine_schedule
+      >>> lr = nanogpt_cosine_schedule(1e-3, warmup_steps=100, decay_steps=2000)
+      >>> [round(float(lr(t)), 6) for t in (0, 100, 2000, 5000)]
+      [1e-05, 0.001, 0.0001, 0.0001]
+
+    References:
+      Karpathy, `nanoGPT (train.py, get_lr) <https://github.com/karpathy/nanoGPT>`_, 2023.
+    """
+    check_int_at_least("warmup_steps", warmup_steps, 0)
+    check_int_at_least("decay_steps", decay_steps, 0)
+    if not 0 <= final_lr_scale <= 1:
+        raise ValueError(f"final_lr_scale must be in [0, 1], got {final_lr_scale!r}")
+    end = peak_value * final_lr_scale
+    start = peak_value / (warmup_steps + 1)
+    if decay_steps <= warmup_steps:
+        return optax.join_schedules([optax.linear_schedule(start, peak_value, warmup_steps),
+                                     optax.constant_schedule(end)], [warmup_steps])
+    return optax.warmup_cosine_decay_schedule(
+        init_value=start, peak_value=peak_value, warmup_steps=warmup_steps,
+        decay_steps=decay_steps, end_value=end)
+
+
+def power_cool_scaled(lr0: float, *, c: float, lr0_record: float, record_steps: int,
+                      total_steps: int, power: float = 1.2) -> optax.Schedule:
+    r"""A record's PowerCool (``c`` at ``lr0_record`` and ``t_end = record_steps``) for a
+    run of ``total_steps`` at a flat rate ``lr0``, its flat part ending at the same
+    fraction of the run.
+
+    PowerCool's flat part ends at ``t_end - (lr0/c)^(1/power)``; with
+    ``c_N = c·(lr0/lr0_record)·(record_steps/N)^power`` and ``t_end = N`` it ends at
+    ``N/record_steps`` times the record's step, whatever ``lr0``.
+
+    Args:
+      lr0: the run's flat learning rate (> 0).
+      c: the record's constant (> 0).
+      lr0_record: the record's flat rate the constant belongs to (> 0).
+      record_steps: the record's ``t_end`` (>= 1).
+      total_steps: the run's ``t_end`` (>= 1).
+      power: the exponent (record: 1.2).
+
+    Returns:
+      `power_cool` with those constants.
+
+    Example:
+      >>> from optax_snoo import power_cool_scaled
+      >>> lr = power_cool_scaled(0.075, c=3.3169534699576625e-06, lr0_record=0.0375,
+      ...                        record_steps=2900, total_steps=290)
+      >>> round(float(lr(0)), 4), float(lr(290))
+      (0.075, 0.0)
+
+    References:
+      Jordan et al., `modded-nanogpt Track 3 record #20 (PowerCool, PR #287)
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026
+    """
+    check_positive("lr0_record", lr0_record)
+    check_int_at_least("record_steps", record_steps, 1)
+    check_int_at_least("total_steps", total_steps, 1)
+    scale = (lr0 / lr0_record) * (record_steps / total_steps) ** power
+    return power_cool(lr0, c=c * scale, t_end=total_steps, power=power)

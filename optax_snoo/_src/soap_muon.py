@@ -47,9 +47,6 @@ from optax_snoo._src.utils import (
 )
 
 NORM_MATCHES = ("gram", "frobenius")
-#: The Newton-Schulz triples of modded-nanogpt Track 3 records #44/#46: (2, -1.5, 0.5)
-#: twelve times, run on the Gram-Frobenius-normalised input.
-TRACK3_COEFFICIENTS = ((2.0, -1.5, 0.5),) * 12
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 TrustGateLeaves = bool | Callable[[str], bool] | Any
@@ -536,7 +533,7 @@ def soap_muon(
     trust_gate: TrustGateLeaves = None,
     trust_floor: float | optax.Schedule | None = None,
     trust_cap: float | optax.Schedule | None = None,
-    coefficients: Coefficients = TRACK3_COEFFICIENTS,
+    coefficients: Coefficients = "track3",
     ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     matrix_axes: tuple[int, int] = (-2, -1),
     shape_scale: bool | str | None = "modded",
