@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_train_optimizers import _setup, _tiny
 
 import optax_snoo
 import train
@@ -17,6 +16,7 @@ from train.optimizers import build_optimizer
 from train.sample import load_params
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import make_eval_step, make_readout
+from trainer.test_train_optimizers import _setup, _tiny
 
 RECIPES = ("track3_record", "track3_soap_muon", "muonh", "muloco_normuonh",
            "track3_newton_muon")

@@ -9,8 +9,8 @@ import sys
 import tempfile
 
 import pytest
-from tiny_tokenizers import EOT, gpt2_like_encoding, hf_bpe_json
 
+from tiny_tokenizers import EOT, gpt2_like_encoding, hf_bpe_json
 from train.data import SHIPPED_CORPUS
 from train.tokenizer import (
     ByteTokenizer,

@@ -15,11 +15,11 @@ from flax import nnx
 
 import models
 import train
+from repository import ROOT
 from train import config as tc
 from train.sample import main as sample_main
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sample_token_never_draws_an_id_past_valid_vocab():

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_data import nanogpt_char_folder
 
 import train
+from repository import ROOT
 from train import config as tc
 from train import data as td
 from train import tokenizer as ttok
 from train.evaluate import evaluate_split
 from train.sample import main as sample_main
+from trainer.test_data import nanogpt_char_folder
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class DigitsEncoding:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from repository import ROOT
 from train import data as td
 from train.tokenizer import ByteTokenizer, CharTokenizer
 
@@ -315,7 +316,7 @@ _RSS_SCRIPT = textwrap.dedent("""
 
 
 def _rss(folder: Path) -> tuple[int, int, float, float, float]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(folder)], env=env,
                          capture_output=True, text=True, check=True).stdout.split()
     return int(out[0]), int(out[1]), *map(float, out[2:])

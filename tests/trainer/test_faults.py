@@ -24,6 +24,7 @@ import pytest
 
 import train
 from optax_snoo import SnooState
+from repository import ROOT
 from train import config as tc
 from train import data as td
 from train.checkpoint import Checkpointer, CheckpointSaveError, CheckpointWarning
@@ -174,7 +175,7 @@ def _launch(config: tc.TrainConfig, cache: Path, resume: bool = False) -> subpro
     """`python -m train` with `config` in a fresh process (the 8-device env of conftest)."""
     values = {**tc.flat_dict(config), "resume": resume}
     argv = [f"--{k}={v}" for k, v in values.items() if v is not None and k != "sample_start"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
            "JAX_COMPILATION_CACHE_DIR": str(cache),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

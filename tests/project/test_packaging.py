@@ -6,11 +6,11 @@ import subprocess
 import sys
 import tomllib
 import zipfile
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from repository import ROOT
+
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 TRAIN_EXTRA_MODULES = ("flax", "orbax", "tqdm", "matplotlib")
 

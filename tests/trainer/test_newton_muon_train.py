@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_train import _batches, _step_setup
 
 import models
 import optax_snoo
@@ -18,6 +17,7 @@ from train import config as tc
 from train.kfac_trainer import newton_muon_layers
 from train.sharding import batch_sharding, put_batch
 from train.step import create_train_state, cross_entropy
+from trainer.test_train import _batches, _step_setup
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 

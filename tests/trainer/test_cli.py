@@ -8,16 +8,15 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from tqdm import tqdm
 
+from repository import ROOT
 from train import data as td
 from train.errors import one_line, user_message
 from train.metrics import COMPILING_BAR, restart_clock, show_compiling
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=8",
         "--dtype=float32", "--optimizer=adamw", "--max_iters=6", "--eval_interval=3",
         "--eval_iters=1", "--log_interval=2", "--checkpoint_every=3", "--mesh_data=1",

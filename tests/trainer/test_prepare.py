@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import regex
 import tiktoken
-from tiny_tokenizers import EOT, GPT2_REGEX, gpt2_like_encoding, hf_bpe_json
 
+from repository import ROOT
+from tiny_tokenizers import EOT, GPT2_REGEX, gpt2_like_encoding, hf_bpe_json
 from train import prepare as prep
 from train.data import (
     DATASET_META,
@@ -30,7 +31,6 @@ from train.data import (
 from train.errors import MISTAKE_EXIT_STATUS
 from train.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 CORPUS = SHIPPED_CORPUS.read_text(encoding="utf-8")
 DOCS = [
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n",

@@ -9,11 +9,11 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_snoo import SHAPES, NumpyAdamW, NumpySGD
 
 import optax_snoo
 from benchmarks import diloco as bench
 from benchmarks import hlo
+from library.test_snoo import SHAPES, NumpyAdamW, NumpySGD
 
 
 def replica_params(m):

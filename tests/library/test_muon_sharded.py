@@ -114,7 +114,7 @@ def test_sharded_bfloat16_within_bfloat16_rounding(mesh_shape):
     in both) and squares iterated transposed (now transposed back once whole). Both
     also meet test_muon's bf16 criterion: singular values in the band the coefficients
     produce, up to 0.02 (non-square), and a bf16-sized distance from float64."""
-    from test_muon import MODDED, ref_ns, ref_scalar_ns
+    from library.test_muon import MODDED, ref_ns, ref_scalar_ns
 
     mesh = mesh_of(mesh_shape)
     params = tree(SHAPES)
@@ -499,10 +499,9 @@ def test_trainer_snoo_muon_on_eight_devices(corpus, tmp_path):
     3e-6 relative over 3 steps). Structurally: Muon adds no collective inside a loop to
     the train step (snoo_adamw's step has the model's own; the partitioner's Newton-Schulz
     would add all-gathers in its loop)."""
-    from test_train import _batches, _step_setup, tiny
-
     from train import config as tc
     from train.sharding import batch_sharding, put_batch
+    from trainer.test_train import _batches, _step_setup, tiny
 
     def compiled(config, steps):
         mesh, state, step, spec, vocab_size = _step_setup(config)
@@ -572,7 +571,7 @@ def test_zero_padding_leaves_newton_schulz_unchanged_on_the_block():
     matmuls block differently by size). The plan pads only its transfers (never an
     iterated matrix), so it does not depend on this; a plan padding matrices to a
     common shape could."""
-    from test_muon import MODDED, ref_ns
+    from library.test_muon import MODDED, ref_ns
 
     x = np.random.default_rng(0).standard_normal((12, 20))
     ref64 = ref_ns(x, MODDED)

@@ -4,11 +4,11 @@ badge and the install cell of `notebooks/publish.py` (the one place that writes 
 import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from repository import ROOT
+
 _spec = importlib.util.spec_from_file_location("publish", ROOT / "notebooks" / "publish.py")
 publish = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(publish)

@@ -17,9 +17,9 @@ import optax
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_properties import check_runs, kfac_problems, materialise
 
 import optax_matrix as m
+from library.test_properties import check_runs, kfac_problems, materialise
 from optax_snoo import (
     input_covariance_from_stats,
     input_covariance_refresh_due,

@@ -13,12 +13,12 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import train
+from repository import ROOT
 from train import config as tc
 from train.checkpoint import Checkpointer
 
@@ -35,7 +35,7 @@ def _two_processes(config: tc.TrainConfig, command) -> list[subprocess.Popen]:
             if v is not None and k != "sample_start"]
     flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
     env = {**os.environ, "XLA_FLAGS": flags,
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+           "PYTHONPATH": str(ROOT)}
     port = _free_port()
     return [subprocess.Popen(
         [*command(i), *argv, f"--coordinator=localhost:{port}", "--num_processes=2",

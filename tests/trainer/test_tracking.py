@@ -19,7 +19,6 @@ import types
 
 import numpy as np
 import pytest
-from test_faults import tiny as faults_tiny
 from tqdm import tqdm
 
 import train
@@ -34,6 +33,7 @@ from train.metrics import (
     run_title,
     tracker_scalars,
 )
+from trainer.test_faults import tiny as faults_tiny
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")

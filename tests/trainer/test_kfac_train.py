@@ -15,7 +15,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_train import _step_setup
 
 import models
 import train
@@ -31,6 +30,7 @@ from train.kfac_trainer import (
 from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, put_batch
 from train.step import ModelDef
+from trainer.test_train import _step_setup
 
 # Runs of the same config compile the same programs: cached for this module.
 pytestmark = pytest.mark.usefixtures("compilation_cache")

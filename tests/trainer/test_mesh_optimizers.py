@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_train import _batches, _step_setup, tiny
 
 from train import config as tc
 from train.optimizers import OPTIMIZERS
 from train.sharding import batch_sharding, put_batch
+from trainer.test_train import _batches, _step_setup, tiny
 
 SOAP_OPTIMIZERS = ("track3_record", "track3_soap_muon")
 #: The fsdp-only mesh splits matrices 8 ways (the owners' per-matrix state at its widest);

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import jax
 import pytest
-from test_train import tiny as train_tiny
 
 import train
 from benchmarks import diloco as bench
@@ -19,6 +18,7 @@ from train.evaluate import evaluate_split
 from train.optimizers import build_optimizer
 from train.sharding import make_mesh
 from train.step import create_train_state
+from trainer.test_train import tiny as train_tiny
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 
