@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import optax_snoo
 from benchmarks import diloco as bench
 from benchmarks import hlo
-from library.test_snoo import SHAPES, NumpyAdamW, NumpySGD
+from references.snoo import SHAPES, NumpyAdamW, NumpySGD
 
 
 def replica_params(m):

@@ -114,7 +114,7 @@ def test_sharded_bfloat16_within_bfloat16_rounding(mesh_shape):
     in both) and squares iterated transposed (now transposed back once whole). Both
     also meet test_muon's bf16 criterion: singular values in the band the coefficients
     produce, up to 0.02 (non-square), and a bf16-sized distance from float64."""
-    from library.test_muon import MODDED, ref_ns, ref_scalar_ns
+    from references.muon import MODDED, ref_ns, ref_scalar_ns
 
     mesh = mesh_of(mesh_shape)
     params = tree(SHAPES)
@@ -571,7 +571,7 @@ def test_zero_padding_leaves_newton_schulz_unchanged_on_the_block():
     matmuls block differently by size). The plan pads only its transfers (never an
     iterated matrix), so it does not depend on this; a plan padding matrices to a
     common shape could."""
-    from library.test_muon import MODDED, ref_ns
+    from references.muon import MODDED, ref_ns
 
     x = np.random.default_rng(0).standard_normal((12, 20))
     ref64 = ref_ns(x, MODDED)

@@ -13,10 +13,10 @@ import pytest
 
 import optax_matrix as m
 import optax_snoo
-from library.test_muon import RefMuon, ref_ns
-from library.test_radius import ref_muon_step, ref_scale_invariant_update
-from library.test_soap_muon import RefSoapMuon, first_gradient, ref_gram_norm
 from optax_snoo import recipes
+from references.muon import RefMuon, ref_ns
+from references.radius import ref_muon_step, ref_scale_invariant_update
+from references.soap import RefSoapMuon, first_gradient, ref_gram_norm
 from references.track3 import adam_step, flatten, nest, power_cool, stable_cooldown
 
 # Our GPT's paths, their (in, out) shapes and #46's group ("muon", "gated" = Muon with
@@ -312,7 +312,7 @@ def test_snoo_around_each_frontier_stack(name):
     """`snoo(inner, 0.7, 0.5, k=3)` around SOAP-Muon (#44), the hyperball and #46's stack
     (radius steps, EMA-Nesterov, tail EMA) is Snoo's outer Nesterov step on the inner's
     k-step displacements, the inner's state carried through every sync."""
-    from library.test_snoo import numpy_snoo
+    from references.snoo import numpy_snoo
     T, k = 12, 3
     inner = {"track3_soap_muon": lambda: recipes.track3_soap_muon(N, ns_dtype=jnp.float32),
              "muonh": lambda: recipes.muonh(T, ns_dtype=jnp.float32,

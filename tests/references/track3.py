@@ -1,8 +1,8 @@
 """Float64 numpy references of modded-nanogpt Track 3's records for the recipe tests.
 
-The per-matrix pieces come from the transforms' own test modules (`test_soap_muon`'s
-`RefSoapMuon`, `test_radius`'s `ref_muon_step` and `ref_scale_invariant_update`,
-`test_muon`'s `ref_ns` and `RefMuon.normuon`); this module adds the records' Adam
+The per-matrix pieces are the transforms' references beside it (`references.soap`'s
+`RefSoapMuon`, `references.radius`'s `ref_muon_step` and `ref_scale_invariant_update`,
+`references.muon`'s `ref_ns` and `RefMuon.normuon`); this module adds the records' Adam
 classes and the layout helpers the whole-stack references share. Weights are kept in
 our (in, out) layout; the record's (out, in) matrices are their transposes.
 """
