@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import hlo
-from library.test_kfac_transform import TEMPLATE, curvature_at, grads_at, make_params
+from library.support import TEMPLATE, curvature_at, grads_at, make_params
 from optax_snoo import kfac
 
 # Factor sizes of TEMPLATE -> number of matrices: l1 a 5, g 6; l2 a 6, g 3; experts (2) a 4, g 4.

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from library.support import LAYERS, TEMPLATE, curvature_at, grads_at, make_params, spd
 from optax_snoo._src.kfac import distributed as kfac_distributed
 from optax_snoo._src.utils import path_to_str
 from optax_snoo.kfac import (
@@ -25,44 +26,9 @@ from optax_snoo.kfac import (
     warm_start,
 )
 
-# Layers: (kernel shape, stack axes, has_bias). "scale" is not preconditioned.
-LAYERS = {"l1": ((4, 6), 0, True), "l2": ((6, 3), 0, False), "experts": ((2, 3, 4), 1, True)}
 STEPS = 120
 
 
-def make_params(dtype=jnp.float32):
-    rng = np.random.default_rng(1)
-    params = {"scale": jnp.asarray(rng.normal(size=3), dtype)}
-    for name, (shape, nstack, has_bias) in LAYERS.items():
-        params[name] = {"kernel": jnp.asarray(rng.normal(size=shape), dtype)}
-        if has_bias:
-            params[name]["bias"] = jnp.asarray(rng.normal(size=shape[:nstack] + shape[-1:]), dtype)
-    return params
-
-
-def _spd(rng, stack, n):
-    b = rng.normal(size=(*stack, n, 2 * n))
-    scale = rng.uniform(0.5, 2.0)
-    return (scale * (b @ np.swapaxes(b, -1, -2) / (2 * n) + 0.05 * np.eye(n))).astype(np.float32)
-
-
-def curvature_at(t):
-    """Deterministic batch factors for step t (float32 numpy), keyed like the params."""
-    rng = np.random.default_rng(10_000 + t)
-    out = {}
-    for name, (shape, nstack, has_bias) in LAYERS.items():
-        stack = shape[:nstack]
-        d_in = shape[nstack] + int(has_bias)
-        out[name] = {"kernel": LayerCurvature(_spd(rng, stack, d_in), _spd(rng, stack, shape[-1]))}
-    return out
-
-
-def grads_at(t, params):
-    rng = np.random.default_rng(20_000 + t)
-    return jax.tree.map(lambda p: np.asarray(rng.normal(size=p.shape), np.float32), params)
-
-
-TEMPLATE = curvature_at(0)
 # The refresh decomposes the factors grouped by size: 5, 6 (l1), 6, 3 (l2), 4, 4 (experts).
 FACTOR_SIZES = {5, 6, 3, 4}
 
@@ -286,7 +252,7 @@ SMALL = {"d": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}, "s": jnp.ones(
 
 def small_curvature(t):
     rng = np.random.default_rng(30_000 + t)
-    return {"d": {"kernel": LayerCurvature(_spd(rng, (), 4), _spd(rng, (), 2))}}
+    return {"d": {"kernel": LayerCurvature(spd(rng, (), 4), spd(rng, (), 2))}}
 
 
 def test_identity_before_first_refresh_and_without_statistics():

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import optax_matrix as m
-from library.test_properties import check_runs, kfac_problems, materialise
+from library.support import check_runs, kfac_problems, materialise
 from optax_snoo import (
     input_covariance_from_stats,
     input_covariance_refresh_due,

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import optax_snoo as osn
+from library.support import check_runs, kfac_problems, materialise, trees
 from optax_snoo import kfac as okfac
 
 # No shrinking: a failing example is reported as drawn (shrinking recompiles for minutes).
@@ -28,38 +29,6 @@ SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, print_blob
                     phases=(Phase.explicit, Phase.generate),
                     suppress_health_check=[HealthCheck.too_slow])
 KFAC_SETTINGS = settings(SETTINGS, max_examples=6)  # two optimizers, eigh: the slowest
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-SHAPES = st.one_of(st.just(()), st.tuples(st.integers(0, 5)),
-                   st.tuples(st.integers(0, 6), st.integers(1, 6)),
-                   st.tuples(st.integers(1, 3), st.integers(1, 5), st.integers(1, 5)))
-NAMES = st.sampled_from(["kernel", "bias", "w", "embedding", "scale", "experts", "router"])
-
-
-@st.composite
-def trees(draw, shapes=SHAPES, min_leaves=1):
-    """A nested dict of 1-4 leaves (`[d0, d1, ...]` shapes, one dtype per leaf)."""
-    n = draw(st.integers(min_leaves, 4))
-    tree = {}
-    for i in range(n):
-        shape = draw(shapes)
-        dtype = draw(st.sampled_from(DTYPES))
-        path = [f"{draw(NAMES)}_{i}"] if draw(st.booleans()) else [f"l{i}", draw(NAMES)]
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = (shape, dtype)
-    return tree
-
-
-def materialise(spec, seed=0):
-    """Params and 3 steps of gradients for a tree of `(shape, dtype)` leaves."""
-    leaves, treedef = jax.tree.flatten(spec, is_leaf=lambda x: isinstance(x, tuple) and len(
-        x) == 2 and isinstance(x[0], tuple))
-    rng = np.random.default_rng(seed)
-    make = lambda s, d, scale: jnp.asarray(scale * rng.standard_normal(s), d)
-    params = treedef.unflatten([make(s, d, 0.5) for s, d in leaves])
-    grads = [treedef.unflatten([make(s, d, 1.0) for s, d in leaves]) for _ in range(3)]
-    return params, grads
 
 
 def schedules(low, high):
@@ -67,27 +36,6 @@ def schedules(low, high):
     value = st.floats(low, high, allow_nan=False)
     return st.one_of(value, st.builds(
         lambda a, b, n: optax.linear_schedule(a, b, n), value, value, st.integers(1, 4)))
-
-
-def signature(tree):
-    return jax.tree.structure(tree), [(x.shape, x.dtype, getattr(x, "sharding", None))
-                                      for x in jax.tree.leaves(tree)]
-
-
-def check_runs(tx, params, grads, **extra):
-    """Three jitted updates: finite, param-shaped updates; a state of stable signature."""
-    state = tx.init(params)
-    before = signature(state)
-    update = jax.jit(lambda g, s, p, **kw: tx.update(g, s, p, **kw))
-    for g in grads:
-        updates, state = update(g, state, params, **extra)
-        assert jax.tree.structure(updates) == jax.tree.structure(params)
-        for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params), strict=True):
-            assert u.shape == p.shape
-            assert bool(jnp.all(jnp.isfinite(u.astype(jnp.float32)))), (u, p.dtype)
-        assert signature(state) == before
-        params = optax.apply_updates(params, updates)
-    return params
 
 
 def works_or_names_the_problem(build, params, grads, *, expected_words=(), **extra):
@@ -197,25 +145,6 @@ def test_rounding_keeps_finite_values_finite(values, draws, kind, dtype):
     finite = np.isfinite(x)
     assert np.isfinite(r[finite]).all(), x[finite][~np.isfinite(r[finite])]
     np.testing.assert_array_equal(r[~finite], x[~finite])  # ±inf and nan (nan == nan here)
-
-
-KERNELS = st.tuples(st.integers(1, 5), st.integers(1, 5))
-
-
-@st.composite
-def kfac_problems(draw):
-    """Params with 1-2 Dense layers (kernel, maybe bias) plus other leaves; curvature."""
-    spec = draw(trees())
-    spec = {k: v for k, v in spec.items() if not k.startswith("l")}  # no stray "kernel"s
-    layers = {}
-    for i in range(draw(st.integers(1, 2))):
-        d_in, d_out = draw(KERNELS)
-        dtype = draw(st.sampled_from(DTYPES))
-        layer = {"kernel": ((d_in, d_out), dtype)}
-        if draw(st.booleans()):
-            layer["bias"] = ((d_out,), dtype)
-        layers[f"dense{i}"] = layer
-    return {**spec, **layers}, draw(st.integers(0, 1000))
 
 
 def curvature_for(params, rng, poison=None):
