@@ -501,12 +501,12 @@ def test_trainer_snoo_muon_on_eight_devices(corpus, tmp_path):
     would add all-gathers in its loop)."""
     from train import config as tc
     from train.sharding import batch_sharding, put_batch
-    from trainer.test_train import _batches, _step_setup, tiny
+    from trainer.support import random_batches, step_setup, tiny
 
     def compiled(config, steps):
-        mesh, state, step, spec, vocab_size = _step_setup(config)
+        mesh, state, step, spec, vocab_size = step_setup(config)
         losses, text = [], None
-        for t, xy in enumerate(_batches(config, steps, vocab_size)):
+        for t, xy in enumerate(random_batches(config, steps, vocab_size)):
             args = (put_batch(xy[0], batch_sharding(mesh)), put_batch(xy[1], batch_sharding(mesh)))
             hints = spec.update_kwargs(t)
             text = text or step.lower(state, *args, **hints).compile().as_text()

@@ -18,6 +18,7 @@ import pytest
 from repository import ROOT
 from train import data as td
 from train.tokenizer import ByteTokenizer, CharTokenizer
+from trainer.support import nanogpt_char_folder
 
 
 def one_shard(ids) -> td.TokenDataset:
@@ -37,21 +38,6 @@ def fineweb_folder(tmp_path: Path, train_lengths, val_lengths=(50,), seed=0, voc
         for i, a in enumerate(arrays[split]):
             td.write_shard(folder / f"fineweb_{split}_{i:06d}.bin", a)
     return folder, arrays
-
-
-def nanogpt_char_folder(tmp_path: Path, text: str) -> Path:
-    """What nanoGPT's data/shakespeare_char/prepare.py writes: its steps, not its code."""
-    folder = tmp_path / "shakespeare_char"
-    folder.mkdir()
-    chars = sorted(set(text))
-    stoi = {ch: i for i, ch in enumerate(chars)}
-    itos = {i: ch for i, ch in enumerate(chars)}
-    n = len(text)
-    for name, part in (("train", text[:int(n * 0.9)]), ("val", text[int(n * 0.9):])):
-        np.array([stoi[c] for c in part], np.uint16).tofile(folder / f"{name}.bin")
-    with open(folder / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, f)
-    return folder
 
 
 # ---------------------------------------------------------------------------- windows

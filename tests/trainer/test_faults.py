@@ -32,16 +32,7 @@ from train.nonfinite import NonFiniteError
 from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import create_train_state, make_train_step
-
-
-def tiny(corpus, out_dir, **overrides) -> tc.TrainConfig:
-    base = dict(
-        n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
-        max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
-        checkpoint_every=4, mesh_data=1, num_samples=0, progress=False,
-        data=str(corpus), out_dir=str(out_dir))
-    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+from trainer.support import tiny_in
 
 
 def train_losses(history) -> dict[int, float]:
@@ -63,11 +54,10 @@ def without_snoo_count(tree):
                         is_leaf=_is_snoo)
 
 
-
 @pytest.mark.parametrize("poison", ["inputs", "targets"])
 def test_nonfinite_step_leaves_state_unchanged(corpus, tmp_path, poison):
     """An out-of-vocabulary id gathers NaN (jnp.take fills): the step changes no state."""
-    config = tiny(corpus, tmp_path)
+    config = tiny_in(corpus, tmp_path)
     vocab = td.open_dataset(corpus).vocab_size
     spec = build_optimizer(config)
     mesh = make_mesh(config)
@@ -101,7 +91,7 @@ def test_snoo_hint_from_the_step_agrees_with_the_in_jit_sync_after_a_skipped_ste
         corpus, tmp_path):
     """The host's hint `step % k == 0` stays right after a skip: the same states as
     Snoo's own in-jit choice (`snoo_sync=None`), step by step."""
-    config = tiny(corpus, tmp_path, snoo_k=3)
+    config = tiny_in(corpus, tmp_path, snoo_k=3)
     vocab = td.open_dataset(corpus).vocab_size
     spec = build_optimizer(config)
     mesh = make_mesh(config)
@@ -137,7 +127,7 @@ def test_run_skips_bad_steps_then_stops_keeping_the_last_good_checkpoint(
         return x, y
 
     monkeypatch.setattr(td.TokenDataset, "batch", poisoned)
-    config = tiny(corpus, tmp_path / "run", max_bad_steps=2)
+    config = tiny_in(corpus, tmp_path / "run", max_bad_steps=2)
     with pytest.raises(NonFiniteError, match=r"(?s)stopping at step 7: 2 consecutive.*"
                                              r"--max_bad_steps=2.*steps \[4\]"):
         train.run(config)
@@ -206,7 +196,7 @@ def test_sigkill_during_async_save_and_at_a_random_step_then_resume_exactly(
         corpus, tmp_path, cache_dir):
     """Killed while a checkpoint is being written, resumed, killed again at a random step,
     resumed again: the metrics log equals the uninterrupted run's, step for step."""
-    config = tiny(corpus, tmp_path / "ref", max_iters=12, lr_decay_iters=12, eval_interval=2,
+    config = tiny_in(corpus, tmp_path / "ref", max_iters=12, lr_decay_iters=12, eval_interval=2,
                   checkpoint_every=2)
     reference = train.run(config).history
     run = tc.override(config, out_dir=str(tmp_path / "run"))
@@ -250,7 +240,7 @@ def _damage(step_dir: Path, how: str) -> None:
 @pytest.fixture(scope="module")
 def eight_steps(corpus, tmp_path_factory, cache_dir):
     """A finished 8-step run with checkpoints at steps 4 and 8 (both kept)."""
-    config = tiny(corpus, tmp_path_factory.mktemp("eight") / "run")
+    config = tiny_in(corpus, tmp_path_factory.mktemp("eight") / "run")
     result = train.run(config)
     assert Checkpointer(Path(config.run.out_dir) / "checkpoints").steps() == [4, 8]
     return config, result.history
@@ -327,12 +317,12 @@ def test_unwritable_out_dir_fails_before_any_work(corpus, tmp_path):
     blocker.write_text("")
     with pytest.raises(OSError, match=r"--out_dir=.*a_file/run' is not writable.*nothing "
                                       r"was trained"):
-        train.run(tiny(corpus, blocker / "run"))
+        train.run(tiny_in(corpus, blocker / "run"))
     if os.geteuid() != 0:  # root writes through permission bits
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         with pytest.raises(PermissionError, match="is not writable"):
-            train.run(tiny(corpus, locked / "run"))
+            train.run(tiny_in(corpus, locked / "run"))
 
 
 def _tree(root: Path) -> dict[str, bytes | None]:
@@ -363,7 +353,7 @@ def test_a_failed_start_leaves_out_dir_as_it_was(corpus, tmp_path, before, failu
         (out / "checkpoints").mkdir()
     snapshot = _tree(tmp_path)
     with pytest.raises(error):
-        train.run(tiny(corpus, out, **overrides))
+        train.run(tiny_in(corpus, out, **overrides))
     assert _tree(tmp_path) == snapshot, failure
 
 

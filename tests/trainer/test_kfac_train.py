@@ -30,7 +30,7 @@ from train.kfac_trainer import (
 from train.optimizers import build_optimizer
 from train.sharding import batch_sharding, put_batch
 from train.step import ModelDef
-from trainer.test_train import _step_setup
+from trainer.support import step_setup
 
 # Runs of the same config compile the same programs: cached for this module.
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -94,7 +94,7 @@ def test_resumed_run_keeps_earlier_refresh_rows(corpus, tmp_path):
 
 
 def _curvature_setup(config):
-    mesh, state, step, _, vocab_size = _step_setup(config)  # the loop's step, as test_train
+    mesh, state, step, _, vocab_size = step_setup(config)  # the loop's step, as test_train
     return mesh, state, step, vocab_size
 
 
@@ -131,7 +131,7 @@ def test_stats_every_reduces_the_factors_only_on_statistics_steps(corpus, tmp_pa
     (the whole factors' bytes, no all-reduce of them) in the branch of statistics steps,
     each device keeps 1/8 of every factor EMA, and the other steps skip the collective."""
     config = tiny(corpus, tmp_path, bias=False, mesh_fsdp=8, kfac_stats_every=4)
-    mesh, state, step, _, _ = _step_setup(config)
+    mesh, state, step, _, _ = step_setup(config)
     x = put_batch(np.zeros((1, 8, config.model.block_size), np.int32), batch_sharding(mesh))
     compiled = step.lower(state, x, x).compile()
     text = compiled.as_text()

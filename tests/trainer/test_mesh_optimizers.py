@@ -10,7 +10,7 @@ import pytest
 from train import config as tc
 from train.optimizers import OPTIMIZERS
 from train.sharding import batch_sharding, put_batch
-from trainer.test_train import _batches, _step_setup, tiny
+from trainer.support import random_batches, step_setup, tiny
 
 SOAP_OPTIMIZERS = ("track3_record", "track3_soap_muon")
 #: The fsdp-only mesh splits matrices 8 ways (the owners' per-matrix state at its widest);
@@ -22,9 +22,9 @@ MESHES = {"fsdp8": dict(mesh_data=1, mesh_fsdp=8), "data2_fsdp4": dict(mesh_data
 
 
 def _losses(config, steps=3):
-    mesh, state, step, spec, vocab_size = _step_setup(config)
+    mesh, state, step, spec, vocab_size = step_setup(config)
     losses = []
-    for t, xy in enumerate(_batches(config, steps, vocab_size)):
+    for t, xy in enumerate(random_batches(config, steps, vocab_size)):
         state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
                               put_batch(xy[1], batch_sharding(mesh)), **spec.update_kwargs(t))
         losses.append(float(metrics["loss"]))

@@ -17,7 +17,7 @@ from train import config as tc
 from train.kfac_trainer import newton_muon_layers
 from train.sharding import batch_sharding, put_batch
 from train.step import create_train_state, cross_entropy
-from trainer.test_train import _batches, _step_setup
+from trainer.support import random_batches, step_setup
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 
@@ -48,8 +48,8 @@ def test_newton_muon_run_loss_falls(corpus, tmp_path):
 
 def test_refresh_step_reads_its_own_batch(corpus, tmp_path):
     config = tiny(corpus, tmp_path)
-    mesh, state, step, _, vocab_size = _step_setup(config)
-    batches = _batches(config, 3, vocab_size)
+    mesh, state, step, _, vocab_size = step_setup(config)
+    batches = random_batches(config, 3, vocab_size)
     put = lambda x: put_batch(x, batch_sharding(mesh))
     for xy in batches[:2]:
         state, _ = step(state, put(xy[0]), put(xy[1]))

@@ -16,7 +16,7 @@ from train.optimizers import build_optimizer
 from train.sample import load_params
 from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
 from train.step import make_eval_step, make_readout
-from trainer.test_train_optimizers import _setup, _tiny
+from trainer.support import model_setup, tiny_adamw
 
 RECIPES = ("track3_record", "track3_soap_muon", "muonh", "muloco_normuonh",
            "track3_newton_muon")
@@ -25,8 +25,8 @@ RECIPES = ("track3_record", "track3_soap_muon", "muonh", "muloco_normuonh",
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_trains(corpus, tmp_path, name):
     """Five steps on one batch: the loss is finite and falls."""
-    config = _tiny(corpus, tmp_path, optimizer=name, max_iters=50)
-    mesh, _, state, step = _setup(config)
+    config = tiny_adamw(corpus, tmp_path, optimizer=name, max_iters=50)
+    mesh, _, state, step = model_setup(config)
     spec = build_optimizer(config)
     xy = np.random.default_rng(0).integers(0, 32, (2, 1, 4, 8)).astype(np.int32)
     batch = [put_batch(a, batch_sharding(mesh)) for a in xy]
@@ -46,7 +46,7 @@ def test_readout_is_zero_cost_without_a_wrapper():
 def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkeypatch):
     """A track3_record run ends inside its tail EMA: the logged val loss is the readout's,
     not the params', and `load_params` (sampling, `train.evaluate`) restores the readout."""
-    config = _tiny(corpus, tmp_path, optimizer="track3_record", max_iters=8, eval_interval=8,
+    config = tiny_adamw(corpus, tmp_path, optimizer="track3_record", max_iters=8, eval_interval=8,
                    eval_iters=2, log_interval=8, num_samples=0, progress=False)
     result = train.run(config)
     logged = [h["val_loss"] for h in result.history if "val_loss" in h][-1]

@@ -33,15 +33,15 @@ from train.metrics import (
     run_title,
     tracker_scalars,
 )
-from trainer.test_faults import tiny as faults_tiny
+from trainer.support import tiny_in
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
 
 
 def tiny(corpus, out, **overrides) -> tc.TrainConfig:
-    """test_faults' tiny run, 6 steps long."""
-    return faults_tiny(corpus, out, **{**dict(max_iters=6, lr_decay_iters=6, eval_interval=3,
+    """`support.tiny_in`'s run (test_faults'), 6 steps long."""
+    return tiny_in(corpus, out, **{**dict(max_iters=6, lr_decay_iters=6, eval_interval=3,
                                               eval_iters=1, checkpoint_every=3), **overrides})
 
 

@@ -36,26 +36,15 @@ from train.optimizers import (
 )
 from train.sample import load_model
 from train.sample import main as sample_main
-from train.sharding import batch_sharding, make_mesh, mesh_shape, put_batch, tree_shardings
+from train.sharding import batch_sharding, mesh_shape, put_batch
 from train.step import (
     CPU_COMPILER_OPTIONS,
     compiler_options,
-    create_train_state,
-    make_train_step,
 )
+from trainer.support import random_batches, step_setup, tiny
 
 # Runs of the same config compile the same programs: cached for this module.
 pytestmark = pytest.mark.usefixtures("compilation_cache")
-
-
-def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
-    base = dict(
-        n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
-        max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
-        checkpoint_every=4, mesh_data=1, num_samples=0, progress=False, vocab_multiple=8,
-        data=str(corpus), out_dir=str(tmp_path / "run"))
-    return tc.override(tc.TrainConfig(), **{**base, **overrides})
 
 
 def train_losses(result) -> dict[int, float]:
@@ -107,8 +96,6 @@ def test_sample_cli_restores_the_final_model(reference, capsys):
         result.out_dir / "samples.txt").read_text()[:-1]
 
 
-
-
 def test_evaluate_cli_is_the_mean_loss_over_every_val_window(reference, corpus, capsys):
     config, result = reference
     model, _, _ = load_model(result.out_dir)
@@ -158,34 +145,15 @@ def test_resume_continues_exactly(reference, corpus, tmp_path):
         train.run(tc.override(first, max_iters=8))
 
 
-def _step_setup(config):
-    """The jitted step the loop would build for `config` (same program: cached compiles)."""
-    vocab_size = td.open_dataset(config.data.path).vocab_size
-    spec = build_optimizer(config)
-    mesh = make_mesh(config)
-    model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
-                                      mesh=mesh)
-    shardings = tree_shardings(state, mesh)
-    spec = build_optimizer(config, params=shardings.params)  # as the loop does
-    step = make_train_step(model, spec, mesh=mesh, state_shardings=shardings)
-    return mesh, state, step, spec, vocab_size
-
-
-def _batches(config, steps, vocab_size):
-    rng = np.random.default_rng(0)
-    shape = (config.data.grad_accum, config.data.batch_size, config.model.block_size)
-    return [rng.integers(0, vocab_size, (2, *shape)).astype(np.int32) for _ in range(steps)]
-
-
 def test_snoo_static_hint_matches_in_jit_decision(corpus, tmp_path):
     """The host's static sync hint (two compiled variants) equals Snoo's in-jit `lax.cond`."""
     config = tiny(corpus, tmp_path)  # the reference run's config: Snoo k=3 around AdamW
     runs = {}
     for hint in (True, False):
-        mesh, state, step, spec, vocab_size = _step_setup(config)
+        mesh, state, step, spec, vocab_size = step_setup(config)
         assert spec.sync_period == 3
         losses = []
-        for t, xy in enumerate(_batches(config, 7, vocab_size)):
+        for t, xy in enumerate(random_batches(config, 7, vocab_size)):
             hints = spec.update_kwargs(t) if hint else {}
             state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
                                   put_batch(xy[1], batch_sharding(mesh)), **hints)
@@ -207,9 +175,9 @@ def test_cpu_step_compiles_with_the_memory_optimized_schedule(corpus, tmp_path, 
     the order of the kernels, so with the CPU emitters users run (conftest turns them off
     for speed) the state is bitwise that of XLA's default schedule."""
     config = tiny(corpus, tmp_path, dtype="bfloat16", n_embd=64)
-    mesh, state, step, _, vocab_size = _step_setup(config)
+    mesh, state, step, _, vocab_size = step_setup(config)
     assert compiler_options(mesh) == CPU_COMPILER_OPTIONS
-    xy = [put_batch(a, batch_sharding(mesh)) for a in _batches(config, 1, vocab_size)[0]]
+    xy = [put_batch(a, batch_sharding(mesh)) for a in random_batches(config, 1, vocab_size)[0]]
     lowered = step.lower(state, *xy)
     assert _schedule(lowered.compile()) == _schedule(
         lowered.compile(compiler_options=CPU_COMPILER_OPTIONS))
@@ -232,9 +200,9 @@ def test_gradient_accumulation_equals_big_batch(corpus, tmp_path):
     small = tc.override(big, batch_size=4, grad_accum=2)
     results = {}
     for config in (big, small):
-        mesh, state, step, _, vocab_size = _step_setup(config)
+        mesh, state, step, _, vocab_size = step_setup(config)
         losses = []
-        for xy in _batches(big, 4, vocab_size):
+        for xy in random_batches(big, 4, vocab_size):
             xy = xy.reshape(2, config.data.grad_accum, config.data.batch_size,
                             config.model.block_size)
             state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
@@ -252,9 +220,9 @@ def test_eight_devices_match_one_and_stay_sharded(corpus, tmp_path):
     one = tiny(corpus, tmp_path)
     runs = {}
     for config in (one, tc.override(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)):
-        mesh, state, step, _, vocab_size = _step_setup(config)
+        mesh, state, step, _, vocab_size = step_setup(config)
         losses = []
-        for xy in _batches(config, 4, vocab_size):
+        for xy in random_batches(config, 4, vocab_size):
             state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
                                   put_batch(xy[1], batch_sharding(mesh)))
             losses.append(float(metrics["loss"]))

@@ -19,7 +19,7 @@ from train import data as td
 from train import tokenizer as ttok
 from train.evaluate import evaluate_split
 from train.sample import main as sample_main
-from trainer.test_data import nanogpt_char_folder
+from trainer.support import nanogpt_char_folder
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 

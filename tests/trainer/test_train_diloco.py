@@ -18,13 +18,13 @@ from train.evaluate import evaluate_split
 from train.optimizers import build_optimizer
 from train.sharding import make_mesh
 from train.step import create_train_state
-from trainer.test_train import tiny as train_tiny
+from trainer.support import tiny as train_tiny
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def tiny(corpus, out_dir, **overrides) -> tc.TrainConfig:
-    """test_train's tiny run as two DiLoCo replicas of 2 fsdp devices each."""
+    """`support.tiny`'s run as two DiLoCo replicas of 2 fsdp devices each."""
     base = dict(lr_decay_iters=10, mesh_diloco=2, mesh_fsdp=2, vocab_multiple=None,
                 out_dir=str(out_dir))
     return train_tiny(corpus, Path(out_dir), **{**base, **overrides})

@@ -16,9 +16,9 @@ from train import config as tc
 from train.config import get_preset, override, parse_args
 from train.nonfinite import update_if_finite
 from train.optimizers import OPTIMIZERS, TrainOptimizer, build_optimizer, register
-from train.sharding import batch_sharding, make_mesh, put_batch, tree_shardings
+from train.sharding import batch_sharding, put_batch
 from train.state import TrainState
-from train.step import create_train_state, make_train_step
+from trainer.support import model_setup, tiny_adamw
 
 PARAMS = {"blocks": {"0": {"mlp": {"c_fc": {"kernel": jnp.ones((8, 16))}}}},
           "ln_f": {"scale": jnp.ones(8)}, "wte": {"embedding": jnp.ones((5, 8))}}
@@ -166,27 +166,11 @@ def test_register_a_new_optimizer(corpus, tmp_path):
 # --------------------------------------------------------------------- the train step
 
 
-def _tiny(corpus, tmp_path, **values):
-    return override(tc.TrainConfig(), **{
-        "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "batch_size": 4,
-        "dtype": "float32", "mesh_data": 1, "optimizer": "adamw", "data": str(corpus),
-        "out_dir": str(tmp_path / "run"), **values})
-
-
-def _setup(config, vocab_size=32):
-    spec = build_optimizer(config)
-    mesh = make_mesh(config)
-    model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
-                                      mesh=mesh)
-    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
-    return mesh, model, state, step
-
-
 def test_each_micro_batch_gets_its_own_dropout_mask(corpus, tmp_path):
     """dropout > 0, grad_accum = 2, the same tokens twice: the loss is the mean over two
     different masks, those of keys `split(fold_in(rng, step), 2)`."""
-    config = _tiny(corpus, tmp_path, dropout=0.5, grad_accum=2)
-    mesh, model, state, step = _setup(config)
+    config = tiny_adamw(corpus, tmp_path, dropout=0.5, grad_accum=2)
+    mesh, model, state, step = model_setup(config)
     rng = np.random.default_rng(0)
     xy = rng.integers(0, 32, (2, 1, 4, 8)).astype(np.int32)
     xy = np.concatenate([xy, xy], axis=1)  # (2, A=2, B, T): identical micro-batches
