@@ -416,7 +416,7 @@ def test_optax_matrix(tmp_path):
     m.check_jit_matches_eager(tx, {"w": MATRIX_PARAMS["wte"],
                                    "experts": MATRIX_PARAMS["moe"]["experts"]}, steps=3)
     m.check_state_stable(tx, MATRIX_PARAMS)
-    m.check_dtype_preserved(tx, MATRIX_PARAMS)  # with rounding: tests/test_rounding.py
+    m.check_dtype_preserved(tx, MATRIX_PARAMS)  # with rounding: tests/library/test_rounding.py
     m.check_multisteps(tx, MATRIX_PARAMS)
     m.check_partition(tx, MATRIX_PARAMS)
     m.check_sharded_state(tx, MATRIX_PARAMS)
