@@ -82,7 +82,7 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
     assert set(MAIN_LR) == set(OPTIMIZERS)
     if MAIN_LR[name] is None:
         pytest.skip("the record's fixed rates: test_track3_baseline_is_the_recipe and "
-                    "test_train_track3 check them")
+                    "test_track3_recipes check them")
     base = override(tc.TrainConfig(), optimizer=name, schedule="stable_cooldown",
                     max_iters=100, learning_rate=1e-3, grad_clip=0.0, muon_beta_warmup=0,
                     skew_weight_decay=0.0, weight_decay=0.0)
