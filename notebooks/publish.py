@@ -6,7 +6,7 @@ the placeholder ``your-org``. A notebook opened on Colab cannot read a file of t
 repository before cloning it, so the owner has to be written into each notebook; this
 script is the one thing to run on publishing: it rewrites the owner everywhere and
 regenerates every notebook's badge line and install cell from the templates below
-(``tests/test_publish.py`` checks that all of them agree).
+(``tests/project/test_publish.py`` checks that all of them agree).
 
     python notebooks/publish.py --owner my-github-name   # rewrite
     python notebooks/publish.py --check                  # exit 1 if anything disagrees

@@ -51,7 +51,7 @@ tokenizer provably gives the same ids as for the whole document:
   text ends a piece before the newline, reads the newline alone (`\\s+(?!\\S)` fails
   before `Y`, then `\\s+` takes one character), and restarts at `Y`, exactly as the scan
   of `"...x\\n"` (whose `\\s+(?!\\S)` takes the final newline) followed by the scan of
-  `"Y..."`. No match attempt before the newline reads past it. `tests/test_prepare.py`
+  `"Y..."`. No match attempt before the newline reads past it. `tests/trainer/test_prepare.py`
   checks it on the shipped corpus and on adversarial strings;
 - a Hugging Face `tokenizer.json`: never (its pre-tokenizer and normalizer are arbitrary),
   so one huge document is tokenized by one process.

@@ -1,0 +1,699 @@
+"""Muon (optax_snoo.muon) against a float64 numpy implementation written from the formulas of
+Jordan's Muon post (2024) and the modded-nanogpt records
+(and, for the Polar Express preset, from the paper's Algorithm 1).
+
+The reference (`references.muon`) is independent of the library: its own coefficient
+tables, its own Newton-Schulz, momentum, smoothing, shape scale, weight decay and AdamW.
+Trajectories run >= 100 steps with the Newton-Schulz iteration in float32 and are compared
+step by step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+
+import optax_matrix as m
+from optax_snoo import (
+    MuonState,
+    add_decoupled_weight_decay,
+    muon,
+    muon_momentum_warmup,
+    orthogonalize,
+    scale_by_muon,
+)
+from references.muon import KELLER, MODDED, RefMuon, ref_ns, ref_scalar_ns
+
+# Amsel et al. 2025 (arXiv 2505.16932), Algorithm 1, copied from the paper: the degree-5
+# polynomials for l = 1e-3, safety factor 1.01 on all but the last, input normalised by
+# 1.01 ||X||_F + 1e-7.
+PAPER_POLAR_EXPRESS = [
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+]
+PAPER_POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5)
+                       for a, b, c in PAPER_POLAR_EXPRESS[:-1]] + [PAPER_POLAR_EXPRESS[-1]]
+
+
+def ref_polar_express(x, steps=5):
+    """The paper's Algorithm 1 in float64 (its own normalisation, no folding)."""
+    X = np.asarray(x, np.float64)
+    transposed = X.shape[-2] > X.shape[-1]
+    if transposed:
+        X = np.swapaxes(X, -1, -2)
+    X = X / (np.linalg.norm(X, axis=(-2, -1), keepdims=True) * 1.01 + 1e-7)
+    for a, b, c in PAPER_POLAR_EXPRESS[:steps]:
+        A = X @ np.swapaxes(X, -1, -2)
+        X = a * X + (b * A + c * A @ A) @ X
+    return np.swapaxes(X, -1, -2) if transposed else X
+
+
+# The same as triples on the plain ||X||_F normalisation: p1(x / 1.01).
+PE_FOLDED = ((PAPER_POLAR_EXPRESS[0][0] / 1.01, PAPER_POLAR_EXPRESS[0][1] / 1.01**3,
+              PAPER_POLAR_EXPRESS[0][2] / 1.01**5), *PAPER_POLAR_EXPRESS[1:5])
+PRESETS = {"keller": KELLER, "modded": MODDED, "polar_express": PE_FOLDED}
+F32 = jnp.float32
+# Jitted once per (shape, coefficients, dtype): eager lax.scan would compile op by op.
+ortho = jax.jit(orthogonalize, static_argnums=(1, 2, 3))
+
+
+# ----------------------------------------------------------------------------------------
+# The float64 reference (the Muon update of modded-nanogpt) is references/muon.py.
+
+
+def normal(shape, seed, scale=1.0):
+    """Test data from numpy: each new shape given to jax.random.normal costs a compile."""
+    return jnp.asarray(scale * np.random.default_rng(seed).standard_normal(shape), F32)
+
+
+def normal_tree(params, step):
+    """Gradient-like tree for `step` (float32, independent of the params' values)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([normal(np.shape(x), seed=(step, i)) for i, x in enumerate(leaves)])
+
+
+# A transformer-ish tree: attention/MLP matrices (both aspect ratios), an expert stack,
+# and the 0-D/1-D leaves Muon must leave to Adam.
+PARAMS = {
+    "wq": normal((8, 16), seed=1, scale=0.1),
+    "mlp_proj": normal((16, 8), seed=3, scale=0.1),
+    "experts": normal((2, 6, 12), seed=4, scale=0.1),
+    "norm": jnp.ones((16,)),
+    "scalar": jnp.asarray(0.5, jnp.float32),
+}
+LABELS = {k: "muon" if v.ndim >= 2 else "adam" for k, v in PARAMS.items()}
+WD_MUL = {k: 2.0 if k.startswith("mlp") else 1.0 for k in PARAMS}
+ndim_labels = lambda p: jax.tree.map(lambda x: "muon" if x.ndim >= 2 else "adam", p)
+MATRICES = {"v": PARAMS["mlp_proj"], "e": PARAMS["experts"]}  # transposed path and a stack
+MIXED = dict(MATRICES, norm=PARAMS["norm"], scalar=PARAMS["scalar"])  # + Adam's 1-D and 0-D
+
+
+def first_update(tx, grads, params=None):
+    """One jitted update from a fresh state (eager mode would compile op by op)."""
+    return jax.jit(tx.update)(grads, tx.init(grads if params is None else params), params)
+
+
+def cooldown(T, frac=0.7, final=0.01, xp=np):
+    """The record's stable-then-cooldown learning-rate multiplier."""
+    def mult(t):
+        x = t / T
+        return xp.where(x < 1 - frac, 1.0, (1 - x) / frac * (1 - final) + final)
+    return mult
+
+
+STEPS = 100
+CONFIGS = {
+    "keller_nesterov_wd_mul": dict(
+        ours=dict(learning_rate=0.02, beta=0.95, coefficients="keller", weight_decay=0.01,
+                  weight_decay_multiplier=WD_MUL, adam_learning_rate=3e-3),
+        ref=dict(lr=0.02, beta=0.95, triples=KELLER, wd=0.01, wd_mul=WD_MUL, adam_lr=3e-3)),
+    "modded_plain_warmup_ema_smoothing": dict(
+        ours=dict(learning_rate=0.03, beta=muon_momentum_warmup(0.85, 0.95, 50),
+                  nesterov=False, smoothing=0.2, smoothing_form="ema", adam_b1=0.8,
+                  adam_b2=0.95, adam_eps=1e-10, adam_weight_decay=0.1),
+        ref=dict(lr=0.03, beta=lambda t: 0.85 + 0.10 * min(t / 50, 1), triples=MODDED,
+                 nesterov=False, smoothing=0.2, smoothing_form="ema", b1=0.8, b2=0.95,
+                 eps=1e-10, adam_wd=0.1)),
+    "modded_nesterov_smoothing_schedules": dict(
+        ours=dict(learning_rate=lambda t: 0.03 * cooldown(STEPS, xp=jnp)(t),
+                  beta=muon_momentum_warmup(), weight_decay=0.01,
+                  weight_decay_multiplier=lambda p: jax.tree_util.tree_map_with_path(
+                      lambda path, _: 2.0 if "mlp" in jax.tree_util.keystr(path) else 1.0, p),
+                  smoothing=optax.linear_schedule(0.5, 0.2, 60), smoothing_form="nesterov"),
+        ref=dict(lr=lambda t: 0.03 * cooldown(STEPS)(t),
+                 beta=lambda t: 0.85 + 0.10 * min(t / 300, 1), triples=MODDED, wd=0.01,
+                 wd_mul=WD_MUL, smoothing=lambda t: 0.5 - 0.3 * min(t / 60, 1),
+                 smoothing_form="nesterov")),
+    "polar_express_consistent_rms": dict(
+        ours=dict(learning_rate=0.01, beta=0.9, coefficients="polar_express",
+                  shape_scale="consistent_rms", weight_decay=0.05),
+        ref=dict(lr=0.01, beta=0.9, triples=PE_FOLDED, shape_scale="consistent_rms",
+                 wd=0.05)),
+    "keller_bias_corrected": dict(
+        ours=dict(learning_rate=0.02, beta=0.9, coefficients="keller", bias_correction=True),
+        ref=dict(lr=0.02, beta=0.9, triples=KELLER, bias_correction=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_trajectory_matches_float64_reference(name):
+    cfg = CONFIGS[name]
+    tx = muon(ns_dtype=F32, labels=LABELS, **cfg["ours"])
+    ref = RefMuon(PARAMS, LABELS, **cfg["ref"])
+    update = jax.jit(tx.update)
+    params, state = PARAMS, tx.init(PARAMS)
+    adam_err, adam_scale = {}, {}
+    for t in range(STEPS):
+        grads = normal_tree(PARAMS, t)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        expected = ref.step(grads)
+        for k, u in updates.items():
+            err = np.max(np.abs(np.asarray(u, np.float64) - expected[k]))
+            scale = np.max(np.abs(expected[k]))
+            if LABELS[k] == "muon":
+                # f32 Newton-Schulz: measured <= 3e-6 relative over these matrices.
+                assert err / scale < 1e-5, (name, t, k, err / scale)
+            else:
+                adam_err[k] = max(adam_err.get(k, 0.0), err)
+                adam_scale[k] = max(adam_scale.get(k, 0.0), scale)
+    # AdamW leaves, relative to their largest update (a step where the decay and the Adam
+    # term nearly cancel has no meaningful relative error): optax forms 1 - b2 from the
+    # Python float but 1 - b2**t from b2 rounded to f32 (0.999: off by 1.3e-5), so the
+    # measured error is 1.0e-5.
+    for k, err in adam_err.items():
+        assert 0 < err / adam_scale[k] < 3e-5, (name, k, err / adam_scale[k])
+    for k, p in params.items():
+        np.testing.assert_allclose(np.asarray(p, np.float64), ref.p[k], rtol=1e-5, atol=1e-5)
+
+
+# Wide, tall and a stack of wide matrices (squares: the test after).
+NORMUON_PARAMS = {"wq": PARAMS["wq"], "mlp_proj": PARAMS["mlp_proj"],
+                  "experts": PARAMS["experts"], "norm": PARAMS["norm"]}
+NORMUON_CONFIGS = {
+    "normuon": dict(
+        ours=dict(learning_rate=0.02, beta=0.95, beta2=0.95, weight_decay=0.01,
+                  adam_learning_rate=3e-3),
+        ref=dict(lr=0.02, beta=0.95, triples=MODDED, beta2=0.95, wd=0.01, adam_lr=3e-3)),
+    "normuon_cautious_schedules": dict(
+        ours=dict(learning_rate=lambda t: 0.03 * cooldown(STEPS, xp=jnp)(t),
+                  beta=muon_momentum_warmup(0.85, 0.95, 50),
+                  beta2=optax.linear_schedule(0.8, 0.95, 40),
+                  weight_decay=0.05, adam_weight_decay=0.1, cautious_weight_decay=True),
+        ref=dict(lr=lambda t: 0.03 * cooldown(STEPS)(t),
+                 beta=lambda t: 0.85 + 0.10 * min(t / 50, 1), triples=MODDED,
+                 beta2=lambda t: 0.8 + 0.15 * min(t / 40, 1), wd=0.05, adam_wd=0.1,
+                 cautious=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMUON_CONFIGS))
+def test_normuon_trajectory_matches_float64_reference(name):
+    """NorMuon (and cautious decay on both groups) against the record's formulas in float64,
+    100 steps, on wide, tall and stacked matrices."""
+    cfg, labels = NORMUON_CONFIGS[name], ndim_labels(NORMUON_PARAMS)
+    tx = muon(ns_dtype=F32, labels=labels, **cfg["ours"])
+    ref = RefMuon(NORMUON_PARAMS, labels, **cfg["ref"])
+    update = jax.jit(tx.update)
+    params, state = NORMUON_PARAMS, tx.init(NORMUON_PARAMS)
+    for t in range(STEPS):
+        grads = normal_tree(NORMUON_PARAMS, t)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        expected = ref.step(grads)
+        for k in ("wq", "mlp_proj", "experts"):
+            err = np.max(np.abs(np.asarray(updates[k], np.float64) - expected[k]))
+            assert err / np.max(np.abs(expected[k])) < 1e-5, (name, t, k)
+    for k, p in params.items():
+        np.testing.assert_allclose(np.asarray(p, np.float64), ref.p[k], rtol=1e-5, atol=1e-5)
+    nu = state.inner_states["muon"].inner_state[0].nu
+    assert nu["wq"].shape == (1, 16) and nu["mlp_proj"].shape == (16, 1)
+    assert nu["experts"].shape == (2, 1, 12)
+
+
+def test_normuon_on_square_matrices_reduces_over_fan_in():
+    """Squares, on the NorMuon stage alone: fed the same orthogonalised input (our float32
+    iteration; on a square matrix its float32 result is only ~1e-5 from float64's, the
+    small singular values sitting where the polynomials are steep), the update equals the
+    record's formula in float64, statistics per output neuron (one per column of (in, out)),
+    over 5 steps of the EMA."""
+    tx = scale_by_muon(0.0, ns_dtype=F32, shape_scale=None, beta2=0.9)  # beta 0: v = g
+    ref = RefMuon({"w": jnp.zeros((12, 12))}, {"w": "muon"}, lr=1.0, beta=0.0, triples=MODDED,
+                  beta2=0.9)
+    update, state = jax.jit(tx.update), tx.init({"w": jnp.zeros((12, 12))})
+    for t in range(5):
+        g = normal((12, 12), seed=(t, 11))
+        u, state = update({"w": g}, state)
+        o = np.asarray(orthogonalize(g, "modded", F32), np.float64)
+        np.testing.assert_allclose(np.asarray(u["w"], np.float64), ref.normuon("w", o, 0.9),
+                                   rtol=0, atol=1e-6 * np.max(np.abs(o)))
+    assert state.nu["w"].shape == (1, 12)
+
+
+def test_normuon_on_a_dead_neuron_and_an_expert_with_no_tokens_stays_finite():
+    """The floors (1e-10 under the second moment and under the rescaled norm) are what keep
+    these finite: a neuron whose gradient is zero (its second moment stays 0) and an
+    expert that got no tokens (its whole matrix zero: 0/0 without them). Over 4 steps the
+    dead parts get exactly no update and the rest equals the record's formula (float64)."""
+    tx = scale_by_muon(0.0, ns_dtype=F32, shape_scale=None, beta2=0.9)  # beta 0: v = g
+    shapes = {"w": (12, 16), "experts": (2, 8, 12)}
+    ref = RefMuon({k: jnp.zeros(v) for k, v in shapes.items()}, dict.fromkeys(shapes, "muon"),
+                  lr=1.0, beta=0.0, triples=MODDED, beta2=0.9)
+    update, state = jax.jit(tx.update), tx.init({k: jnp.zeros(v) for k, v in shapes.items()})
+    for t in range(4):
+        g = {k: normal(v, seed=(t, 21 + i)) for i, (k, v) in enumerate(shapes.items())}
+        g["w"] = g["w"].at[:, 3].set(0.0)  # output neuron 3 never gets a gradient
+        g["experts"] = g["experts"].at[1].set(0.0)  # expert 1 routed no token
+        u, state = update(g, state)
+        for k in shapes:
+            assert np.all(np.isfinite(np.asarray(u[k]))), (k, t)
+            o = np.asarray(orthogonalize(g[k], "modded", F32), np.float64)
+            np.testing.assert_allclose(np.asarray(u[k], np.float64), ref.normuon(k, o, 0.9),
+                                       rtol=0, atol=1e-6 * np.max(np.abs(o)))
+        assert np.all(np.asarray(u["w"])[:, 3] == 0) and np.all(np.asarray(u["experts"])[1] == 0)
+        assert float(np.max(np.abs(np.asarray(u["w"])))) > 0.1  # the rest does move
+    assert np.all(np.asarray(state.nu["w"])[:, 3] == 0)
+
+
+def test_normuon_keeps_the_frobenius_norm_and_evens_the_neurons():
+    """Properties: the update's Frobenius norm is the orthogonalised one's, and a matrix
+    whose orthogonalised rows differ in size comes out with rows of equal RMS at step 0."""
+    w = normal((8, 32), seed=7)
+    g = w * jnp.linspace(0.1, 3.0, 32)[None, :]  # columns (the longer axis) of unequal size
+    plain, _ = first_update(scale_by_muon(0.9, ns_dtype=F32, shape_scale=None), {"w": g})
+    normed, state = first_update(scale_by_muon(0.9, ns_dtype=F32, shape_scale=None,
+                                               beta2=0.5), {"w": g})
+    np.testing.assert_allclose(np.linalg.norm(normed["w"]), np.linalg.norm(plain["w"]),
+                               rtol=1e-5)
+    col_rms = np.sqrt(np.mean(np.square(np.asarray(normed["w"])), axis=0))
+    np.testing.assert_allclose(col_rms, col_rms.mean(), rtol=1e-4)
+    assert np.std(np.sqrt(np.mean(np.square(np.asarray(plain["w"])), axis=0))) > 1e-3
+    assert state.nu["w"].shape == (1, 32)
+
+
+# ----------------------------------------------------------------------------------------
+# Newton-Schulz
+
+@pytest.mark.parametrize("preset", ["keller", "modded"])
+def test_orthogonalize_float32_matches_reference(preset):
+    rng = np.random.default_rng(0)
+    for shape in [(8, 16), (16, 8), (3, 6, 12), (2, 2, 12, 6)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        out = ortho(jnp.asarray(x), preset, F32)
+        assert out.dtype == F32 and out.shape == shape
+        np.testing.assert_allclose(np.asarray(out), ref_ns(x, PRESETS[preset]), atol=5e-6)
+    explicit = ortho(jnp.asarray(x), PRESETS[preset], F32)
+    np.testing.assert_array_equal(np.asarray(explicit), np.asarray(out))
+
+
+def test_orthogonalize_explicit_triples_and_eps():
+    x = np.random.default_rng(1).standard_normal((6, 10)).astype(np.float32)
+    triples = ((2.0, -1.5, 0.5), (1.5, -0.5, 0.0), (3.0, -3.2, 1.2))
+    np.testing.assert_allclose(np.asarray(ortho(jnp.asarray(x), triples, F32, 1e-7)),
+                               ref_ns(x, triples), atol=5e-6)
+    np.testing.assert_allclose(np.asarray(ortho(jnp.asarray(x), triples, F32, 3.0)),
+                               ref_ns(x, triples, eps=3.0), atol=5e-6)
+    zeros = ortho(jnp.zeros((4, 6), jnp.bfloat16), "modded", jnp.bfloat16, 1e-7)
+    assert zeros.dtype == F32
+    np.testing.assert_array_equal(np.asarray(zeros), 0.0)
+    as_list = orthogonalize(jnp.asarray(x), np.asarray(triples), F32)  # (n, 3) arrays work too
+    np.testing.assert_allclose(np.asarray(as_list), ref_ns(x, triples), atol=5e-6)
+
+
+@pytest.mark.parametrize("preset", ["keller", "modded"])
+def test_bf16_singular_values_in_the_band_the_coefficients_produce(preset):
+    """The band is derived from the coefficients: each normalised singular value s of the
+    input becomes phi(s), phi the composed polynomial; over the inputs' range of s the
+    image of phi is the band. bfloat16 must land in it up to bf16 rounding."""
+    triples = PRESETS[preset]
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(shape).astype(np.float32)
+          for shape in [(32, 64)] * 4 + [(64, 32)] * 4 + [(3, 24, 48)]]
+    s_in = np.concatenate([
+        np.linalg.svd(x / np.linalg.norm(x, axis=(-2, -1), keepdims=True),
+                      compute_uv=False).ravel() for x in xs])
+    grid = np.linspace(s_in.min(), s_in.max(), 20001)
+    lo, hi = ref_scalar_ns(grid, triples).min(), ref_scalar_ns(grid, triples).max()
+    s_ref = np.concatenate([np.linalg.svd(ref_ns(x, triples), compute_uv=False).ravel()
+                            for x in xs])
+    s_bf16 = np.concatenate([
+        np.linalg.svd(np.asarray(ortho(jnp.asarray(x), preset, jnp.bfloat16), np.float64),
+                      compute_uv=False).ravel() for x in xs])
+    # The f64 reference is the polynomial applied to the singular values (exactly).
+    assert lo - 1e-9 <= s_ref.min() and s_ref.max() <= hi + 1e-9
+    # bf16 keeps 8 significant bits (relative rounding <= 2^-9 per op), and a X + B X
+    # cancels terms of size ~4 down to ~1, so one iteration's rounding moves a singular
+    # value by up to ~4 * 2^-9 = 0.008; measured <= 0.009 outside the band over several
+    # seeds. Allowance 0.02. (Elementwise steps in bf16 with the coefficients rounded to
+    # bf16, as JAX's weak typing would do, measured ~0.035: the implementation avoids it.)
+    tol = 0.02
+    assert lo - tol <= s_bf16.min() and s_bf16.max() <= hi + tol, (preset, lo, hi,
+                                                                   s_bf16.min(), s_bf16.max())
+    # ... and fills it: the wrong coefficients would give another band.
+    assert abs(s_bf16.min() - lo) < tol and abs(s_bf16.max() - hi) < tol
+    expected_band = {"keller": (0.68, 1.13), "modded": (0.98, 1.03)}[preset]
+    np.testing.assert_allclose((lo, hi), expected_band, atol=0.01)
+
+
+def test_polar_express_is_the_papers_algorithm_and_its_band():
+    """The preset runs Amsel et al.'s Algorithm 1 (five steps): equal to the paper's code
+    in float64; and the band it promises: every normalised singular value in [1e-3, 1]
+    is mapped by the composed polynomials into [lo, hi] (computed here from the paper's
+    list: [0.840, 1.124]), which float32 and bfloat16 outputs must land in."""
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(shape).astype(np.float32)
+          for shape in [(32, 64), (64, 32), (3, 24, 48), (16, 16)]]
+    for x in xs:
+        out = ortho(jnp.asarray(x), "polar_express", F32)
+        np.testing.assert_allclose(np.asarray(out), ref_polar_express(x), atol=5e-6)
+    grid = np.linspace(1e-3, 1.0, 200001) / 1.01
+    for a, b, c in PAPER_POLAR_EXPRESS[:5]:
+        grid = a * grid + b * grid**3 + c * grid**5
+    lo, hi = grid.min(), grid.max()
+    np.testing.assert_allclose((lo, hi), (0.840, 1.124), atol=1e-3)
+    for x in xs[:3]:  # non-square: normalised singular values above 1e-3
+        s_in = np.linalg.svd(x / np.linalg.norm(x, axis=(-2, -1), keepdims=True),
+                             compute_uv=False)
+        assert s_in.min() > 1e-3
+        for dtype, tol in ((F32, 1e-5), (jnp.bfloat16, 0.02)):
+            out = np.asarray(ortho(jnp.asarray(x), "polar_express", dtype), np.float64)
+            s = np.linalg.svd(out, compute_uv=False)
+            assert lo - tol <= s.min() and s.max() <= hi + tol, (dtype, s.min(), s.max())
+
+
+def test_shape_scale_options():
+    w = normal((8, 32), seed=9)
+    base, _ = first_update(scale_by_muon(ns_dtype=F32, shape_scale=None), w)
+    for value, factor in (("modded", 2.0), (True, 2.0), (False, 1.0), (None, 1.0),
+                          ("consistent_rms", 0.2 * np.sqrt(32))):
+        u, _ = first_update(scale_by_muon(ns_dtype=F32, shape_scale=value), w)
+        np.testing.assert_allclose(np.asarray(u), factor * np.asarray(base), rtol=1e-6)
+    # An orthogonal O of shape (m, n) has ||O||_F^2 = min(m, n), so RMS(O) =
+    # 1/sqrt(max(m, n)) and 0.2 sqrt(max(m, n)) O has RMS 0.2, AdamW's typical update
+    # RMS (up to the Newton-Schulz band).
+    u, _ = first_update(scale_by_muon(ns_dtype=F32, shape_scale="consistent_rms",
+                                      coefficients="polar_express"), w)
+    assert abs(float(jnp.sqrt(jnp.mean(jnp.square(u)))) - 0.2) < 0.02
+    with pytest.raises(ValueError, match="shape_scale.*'rms'"):
+        scale_by_muon(shape_scale="rms")
+
+
+def test_consistent_rms_and_adam_nesterov_match_optax_contrib():
+    """optax.contrib.muon(consistent_rms=0.2, nesterov=True) uses Nesterov in its AdamW
+    group too: ours matches it with adam_nesterov=True (and differs without)."""
+    params = {"w": PARAMS["wq"], "v": PARAMS["mlp_proj"], "norm": PARAMS["norm"]}
+    theirs = optax.contrib.muon(0.02, beta=0.9, eps=1e-7, consistent_rms=0.2, nesterov=True,
+                                adam_learning_rate=3e-3)
+    kw = dict(beta=0.9, coefficients="keller", ns_dtype=F32, bias_correction=True,
+              shape_scale="consistent_rms", adam_learning_rate=3e-3, adam_eps=1e-7,
+              labels=ndim_labels)
+    ours, plain = muon(0.02, adam_nesterov=True, **kw), muon(0.02, **kw)
+    p = {k: params for k in ("ours", "plain", "theirs")}
+    txs = {"ours": ours, "plain": plain, "theirs": theirs}
+    states = {k: tx.init(params) for k, tx in txs.items()}
+    updates = {k: jax.jit(tx.update) for k, tx in txs.items()}
+    for t in range(6):
+        g = normal_tree(params, t)
+        for k in txs:
+            u, states[k] = updates[k](g, states[k], p[k])
+            p[k] = optax.apply_updates(p[k], u)
+    m.assert_trees_close(p["ours"], p["theirs"], rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(p["plain"]["norm"] - p["theirs"]["norm"]))) > 1e-4
+    m.assert_trees_close({k: p["plain"][k] for k in "wv"}, {k: p["theirs"][k] for k in "wv"},
+                         rtol=1e-5, atol=1e-6)
+
+
+def test_convolution_kernels_warn_once_per_leaf():
+    import warnings
+
+    params = {"conv": normal((3, 3, 4, 8), seed=1), "conv2": normal((3, 3, 8, 8), seed=2),
+              "experts": normal((2, 6, 12), seed=3)}
+    tx = scale_by_muon(ns_dtype=F32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = tx.init(params)
+        jax.jit(tx.update)(params, state)
+        tx.update(params, state)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 2, messages
+    assert "'conv'" in messages[0] and "(3, 3, 4, 8)" in messages[0]
+    assert "9 separate 4x8 matrices" in messages[0] and "'conv2'" in messages[1]
+
+
+def test_stacks_equal_per_matrix_results():
+    # Slicing and transposing happen in numpy: eager jax indexing compiles per index.
+    x = np.asarray(normal((4, 8, 12), seed=5))
+    tx = scale_by_muon(0.9, ns_dtype=F32)
+    stack, split = {"e": jnp.asarray(x)}, {f"e{i}": jnp.asarray(x[i]) for i in range(4)}
+    st1, st2 = tx.init(stack), tx.init(split)
+    update = jax.jit(tx.update)
+    for t in range(2):
+        g = np.asarray(normal_tree(stack, t)["e"])
+        u1, st1 = update({"e": jnp.asarray(g)}, st1)
+        u2, st2 = update({f"e{i}": jnp.asarray(g[i]) for i in range(4)}, st2)
+        u1 = np.asarray(u1["e"])
+        for i in range(4):
+            np.testing.assert_allclose(u1[i], np.asarray(u2[f"e{i}"]), atol=1e-6)
+
+
+@pytest.mark.parametrize("ns_dtype", [F32, jnp.bfloat16])
+def test_same_shape_leaves_share_one_iteration_with_their_own_results(ns_dtype):
+    # Same-shape leaves (a tall one transposed, a stack) run as one batched iteration; each
+    # comes out as it would alone: float32 to accumulation order, bf16 within its rounding.
+    tree = {"a": normal((8, 16), seed=1), "b": normal((8, 16), seed=2),
+            "tall": normal((16, 8), seed=3), "stack": normal((2, 8, 16), seed=4),
+            "other": normal((6, 10), seed=5)}
+    tx = scale_by_muon(0.9, ns_dtype=ns_dtype)
+    together, _ = first_update(tx, tree)
+    for k, g in tree.items():
+        alone = np.asarray(first_update(tx, {k: g})[0][k])
+        tol = 1e-6 if ns_dtype == F32 else 2.0**-8 * np.max(np.abs(alone))  # one bf16 ulp
+        np.testing.assert_allclose(np.asarray(together[k]), alone, atol=tol, rtol=0)
+    # one Newton-Schulz loop for the five (8, 16) matrices, one for the (6, 10)
+    hlo = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
+    assert hlo.count(" while(") == 2
+
+
+def test_matrix_axes_other_than_the_last_two():
+    g = np.asarray(normal((6, 3, 12), seed=7))  # (in, E, out)
+    ours = scale_by_muon(0.9, ns_dtype=F32, matrix_axes=(0, 2))
+    u, _ = first_update(ours, jnp.asarray(g))
+    default = scale_by_muon(0.9, ns_dtype=F32)
+    ut, _ = first_update(default, jnp.asarray(g.transpose(1, 0, 2)))
+    np.testing.assert_allclose(np.asarray(u), np.asarray(ut).transpose(1, 0, 2), atol=1e-6)
+    # PyTorch (out, in) layout: fan_in is axis 1. (16, 8) with axes (1, 0) is a 8 -> 16 map.
+    w = np.asarray(normal((16, 8), seed=8))
+    torch_tx = scale_by_muon(0.9, ns_dtype=F32, matrix_axes=(1, 0))
+    u_torch, _ = first_update(torch_tx, jnp.asarray(w))
+    u_flax, _ = first_update(default, jnp.asarray(w.T))
+    np.testing.assert_allclose(np.asarray(u_torch), np.asarray(u_flax).T, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(u_torch), np.sqrt(2.0) * ref_ns(w, MODDED), atol=1e-5)
+
+
+def test_shape_scale_flag_and_state():
+    w = normal((8, 32), seed=9)
+    on, off = scale_by_muon(ns_dtype=F32), scale_by_muon(ns_dtype=F32, shape_scale=False)
+    u_on, s_on = first_update(on, w)
+    u_off, _ = first_update(off, w)
+    np.testing.assert_allclose(np.asarray(u_on), 2.0 * np.asarray(u_off), rtol=1e-6)
+    assert isinstance(s_on, MuonState) and s_on.mu.dtype == F32
+    assert isinstance(s_on.smooth, optax.EmptyState) and int(s_on.count) == 1
+    smoothed = scale_by_muon(smoothing=0.2).init(w.astype(jnp.bfloat16))
+    assert smoothed.smooth.dtype == F32 and smoothed.mu.dtype == F32
+
+
+def test_add_decoupled_weight_decay():
+    params = {"mlp": jnp.full((2, 3), 2.0), "attn": jnp.full((3,), -1.0, jnp.bfloat16)}
+    u = {"mlp": jnp.full((2, 3), 0.5), "attn": jnp.full((3,), 0.25, jnp.bfloat16)}
+    by_tree = add_decoupled_weight_decay(0.1, {"mlp": 2.0, "attn": 1.0})
+    by_fn = add_decoupled_weight_decay(
+        0.1, lambda p: {"mlp": 2.0 * jnp.ones(()), "attn": jnp.ones(())})
+    for tx in (by_tree, by_fn):
+        out, _ = jax.jit(tx.update)(u, tx.init(params), params)
+        np.testing.assert_allclose(np.asarray(out["mlp"]), 0.5 + 0.1 * 2.0 * 2.0, rtol=1e-6)
+        assert out["attn"].dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(out["attn"], np.float32), 0.25 - 0.1, rtol=1e-2)
+    # Masked leaves (optax.MaskedNode) are skipped: only "mlp" decays.
+    masked = optax.masked(by_tree, {"mlp": True, "attn": False})
+    out, _ = masked.update(u, masked.init(params), params)
+    np.testing.assert_array_equal(np.asarray(out["attn"]), np.asarray(u["attn"]))
+    np.testing.assert_allclose(np.asarray(out["mlp"]), 0.9, rtol=1e-6)
+    # A Python 0 is a no-op that needs no params; a negative rate is rejected.
+    zero = add_decoupled_weight_decay(0.0, {"mlp": 2.0, "attn": 1.0})
+    assert zero.update(u, zero.init(params))[0] is u
+    with pytest.raises(ValueError, match=r"weight_decay.*-0\.1"):
+        add_decoupled_weight_decay(-0.1)
+
+
+def test_momentum_warmup_schedule():
+    beta = muon_momentum_warmup()
+    for t in [0, 1, 150, 299, 300, 301, 5000]:
+        np.testing.assert_allclose(float(beta(t)), 0.85 + 0.10 * min(t / 300, 1), rtol=1e-6)
+    np.testing.assert_allclose(float(muon_momentum_warmup(0.5, 0.9, 10)(5)), 0.7, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# optax.contrib.muon with bias correction
+
+@pytest.mark.parametrize("preset,nesterov", [("keller", True), ("keller", False),
+                                             ("modded", True)])
+def test_bias_correction_matches_optax_contrib(preset, nesterov):
+    dims = {"v": optax.contrib.MuonDimensionNumbers(0, 1),
+            "e": optax.contrib.MuonDimensionNumbers(1, 2)}
+    theirs = optax.contrib.scale_by_muon(
+        ns_coeffs=PRESETS[preset], ns_steps=5, beta=0.9, eps=1e-7, nesterov=nesterov,
+        weight_dimension_numbers=dims)
+    ours = scale_by_muon(0.9, coefficients=preset, ns_dtype=F32, nesterov=nesterov,
+                         bias_correction=True, shape_scale=False)
+    # Bias correction matters for Nesterov from step 1 on (step 0: both are multiples of g);
+    # without Nesterov it only rescales the momentum, which Newton-Schulz normalises away.
+    plain = scale_by_muon(0.9, coefficients=preset, ns_dtype=F32, nesterov=nesterov,
+                          shape_scale=False)
+    txs = {"ours": ours, "theirs": theirs, "plain": plain}
+    states = {k: tx.init(MATRICES) for k, tx in txs.items()}
+    updates = {k: jax.jit(tx.update) for k, tx in txs.items()}
+    for t in range(8):
+        g = normal_tree(MATRICES, t)
+        u = {}
+        for k in txs:
+            u[k], states[k] = updates[k](g, states[k])
+        m.assert_trees_close(u["ours"], u["theirs"], rtol=1e-5, atol=2e-6)
+        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for a, b in zip(jax.tree.leaves(u["ours"]), jax.tree.leaves(u["plain"]),
+                                   strict=True))
+        assert diff > 1e-2 if nesterov and t > 0 else diff < 5e-6, (t, diff)
+    m.assert_trees_close(states["ours"].mu, states["theirs"].mu, rtol=1e-6, atol=1e-7)
+
+
+def test_muon_alias_matches_optax_contrib_muon_on_matrices():
+    params = {"w": PARAMS["wq"], "v": PARAMS["mlp_proj"]}  # shape scale sqrt(2) and 1
+    theirs = optax.contrib.muon(0.02, beta=0.9, eps=1e-7, weight_decay=0.01)
+    ours = muon(0.02, beta=0.9, coefficients="keller", ns_dtype=F32, bias_correction=True,
+                weight_decay=0.01, labels=ndim_labels)
+    p_ours, p_theirs = params, params
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    up_ours, up_theirs = jax.jit(ours.update), jax.jit(theirs.update)
+    for t in range(6):
+        g = normal_tree(params, t)
+        u, s_ours = up_ours(g, s_ours, p_ours)
+        p_ours = optax.apply_updates(p_ours, u)
+        u, s_theirs = up_theirs(g, s_theirs, p_theirs)
+        p_theirs = optax.apply_updates(p_theirs, u)
+    m.assert_trees_close(p_ours, p_theirs, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# Bad input
+
+def test_one_dimensional_leaf_belongs_to_adam():
+    tx = scale_by_muon()
+    with pytest.raises(ValueError, match=r"shape \(16,\).*Adam"):
+        tx.init({"w": jnp.ones((4, 4)), "b": jnp.ones((16,))})
+    with pytest.raises(ValueError, match=r"shape \(\)"):
+        tx.init(jnp.asarray(1.0))
+    with pytest.raises(ValueError, match="Adam"):
+        muon(0.1, labels=lambda p: jax.tree.map(lambda _: "muon", p)).init(
+            {"w": jnp.ones((4, 4)), "b": jnp.ones((4,))})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(coefficients="dion"), "'dion'.*keller"),
+    (dict(coefficients=()), "non-empty"),
+    (dict(coefficients=(3.4445, -4.7750, 2.0315)), "triples"),
+    (dict(coefficients=[(1.0, 2.0)]), "triples"),
+    (dict(coefficients=[(1.0, 2.0, "x")]), "triples"),
+    (dict(coefficients=[(1.0, 2.0, 3.0), (1.0, 2.0)]), "triples"),
+    (dict(ns_dtype=jnp.int8), "ns_dtype.*floating"),
+    (dict(beta=1.0), r"beta.*\[0, 1\).*1\.0"),
+    (dict(beta=-0.1), "beta"),
+    (dict(smoothing=1.5), "smoothing"),
+    (dict(smoothing_form="lerp"), "'lerp'"),
+    (dict(matrix_axes=(1, 1)), r"matrix_axes.*\(1, 1\)"),
+    (dict(matrix_axes=(0,)), "matrix_axes"),
+    (dict(matrix_axes="ab"), "matrix_axes"),
+])
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        scale_by_muon(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        muon(0.1, labels=LABELS, **kwargs)
+
+
+def test_bad_alias_and_function_arguments_raise():
+    with pytest.raises(ValueError, match=r"learning_rate.*-0\.1"):
+        muon(-0.1, labels=LABELS)
+    with pytest.raises(ValueError, match="adam_learning_rate"):
+        muon(0.1, adam_learning_rate=-1.0, labels=LABELS)
+    with pytest.raises(ValueError, match="weight_decay"):
+        muon(0.1, weight_decay=-1.0, labels=LABELS)
+    with pytest.raises(ValueError, match="steps"):
+        muon_momentum_warmup(steps=0)
+    with pytest.raises(ValueError, match="start"):
+        muon_momentum_warmup(start=1.2)
+    with pytest.raises(ValueError, match=r"shape \(5,\)"):
+        orthogonalize(jnp.ones((5,)))
+    with pytest.raises(ValueError, match="preset 'nope'"):
+        orthogonalize(jnp.ones((2, 3)), "nope")
+    with pytest.raises(ValueError, match=r"out of range.*\(4, 4\)"):
+        scale_by_muon(matrix_axes=(0, 2)).init(jnp.ones((4, 4)))
+    with pytest.raises(ValueError, match="same axis"):
+        scale_by_muon(matrix_axes=(1, -1)).init(jnp.ones((4, 4)))
+    decayed = muon(0.1, weight_decay=0.1, labels=LABELS)
+    with pytest.raises(ValueError, match="params"):  # traced only: no need to run it
+        jax.eval_shape(decayed.update, PARAMS, decayed.init(PARAMS))
+
+
+def test_default_labels_come_from_optax_snoo_labels():
+    labels_mod = pytest.importorskip("optax_snoo.labels")
+    params = {"w": MIXED["v"], "b": MIXED["norm"]}
+    default = muon(0.1, ns_dtype=F32)
+    explicit = muon(0.1, ns_dtype=F32, labels=labels_mod.muon_adam_labels)
+    p1, _, _ = m.run(default, params, 2)
+    p2, _, _ = m.run(explicit, params, 2)
+    m.assert_trees_equal(p1, p2)
+
+
+# ----------------------------------------------------------------------------------------
+# The optax matrix
+
+def test_matrix_scale_by_muon(tmp_path):
+    # One transform for most checks, so its compiled update is reused between them.
+    tx = scale_by_muon(muon_momentum_warmup(), ns_dtype=F32, smoothing=0.2)
+    m.check_jit_matches_eager(tx, MATRICES)
+    m.check_state_stable(tx, MATRICES)
+    m.check_dtype_preserved(scale_by_muon(smoothing=0.2), MATRICES)  # bf16 Newton-Schulz
+    m.check_inject_hyperparams(
+        scale_by_muon, MATRICES,
+        dict(beta=0.9, smoothing=0.3, coefficients="keller", ns_dtype=F32),
+        static_args=("ns_dtype", "mu_dtype"))
+    m.check_multisteps(tx, MATRICES)
+    m.check_partition(tx, MATRICES)
+    m.check_sharded_state(tx, MATRICES)
+    m.check_orbax_roundtrip(tx, MATRICES, tmp_path)
+
+
+def test_matrix_muon_alias(tmp_path):
+    """muon() on a mixed tree (matrices, a stack, 1-D and 0-D leaves for AdamW). Partition
+    is muon() itself; scale_by_muon covers jit-vs-eager and nesting in a partition."""
+    wd_mul = CONFIGS["modded_nesterov_smoothing_schedules"]["ours"]["weight_decay_multiplier"]
+    kw = dict(learning_rate=0.02, beta=0.9, weight_decay=0.01, smoothing=0.2,
+              adam_learning_rate=3e-3, weight_decay_multiplier=wd_mul, labels=ndim_labels)
+    tx = muon(ns_dtype=F32, **kw)
+    m.check_state_stable(tx, MIXED)
+    m.check_dtype_preserved(muon(0.02, weight_decay=0.01, labels=ndim_labels), MIXED)
+    m.check_inject_hyperparams(
+        muon, MIXED, dict(kw, ns_dtype=F32, learning_rate=lambda t: 0.02),
+        static_args=("labels", "ns_dtype", "weight_decay_multiplier"))
+    m.check_multisteps(tx, MIXED)
+    m.check_nnx_optimizer(muon(0.02, weight_decay=0.01, ns_dtype=F32, labels=ndim_labels))
+    m.check_sharded_state(tx, MIXED)
+    m.check_orbax_roundtrip(tx, MIXED, tmp_path)
+
+
+def test_matrix_new_options(tmp_path):
+    """The optax matrix for consistent_rms, polar_express, adam_nesterov, NorMuon and
+    cautious weight decay together."""
+    kw = dict(learning_rate=0.02, beta=0.9, coefficients="polar_express",
+              shape_scale="consistent_rms", adam_nesterov=True, adam_learning_rate=3e-3,
+              weight_decay=0.01, labels=ndim_labels, beta2=0.95, cautious_weight_decay=True)
+    tx = muon(ns_dtype=F32, **kw)
+    m.check_state_stable(tx, MIXED)
+    m.check_jit_matches_eager(tx, MIXED)
+    m.check_dtype_preserved(muon(**kw), MIXED)
+    m.check_inject_hyperparams(
+        muon, MIXED, dict(kw, ns_dtype=F32),
+        static_args=("labels", "ns_dtype", "coefficients", "shape_scale", "adam_nesterov",
+                     "cautious_weight_decay"))
+    m.check_multisteps(tx, MIXED)
+    m.check_sharded_state(tx, MIXED)
+    m.check_orbax_roundtrip(tx, MIXED, tmp_path)

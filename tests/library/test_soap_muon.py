@@ -1,0 +1,402 @@
+"""SOAP-Muon (optax_snoo.scale_by_soap_whitening, soap_muon) against a float64 numpy
+implementation written from modded-nanogpt Track 3 record #46's log code
+(`soap_precondition_momentum`, `soap_update_preconditioner`, `soap_eigenbasis`,
+`soap_basis_qr`, `trust_gate`, `bounded_trust_gate`, `norm_preserving_blend`,
+`gram_frobenius_norm_estimate`, `zeropower_via_newtonschulz5`, `Muon.step`), in its
+PyTorch (out, in) layout: each of our (in, out) leaves is transposed for it.
+
+Eigenbases are defined up to the sign (and, for equal eigenvalues, the choice) of their
+vectors; the whitened update is not. The first gradient is a rectangular diagonal with
+distinct entries, so the first `eigh` returns signed standard basis vectors in both
+implementations (also on the null space of the longer side), and later random gradients
+make the Grams full rank (aspect ratios <= 2). The trajectories run in float64 (x64) and
+compare the updates, which are invariant to those signs and orders.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_matrix as m
+from benchmarks import hlo
+from optax_snoo import (
+    MuonState,
+    NewtonSchulzPlan,
+    OwnedPreconditionState,
+    SoapMatrixState,
+    SoapWhiteningState,
+    orthogonalize,
+    scale_by_muon,
+    scale_by_soap_whitening,
+    soap_muon,
+    soap_whitening_per_matrix,
+    trust_gate_cap,
+    trust_gate_floor,
+)
+from optax_snoo.memory import soap_muon_state_bytes, state_bytes
+from references.soap import (
+    RefSoapMuon,
+    first_gradient,
+    ref_frob_norm,
+    ref_gram_norm,
+    ref_newton_schulz,
+)
+
+F32 = jnp.float32
+STEPS = 20
+# Our (in, out) leaves: record-tall (out > in), record-wide, square, and a stack of 2.
+SHAPES = {"tall": (6, 10), "wide": (10, 6), "square": (8, 8), "stack": (2, 6, 8)}
+
+
+# ----------------------------------------------------------------------------------------
+# The reference (float64 numpy, PyTorch (out, in) layout, from record #46's code) is
+# references/soap.py; the gradients it runs on and its updates in our layout:
+
+
+def gradients(seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(STEPS):
+        out.append({k: first_gradient(s, rng) if t == 0 else rng.standard_normal(s)
+                    for k, s in SHAPES.items()})
+    return out
+
+
+def reference_updates(grads, *, freq, norm, gated_keys, fade, mu):
+    """Per step, the reference update of every leaf, back in our (in, out) layout."""
+    refs = {}
+    for key, shape in SHAPES.items():
+        mats = [()] if len(shape) == 2 else [(e,) for e in range(shape[0])]
+        refs[key] = [(i, RefSoapMuon(shape[-1], shape[-2], freq, norm, key in gated_keys, fade))
+                     for i in mats]
+    history = []
+    for t, g in enumerate(grads):
+        step = {}
+        for key, shape in SHAPES.items():
+            u = np.zeros(shape)
+            for i, ref in refs[key]:
+                u[i] = ref.step(g[key][i].T, mu(t), t).T
+            step[key] = u
+        history.append(step)
+    return history
+
+
+CONFIGS = {
+    # record #44/#46: every-step refresh, Gram norm, trust gate on some leaves
+    "f1_gram_gated": dict(freq=1, norm_match="gram", gated=("square", "stack")),
+    # record #14: refresh every 10 updates, Frobenius norm, no gate
+    "f10_frobenius": dict(freq=10, norm_match="frobenius", gated=()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_record_reference_step_by_step(name):
+    cfg = CONFIGS[name]
+    fade = (5, 15)  # the gate's floor fades and its cap lifts inside the run
+    warm = lambda t: 0.85 + 0.10 * min(t / 10, 1.0)
+    grads = gradients()
+    expected = reference_updates(
+        grads, freq=cfg["freq"], norm=ref_gram_norm if cfg["norm_match"] == "gram"
+        else ref_frob_norm, gated_keys=cfg["gated"], fade=fade, mu=warm)
+    with jax.enable_x64(True):
+        whitening = scale_by_soap_whitening(
+            0.9, precondition_frequency=cfg["freq"], norm_match=cfg["norm_match"],
+            trust_gate=lambda path: path in cfg["gated"],
+            trust_floor=trust_gate_floor(0.45, *fade), trust_cap=trust_gate_cap(0.85, fade[1]))
+        tx = scale_by_muon(
+            lambda t: 0.85 + 0.10 * jnp.minimum(t.astype(jnp.float64) / 10, 1.0),
+            precondition=whitening,
+            ns_normalization="gram_frobenius", coefficients=((2.0, -1.5, 0.5),) * 12,
+            ns_dtype=jnp.float64, mu_dtype=jnp.float64)
+        params = {k: jnp.zeros(s, jnp.float64) for k, s in SHAPES.items()}
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        for t, g in enumerate(grads):
+            u, state = update({k: jnp.asarray(v) for k, v in g.items()}, state, params)
+            for key in SHAPES:
+                np.testing.assert_allclose(
+                    np.asarray(u[key]), expected[t][key], rtol=1e-7, atol=1e-9,
+                    err_msg=f"{name}: leaf {key!r} at step {t}")
+        assert int(state.precondition.count) == STEPS
+
+
+def test_float32_run_matches_record_reference():
+    """The default dtypes (float32 statistics, momentum and iteration) against the float64
+    reference: 20 steps within 1e-5 of updates of size ~0.3 (measured: 2e-6 at worst)."""
+    grads = gradients()
+    fade = (5, 15)
+    expected = reference_updates(grads, freq=1, norm=ref_gram_norm, gated_keys=("square",),
+                                 fade=fade, mu=lambda t: 0.95)
+    tx = soap_muon(1.0, trust_gate=lambda path: path == "square",
+                   trust_floor=trust_gate_floor(0.45, *fade),
+                   trust_cap=trust_gate_cap(0.85, fade[1]), ns_dtype=F32)
+    params = {k: jnp.zeros(s, F32) for k, s in SHAPES.items()}
+    state, update = tx.init(params), jax.jit(tx.update)
+    for t, g in enumerate(grads):
+        u, state = update({k: jnp.asarray(v, F32) for k, v in g.items()}, state)
+        for key in SHAPES:  # the learning rate 1 step is -update
+            np.testing.assert_allclose(-np.asarray(u[key], np.float64), expected[t][key],
+                                       rtol=0, atol=1e-5, err_msg=f"{key} at step {t}")
+
+
+def test_state_shapes_and_layout():
+    params = {k: jnp.zeros(s, F32) for k, s in SHAPES.items()}
+    state = scale_by_soap_whitening().init(params)
+    assert isinstance(state, SoapWhiteningState)
+    # L over the fan_out axis (our last), R over fan_in: the record's sides swapped.
+    assert state.gram_out["tall"].shape == (10, 10) and state.gram_in["tall"].shape == (6, 6)
+    assert state.gram_out["stack"].shape == (2, 8, 8) and state.basis_in["stack"].shape == (2, 6, 6)
+    assert state.second_moment["wide"].shape == (10, 6)
+    np.testing.assert_array_equal(state.basis_out["stack"], np.broadcast_to(np.eye(8), (2, 8, 8)))
+    # (out, in) PyTorch layout via matrix_axes=(1, 0): L is then over axis 0.
+    torch_state = scale_by_soap_whitening(matrix_axes=(1, 0)).init({"w": jnp.zeros((10, 6))})
+    assert torch_state.gram_out["w"].shape == (10, 10)
+
+
+def test_pytorch_layout_equals_transposed_flax_layout():
+    grads = gradients()
+    f64 = dict(ns_dtype=jnp.float64, mu_dtype=jnp.float64, ns_normalization="gram_frobenius")
+    with jax.enable_x64(True):
+        flax = scale_by_muon(precondition=scale_by_soap_whitening(), **f64)
+        torch = scale_by_muon(precondition=scale_by_soap_whitening(matrix_axes=(1, 0)),
+                              matrix_axes=(1, 0), **f64)
+        p = {"w": jnp.zeros((6, 10), jnp.float64)}
+        s1, s2 = flax.init(p), torch.init({"w": p["w"].T})
+        flax_update, torch_update = jax.jit(flax.update), jax.jit(torch.update)
+        for t in range(4):
+            g = jnp.asarray(grads[t]["tall"])
+            u1, s1 = flax_update({"w": g}, s1)
+            u2, s2 = torch_update({"w": g.T}, s2)
+            np.testing.assert_allclose(u1["w"], u2["w"].T, rtol=1e-9, atol=1e-12)
+
+
+def test_gram_frobenius_normalisation():
+    x = np.random.default_rng(0).standard_normal((6, 10))
+    expected = ref_newton_schulz(x.T).T  # the reference runs (out, in): any orientation
+    got = orthogonalize(jnp.asarray(x), ((2.0, -1.5, 0.5),) * 12, jnp.float32,
+                        normalization="gram_frobenius")
+    np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="ns_normalization"):
+        orthogonalize(jnp.asarray(x), normalization="spectral")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="norm_match"):
+        scale_by_soap_whitening(norm_match="spectral")
+    with pytest.raises(ValueError, match="precondition_frequency"):
+        scale_by_soap_whitening(precondition_frequency=0)
+    with pytest.raises(ValueError, match="beta"):
+        scale_by_soap_whitening(1.0)
+    with pytest.raises(ValueError, match="ns_normalization"):
+        scale_by_muon(ns_normalization="gram")
+    with pytest.raises(ValueError, match="precondition"):
+        scale_by_muon(precondition=lambda g: g)
+    tx = scale_by_soap_whitening()
+    p = {"w": jnp.zeros((4, 4))}
+    with pytest.raises(ValueError, match="raw_gradient"):
+        tx.update(p, tx.init(p), p)
+
+
+def test_trust_gate_bounds():
+    floor, cap = trust_gate_floor(), trust_gate_cap()
+    np.testing.assert_allclose([float(floor(t)) for t in (0, 1374, 1375, 1500, 1625, 3000)],
+                               [0.45, 0.45, 0.45, 0.225, 0.0, 0.0], atol=1e-7)
+    assert [float(cap(t)) for t in (1624, 1625)] == [pytest.approx(0.85), 1.0]
+    step = trust_gate_floor(0.45, 10, 10)
+    assert [float(step(t)) for t in (9, 10)] == [pytest.approx(0.45), 0.0]
+
+
+def test_memory_prediction_matches_state():
+    params = {k: jnp.zeros(s, F32) for k, s in SHAPES.items()}
+    state = soap_muon(0.02).init(params)
+    # Momentum 4N + V 4N + L, R, Q_L, Q_R per matrix (float32); counts not counted.
+    assert soap_muon_state_bytes(params) == state_bytes(state, statistics_only=True)
+    n = 6 * 10
+    assert soap_muon_state_bytes({"w": params["tall"]}) == 4 * (2 * n + 2 * (10 * 10 + 6 * 6))
+
+
+# ----------------------------------------------------------------------------------------
+# The optax matrix
+
+# Square: a non-square matrix's first Gram is rank-deficient on its longer side, and the
+# basis `eigh` gives its null space is decided by rounding; whitening then makes runs that
+# round differently (jit vs eager, sharded) differ beyond rounding, as the record's would.
+MATRICES = {"a": jnp.asarray(np.random.default_rng(1).standard_normal((8, 8)), F32),
+            "e": jnp.asarray(np.random.default_rng(2).standard_normal((2, 8, 8)), F32)}
+adam_for_vectors = lambda p: jax.tree.map(lambda x: "soap" if x.ndim >= 2 else "adam", p)
+
+
+def test_matrix_soap_muon(tmp_path):
+    gate = lambda path: path == "e"
+    make = lambda **kw: soap_muon(0.02, ns_dtype=F32, trust_gate=gate,
+                                  trust_floor=trust_gate_floor(0.45, 1, 3), **kw)
+    tx = make()
+    m.check_jit_matches_eager(tx, MATRICES, steps=2)
+    m.check_state_stable(tx, MATRICES)
+    m.check_dtype_preserved(soap_muon(0.02), MATRICES)  # bf16 params, bf16 Newton-Schulz
+    m.check_inject_hyperparams(
+        soap_muon, MATRICES, dict(learning_rate=lambda t: 0.02, beta=0.9, soap_beta=0.85,
+                                  ns_dtype=F32, trust_gate=gate),
+        static_args=("ns_dtype", "trust_gate", "coefficients", "precondition_frequency",
+                     "mu_dtype"))
+    m.check_multisteps(tx, MATRICES)
+    m.check_partition(tx, MATRICES)
+    check_sharded(make, MATRICES)
+    m.check_orbax_roundtrip(tx, MATRICES, tmp_path)
+    state = tx.init(MATRICES)
+    assert isinstance(state[0], MuonState)
+    assert isinstance(state[0].precondition, OwnedPreconditionState)
+    assert isinstance(state[0].precondition.leaves["e"], SoapMatrixState)
+    assert state[0].precondition.leaves["e"].gram_out.shape == (2, 8, 8)
+
+
+def check_sharded(make, params, steps=2):
+    """SOAP-Muon on the 8-device ``(data 4, model 2)`` mesh: the momentum carries the
+    param's sharding, the whitening's statistics lie on the matrices' owners (one row of
+    the owners' flat state per device, nothing per leaf), and the run equals the unsharded
+    one. ``make(newton_schulz_plan=...)`` builds the transform."""
+    mesh = m.mesh8()
+    sharded = m.shard_params(params, mesh)
+    tx = make(newton_schulz_plan=NewtonSchulzPlan.from_params(sharded))
+    state = tx.init(sharded)
+    soap = state[0].precondition
+    for key, p in sharded.items():
+        assert state[0].mu[key].sharding.is_equivalent_to(p.sharding, p.ndim)
+        assert soap.leaves[key] == optax.EmptyState(), key
+    for table in soap.owned:
+        assert table.shape[0] % 8 == 0 and len(table.sharding.device_set) == 8
+        assert {s.data.shape[0] for s in table.addressable_shards} == {table.shape[0] // 8}
+    p_sharded, state, _ = m.run(tx, sharded, steps, state=state)
+    p_ref, _, _ = m.run(make(), params, steps)
+    m.assert_trees_close(p_sharded, p_ref, 1e-5, 1e-6)
+    assert [t.shape for t in state[0].precondition.owned] == [t.shape for t in soap.owned]
+
+
+def test_update_planning_another_assignment_than_init_is_named():
+    """Concrete sharded params at init lay the statistics out on owners; a jitted update
+    on Auto axes without a plan cannot see that layout and says what to pass."""
+    sharded = m.shard_params(MATRICES, m.mesh8())
+    tx = soap_muon(0.02, ns_dtype=F32)
+    state = tx.init(sharded)
+    with pytest.raises(ValueError, match="newton_schulz_plan=NewtonSchulzPlan"):
+        jax.jit(tx.update)(sharded, state, sharded)
+
+
+def test_whitening_on_owners_moves_gradient_with_momentum_and_equals_one_device():
+    """On the 8-device FSDP mesh (rows split), SOAP-Muon's compiled step whitens each
+    matrix on the device that orthogonalises it: its only collectives are the Newton-Schulz
+    plan's two all-to-alls (none in a loop; the whitening's Grams, ``eigh`` and QR gather
+    nothing), the way in carrying the momentum and the gradient (float32 iteration: 8
+    bytes an element against Muon's 4, the way back the same: 1.5x Muon's bytes; 2.5x in
+    bfloat16, benchmarks/README.md), and the updates equal the single-device ones. The
+    first gradient is a rectangular diagonal (`first_gradient`), so the first ``eigh`` is
+    exact also on the null space of a non-square matrix's longer side, and the MLP is
+    2x wide, so the second gradient makes every Gram full rank before the first refresh
+    (docs/soap_muon.md: rank-deficient bases are decided by rounding)."""
+    d = 16
+    shapes = {"q": (d, d), "k": (d, d), "v": (d, d), "attn_proj": (d, d),
+              "fc": (d, 2 * d), "mlp_proj": (2 * d, d)}
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = lambda s: P("fsdp", None) if s[0] <= s[1] else P(None, "fsdp")
+    params = {k: jax.device_put(jnp.zeros(s, F32), NamedSharding(mesh, rows(s)))
+              for k, s in shapes.items()}
+    plan = NewtonSchulzPlan.from_params(params)
+    gate = lambda path: path == "attn_proj"
+    kw = dict(ns_dtype=F32, ns_normalization="gram_frobenius")
+    soap = scale_by_muon(precondition=soap_whitening_per_matrix(trust_gate=gate),
+                         newton_schulz_plan=plan, **kw)
+    plain = scale_by_muon(newton_schulz_plan=plan, **kw)
+
+    def compiled(tx):
+        state = tx.init(params)
+        exe = jax.jit(tx.update).lower(params, state, params).compile()
+        return exe, state, hlo.analyze(exe.as_text())
+
+    _, _, muon_cost = compiled(plain)
+    exe, state, cost = compiled(soap)
+    assert dict(muon_cost.counts) == {"all-to-all": 2}
+    assert dict(cost.counts) == {"all-to-all": 2}, cost.counts
+    assert cost.loop_collective_bytes == 0
+    assert cost.collective_bytes == 1.5 * muon_cost.collective_bytes
+
+    rng = np.random.default_rng(3)
+    grads = [{k: (first_gradient(s, rng) if t == 0 else rng.standard_normal(s)).astype(np.float32)
+              for k, s in shapes.items()} for t in range(4)]
+    single = scale_by_muon(precondition=soap_whitening_per_matrix(trust_gate=gate), **kw)
+    one = jax.tree.map(lambda p: jax.device_put(jnp.zeros(p.shape, F32), jax.devices()[0]),
+                       params)
+    one_state, one_update = single.init(one), jax.jit(single.update)
+    for t, g in enumerate(grads):
+        out, state = exe({k: jax.device_put(v, params[k].sharding) for k, v in g.items()},
+                         state, params)
+        ref, one_state = one_update(jax.tree.map(jnp.asarray, g), one_state, one)
+        for k in shapes:  # float32 rounding, amplified by the whitening's 1/sqrt(V)
+            a, b = np.asarray(out[k]), np.asarray(ref[k])
+            assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b), (k, t)
+
+
+def test_nnx_optimizer():
+    tx = optax.partition({"soap": soap_muon(0.02, ns_dtype=F32), "adam": optax.adam(3e-3)},
+                         adam_for_vectors)
+    m.check_nnx_optimizer(tx)
+
+
+def test_trust_gate_by_tree_equals_by_path():
+    """A tree of bools and a callable of the path select the same leaves; gating changes
+    the gated leaf only (a low cap pulls it toward the momentum); the whitening leaves
+    update 0's input alone and changes the later ones (the reference tests would not see
+    a whitening that did nothing if the reference did nothing too)."""
+    grads = gradients()
+    params = {"a": jnp.zeros((8, 8), F32), "b": jnp.zeros((8, 8), F32)}
+
+    def run(gate):
+        tx = scale_by_soap_whitening(trust_gate=gate, trust_cap=0.3)
+        update = jax.jit(lambda g, s: tx.update(g, s, raw_gradient=g))
+        state, outs = tx.init(params), []
+        for t in range(3):
+            g = {"a": jnp.asarray(grads[t]["square"], F32),
+                 "b": jnp.asarray(grads[t]["square"], F32)}
+            out, state = update(g, state)
+            outs.append((g, out))
+        return outs
+
+    by_path, by_tree = run(lambda path: path == "a"), run({"a": True, "b": False})
+    m.assert_trees_equal([o for _, o in by_path], [o for _, o in by_tree])
+    for t, (g, out) in enumerate(by_tree):
+        whitened = float(jnp.max(jnp.abs(out["b"] - g["b"])))
+        assert (whitened == 0.0) if t == 0 else (whitened > 1e-2), (t, whitened)
+    assert float(jnp.max(jnp.abs(out["a"] - out["b"]))) > 1e-2
+
+
+def test_precondition_hook_inputs():
+    """The hook's `updates` are the Newton-Schulz input (a plain optax transform works:
+    NS is odd, so negating it negates the direction) and `raw_gradient` is the gradient
+    (orthogonalising it is Muon with momentum 0)."""
+    params = {"w": jnp.zeros((6, 10), F32), "e": jnp.zeros((2, 6, 8), F32)}
+    grads = [m.random_grads(params, t) for t in range(3)]
+
+    def raw():
+        return optax.GradientTransformationExtraArgs(
+            lambda p: optax.EmptyState(),
+            lambda u, s, p=None, *, raw_gradient, **extra: (raw_gradient, s))
+
+    def run(tx):
+        state, update, outs = tx.init(params), jax.jit(tx.update), []
+        for g in grads:
+            u, state = update(g, state, params)
+            outs.append(u)
+        return outs
+
+    kw = dict(ns_dtype=F32)
+    plain = run(scale_by_muon(0.9, **kw))
+    negated = run(scale_by_muon(0.9, precondition=optax.scale(-1.0), **kw))
+    # Two programs XLA may fuse differently (the negation): float32 rounding apart.
+    m.assert_trees_close(negated, jax.tree.map(jnp.negative, plain), 1e-5, 1e-6)
+    m.assert_trees_close(run(scale_by_muon(0.9, precondition=raw(), **kw)),
+                         run(scale_by_muon(0.0, **kw)), 0, 0)

@@ -1,0 +1,91 @@
+"""What several trainer test modules build: tiny run configs, the jitted step the loop
+would build for one, random token batches, and a corpus folder as nanoGPT writes it."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+
+from train import config as tc
+from train import data as td
+from train.config import override
+from train.optimizers import build_optimizer
+from train.sharding import make_mesh, tree_shardings
+from train.step import create_train_state, make_train_step
+
+
+def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
+    """An 8-step Snoo-AdamW run of a 1-layer GPT in `tmp_path / "run"` (test_train's)."""
+    base = dict(
+        n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
+        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
+        max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
+        checkpoint_every=4, mesh_data=1, num_samples=0, progress=False, vocab_multiple=8,
+        data=str(corpus), out_dir=str(tmp_path / "run"))
+    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+
+
+def step_setup(config):
+    """The jitted step the loop would build for `config` (same program: cached compiles)."""
+    vocab_size = td.open_dataset(config.data.path).vocab_size
+    spec = build_optimizer(config)
+    mesh = make_mesh(config)
+    model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
+                                      mesh=mesh)
+    shardings = tree_shardings(state, mesh)
+    spec = build_optimizer(config, params=shardings.params)  # as the loop does
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=shardings)
+    return mesh, state, step, spec, vocab_size
+
+
+def random_batches(config, steps, vocab_size):
+    """`steps` random (x, y) token batches, shaped as the step takes them."""
+    rng = np.random.default_rng(0)
+    shape = (config.data.grad_accum, config.data.batch_size, config.model.block_size)
+    return [rng.integers(0, vocab_size, (2, *shape)).astype(np.int32) for _ in range(steps)]
+
+
+def tiny_in(corpus, out_dir, **overrides) -> tc.TrainConfig:
+    """`tiny`'s run in `out_dir` itself, without `vocab_multiple` (test_faults')."""
+    base = dict(
+        n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
+        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
+        max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
+        checkpoint_every=4, mesh_data=1, num_samples=0, progress=False,
+        data=str(corpus), out_dir=str(out_dir))
+    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+
+
+def tiny_adamw(corpus, tmp_path, **values):
+    """An AdamW run of a 1-layer GPT 16 wide in `tmp_path / "run"` (test_train_optimizers')."""
+    return override(tc.TrainConfig(), **{
+        "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "batch_size": 4,
+        "dtype": "float32", "mesh_data": 1, "optimizer": "adamw", "data": str(corpus),
+        "out_dir": str(tmp_path / "run"), **values})
+
+
+def model_setup(config, vocab_size=32):
+    """The mesh, model, state and jitted step for `config` at `vocab_size`."""
+    spec = build_optimizer(config)
+    mesh = make_mesh(config)
+    model, state = create_train_state(tc.model_config(config, vocab_size), spec.tx, seed=0,
+                                      mesh=mesh)
+    step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
+    return mesh, model, state, step
+
+
+def nanogpt_char_folder(tmp_path: Path, text: str) -> Path:
+    """What nanoGPT's data/shakespeare_char/prepare.py writes: its steps, not its code."""
+    folder = tmp_path / "shakespeare_char"
+    folder.mkdir()
+    chars = sorted(set(text))
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    itos = {i: ch for i, ch in enumerate(chars)}
+    n = len(text)
+    for name, part in (("train", text[:int(n * 0.9)]), ("val", text[int(n * 0.9):])):
+        np.array([stoi[c] for c in part], np.uint16).tofile(folder / f"{name}.bin")
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, f)
+    return folder

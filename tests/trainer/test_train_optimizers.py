@@ -1,0 +1,204 @@
+"""The optimizer registry: what each `TrainOptimizer` says (logged lr = applied lr, Snoo's
+hint, the decay mask, rounding), and what the train step does with it (dropout keys per
+micro-batch, the non-finite latch)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+import train
+from optax_snoo import MuonState, recipes
+from optax_snoo import kfac as kfac_lib
+from train import config as tc
+from train.config import get_preset, override, parse_args
+from train.nonfinite import update_if_finite
+from train.optimizers import OPTIMIZERS, TrainOptimizer, build_optimizer, register
+from train.sharding import batch_sharding, put_batch
+from train.state import TrainState
+from trainer.support import model_setup, tiny_adamw
+
+PARAMS = {"blocks": {"0": {"mlp": {"c_fc": {"kernel": jnp.ones((8, 16))}}}},
+          "ln_f": {"scale": jnp.ones(8)}, "wte": {"embedding": jnp.ones((5, 8))}}
+KERNEL = ("blocks", "0", "mlp", "c_fc", "kernel")
+
+
+def _muon_states(state):
+    return [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, MuonState))
+            if isinstance(s, MuonState)]
+
+
+@pytest.mark.parametrize("name", ["muon", "snoo_muon"])
+def test_muon_smoothing_flag_adds_the_buffer(name):
+    base = override(get_preset("shakespeare_char_cpu"), optimizer=name)
+    off, = _muon_states(build_optimizer(base).tx.init(PARAMS))
+    on, = _muon_states(build_optimizer(override(base, muon_smoothing=0.2)).tx.init(PARAMS))
+    assert isinstance(off.smooth, optax.EmptyState)
+    kernel = on.smooth["blocks"]["0"]["mlp"]["c_fc"]["kernel"]
+    assert kernel.shape == (8, 16) and kernel.dtype == jnp.float32
+
+
+def test_muon_smoothing_from_the_command_line():
+    assert parse_args(["--muon_smoothing=0.2"]).muon.smoothing == 0.2
+    with pytest.raises(ValueError, match="smoothing"):
+        build_optimizer(parse_args(["--optimizer=muon", "--muon_smoothing=1.5"]))
+
+
+# --------------------------------------------------------------------- the spec object
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _curvature(params):
+    """Batch K-FAC factors of the one hidden kernel of PARAMS (what the step passes)."""
+    rng = np.random.default_rng(0)
+    x, dy = (jnp.asarray(rng.normal(size=(2, 3, n)), jnp.float32) for n in (8, 16))
+    return {"blocks/0/mlp/c_fc/kernel": kfac_lib.layer_factors(x, dy, False)}
+
+
+# Each family's peak-lr key, and the group a hidden kernel belongs to.
+MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
+           "normuon": "muon_learning_rate", "snoo_normuon": "muon_learning_rate",
+           "skew_adam": "skew_learning_rate", "snoo_skew_adam": "skew_learning_rate",
+           "adafactor": "skew_learning_rate", "kfac": "kfac_learning_rate",
+           "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
+           "snoo_adamw": "learning_rate", "newton_muon": "muon_learning_rate",
+           "track3_baseline": "muon_learning_rate",
+           "snoo_track3_baseline": "muon_learning_rate", "track3_record": None,
+           "track3_soap_muon": None, "muonh": None, "muloco_normuonh": None,
+           "track3_newton_muon": None}  # None: the record's lrs
+
+
+@pytest.mark.parametrize("name", sorted(MAIN_LR))
+def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
+    """The logged `lr` follows the main group's peak (not AdamW's), and that peak is the
+    one applied: doubling it doubles the update of a hidden kernel."""
+    assert set(MAIN_LR) == set(OPTIMIZERS)
+    if MAIN_LR[name] is None:
+        pytest.skip("the record's fixed rates: test_track3_baseline_is_the_recipe and "
+                    "test_track3_recipes check them")
+    base = override(tc.TrainConfig(), optimizer=name, schedule="stable_cooldown",
+                    max_iters=100, learning_rate=1e-3, grad_clip=0.0, muon_beta_warmup=0,
+                    skew_weight_decay=0.0, weight_decay=0.0)
+    grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
+                         PARAMS)
+    kernel_updates = []
+    for peak in (3e-3, 6e-3):
+        spec = build_optimizer(override(base, **{MAIN_LR[name]: peak}))
+        assert float(spec.learning_rate(0)) == pytest.approx(peak), name  # stable: lr(0) = peak
+        extra = ({"curvature": _curvature(PARAMS), "input_covariance": None}
+                 if spec.takes_curvature else {})
+        updates, _ = spec.tx.update(grads, spec.tx.init(PARAMS), PARAMS,
+                                    **spec.update_kwargs(1), **extra)  # no Snoo sync at 1
+        kernel_updates.append(_get(updates, KERNEL))
+    assert float(jnp.abs(kernel_updates[0]).max()) > 0, name
+    np.testing.assert_allclose(kernel_updates[1], 2 * kernel_updates[0], rtol=1e-5,
+                               err_msg=name)
+
+
+def test_track3_baseline_is_the_recipe():
+    """`--optimizer=track3_baseline` with the `track3` presets' values is
+    `recipes.track3_baseline(max_iters)`, logging Muon's scheduled lr (record #36: 0.025,
+    flat for 30%, then linear to 0)."""
+    config = override(tc.TrainConfig(), **tc._TRACK3_RECIPE, max_iters=50)
+    spec = build_optimizer(config)
+    assert spec.sync_period is None
+    assert [float(spec.learning_rate(t)) for t in (0, 14, 50)] == pytest.approx(
+        [0.025, 0.025, 0.0])
+    params = {**PARAMS, "lm_head": {"kernel": jnp.ones((8, 5))}}
+    grads = jax.tree.map(lambda p: jnp.sin(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
+                         params)
+    recipe = recipes.track3_baseline(50)
+    ours, _ = spec.tx.update(grads, spec.tx.init(params), params)
+    theirs, _ = recipe.update(grads, recipe.init(params), params)
+    jax.tree.map(np.testing.assert_array_equal, ours, theirs)
+
+
+def test_snoo_hint_comes_from_the_spec_only():
+    spec = build_optimizer(override(tc.TrainConfig(), optimizer="snoo_muon", snoo_k=3))
+    assert spec.sync_period == 3 and not spec.takes_curvature
+    assert [spec.update_kwargs(t)["snoo_sync"] for t in range(7)] == [
+        True, False, False, True, False, False, True]
+    assert build_optimizer(override(tc.TrainConfig(), optimizer="muon")).update_kwargs(0) == {}
+
+
+def test_adamw_decays_matrices_only():
+    """nanoGPT's mask: with a zero gradient the update is the decay alone, -lr·wd·p on the
+    >= 2-D leaves and 0 on norms and biases."""
+    spec = build_optimizer(override(tc.TrainConfig(), optimizer="adamw", grad_clip=0.0,
+                                    weight_decay=0.1, schedule="stable_cooldown"))
+    zeros = jax.tree.map(jnp.zeros_like, PARAMS)
+    updates, _ = spec.tx.update(zeros, spec.tx.init(PARAMS), PARAMS)
+    lr = float(spec.learning_rate(0))
+    np.testing.assert_array_equal(updates["ln_f"]["scale"], 0.0)
+    np.testing.assert_allclose(_get(updates, KERNEL), -lr * 0.1, rtol=1e-6)
+    np.testing.assert_allclose(updates["wte"]["embedding"], -lr * 0.1, rtol=1e-6)
+
+
+def test_register_a_new_optimizer(corpus, tmp_path):
+    """A registered builder is a name on the command line; the loop needs nothing else."""
+
+    @register("test_sgd")
+    def sgd(config):
+        lr = optax.constant_schedule(0.05)
+        return TrainOptimizer(optax.sgd(lr), lr)
+
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register("test_sgd")(sgd)
+        config = override(tc.TrainConfig(), optimizer="test_sgd", n_layer=1, n_head=2,
+                          n_embd=16, block_size=8, batch_size=4, max_iters=3, eval_interval=3,
+                          eval_iters=1, log_interval=1, num_samples=0, progress=False,
+                          mesh_data=1, dtype="float32", data=str(corpus),
+                          out_dir=str(tmp_path / "run"))
+        result = train.run(config)
+        assert [h["lr"] for h in result.history if "lr" in h] == pytest.approx([0.05] * 3)
+    finally:
+        del OPTIMIZERS["test_sgd"]
+
+
+# --------------------------------------------------------------------- the train step
+
+
+def test_each_micro_batch_gets_its_own_dropout_mask(corpus, tmp_path):
+    """dropout > 0, grad_accum = 2, the same tokens twice: the loss is the mean over two
+    different masks, those of keys `split(fold_in(rng, step), 2)`."""
+    config = tiny_adamw(corpus, tmp_path, dropout=0.5, grad_accum=2)
+    mesh, model, state, step = model_setup(config)
+    rng = np.random.default_rng(0)
+    xy = rng.integers(0, 32, (2, 1, 4, 8)).astype(np.int32)
+    xy = np.concatenate([xy, xy], axis=1)  # (2, A=2, B, T): identical micro-batches
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    gpt = model.merge(jax.device_get(state.params))
+    ce = [float(optax.softmax_cross_entropy_with_integer_labels(
+        models.forward(gpt, jnp.asarray(xy[0, a]), dropout_key=k)[0], xy[1, a]).mean())
+        for a, k in enumerate(jax.random.split(key, 2))]
+    assert ce[0] != pytest.approx(ce[1], rel=1e-4)  # the two masks differ
+    _, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
+                      put_batch(xy[1], batch_sharding(mesh)))
+    assert float(metrics["loss"]) == pytest.approx(np.mean(ce), rel=1e-5)
+
+
+def test_latch_skips_finite_steps_after_max_bad_steps():
+    """After `max_bad_steps` bad steps in a row, a finite step is skipped too (latched);
+    before the limit a finite step applies and resets the run of bad steps."""
+    state = TrainState.start({"w": jnp.ones(2)}, (), seed=0)
+    update = lambda s: s._replace(params={"w": s.params["w"] + 1.0})
+    nan, one = jnp.float32(jnp.nan), jnp.float32(1.0)
+    step = jax.jit(lambda s, loss: update_if_finite(s, update, loss, one, max_bad_steps=2))
+    state, flags = step(state, nan)
+    state, flags = step(state, one)  # one bad step: below the limit, so it applies
+    assert (float(state.params["w"][0]), int(state.bad_steps), float(flags["skipped"])) == (
+        2.0, 0, 0.0)
+    for _ in range(2):
+        state, _ = step(state, nan)
+    assert int(state.bad_steps) == 2
+    state, flags = step(state, one)  # finite, but latched
+    assert (float(state.params["w"][0]), float(flags["skipped"]), int(state.bad_steps),
+            int(state.skipped_steps)) == (2.0, 1.0, 3, 4)
