@@ -8,8 +8,9 @@ preset's data order, validation and cadence), then applies the benchmark's stati
 - one-sample rule: at an evaluation step, `(target - mean) * sqrt(n) >= c`; the benchmark's
   `c = 0.004` is `z * sigma` with `z = 3.09` (one-sided p < 0.001) and `sigma = 0.0013`,
   its seed-to-seed std of the final loss. On the twin `sigma` is measured: the std of the
-  first optimizer's (the baseline's) final losses over its seeds (`--sigma` overrides), and
-  `c = 3.09 sigma`. An optimizer's result is the first evaluation step where the rule holds.
+  first optimizer's (the baseline's) final losses over its seeds, which needs at least 3
+  of them (`--sigma` gives it instead), and `c = 3.09 sigma`. An optimizer's result is the
+  first evaluation step where the rule holds.
 - target: the benchmark picked 3.28, a loss its baseline reaches at its planned step count;
   here (unless `--target`) the baseline's mean final loss plus `c / sqrt(n)`, rounded up to
   3 decimals: the smallest 3-decimal target the baseline passes at its last step.
@@ -20,10 +21,30 @@ preset's data order, validation and cadence), then applies the benchmark's stati
   measured 0.0045), here the least-squares slope of the baseline's mean val loss over the
   evaluations of the last `--slope_frac` of the run (an approximation: the benchmark
   compared runs of different lengths).
+- beside the rules, a paired t-test of each optimizer against the baseline by seed; where
+  every pair differs by the same amount it reports no t and no p ("all differences
+  equal"), not a certainty.
 
-Writes `<out>.json`, `<out>.md` and `<out>.png` (default `benchmarks/results/<preset>`);
-each run keeps its folder under `--runs_dir` and is not run again while its metrics hold
-the final step (`--rerun` forces it).
+A run is reused only when everything that decides its result is what was asked for: its
+key (`run_key.json` beside its `metrics.jsonl`) holds the trainer's whole resolved config
+(`train.config.config_to_dict` of the preset, the optimizer, the seed and every
+`--set`/`--set_for` option, less where outputs go and how progress shows), the data (each
+file's size, and a content hash of those up to 16 MiB) and the code (a content hash of
+the tracked sources of `optax_snoo/`, `models/` and `train/`, and the versions of jax,
+optax, flax and numpy). Runs live in `<runs_dir>/<preset>/<optimizer>/<12 hex digits of
+that key without the seed>/seed<k>`, so different options never share a folder; a folder
+whose key file is missing or differs is trained again, and `--rerun` always trains again.
+
+Every name, option, count and path is checked before the first run: a mistake ends with
+one `error: ...` line on stderr and exit status 2, as `python -m train` does.
+
+Writes `<out>.json`, `<out>.md` and `<out>.png`, by default under `out/track3_reports/`
+(outside the repository's committed `benchmarks/results/`: pass `--out=benchmarks/results/
+NAME` to replace a committed report on purpose).
+
+Example:
+  $ python -m benchmarks.track3 --optimizers=track3_baseline,snoo_track3_baseline \\
+        --seeds=5 --preset=track3_cpu
 
 References:
   Jordan et al., modded-nanogpt Track 3 (optimization), README (rules, statistics) and
@@ -35,16 +56,24 @@ References:
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import glob
+import hashlib
+import importlib.metadata
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +82,10 @@ ROOT = Path(__file__).resolve().parents[1]
 Z_999 = statistics.NormalDist().inv_cdf(0.999)
 #: The benchmark's own constants (README of records/track_3_optimization).
 BENCHMARK_SIGMA, BENCHMARK_THRESHOLD, BENCHMARK_PER_100 = 0.0013, 0.004, 0.0045
+#: Fewest baseline seeds whose std is taken as sigma (two give a std of one difference).
+MIN_SIGMA_SEEDS = 3
+#: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
+MISTAKE_EXIT_STATUS = 2
 
 
 # ------------------------------------------------------------------------ statistics
@@ -137,10 +170,17 @@ def paired_t_test(base: Mapping[int, float | None],
       base, other: `{seed: value}` (a final loss, or steps to the target).
 
     Returns:
-      `{"n", "mean_diff", "std_diff", "t", "p", "seeds"}`: the pairs' mean and std
+      `{"n", "mean_diff", "std_diff", "t", "p", "seeds", "note"}`: the pairs' mean and std
       (ddof 1) of `other - base`, `t = mean / (std / sqrt(n))` and its two-sided p under
-      Student's t with `n - 1` degrees of freedom; `t` and `p` are None below two pairs,
-      and `t = ±inf`, `p = 0` (or `t = 0`, `p = 1`) when every difference is the same.
+      Student's t with `n - 1` degrees of freedom. `t` and `p` are None, with `note`
+      saying why, below two pairs ("fewer than two pairs") and when every difference is
+      the same ("all differences equal": the t-test's std is zero, so it says nothing;
+      a `p` of 0 would claim a certainty that a handful of seeds cannot give). `note` is
+      None when `t` and `p` are given.
+
+    Example:
+      >>> paired_t_test({0: 1.0, 1: 2.0}, {0: 1.5, 1: 2.5})["note"]
+      'all differences equal'
     """
     from scipy import stats
 
@@ -150,12 +190,14 @@ def paired_t_test(base: Mapping[int, float | None],
     out = {"n": len(seeds), "seeds": seeds,
            "mean_diff": float(diff.mean()) if len(seeds) else None,
            "std_diff": float(diff.std(ddof=1)) if len(seeds) > 1 else None,
-           "t": None, "p": None}
+           "t": None, "p": None, "note": None}
     if len(seeds) < 2:
+        out["note"] = "fewer than two pairs"
         return out
-    if out["std_diff"] == 0:
-        out["t"] = 0.0 if out["mean_diff"] == 0 else math.copysign(math.inf, out["mean_diff"])
-        out["p"] = 1.0 if out["mean_diff"] == 0 else 0.0
+    values = np.abs(np.array([[base[s], other[s]] for s in seeds], np.float64))
+    # equal up to float64 rounding: each difference is within 2 eps max|value| of exact
+    if np.ptp(diff) <= 4 * np.finfo(np.float64).eps * values.max():
+        out["note"] = "all differences equal"
         return out
     t = out["mean_diff"] / (out["std_diff"] / math.sqrt(len(seeds)))
     out["t"], out["p"] = float(t), float(2 * stats.t.sf(abs(t), len(seeds) - 1))
@@ -168,7 +210,12 @@ def summarize(curves: Mapping[str, Mapping[int, Mapping[int, float]]], *,
     """The protocol's figures from `curves[optimizer][seed][step] = val loss`.
 
     The first optimizer is the baseline (sigma, target and the per-100-steps term come
-    from it unless given). Steps are those every run of an optimizer evaluated.
+    from it unless given; a measured sigma needs `MIN_SIGMA_SEEDS` baseline seeds). Steps
+    are those every run of an optimizer evaluated.
+
+    Raises:
+      ValueError: no optimizer, or sigma to measure from fewer than `MIN_SIGMA_SEEDS`
+        baseline seeds.
     """
     names = list(curves)
     if not names:
@@ -181,8 +228,9 @@ def summarize(curves: Mapping[str, Mapping[int, Mapping[int, float]]], *,
                                                for s in seeds]))
     base_seeds, base_steps, base = table[names[0]]
     if sigma is None:
-        if len(base_seeds) < 2:
-            raise ValueError("sigma: measuring it needs at least two baseline seeds; pass it")
+        if len(base_seeds) < MIN_SIGMA_SEEDS:
+            raise ValueError(f"sigma: measuring it needs at least {MIN_SIGMA_SEEDS} baseline "
+                             f"seeds, got {len(base_seeds)}; pass sigma")
         sigma = float(np.std(base[:, -1], ddof=1))
     c = threshold(sigma)
     if target is None:
@@ -237,6 +285,227 @@ def summarize(curves: Mapping[str, Mapping[int, Mapping[int, float]]], *,
     return out
 
 
+
+
+# ------------------------------------------------------------------------- run keys
+
+#: Trainer keys that choose where a run's outputs go or how its progress shows, never its
+#: result: left out of its key.
+UNKEYED = ("out_dir", "progress", "tensorboard", "wandb_project")
+#: Trainer keys this tool sets itself (refused in `--set`/`--set_for`), with its flag.
+OWN_KEYS = {"preset": "--preset", "optimizer": "--optimizers", "seed": "--seeds/--seeds_for",
+            "out_dir": "--runs_dir", "resume": "--rerun (a run is reused whole or rerun)"}
+#: The trainer's sources, whose content is part of every run's key.
+SOURCE_DIRS = ("optax_snoo", "models", "train")
+#: The libraries whose versions are part of every run's key.
+LIBRARIES = ("jax", "jaxlib", "optax", "flax", "numpy")
+#: Data files up to this size are keyed by content hash, larger ones by name and size.
+HASHED_DATA_BYTES = 16 << 20
+#: The file beside a run's metrics that holds its key.
+KEY_FILE = "run_key.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def source_files(root: Path = ROOT) -> list[str]:
+    """The trainer's source files under `root` (`SOURCE_DIRS`), relative and sorted: the
+    files git tracks or would track there (`git ls-files`, untracked but not ignored
+    included), or outside a git checkout every file but `__pycache__`."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached",
+                               "--others", "--exclude-standard", "--", *SOURCE_DIRS],
+                              capture_output=True, check=True)
+        names = sorted({n for n in done.stdout.decode().split("\0") if n})
+        if names:
+            return names
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return sorted(p.relative_to(root).as_posix() for d in SOURCE_DIRS
+                  for p in (root / d).rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts)
+
+
+def code_version(root: Path = ROOT) -> dict[str, Any]:
+    """`{"sources": sha256 over the names and contents of `source_files(root)`,
+    "libraries": {name: version}}`: the code a run's result depends on."""
+    digest = hashlib.sha256()
+    for name in source_files(root):
+        path = root / name
+        if path.is_file():  # tracked but deleted in the work tree: not part of the code
+            digest.update(f"{name}\0{_sha256(path)}\0".encode())
+    versions = {}
+    for lib in LIBRARIES:
+        try:
+            versions[lib] = importlib.metadata.version(lib)
+        except importlib.metadata.PackageNotFoundError:
+            versions[lib] = None
+    return {"sources": digest.hexdigest(), "libraries": versions}
+
+
+def _file_entry(path: Path, name: str) -> dict[str, Any]:
+    size = path.stat().st_size
+    return {"name": name, "size": size,
+            "sha256": _sha256(path) if size <= HASHED_DATA_BYTES else None}
+
+
+def data_fingerprint(path: str | None, root: Path = ROOT) -> dict[str, Any]:
+    """What a run's data is, as the trainer (started in `root`) finds it: `--data`'s file,
+    the files of its folder or glob, or (None) the default tiny-shakespeare corpus; each
+    file's name, size and, up to `HASHED_DATA_BYTES`, sha256 (shards: name and size).
+
+    Raises:
+      FileNotFoundError: nothing at `path`.
+    """
+    from train.data import TINYSHAKESPEARE_SHA256, corpus_search_paths
+
+    if path is None:
+        found = next((p for p in corpus_search_paths() if p.is_file()), None)
+        if found is None:  # the trainer downloads it and checks this digest
+            return {"files": [{"name": "input.txt", "sha256": TINYSHAKESPEARE_SHA256}]}
+        return {"files": [_file_entry(found, found.name)]}
+    where = Path(path) if Path(path).is_absolute() else root / path
+    if where.is_file():
+        return {"files": [_file_entry(where, where.name)]}
+    if where.is_dir():
+        files = sorted(p for p in where.rglob("*") if p.is_file())
+        return {"files": [_file_entry(p, p.relative_to(where).as_posix()) for p in files]}
+    matches = sorted(Path(p) for p in glob.glob(str(where)) if Path(p).is_file())
+    if glob.has_magic(str(path)) and matches:
+        return {"files": [_file_entry(p, p.name) for p in matches]}
+    raise FileNotFoundError(f"--data={path!r}: no such file, folder or glob match (relative "
+                            f"paths are read from {root}, where the trainer runs)")
+
+
+def _canonical(value: Any) -> Any:
+    """`value` as JSON reads it back (tuples as lists): what a key file compares to."""
+    return json.loads(json.dumps(value, sort_keys=True))
+
+
+def key_hash(key: Mapping[str, Any]) -> str:
+    """The sha256 of a key's canonical JSON."""
+    return hashlib.sha256(json.dumps(_canonical(key), sort_keys=True).encode()).hexdigest()
+
+
+def _without(config: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """`config_to_dict`'s nested dict without the flat `keys` (by `train.config.KEYS`)."""
+    from train.config import KEYS
+
+    out = copy.deepcopy(dict(config))
+    for key in keys:
+        group, name = KEYS[key]
+        out.get(group, {}).pop(name, None)
+    return out
+
+
+def _flat(config: Mapping[str, Any], key: str) -> Any:
+    from train.config import KEYS
+
+    group, name = KEYS[key]
+    return config[group][name]
+
+
+def _differences(old: Any, new: Any, where: str = "") -> list[str]:
+    """Where two JSON values differ, as `path: old -> new` lines."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for k in sorted(set(old) | set(new), key=str)
+                for line in _differences(old.get(k, "(absent)"), new.get(k, "(absent)"),
+                                         f"{where}.{k}" if where else str(k))]
+    return [] if old == new else [f"{where}: {old!r} -> {new!r}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One planned run: its trainer arguments (without the output folder), its key and
+    its folder."""
+
+    label: str
+    optimizer: str
+    seed: int
+    argv: tuple[str, ...]
+    key: dict[str, Any]
+    folder: Path
+    max_iters: int
+
+
+class RunError(Exception):
+    """A trainer run ended with a non-zero status (its exit status and log named)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def trainer_args(preset: str, optimizer: str, seed: int, options: Sequence[str]) -> list[str]:
+    """The `python -m train` arguments of one run, less its output folder and progress."""
+    return [f"--preset={preset}", f"--optimizer={optimizer}", f"--seed={seed}", *options]
+
+
+def plan_run(label: str, preset: str, optimizer: str, seed: int, options: Sequence[str],
+             runs_dir: Path, *, code: Mapping[str, Any],
+             data: dict[str | None, dict[str, Any]], build: bool = True) -> Run:
+    """Resolve one run as the trainer will (`train.config.parse_args`), key it and name
+    its folder `runs_dir/preset/optimizer/<12 hex of the key without the seed>/seed<k>`.
+
+    Args:
+      data: a cache of `data_fingerprint` by `--data` path, filled here.
+      build: also build the optimizer (`train.optimizers.build_optimizer(config)`), so a
+        refused combination (a run too short for its recipe...) surfaces before any run.
+
+    Raises:
+      ValueError: what the trainer refuses at start (a bad key or value, an unknown
+        optimizer or preset, an option the optimizer refuses).
+      FileNotFoundError: no data at `--data`.
+    """
+    from train.config import config_to_dict, parse_args
+    from train.optimizers import build_optimizer
+
+    argv = trainer_args(preset, optimizer, seed, options)
+    config = parse_args(argv)
+    if build:
+        build_optimizer(config)
+    resolved = config_to_dict(config)
+    path = _flat(resolved, "data")
+    if path not in data:
+        _check_data(path)
+        data[path] = data_fingerprint(path)
+    key = {"config": _without(resolved, UNKEYED), "data": data[path], "code": dict(code)}
+    unseeded = copy.deepcopy(key)
+    group, name = _seed_field()
+    unseeded["config"][group][name] = None
+    folder = runs_dir / preset / optimizer / key_hash(unseeded)[:12] / f"seed{seed}"
+    return Run(label, optimizer, seed, tuple(argv), _canonical(key), folder,
+               int(_flat(resolved, "max_iters")))
+
+
+def _seed_field() -> tuple[str, str]:
+    from train.config import KEYS
+
+    return KEYS["seed"]
+
+
+def _check_data(path: str | None) -> None:
+    """The trainer's own reading of `--data` (layout, headers), before any run."""
+    if path is None:
+        return  # the shipped corpus, or the trainer downloads and checks it
+    from train.data import open_dataset
+
+    open_dataset(path if Path(path).is_absolute() else ROOT / path, check=False)
+
+
+def key_without_seed(run: Run) -> dict[str, Any]:
+    """`run.key` with the seed cleared: the key every seed of a configuration shares."""
+    key = copy.deepcopy(run.key)
+    group, name = _seed_field()
+    key["config"][group][name] = None
+    return key
+
+
 # ------------------------------------------------------------------------------ runs
 
 
@@ -250,36 +519,122 @@ def read_curve(metrics: Path) -> dict[int, float]:
     return curve
 
 
-def run_one(preset: str, optimizer: str, seed: int, out_dir: Path, extra: Sequence[str],
-            max_iters: int, rerun: bool) -> tuple[dict[int, float], float | None]:
-    """Train one run in its own process (unless its metrics already hold `max_iters`):
-    its val-loss curve and wall time (None when reused)."""
-    metrics = out_dir / "metrics.jsonl"
-    if not rerun and metrics.exists() and max_iters in read_curve(metrics):
-        return read_curve(metrics), None
-    if out_dir.exists():
-        import shutil
-        shutil.rmtree(out_dir)
-    cmd = [sys.executable, "-m", "train", f"--preset={preset}", f"--optimizer={optimizer}",
-           f"--seed={seed}", f"--out_dir={out_dir}", "--progress=false", *extra]
+def reusable(run: Run) -> bool:
+    """Whether `run.folder` holds this run, complete: its key file equals `run.key` and
+    its metrics reach `run.max_iters`."""
+    key_file, metrics = run.folder / KEY_FILE, run.folder / "metrics.jsonl"
+    try:
+        return (json.loads(key_file.read_text()) == run.key
+                and run.max_iters in read_curve(metrics))
+    except (OSError, ValueError):  # missing, unreadable or cut short
+        return False
+
+
+def launch(cmd: Sequence[str]) -> subprocess.CompletedProcess:
+    """Run one trainer command in the repository (where relative `--data` paths are read
+    from), its output captured."""
+    return subprocess.run(list(cmd), cwd=ROOT, capture_output=True, text=True)
+
+
+def run_one(run: Run, rerun: bool = False) -> tuple[dict[int, float], float | None]:
+    """Train `run` in its own process unless `reusable(run)` (and not `rerun`): its
+    val-loss curve and wall time (None when reused).
+
+    The folder is emptied first; the trainer's output goes to its `train.log`, and its key
+    file is written only once the run succeeded with the config that was keyed (the
+    trainer's own `config.json`), so a failed or interrupted run is never reused.
+
+    Raises:
+      RunError: the trainer failed (its status: 2 for a mistake it reported, 1 for a
+        crash) or did not evaluate the final step.
+      RuntimeError: the trainer resolved another config than the key's (a bug).
+    """
+    from train.config import COMPUTE_KEYS
+
+    if not rerun and reusable(run):
+        return read_curve(run.folder / "metrics.jsonl"), None
+    if run.folder.exists():
+        shutil.rmtree(run.folder)
+    run.folder.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "train", *run.argv, f"--out_dir={run.folder}",
+           "--progress=false"]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    done = launch(cmd)
+    wall = time.perf_counter() - t0
+    run.folder.mkdir(parents=True, exist_ok=True)
+    log = run.folder / "train.log"
+    log.write_text(f"$ {' '.join(cmd)}\n{done.stdout}{done.stderr}")
     if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n"
-                           f"{done.stderr[-3000:]}")
-    return read_curve(metrics), time.perf_counter() - t0
+        last = next((x for x in reversed(done.stderr.splitlines()) if x.strip()), "")
+        raise RunError(f"{run.label} seed {run.seed}: the trainer exited with status "
+                       f"{done.returncode} ({last.strip()}); its output: {log}",
+                       MISTAKE_EXIT_STATUS if done.returncode == MISTAKE_EXIT_STATUS else 1)
+    trained = json.loads((run.folder / "config.json").read_text())
+    # the compute keys (attention) are resolved for the backend when the run starts
+    diff = _differences(_without(run.key["config"], COMPUTE_KEYS),
+                        _canonical(_without(trained, (*UNKEYED, *COMPUTE_KEYS))))
+    if diff:
+        raise RuntimeError(f"{run.folder}: the trainer ran another config than the one "
+                           f"keyed: {'; '.join(diff[:5])}")
+    curve = read_curve(run.folder / "metrics.jsonl")
+    if run.max_iters not in curve:
+        raise RunError(f"{run.label} seed {run.seed}: no val loss at the final step "
+                       f"{run.max_iters} in {run.folder / 'metrics.jsonl'}", 1)
+    tmp = run.folder / (KEY_FILE + ".tmp")
+    tmp.write_text(json.dumps(run.key, indent=1, sort_keys=True) + "\n")
+    tmp.replace(run.folder / KEY_FILE)
+    return curve, wall
 
 
 def per_optimizer_options(items: Sequence[str], names: Sequence[str]) -> dict[str, list[str]]:
     """`["opt:key=value", ...]` -> `{opt: ["--key=value", ...]}` (trainer options for one
-    optimizer's runs only)."""
+    optimizer's runs only).
+
+    Raises:
+      ValueError: an item not of the form `OPTIMIZER:KEY=VALUE` with `OPTIMIZER` one of
+        `names`.
+    """
     out: dict[str, list[str]] = {}
     for item in items:
         name, sep, kv = item.partition(":")
-        if not sep or "=" not in kv or name not in names:
+        if not sep or "=" not in kv or not kv.partition("=")[0] or name not in names:
             raise ValueError(f"--set_for={item!r}: expected OPTIMIZER:KEY=VALUE with "
                              f"OPTIMIZER one of {list(names)}")
         out.setdefault(name, []).append(f"--{kv}")
+    return out
+
+
+def _check_option(flag: str, option: str, shown: str | None = None) -> str:
+    """`KEY=VALUE` -> `--KEY=VALUE`, refusing a bare key and the keys the tool sets (the
+    message names `flag=shown`, default `flag=option`)."""
+    kv, shown = option.removeprefix("--"), option if shown is None else shown
+    key, eq, _ = kv.partition("=")
+    if not eq or not key:
+        raise ValueError(f"{flag}={shown!r}: expected KEY=VALUE (a trainer option)")
+    own = key.replace("-", "_")
+    if own in OWN_KEYS:
+        raise ValueError(f"{flag}={shown!r}: the tool sets --{own} itself; use "
+                         f"{OWN_KEYS[own]}")
+    return f"--{kv}"
+
+
+def seed_counts(items: Sequence[str], names: Sequence[str]) -> dict[str, int]:
+    """`["opt:N", ...]` (`--seeds_for`) -> `{opt: N}`.
+
+    Raises:
+      ValueError: not `OPTIMIZER:N` with `OPTIMIZER` one of `names` and `N >= 1`, or an
+        optimizer given twice.
+    """
+    out: dict[str, int] = {}
+    for item in items:
+        name, _, n = item.partition(":")
+        if name not in names or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--seeds_for={item!r}: expected OPTIMIZER:N with OPTIMIZER one "
+                             f"of {list(names)} and N >= 1")
+        if name in out:
+            raise ValueError(f"--seeds_for={item!r}: {name} already has --seeds_for="
+                             f"{name}:{out[name]}")
+        out[name] = int(n)
     return out
 
 
@@ -294,8 +649,11 @@ def _machine() -> dict:
     return info
 
 
+# ---------------------------------------------------------------------------- report
+
+
 def write_report(summary: dict, out: Path, title: str) -> None:
-    """`out.json`, `out.md` (tables) and `out.png` (mean ± std curves, target line)."""
+    """`out.json`, `out.md` (tables) and `out.png` (`plot_report`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     opt = summary["optimizers"]
@@ -327,14 +685,15 @@ def write_report(summary: dict, out: Path, title: str) -> None:
                   "| optimizer | final loss diff (mean ± std) | p | steps to target per seed | "
                   "steps diff (mean, pairs) | p |", "|---|---|---|---|---|---|"]
         fmt = lambda x, f: "n/a" if x is None else format(x, f)
+        p_of = lambda test: (f"n/a ({test['note']})" if test.get("note") else
+                             fmt(test["p"], ".3g"))
         for name, test in summary["paired"].items():
             f, st = test["final_loss"], test["steps_to_target"]
             per_seed = ", ".join(str(v) if v is not None else "-" for v in
                                  opt[name]["seed_steps_to_target"].values())
             lines.append(f"| {name} | {fmt(f['mean_diff'], '+.4f')} ± "
-                         f"{fmt(f['std_diff'], '.4f')} | {fmt(f['p'], '.3g')} | {per_seed} | "
-                         f"{fmt(st['mean_diff'], '+.1f')} ({st['n']}) | "
-                         f"{fmt(st['p'], '.3g')} |")
+                         f"{fmt(f['std_diff'], '.4f')} | {p_of(f)} | {per_seed} | "
+                         f"{fmt(st['mean_diff'], '+.1f')} ({st['n']}) | {p_of(st)} |")
     if summary.get("step_time"):
         st = summary["step_time"]
         lines += ["", f"Step time (`benchmarks.track3_step_time`, {st['date']}, {st['cpu']}, "
@@ -352,19 +711,37 @@ def write_report(summary: dict, out: Path, title: str) -> None:
         lines.append(f"- {name}: steps {o['steps']}")
         for seed, row in zip(o["seeds"], o["losses"], strict=True):
             lines.append(f"  - seed {seed}: " + ", ".join(f"{x:.4f}" for x in row))
+    if summary.get("runs"):
+        lines += ["", "Runs (folders named by their key: config, data and code):", ""]
+        for name, r in summary["runs"].items():
+            lines.append(f"- {name}: {r['folder']}")
+    if summary.get("reused_from"):
+        r = summary["reused_from"]
+        lines += ["", f"Curves of {', '.join(r['labels'])} from {r['report']} ({r['check']})."]
     if "machine" in summary:
         m = summary["machine"]
         lines += ["", f"Machine: {m['cpu']}, load average at the end {m['load_average']}; "
                   f"runs' wall times (s): {summary.get('wall_s')}"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot_report(summary, title).savefig(out.with_suffix(".png"), dpi=110)
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+def plot_report(summary: Mapping[str, Any], title: str) -> Any:
+    """The report's figure: each optimizer's mean ± std val loss, over the whole run and
+    over its second half, its result step dotted, and the target as a dashed line
+    labelled with its value in both panels.
+
+    Draws on a bare `matplotlib.figure.Figure` (pyplot's backend is left alone).
+
+    Returns:
+      The `matplotlib.figure.Figure`.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2)
     for ax, tail in zip(axes, (False, True), strict=True):
-        for name, o in opt.items():
+        for name, o in summary["optimizers"].items():
             steps, mean, std = np.array(o["steps"]), np.array(o["mean"]), np.array(o["std"])
             keep = steps >= (0.5 * steps[-1] if tail else 0)
             line, = ax.plot(steps[keep], mean[keep], label=f"{name} (n={len(o['seeds'])})")
@@ -372,101 +749,345 @@ def write_report(summary: dict, out: Path, title: str) -> None:
                             color=line.get_color())
             if o["result_step"] is not None:
                 ax.axvline(o["result_step"], color=line.get_color(), ls=":")
-        ax.axhline(summary["target"], color="k", lw=0.8, ls="--", label="target")
+        ax.axhline(summary["target"], color="k", lw=0.8, ls="--",
+                   label=f"target {summary['target']:.3f}")
         ax.set_xlabel("step")
         ax.set_ylabel("val loss")
         ax.set_title("second half" if tail else title)
-    axes[0].legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--optimizers", default="track3_baseline,snoo_track3_baseline",
-                        help="comma-separated registered names; the first is the baseline")
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--preset", default="track3_cpu")
-    parser.add_argument("--target", type=float, default=None,
-                        help="the target val loss (default: from the baseline, see above)")
-    parser.add_argument("--sigma", type=float, default=None,
-                        help="seed-to-seed std (default: the baseline's final losses')")
-    parser.add_argument("--slope_frac", type=float, default=0.2,
-                        help="fit the loss per 100 steps over this last fraction of the run")
-    parser.add_argument("--runs_dir", default="out/track3_runs")
-    parser.add_argument("--out", default=None, help="report path without suffix")
-    parser.add_argument("--rerun", action="store_true")
-    parser.add_argument("--step_time", default=None, metavar="JSON",
-                        help="add benchmarks.track3_step_time's --out file to the report")
-    parser.add_argument("--title", default=None, help="the report's title")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a trainer option for every run (repeatable)")
-    parser.add_argument("--set_for", action="append", default=[],
-                        metavar="OPTIMIZER:KEY=VALUE",
-                        help="a trainer option for one optimizer's runs (repeatable), e.g. "
-                             "muloco_normuonh:init=hyperball; its runs' folder and report name "
-                             "carry it")
-    parser.add_argument("--seeds_for", action="append", default=[], metavar="OPTIMIZER:N",
-                        help="seeds 0..N-1 for one optimizer instead of --seeds (repeatable)")
-    parser.add_argument("--reuse_report", default=None, metavar="JSON",
-                        help="take the curves of the optimizers (and seeds) that an earlier "
-                             "report of the same preset and options holds instead of rerunning")
-    args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from train.config import get_preset, parse_args
+# ------------------------------------------------------------------------- the tool
 
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes raise (so they end in the tool's one line, exit 2)."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """The description as written; each option's help already ends with its default."""
+
+
+DESCRIPTION = """\
+Runs modded-nanogpt Track 3's optimizer protocol with the trainer: each optimizer for a
+number of seeds (one `python -m train` process a run), then the benchmark's statistics
+on their val losses (the one-sample rule against a target, the pairwise rule between
+optimizers, and a paired t-test by seed against the baseline), written as a JSON, a
+Markdown and a PNG report.
+
+A finished run is reused only when its key (the trainer's whole resolved config, the data
+and the code) equals the one asked for; runs live in folders named by that key. Every
+name, option, count and path is checked before the first run: a mistake ends with one
+`error:` line and exit status 2."""
+
+EPILOG = """\
+example:
+  python -m benchmarks.track3 --optimizers=track3_baseline,snoo_track3_baseline \\
+      --seeds=5 --preset=track3_cpu"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The tool's command line."""
+    p = _Parser(prog="python -m benchmarks.track3", description=DESCRIPTION, epilog=EPILOG,
+                formatter_class=_Help, add_help=False)
+    add = p.add_argument
+    add("-h", "--help", action="help", help="Show this help and exit.")
+    add("--optimizers", default="track3_baseline,snoo_track3_baseline",
+        help="Comma-separated optimizer names from the trainer's registry (python -m train "
+             "--help lists them); the first is the baseline, whose seeds give sigma, the "
+             "target and the loss per 100 steps. (default: %(default)s)")
+    add("--seeds", type=int, default=5,
+        help="Runs per optimizer, with --seed=0..N-1 (the seed changes the init only; the "
+             "data order is the preset's). (default: %(default)s)")
+    add("--preset", default="track3_cpu",
+        help="The trainer preset every run starts from. (default: %(default)s)")
+    add("--target", type=float, default=None,
+        help="The target val loss. (default: the smallest 3-decimal loss the baseline's "
+             "seeds pass at its last step, mean + c / sqrt(n) rounded up)")
+    add("--sigma", type=float, default=None,
+        help="The seed-to-seed std of the final val loss; c = 3.09 sigma. (default: the "
+             f"std of the baseline's final losses, which needs at least {MIN_SIGMA_SEEDS} "
+             "baseline seeds)")
+    add("--slope_frac", type=float, default=0.2,
+        help="The last fraction of the baseline's run over which the loss per 100 steps is "
+             "fitted; it must hold at least two evaluations. (default: %(default)s)")
+    add("--runs_dir", default="out/track3_runs",
+        help="Where the runs live, as RUNS_DIR/PRESET/OPTIMIZER/KEY/seedK (relative to the "
+             "current folder; relative --data paths are read from the repository, where "
+             "the trainer runs). (default: %(default)s)")
+    add("--out", default=None,
+        help="The report's path without suffix; .json, .md and .png are written. Pass "
+             "benchmarks/results/NAME to replace a committed report on purpose. (default: "
+             "out/track3_reports/PRESET in the current folder)")
+    add("--rerun", action="store_true",
+        help="Train every run again, even where a run with the same key is complete. "
+             "(default: reuse such runs)")
+    add("--step_time", default=None, metavar="JSON",
+        help="Add the step-time ratios of this python -m benchmarks.track3_step_time --out "
+             "file to the report. (default: none)")
+    add("--title", default=None,
+        help="The report's title. (default: Track-3 protocol, PRESET)")
+    add("--set", action="append", default=[], metavar="KEY=VALUE",
+        help="A trainer option for every run (repeatable), e.g. max_iters=200; it is part "
+             "of the runs' key. (default: none)")
+    add("--set_for", action="append", default=[], metavar="OPTIMIZER:KEY=VALUE",
+        help="A trainer option for one optimizer's runs (repeatable), e.g. "
+             "muloco_normuonh:init=hyperball; its name in the report carries it. "
+             "(default: none)")
+    add("--seeds_for", action="append", default=[], metavar="OPTIMIZER:N",
+        help="Seeds 0..N-1 for one optimizer instead of --seeds (repeatable). (default: "
+             "--seeds for every optimizer)")
+    add("--reuse_report", default=None, metavar="JSON",
+        help="Take the curves of the optimizers (and seeds) that an earlier report holds "
+             "instead of training them; its runs must have had the same config and data. "
+             "(default: none)")
+    return p
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything `main` will do, checked: the runs to train or reuse and the report."""
+
+    args: argparse.Namespace
+    labels: list[str]
+    runs: list[Run]
+    reused: dict[str, dict[int, dict[int, float]]]
+    reused_from: dict[str, Any] | None
+    out: Path
+    extra: list[str]
+    step_time: dict[str, Any] | None
+
+
+def _read_json(flag: str, path: str) -> dict[str, Any]:
+    try:
+        value = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{flag}={path}: no such file") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{flag}={path}: not a readable JSON file ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}={path}: expected a JSON object")
+    return value
+
+
+def _check_writable(flag: str, value: object, folder: Path) -> None:
+    """`folder` exists (made here) and takes a file: tried, as permissions alone do not
+    tell (a read-only mount, root)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag}={value}: cannot write in {folder} ({err.strerror or err})"
+                         ) from None
+
+
+def evaluation_steps(run: Run) -> list[int]:
+    """The steps where the trainer evaluates `run` (`train.loop.step_actions` of a fresh
+    run: its cadence, its checkpoint steps and the last step)."""
+    from train.config import parse_args
+    from train.loop import step_actions
+
+    config = parse_args(list(run.argv)).run
+    return [s for s in range(run.max_iters + 1)
+            if step_actions(s, start=0, run=config).evaluate]
+
+
+def _check_statistics(args: argparse.Namespace, base: list[Run]) -> None:
+    """What `summarize` will need of the baseline, before any run."""
+    if args.sigma is None and len(base) < MIN_SIGMA_SEEDS:
+        raise ValueError(f"{base[0].label} (the baseline) has {len(base)} seed(s): measuring "
+                         f"sigma needs at least {MIN_SIGMA_SEEDS}; pass --seeds (or "
+                         f"--seeds_for={base[0].label}:N) with N >= {MIN_SIGMA_SEEDS}, or "
+                         "--sigma=VALUE")
+    if args.sigma is not None and not (math.isfinite(args.sigma) and args.sigma > 0):
+        raise ValueError(f"--sigma={args.sigma}: expected a seed-to-seed std > 0")
+    if args.target is not None and not math.isfinite(args.target):
+        raise ValueError(f"--target={args.target}: expected a finite val loss")
+    if not 0 < args.slope_frac <= 1:
+        raise ValueError(f"--slope_frac={args.slope_frac}: expected a fraction in (0, 1]")
+    steps = evaluation_steps(base[0])
+    window = [s for s in steps if s >= (1 - args.slope_frac) * steps[-1]]
+    if len(window) < 2:
+        raise ValueError(f"{base[0].label} (the baseline) evaluates at {window} in the last "
+                         f"--slope_frac={args.slope_frac} of its {base[0].max_iters} steps; "
+                         "the loss per 100 steps needs two evaluations there: raise "
+                         "--slope_frac or evaluate more often (--set eval_interval_tail=N)")
+
+
+def _reuse(path: str, args: argparse.Namespace, extra: list[str], runs: list[Run]
+           ) -> tuple[dict[str, dict[int, dict[int, float]]], dict[str, Any] | None]:
+    """The curves `--reuse_report` gives, by label and seed, after checking that its runs
+    are the ones asked for."""
+    old = _read_json("--reuse_report", path)
+    if old.get("preset") != args.preset or "optimizers" not in old:
+        raise ValueError(f"--reuse_report={path}: a report of preset {old.get('preset')!r}, "
+                         f"not {args.preset!r}")
+    wanted: dict[str, list[Run]] = {}
+    for run in runs:
+        held = old["optimizers"].get(run.label)
+        if held is not None and run.seed in held["seeds"]:
+            wanted.setdefault(run.label, []).append(run)
+    if not wanted:
+        return {}, None
+    by_key = old.get("runs")
+    if by_key is None:  # an older report: no keys, so what it says of its options
+        if old.get("extra", []) != extra:
+            raise ValueError(f"--reuse_report={path}: its runs had --set options "
+                             f"{old.get('extra')}, not {extra}")
+        check = "an older report without run keys: preset, --set options and evaluation " \
+                "steps checked"
+    else:
+        check, code_differs = "config and data checked", []
+        for label, group in wanted.items():
+            held = by_key.get(label, {}).get("key")
+            if held is None:
+                raise ValueError(f"--reuse_report={path}: no run key for {label} in it")
+            ask = key_without_seed(group[0])
+            diff = _differences({k: held[k] for k in ("config", "data")},
+                                {k: ask[k] for k in ("config", "data")})
+            if diff:
+                raise ValueError(f"--reuse_report={path}: {label}'s runs there differ from "
+                                 f"the ones asked for: {'; '.join(diff[:3])}")
+            if held["code"] != ask["code"]:
+                code_differs.append(label)
+        if code_differs:
+            check += f"; trained with another code version: {', '.join(code_differs)}"
+    curves: dict[str, dict[int, dict[int, float]]] = {}
+    for label, group in wanted.items():
+        held = old["optimizers"][label]
+        steps = evaluation_steps(group[0])
+        if held["steps"] != steps:
+            raise ValueError(f"--reuse_report={path}: {label} was evaluated at steps "
+                             f"{held['steps'][:3]}...{held['steps'][-2:]}, the runs asked for "
+                             f"at {steps[:3]}...{steps[-2:]}")
+        curves[label] = {run.seed: dict(zip(held["steps"],
+                                            held["losses"][held["seeds"].index(run.seed)],
+                                            strict=True)) for run in group}
+    return curves, {"report": path, "labels": list(curves), "check": check}
+
+
+def plan(argv: Sequence[str] | None) -> Plan:
+    """Parse and check the command line, and resolve every run; nothing is trained.
+
+    Raises:
+      ValueError: any mistake (one line for the user); FileNotFoundError: missing data.
+    """
+    if str(ROOT) not in sys.path:  # `python benchmarks/track3.py` from anywhere
+        sys.path.insert(0, str(ROOT))
+    from train.config import get_preset
+
+    args = parser().parse_args(argv)
     names = [x for x in args.optimizers.split(",") if x]
-    extra = [f"--{kv}" for kv in args.set]
-    own = per_optimizer_options(args.set_for, names)
-    seeds_for = {}
-    for item in args.seeds_for:
-        name, _, n = item.partition(":")
-        if name not in names or not n.isdigit() or int(n) < 1:
-            raise ValueError(f"--seeds_for={item!r}: expected OPTIMIZER:N with OPTIMIZER one "
-                             f"of {names} and N >= 1")
-        seeds_for[name] = int(n)
-    max_iters = parse_args([f"--preset={args.preset}", *extra]).run.max_iters
+    if not names:
+        raise ValueError(f"--optimizers={args.optimizers!r}: expected at least one name")
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"--optimizers={args.optimizers!r}: {twice} named twice")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds={args.seeds}: expected a count >= 1")
     get_preset(args.preset)
-    reused = {}
-    if args.reuse_report:
-        old = json.loads(Path(args.reuse_report).read_text())
-        if old.get("preset") != args.preset or old.get("extra", []) != extra:
-            raise ValueError(f"--reuse_report={args.reuse_report}: its preset/options "
-                             f"{old.get('preset')!r} {old.get('extra')} are not "
-                             f"{args.preset!r} {extra}")
-        reused = old["optimizers"]
-    curves, walls = {}, {}
+    extra = [_check_option("--set", kv) for kv in args.set]
+    own = per_optimizer_options(args.set_for, names)
+    for item in args.set_for:
+        _check_option("--set_for", item.partition(":")[2], shown=item)
+    seeds_for = seed_counts(args.seeds_for, names)
+    out = Path(args.out if args.out else Path("out", "track3_reports", args.preset)).absolute()
+    runs_dir = Path(args.runs_dir).absolute()
+    _check_writable("--out", args.out or out, out.parent)
+    _check_writable("--runs_dir", args.runs_dir, runs_dir)
+    step_time = _read_json("--step_time", args.step_time) if args.step_time else None
+    if step_time is not None and not isinstance(step_time.get("optimizers"), dict):
+        raise ValueError(f"--step_time={args.step_time}: expected the JSON of python -m "
+                         "benchmarks.track3_step_time --out (no 'optimizers' in it)")
+    code, data = code_version(), {}
+    labels, runs = [], []
     for name in names:
         label = name + "".join(f"[{kv[2:]}]" for kv in own.get(name, []))
-        curves[label] = {}
+        labels.append(label)
         for seed in range(seeds_for.get(name, args.seeds)):
-            if label in reused and seed in reused[label]["seeds"]:
-                row = reused[label]["losses"][reused[label]["seeds"].index(seed)]
-                curves[label][seed] = dict(zip(reused[label]["steps"], row, strict=True))
-                walls[f"{label}/{seed}"] = "reused"
-                print(f"{label} seed {seed}: final val loss {row[-1]:.4f} (from "
-                      f"{args.reuse_report})", flush=True)
-                continue
-            out_dir = Path(args.runs_dir) / args.preset / label / f"seed{seed}"
-            curve, wall = run_one(args.preset, name, seed, out_dir,
-                                  [*extra, *own.get(name, [])], max_iters, args.rerun)
-            curves[label][seed] = curve
-            name_seed = label
-            walls[f"{name_seed}/{seed}"] = None if wall is None else round(wall, 1)
-            print(f"{name_seed} seed {seed}: final val loss {curve[max_iters]:.4f}"
-                  + ("" if wall is None else f" ({wall:.0f} s)"), flush=True)
+            try:
+                runs.append(plan_run(label, args.preset, name, seed,
+                                     [*extra, *own.get(name, [])], runs_dir, code=code,
+                                     data=data, build=seed == 0))
+            except ValueError as err:
+                raise ValueError(f"{label}: {err}") from None
+    _check_statistics(args, [r for r in runs if r.label == labels[0]])
+    reused, reused_from = ({}, None) if not args.reuse_report else _reuse(
+        args.reuse_report, args, extra, runs)
+    return Plan(args, labels, runs, reused, reused_from, out, extra, step_time)
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the current folder where it lies in it (a report names no
+    machine's absolute paths it need not)."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def execute(p: Plan) -> dict:
+    """Train (or reuse) the plan's runs, summarize and write the report."""
+    args = p.args
+    curves: dict[str, dict[int, dict[int, float]]] = {label: {} for label in p.labels}
+    walls: dict[str, Any] = {}
+    for run in p.runs:
+        name = f"{run.label} seed {run.seed}"
+        if run.seed in p.reused.get(run.label, {}):
+            curve = curves[run.label][run.seed] = p.reused[run.label][run.seed]
+            walls[f"{run.label}/{run.seed}"] = "reused"
+            print(f"{name}: final val loss {curve[max(curve)]:.4f} (from "
+                  f"{args.reuse_report})", flush=True)
+            continue
+        curve, wall = run_one(run, args.rerun)
+        curves[run.label][run.seed] = curve
+        walls[f"{run.label}/{run.seed}"] = None if wall is None else round(wall, 1)
+        print(f"{name}: final val loss {curve[run.max_iters]:.4f} "
+              + (f"(reused {run.folder})" if wall is None else f"({wall:.0f} s)"), flush=True)
     summary = summarize(curves, target=args.target, sigma=args.sigma,
                         slope_frac=args.slope_frac)
-    summary.update(preset=args.preset, extra=extra, machine=_machine(), wall_s=walls,
-                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    if args.step_time:
-        summary["step_time"] = json.loads(Path(args.step_time).read_text())
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / args.preset
-    write_report(summary, out, args.title or f"Track-3 protocol, {args.preset}")
-    print(out.with_suffix(".md").read_text())
+    first = {}
+    for run in p.runs:
+        first.setdefault(run.label, run)
+    summary.update(
+        preset=args.preset, extra=p.extra, machine=_machine(), wall_s=walls,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        runs={label: {"optimizer": r.optimizer, "options": list(r.argv[3:]),
+                      "folder": _shown(r.folder.parent), "key_hash": r.folder.parent.name,
+                      "key": key_without_seed(r)} for label, r in first.items()})
+    if p.reused_from:
+        summary["reused_from"] = p.reused_from
+    if p.step_time:
+        summary["step_time"] = p.step_time
+    write_report(summary, p.out, args.title or f"Track-3 protocol, {args.preset}")
+    print(p.out.with_suffix(".md").read_text())
+    print(f"report: {p.out}.{{json,md,png}}")
     return summary
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: plan (every mistake refused in one line, exit status 2, before
+    any run), then train and report; returns the exit status."""
+    from train.errors import one_line
+
+    try:
+        checked = plan(argv)
+    except (ValueError, OSError) as err:
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
+        return MISTAKE_EXIT_STATUS
+    try:
+        execute(checked)
+    except RunError as err:
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
+        return err.status
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -60,6 +60,7 @@ from train.metrics import (
     check_memory,
     check_trackers,
     flops_per_token,
+    loss_target,
     open_trackers,
     peak_flops_per_device,
     plot_losses,
@@ -567,7 +568,8 @@ def _finish(r: _Run, state: TrainState, rates: list[float]) -> RunResult:
     lead = jax.process_index() == 0
     whole = log.whole_run
     if lead:
-        plot_losses(whole, out / "loss.png", title=run_title(config))
+        plot_losses(whole, out / "loss.png", title=run_title(config),
+                    target=loss_target(config, r.data.vocab_size))
     s = config.sample
     if s.num_samples > 0 and jax.process_count() > 1:  # whole arrays on every host
         params = multihost_utils.process_allgather(params, tiled=True)

@@ -16,6 +16,10 @@ Every line of the log can also go to experiment trackers (`--tensorboard`,
 `train/tokens_per_sec`...) or `eval/<key>` for the evaluations (`eval/train_loss`,
 `eval/val_loss`), at the line's step. Process 0 alone opens them (`open_trackers`).
 
+The loss plot draws a benchmark's target where the run is that benchmark's task
+(`loss_target`): modded-nanogpt Track 3's mean val loss 3.28 for the `track3` preset's
+network and validation on GPT-2 tokens, whatever the optimizer and step count.
+
 Example:
   >>> peak_flops_per_device("NVIDIA H100 80GB HBM3")
   989000000000000.0
@@ -31,6 +35,9 @@ References:
   https://github.com/lanpa/tensorboardX, 2017-.
   Weights & Biases, "wandb.init" and "Resume a run", https://docs.wandb.ai/guides/runs/,
   2024.
+  Jordan et al., modded-nanogpt Track 3 (optimization), README (the 3.28 target),
+  https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization,
+  2026.
 """
 
 from __future__ import annotations
@@ -42,18 +49,22 @@ import os
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
 
 from optax_snoo.kfac import refresh_events
+from train.data import GPT2_VOCAB_SIZE
 from train.optimizers import Monitor
 
 __all__ = [
     "COMPILING_BAR",
     "EVAL_TAGS",
+    "LOSS_TARGETS",
     "PEAK_FLOPS",
+    "TASK_KEYS",
+    "LossTarget",
     "MetricsLog",
     "RefreshLog",
     "TensorBoardTracker",
@@ -63,6 +74,7 @@ __all__ = [
     "check_memory",
     "check_trackers",
     "flops_per_token",
+    "loss_target",
     "open_trackers",
     "peak_flops_per_device",
     "plot_losses",
@@ -353,8 +365,59 @@ def run_title(config: Any) -> str:
             f"n_embd={m.n_embd}, n_head={m.n_head}, block_size={m.block_size}{moe}")
 
 
+class LossTarget(NamedTuple):
+    """A benchmark's val-loss target and the task it is set on.
+
+    Attributes:
+      value: the target val loss.
+      name: the benchmark, for the plot's legend.
+      preset: the preset whose task it is (its `TASK_KEYS`).
+      vocab_size: the vocabulary of the task's data (its tokenizer's).
+    """
+
+    value: float
+    name: str
+    preset: str
+    vocab_size: int
+
+
+#: The targets the loss plot knows: modded-nanogpt Track 3's mean val loss < 3.28
+#: (records/track_3_optimization/README.md) on FineWeb's GPT-2 tokens, the `track3`
+#: preset's data. The `track3_cpu` twin has none: its target is measured from its
+#: baseline (`benchmarks.track3`).
+LOSS_TARGETS: tuple[LossTarget, ...] = (LossTarget(3.28, "Track 3", "track3", GPT2_VOCAB_SIZE),)
+#: What makes a preset's task, beside its data's vocabulary: the network's shape and the
+#: validation set (the optimizer, its hyperparameters and the step count may differ).
+TASK_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "val_tokens")
+
+
+def loss_target(config: Any, vocab_size: int) -> LossTarget | None:
+    """The target of the benchmark whose task `config` runs on data of `vocab_size` ids,
+    or None (`LOSS_TARGETS`: the config's `TASK_KEYS` equal the target preset's).
+
+    Example:
+      >>> from train.config import get_preset
+      >>> loss_target(get_preset("track3"), 50257).value
+      3.28
+      >>> loss_target(get_preset("track3_cpu"), 65) is None
+      True
+
+    Args:
+      config: the run's `TrainConfig`.
+      vocab_size: the number of token ids of its data (before any padding).
+    """
+    from train.config import flat_dict, get_preset
+
+    keys = flat_dict(config)
+    for target in LOSS_TARGETS:
+        task = flat_dict(get_preset(target.preset))
+        if vocab_size == target.vocab_size and all(keys[k] == task[k] for k in TASK_KEYS):
+            return target
+    return None
+
+
 def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
-                title: str | None = None) -> Any:
+                title: str | None = None, target: LossTarget | None = None) -> Any:
     """Save train/val loss against step (the logged train loss and both eval losses).
 
     Draws on a bare `matplotlib.figure.Figure`, so pyplot's global backend (a notebook's
@@ -364,6 +427,8 @@ def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *
       history: the log's lines.
       path: the image file.
       title: above the plot (`run_title`: run name, optimizer, model shape).
+      target: a benchmark's target val loss (`loss_target`), drawn as a dashed line
+        labelled with its value.
 
     Returns:
       The `matplotlib.figure.Figure`.
@@ -381,6 +446,9 @@ def plot_losses(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *
         if points:
             ax.plot(*zip(*points, strict=True), label=label, alpha=alpha,
                     marker="o" if key != "loss" else None)
+    if target is not None:
+        ax.axhline(target.value, color="k", lw=0.8, ls="--",
+                   label=f"{target.name} target {target.value:g}")
     _save(fig, ax, "cross-entropy (nats/token)", path)
     return fig
 
