@@ -736,10 +736,8 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
         key, eq, text = arg[2:].partition("=")
         key = key.replace("-", "_")
         if not eq:
-            if args and not args[0].startswith("--"):
-                text = args.pop(0)
-            else:
-                text = None  # a bare flag: true for a bool key
+            # A bare flag (None): true for a bool key.
+            text = args.pop(0) if args and not args[0].startswith("--") else None
         if key == "preset":
             if text is None:
                 raise ValueError("--preset needs a value (--preset=NAME)")

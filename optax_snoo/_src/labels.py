@@ -24,9 +24,9 @@ Rule = tuple[str | re.Pattern, Label]
 
 __all__ = [
     "MUON_ADAM_RULES",
+    "PathRules",
     "by_path",
     "describe",
-    "PathRules",
     "label_by_rules",
     "muon_adam_labels",
     "partition",

@@ -17,6 +17,7 @@ References:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -84,7 +85,7 @@ def steps_in_order(table: Any, *names: str) -> None:
     """Refuse step constants that are not >= 1 and increasing (a run too short for the
     record's phases): ``names`` in the order the record has them."""
     values = [getattr(table, n) for n in names]
-    if values[0] < 1 or any(b <= a for a, b in zip(values, values[1:], strict=False)):
+    if values[0] < 1 or any(b <= a for a, b in itertools.pairwise(values)):
         shown = ", ".join(f"{n}={getattr(table, n)}" for n in names)
         raise ValueError(f"the step constants {shown} must be >= 1 and increasing")
 
