@@ -31,6 +31,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import shutil
@@ -45,6 +46,8 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from optax_snoo import recipes
+from optax_snoo._src.recipes.stacks import ScheduleHyperparameters
 from train.config import TrainConfig, flat_dict, group_fields
 
 __all__ = ["CheckpointSaveError", "CheckpointWarning", "Checkpointer", "check_compatible",
@@ -76,15 +79,37 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], *,
       ValueError: listing every differing key with both values (on one line).
     """
     # A key the checkpoint's version did not have yet ran at its default.
-    saved = {**flat_dict(TrainConfig()), **saved}
+    given, saved = saved, {**flat_dict(TrainConfig()), **saved}
     diffs = [f"{key}: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
              for group in groups for key in group_fields(group)
              if saved.get(key) != current.get(key)]
+    if "optimizer" in groups and saved.get("optimizer") == current.get("optimizer"):
+        diffs += _hyperparameter_diffs(given, current, recipes.get(current["optimizer"]))
     if diffs:
         location = f" in {where}" if where else ""
         raise ValueError(f"cannot resume from the checkpoint{location}: its config differs "
                          f"in {len(diffs)} field(s): " + "; ".join(diffs) +
                          ". Run with the checkpoint's values or choose another --out_dir.")
+
+
+#: The schedule's shape, which a resume may change as it may `max_iters` (the loop warns
+#: when that moves the logged lr).
+_SCHEDULE_KEYS = frozenset(f.name for f in dataclasses.fields(ScheduleHyperparameters))
+
+
+def _hyperparameter_diffs(saved: Mapping[str, Any], current: Mapping[str, Any],
+                          recipe: recipes.Recipe) -> list[str]:
+    """The recipe's hyperparameters (not its schedule's shape) that differ; one that
+    either side lacks (added since, or not read there) is at the recipe's default."""
+    defaults = recipe.defaults
+    diffs = []
+    for key in recipe.hyperparameters.names():
+        if key in _SCHEDULE_KEYS:
+            continue
+        old, new = (values.get(key, getattr(defaults, key)) for values in (saved, current))
+        if old != new:
+            diffs.append(f"{key}: checkpoint has {old!r}, this run has {new!r}")
+    return diffs
 
 
 def _val_loss(metrics: Mapping[str, float]) -> float:

@@ -15,16 +15,25 @@ from train.optimizers import build_optimizer
 from train.sharding import make_mesh, tree_shardings
 from train.step import create_train_state, make_train_step
 
+#: The tiny runs' Snoo-AdamW: lr 1e-2 with a 2-step warm-up, cosine to 1e-3 at step 8.
+TINY_OPTIMIZER = dict(optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2,
+                      final_lr_scale=0.1, warmup_iters=2, lr_decay_iters=8)
+
+
+def _with(base: dict, overrides: dict) -> tc.TrainConfig:
+    """`base` (with `TINY_OPTIMIZER`), then `overrides`: another `optimizer` keeps those of
+    the base's hyperparameters it has, as `train.config.override` does for a preset."""
+    return tc.override(tc.override(tc.TrainConfig(), **TINY_OPTIMIZER, **base), **overrides)
+
 
 def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
     """An 8-step Snoo-AdamW run of a 1-layer GPT in `tmp_path / "run"` (test_train's)."""
     base = dict(
         n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
-        max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
-        checkpoint_every=4, mesh_data=1, num_samples=0, progress=False, vocab_multiple=8,
-        data=str(corpus), out_dir=str(tmp_path / "run"))
-    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+        max_iters=8, eval_interval=4, eval_iters=2, log_interval=1, checkpoint_every=4,
+        mesh_data=1, num_samples=0, progress=False, vocab_multiple=8, data=str(corpus),
+        out_dir=str(tmp_path / "run"))
+    return _with(base, overrides)
 
 
 def step_setup(config):
@@ -51,11 +60,9 @@ def tiny_in(corpus, out_dir, **overrides) -> tc.TrainConfig:
     """`tiny`'s run in `out_dir` itself, without `vocab_multiple` (test_faults')."""
     base = dict(
         n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
-        max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
-        checkpoint_every=4, mesh_data=1, num_samples=0, progress=False,
-        data=str(corpus), out_dir=str(out_dir))
-    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+        max_iters=8, eval_interval=4, eval_iters=2, log_interval=1, checkpoint_every=4,
+        mesh_data=1, num_samples=0, progress=False, data=str(corpus), out_dir=str(out_dir))
+    return _with(base, overrides)
 
 
 def tiny_adamw(corpus, tmp_path, **values):

@@ -29,11 +29,7 @@ from train.checkpoint import Checkpointer, check_compatible
 from train.evaluate import evaluate_split
 from train.evaluate import main as evaluate_main
 from train.metrics import flops_per_token
-from train.optimizers import (
-    OPTIMIZERS,
-    build_optimizer,
-    learning_rate_schedule,
-)
+from train.optimizers import OPTIMIZERS, build_optimizer
 from train.sample import load_model
 from train.sample import main as sample_main
 from train.sharding import batch_sharding, mesh_shape, put_batch
@@ -253,12 +249,17 @@ def test_eight_devices_match_one_and_stay_sharded(corpus, tmp_path):
 
 def test_every_registered_optimizer_updates(corpus, tmp_path):
     params = {"wte": {"embedding": jnp.ones((8, 4))}, "blocks": {0: {"mlp": {
-        "c_fc": {"kernel": jnp.full((4, 6), 0.1)}}}}, "ln_f": {"scale": jnp.ones(4)}}
+        "c_fc": {"kernel": jnp.full((4, 6), 0.1)}}}}, "ln_f": {"scale": jnp.ones(4)},
+        "lm_head": {"kernel": jnp.full((4, 8), 0.1)}}  # the Track 3 recipes require a head
     grads = jax.tree.map(lambda p: 0.01 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape),
                          params)
     for name in OPTIMIZERS:
-        spec = build_optimizer(tiny(corpus, tmp_path, optimizer=name, snoo_k=2))
-        assert (spec.sync_period == 2) == name.startswith("snoo"), name
+        snoo = "snoo_k" in OPTIMIZERS[name].hyperparameters.names()
+        # A length every recipe takes (the records' need a few steps per phase).
+        config = tiny(corpus, tmp_path, optimizer=name, max_iters=100, **(
+            {"snoo_k": 2} if snoo else {}))
+        spec = build_optimizer(config)
+        assert (spec.sync_period == 2) == snoo, name
         tx = spec.tx
         state = tx.init(params)
         # K-FAC and Newton-Muon require their statistics; None: a step without them.
@@ -282,23 +283,25 @@ def nanogpt_lr(it, lr, min_lr, warmup, decay):
 
 
 def test_cosine_schedule_is_nanogpts_get_lr():
-    config = tc.override(tc.TrainConfig(), learning_rate=1e-3, min_lr=1e-4,
-                                 warmup_iters=100, max_iters=2000)
-    schedule = learning_rate_schedule(config)
+    config = tc.override(tc.TrainConfig(), optimizer="adamw", learning_rate=1e-3,
+                         final_lr_scale=0.1, warmup_iters=100, max_iters=2000)
+    schedule = build_optimizer(config).learning_rate
     for it in [0, 1, 50, 99, 100, 101, 700, 1999, 2000, 2500]:
         assert float(schedule(it)) == pytest.approx(nanogpt_lr(it, 1e-3, 1e-4, 100, 2000),
                                                     rel=1e-5), it
-    muon = learning_rate_schedule(config, peak=0.02)
-    assert float(muon(2000)) == pytest.approx(0.002, rel=1e-5)
-    short = learning_rate_schedule(tc.override(config, max_iters=50))
+    # Muon's logged lr: its own peak on the same schedule, floored at the same fraction.
+    muon = build_optimizer(tc.override(config, optimizer="muon", muon_learning_rate=0.02))
+    assert float(muon.learning_rate(2000)) == pytest.approx(0.002, rel=1e-5)
+    short = build_optimizer(tc.override(config, max_iters=50)).learning_rate
     assert float(short(10)) == pytest.approx(1e-3 * 11 / 101, rel=1e-5)
     assert float(short(200)) == pytest.approx(1e-4, rel=1e-5)
 
 
 def test_stable_cooldown_schedule_is_the_records():
-    config = tc.override(tc.TrainConfig(), schedule="stable_cooldown", max_iters=100,
-                                 cooldown_frac=0.7, final_lr_scale=0.01, learning_rate=2e-3)
-    schedule = learning_rate_schedule(config)
+    config = tc.override(tc.TrainConfig(), optimizer="adamw", schedule="stable_cooldown",
+                         max_iters=100, cooldown_frac=0.7, final_lr_scale=0.01,
+                         learning_rate=2e-3)
+    schedule = build_optimizer(config).learning_rate
     for t in [0, 10, 29, 30, 65, 99, 100]:
         x = t / 100
         mult = 1.0 if x < 0.3 else (1 - x) / 0.7 * (1 - 0.01) + 0.01
@@ -313,8 +316,9 @@ def test_presets_and_overrides():
     assert default == tc.get_preset("shakespeare_char_cpu")
     flat = tc.flat_dict(default)
     assert [flat[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
-                              "max_iters", "learning_rate", "min_lr", "warmup_iters", "b2",
-                              "dropout")] == [4, 4, 128, 64, 12, 2000, 1e-3, 1e-4, 100, 0.99, 0.0]
+                              "max_iters", "optimizer", "adam_learning_rate", "final_lr_scale",
+                              "warmup_iters", "adam_b2", "dropout")] == [
+        4, 4, 128, 64, 12, 2000, "snoo_muon", 1e-3, 0.1, 100, 0.99, 0.0]
     gpu = tc.get_preset("shakespeare_char")
     assert (gpu.model.n_layer, gpu.model.n_embd, gpu.model.block_size, gpu.data.batch_size,
             gpu.model.dropout, gpu.run.max_iters) == (6, 384, 256, 64, 0.2, 5000)
@@ -324,13 +328,15 @@ def test_presets_and_overrides():
                             "--resume", "--lr_decay_iters=None", "--sample_start=a\\nb",
                             "--learning-rate=3e-4", "--bias=true"])
     assert (config.optimizer.name, config.run.max_iters, config.model.moe_every,
-            config.run.resume, config.schedule.lr_decay_iters, config.sample.start,
-            config.adamw.learning_rate, config.model.bias) == (
+            config.run.resume, config.optimizer.table.lr_decay_iters, config.sample.start,
+            config.optimizer.table.learning_rate, config.model.bias) == (
                 "adamw", 7, 2, True, None, "a\nb", 3e-4, True)
     assert tc.config_from_dict(tc.config_to_dict(config)) == config
     assert tc.config_from_dict(tc.flat_dict(config)) == config  # older checkpoints: flat
-    # Every flat key names one field; the model's are GPTConfig's (no second copy).
-    assert len(tc.KEYS) == len(set(tc.KEYS.values())) == 115
+    # Every flat key names one field; the model's are GPTConfig's (no second copy); the
+    # optimizer's hyperparameters are the recipe's, not keys of the trainer.
+    assert len(tc.KEYS) == len(set(tc.KEYS.values())) == 68
+    assert not set(tc.KEYS) & set(OPTIMIZERS["adamw"].hyperparameters.names())
     assert {name for g, name in tc.KEYS.values() if g == "model"} == {
         f.name for f in dataclasses.fields(models.GPTConfig)} - {"vocab_size"}
     assert tc.parse_args(["--dtype=float16"]).model.dtype == "float16"  # as GPTConfig says
@@ -347,12 +353,13 @@ def test_presets_and_overrides():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--n_layers=3"], r"unknown config key 'n_layers'; did you mean n_layer"),
+    (["--n_layers=3"], r"unknown key --n_layers \(did you mean --n_layer"),
     (["--n_layer=three"], r"--n_layer='three': expected int"),
     (["--dropout=high"], r"--dropout='high': expected float"),
     (["--resume=maybe"], r"--resume='maybe': expected bool"),
     (["--preset=tiny_gpu"], r"unknown preset 'tiny_gpu'.*Presets: \["),
     (["--schedule=linear"], r"schedule='linear': expected one of \['cosine'"),
+    (["--optimizer=adamw", "--kfac_mode=pi"], r"--kfac_mode is not read by --optimizer=adamw"),
     (["--mesh_data=0"], r"mesh_data=0"),
     (["max_iters=3"], r"expected --key=value"),
 ])
@@ -364,9 +371,10 @@ def test_cli_errors(argv, message):
 @pytest.mark.parametrize("values, message", [
     ({"n_layer": 0}, r"GPTConfig.n_layer must be a positive int, got 0"),
     ({"bias": "yes"}, r"bias='yes': expected bool"),
-    ({"snoo_k": 0}, r"snoo_k=0: expected a positive integer"),
-    ({"kfac_mode": "exact"}, r"kfac_mode='exact': expected one of \['pi', 'eigen'\]"),
-    ({"nope": 1}, r"unknown config key 'nope'"),
+    ({"snoo_k": 0}, r"snoo_k=0: expected an integer >= 1"),
+    ({"optimizer": "kfac", "kfac_mode": "exact"},
+     r"kfac_mode='exact': expected one of \['pi', 'eigen'\]"),
+    ({"nope": 1}, r"unknown key --nope"),
 ])
 def test_override_validates_each_group(values, message):
     with pytest.raises(ValueError, match=message):
@@ -374,12 +382,12 @@ def test_override_validates_each_group(values, message):
 
 
 def test_unknown_optimizer_fails_before_any_work(tmp_path, capsys):
-    message = r"optimizer='adamx': unknown \(did you mean adamw.*registered optimizers are \["
+    message = r"recipe 'adamx' is unknown \(did you mean adamw.*the recipes are adafactor, "
     with pytest.raises(ValueError, match=message):
         train.run(tc.override(tc.TrainConfig(), optimizer="adamx", out_dir=str(tmp_path / "x")))
     assert not (tmp_path / "x").exists()
     assert main(["--optimizer=adamx"]) == 2
-    assert "optimizer='adamx': unknown" in capsys.readouterr().err
+    assert "recipe 'adamx' is unknown" in capsys.readouterr().err
 
 
 def test_main_help_and_error_exit(capsys):
@@ -389,7 +397,7 @@ def test_main_help_and_error_exit(capsys):
         assert f"--{key} " in text
     assert "default 768" in text and "adamw" in text and "snoo_muon" in text
     assert main(["--n_embed=64"]) == 2
-    assert "did you mean n_embd" in capsys.readouterr().err
+    assert "did you mean --n_embd" in capsys.readouterr().err
 
 
 def test_async_checkpoint_is_safe_from_donation(tmp_path):
@@ -421,10 +429,26 @@ def test_a_key_added_since_the_checkpoint_compares_at_its_default():
     """A checkpoint written before a key existed trained at the key's default: it resumes
     at that default and refuses any other value."""
     current = tc.flat_dict(tc.TrainConfig())
-    older = {k: v for k, v in current.items() if k not in ("qk_clip_tau", "muon_beta2")}
+    older = {k: v for k, v in current.items() if k not in ("qk_clip_tau", "muon_smoothing")}
     check_compatible(older, current)
     with pytest.raises(ValueError, match="qk_clip_tau: checkpoint has 0.0, this run has 50.0"):
         check_compatible(older, {**current, "qk_clip_tau": 50.0})
+    # A recipe's hyperparameter: the checkpoint trained at the recipe's default.
+    with pytest.raises(ValueError, match="muon_smoothing: checkpoint has None, this run has 0.5"):
+        check_compatible(older, {**current, "muon_smoothing": 0.5})
+
+
+def test_a_checkpoint_resumes_only_at_its_hyperparameters():
+    """Every hyperparameter the recipe reads must match; the schedule's shape may move, as
+    max_iters may (the loop warns about the lr)."""
+    saved = tc.flat_dict(tc.TrainConfig())
+    check_compatible(saved, tc.flat_dict(tc.override(tc.TrainConfig(), lr_decay_iters=50)))
+    with pytest.raises(ValueError, match=r"1 field\(s\): muon_learning_rate: checkpoint has "
+                                         r"0.02, this run has 0.3"):
+        check_compatible(saved, tc.flat_dict(tc.override(tc.TrainConfig(),
+                                                          muon_learning_rate=0.3)))
+    with pytest.raises(ValueError, match="snoo_k: checkpoint has 28, this run has 4"):
+        check_compatible(saved, tc.flat_dict(tc.override(tc.TrainConfig(), snoo_k=4)))
 
 
 # ----------------------------------------------------------------------------- data
