@@ -2,6 +2,8 @@
 hint, the decay mask, rounding), and what the train step does with it (dropout keys per
 micro-batch, the non-finite latch)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,13 +17,14 @@ from optax_snoo import kfac as kfac_lib
 from train import config as tc
 from train.config import get_preset, override, parse_args
 from train.nonfinite import update_if_finite
-from train.optimizers import OPTIMIZERS, TrainOptimizer, build_optimizer, register
+from train.optimizers import OPTIMIZERS, build_optimizer
 from train.sharding import batch_sharding, put_batch
 from train.state import TrainState
 from trainer.support import model_setup, tiny_adamw
 
 PARAMS = {"blocks": {"0": {"mlp": {"c_fc": {"kernel": jnp.ones((8, 16))}}}},
-          "ln_f": {"scale": jnp.ones(8)}, "wte": {"embedding": jnp.ones((5, 8))}}
+          "ln_f": {"scale": jnp.ones(8)}, "wte": {"embedding": jnp.ones((5, 8))},
+          "lm_head": {"kernel": jnp.ones((8, 5))}}  # the records' recipes require a head
 KERNEL = ("blocks", "0", "mlp", "c_fc", "kernel")
 
 
@@ -41,7 +44,7 @@ def test_muon_smoothing_flag_adds_the_buffer(name):
 
 
 def test_muon_smoothing_from_the_command_line():
-    assert parse_args(["--muon_smoothing=0.2"]).muon.smoothing == 0.2
+    assert parse_args(["--muon_smoothing=0.2"]).optimizer.table.muon_smoothing == 0.2
     with pytest.raises(ValueError, match="smoothing"):
         build_optimizer(parse_args(["--optimizer=muon", "--muon_smoothing=1.5"]))
 
@@ -62,17 +65,26 @@ def _curvature(params):
     return {"blocks/0/mlp/c_fc/kernel": kfac_lib.layer_factors(x, dy, False)}
 
 
-# Each family's peak-lr key, and the group a hidden kernel belongs to.
+# Each recipe's peak-lr hyperparameter of the group a hidden kernel (mlp/c_fc) belongs to.
 MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "normuon": "muon_learning_rate", "snoo_normuon": "muon_learning_rate",
-           "skew_adam": "skew_learning_rate", "snoo_skew_adam": "skew_learning_rate",
-           "adafactor": "skew_learning_rate", "kfac": "kfac_learning_rate",
+           "skew_adam": "learning_rate", "snoo_skew_adam": "learning_rate",
+           "adafactor": "learning_rate", "kfac": "kfac_learning_rate",
            "snoo_kfac": "kfac_learning_rate", "adamw": "learning_rate",
            "snoo_adamw": "learning_rate", "newton_muon": "muon_learning_rate",
+           "modded_nanogpt": "muon_learning_rate", "modded_nanogpt_muon": "muon_learning_rate",
            "track3_baseline": "muon_learning_rate",
-           "snoo_track3_baseline": "muon_learning_rate", "track3_record": None,
-           "track3_soap_muon": None, "muonh": None, "muloco_normuonh": None,
-           "track3_newton_muon": None}  # None: the record's lrs
+           "snoo_track3_baseline": "muon_learning_rate", "track3_record": "muon_learning_rate",
+           "track3_soap_muon": "muon_learning_rate", "muonh": "muon_learning_rate",
+           "muloco_normuonh": "muon_learning_rate",
+           "track3_newton_muon": "mlp_fc_learning_rate"}
+#: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
+#: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step.
+NOT_LINEAR_IN_LR = ("muonh", "muloco_normuonh", "track3_record")
+#: Flat lr at update 0 and no decay, where the recipe has these settings.
+FLAT_START = dict(schedule="stable_cooldown", learning_rate=1e-3, muon_weight_decay=0.0,
+                  weight_decay=0.0, adam_weight_decay=0.0, qkv_weight_decay=0.0,
+                  mlp_fc_weight_decay=0.0)
 
 
 @pytest.mark.parametrize("name", sorted(MAIN_LR))
@@ -80,26 +92,28 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
     """The logged `lr` follows the main group's peak (not AdamW's), and that peak is the
     one applied: doubling it doubles the update of a hidden kernel."""
     assert set(MAIN_LR) == set(OPTIMIZERS)
-    if MAIN_LR[name] is None:
-        pytest.skip("the record's fixed rates: test_track3_baseline_is_the_recipe and "
-                    "test_track3_recipes check them")
-    base = override(tc.TrainConfig(), optimizer=name, schedule="stable_cooldown",
-                    max_iters=100, learning_rate=1e-3, grad_clip=0.0, muon_beta_warmup=0,
-                    skew_weight_decay=0.0, weight_decay=0.0)
+    names = OPTIMIZERS[name].hyperparameters.names()
+    flat = {k: v for k, v in FLAT_START.items() if k in names and k != MAIN_LR[name]}
+    base = override(tc.TrainConfig(), optimizer=name, max_iters=100, grad_clip=0.0, **flat)
     grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
                          PARAMS)
     kernel_updates = []
     for peak in (3e-3, 6e-3):
         spec = build_optimizer(override(base, **{MAIN_LR[name]: peak}))
-        assert float(spec.learning_rate(0)) == pytest.approx(peak), name  # stable: lr(0) = peak
+        assert float(spec.learning_rate(0)) == pytest.approx(peak), name  # flat: lr(0) = peak
         extra = ({"curvature": _curvature(PARAMS), "input_covariance": None}
                  if spec.takes_curvature else {})
         updates, _ = spec.tx.update(grads, spec.tx.init(PARAMS), PARAMS,
                                     **spec.update_kwargs(1), **extra)  # no Snoo sync at 1
         kernel_updates.append(_get(updates, KERNEL))
     assert float(jnp.abs(kernel_updates[0]).max()) > 0, name
+    if name in NOT_LINEAR_IN_LR:
+        assert not np.allclose(kernel_updates[1], kernel_updates[0]), name
+        return
+    # A stack that forms W - lr·O and returns its difference from W rounds at W's scale.
+    atol = 2 * np.finfo(np.float32).eps * float(jnp.abs(_get(PARAMS, KERNEL)).max())
     np.testing.assert_allclose(kernel_updates[1], 2 * kernel_updates[0], rtol=1e-5,
-                               err_msg=name)
+                               atol=atol, err_msg=name)
 
 
 def test_track3_baseline_is_the_recipe():
@@ -141,17 +155,25 @@ def test_adamw_decays_matrices_only():
     np.testing.assert_allclose(updates["wte"]["embedding"], -lr * 0.1, rtol=1e-6)
 
 
-def test_register_a_new_optimizer(corpus, tmp_path):
-    """A registered builder is a name on the command line; the loop needs nothing else."""
+@dataclasses.dataclass(frozen=True)
+class _SgdHyperparameters(recipes.Hyperparameters):
+    learning_rate: float = recipes.hyperparameter(0.05, "SGD's constant lr", check="positive")
 
-    @register("test_sgd")
-    def sgd(config):
-        lr = optax.constant_schedule(0.05)
-        return TrainOptimizer(optax.sgd(lr), lr)
 
+def test_register_a_new_recipe(corpus, tmp_path):
+    """A registered recipe is a name on the command line, its hyperparameters flags; the
+    loop needs nothing else."""
+
+    def sgd(table, total_steps):
+        lr = optax.constant_schedule(table.learning_rate)
+        return recipes.Stack(optax.with_extra_args_support(optax.sgd(lr)), lr)
+
+    recipe = recipes.Recipe("test_sgd", _SgdHyperparameters, sgd, summary="plain SGD")
+    recipes.register(recipe)
     try:
         with pytest.raises(ValueError, match="already registered"):
-            register("test_sgd")(sgd)
+            recipes.register(recipe)
+        assert OPTIMIZERS["test_sgd"] is recipe
         config = override(tc.TrainConfig(), optimizer="test_sgd", n_layer=1, n_head=2,
                           n_embd=16, block_size=8, batch_size=4, max_iters=3, eval_interval=3,
                           eval_iters=1, log_interval=1, num_samples=0, progress=False,
@@ -159,8 +181,10 @@ def test_register_a_new_optimizer(corpus, tmp_path):
                           out_dir=str(tmp_path / "run"))
         result = train.run(config)
         assert [h["lr"] for h in result.history if "lr" in h] == pytest.approx([0.05] * 3)
+        assert parse_args(["--optimizer=test_sgd", "--learning_rate=0.2"]).optimizer.table == (
+            _SgdHyperparameters(0.2))
     finally:
-        del OPTIMIZERS["test_sgd"]
+        del recipes.REGISTRY["test_sgd"]
 
 
 # --------------------------------------------------------------------- the train step
