@@ -16,9 +16,10 @@ import pytest
 
 import models
 import train
+from optax_snoo import recipes
 from train import config as tc
 from train.data import TokenDataset
-from train.optimizers import TrainOptimizer, build_optimizer, track3_labels
+from train.optimizers import TrainOptimizer, build_optimizer
 from train.sharding import make_mesh, tree_shardings
 from train.step import create_train_state, make_train_step
 
@@ -108,10 +109,11 @@ def test_track3_optimizer_groups_and_one_step_of_each_adamw_group():
               "lm_head": {"kernel": jnp.full((4, 5), 0.5), "bias": jnp.full((5,), 0.5)},
               "ln_f": {"scale": jnp.ones(4)},
               "blocks": {0: {"attn": {"c_q": {"kernel": jnp.eye(4), "bias": jnp.zeros(4)}}}}}
-    assert track3_labels(params) == {
-        "wte": {"embedding": "embed"}, "lm_head": {"kernel": "head", "bias": "vector"},
-        "ln_f": {"scale": "vector"},
-        "blocks": {0: {"attn": {"c_q": {"kernel": "muon", "bias": "vector"}}}}}
+    # The record's groups: every 1-D parameter (the head's bias too), embedding, head.
+    assert recipes.describe("track3_baseline", params) == {
+        "blocks/0/attn/c_q/bias": "vectors", "blocks/0/attn/c_q/kernel": "muon",
+        "lm_head/bias": "vectors", "lm_head/kernel": "head", "ln_f/scale": "vectors",
+        "wte/embedding": "embed"}
     config = tc.get_preset("track3_cpu")
     spec = build_optimizer(config)
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1) * jnp.arange(1, p.size + 1).reshape(
@@ -144,8 +146,7 @@ def _tiny(corpus, out_dir, **overrides):
                 dtype="float32", max_iters=8, eval_interval=4, eval_interval_tail=1,
                 eval_tail_frac=0.25, val_tokens=8 * 16 * 2, eval_iters=1, log_interval=1,
                 checkpoint_every=4, mesh_data=1, progress=False, data=str(corpus),
-                out_dir=str(out_dir), schedule="cosine", warmup_iters=0, lr_decay_iters=8,
-                min_lr=1e-4), **overrides)
+                out_dir=str(out_dir)), **overrides)
     return tc.override(tc.TrainConfig(), **base)
 
 
@@ -153,13 +154,26 @@ def _logged(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sequential_run_evaluates_the_first_val_windows_and_resumes_exactly(corpus, tmp_path):
+def test_sequential_run_evaluates_the_first_val_windows_and_resumes_exactly(
+        corpus, tmp_path, monkeypatch):
     whole = train.run(_tiny(corpus, tmp_path / "whole"))
     evals = [h["step"] for h in _logged(tmp_path / "whole") if "val_loss" in h]
     assert evals == [0, 4, 6, 7, 8]  # every 4, every step in the last 25%, the end
-    half = _tiny(corpus, tmp_path / "half", max_iters=4)
-    train.run(half)
-    resumed = train.run(tc.override(half, max_iters=8, resume=True))
+    # Stopped reading step 6's batch (the recipe's schedule is the run's: same max_iters).
+    clean = TokenDataset.sequential_batch
+
+    def failing(self, split, step, **kw):
+        if split == "train" and step == 6:
+            raise RuntimeError("stopped at step 6")
+        return clean(self, split, step, **kw)
+
+    monkeypatch.setattr(TokenDataset, "sequential_batch", failing)
+    half = _tiny(corpus, tmp_path / "half")
+    with pytest.raises(RuntimeError, match="stopped at step 6"):
+        train.run(half)
+    monkeypatch.undo()
+    resumed = train.run(tc.override(half, resume=True))
+    assert resumed.history[0]["step"] > 4  # it resumed from the checkpoint at 4
     losses = lambda out: {h["step"]: h["loss"] for h in _logged(out) if "loss" in h}
     assert losses(tmp_path / "half") == losses(tmp_path / "whole")  # the same batches
     assert resumed.final["val_loss"] == whole.final["val_loss"]
@@ -179,13 +193,19 @@ def test_track3_presets_hold_the_files_values():
     resolved = lambda config, vocab: dataclasses.replace(tc.model_config(config, vocab),
                                                          attention="auto")
     assert resolved(full, 50257) == models.track3_config(vocab_size=50304)
-    for config in (full, twin):  # the #36 recipe on both
-        o, a, mu, s = config.optimizer, config.adamw, config.muon, config.schedule
-        assert (o.name, o.grad_clip, mu.learning_rate, mu.weight_decay, mu.beta,
-                mu.beta_warmup) == ("track3_baseline", 0.0, 0.025, 0.05, 0.95, 0)
-        assert (a.learning_rate, a.head_learning_rate, a.vector_learning_rate, a.b1,
-                a.b2, a.eps, a.weight_decay) == (0.7, 0.004, 0.015, 0.8, 0.95, 1e-10, 0.001)
-        assert (s.kind, s.cooldown_frac, s.final_lr_scale) == ("stable_cooldown", 0.7, 0.0)
+    for config in (full, twin):  # the #36 recipe on both, at its own constants
+        o, t = config.optimizer, config.optimizer.table
+        assert (o.name, o.grad_clip, o.hyperparameters) == ("track3_baseline", 0.0, {})
+        assert (t.muon_learning_rate, t.muon_weight_decay, t.muon_momentum) == (
+            0.025, 0.05, 0.95)
+        assert (t.embed_learning_rate, t.head_learning_rate, t.vector_learning_rate,
+                t.adam_b1, t.adam_b2, t.adam_eps, t.adam_weight_decay) == (
+                    0.7, 0.004, 0.015, 0.8, 0.95, 1e-10, 0.001)
+        # flat for 30%, then linear to 0 at the run's end
+        lr, steps = build_optimizer(config).learning_rate, config.run.max_iters
+        assert [float(lr(t)) for t in (0, int(0.3 * steps) - 1, steps)] == pytest.approx(
+            [0.025, 0.025, 0.0])
+        assert float(lr(int(0.65 * steps))) == pytest.approx(0.0125, rel=1e-3)
     assert resolved(twin, 65) == models.track3_config(n_layer=4, n_embd=128, head_dim=32,
                                                       vocab_size=65, block_size=128)
     # one pass of the shipped characters holds the twin's steps
