@@ -25,7 +25,7 @@ RECIPES = ("track3_record", "track3_soap_muon", "muonh", "muloco_normuonh",
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_trains(corpus, tmp_path, name):
     """Five steps on one batch: the loss is finite and falls."""
-    config = tiny_adamw(corpus, tmp_path, optimizer=name, max_iters=50)
+    config = tiny_adamw(corpus, tmp_path, optimizer=name, max_iters=50, tie_embeddings=False)
     mesh, _, state, step = model_setup(config)
     spec = build_optimizer(config)
     xy = np.random.default_rng(0).integers(0, 32, (2, 1, 4, 8)).astype(np.int32)
@@ -45,10 +45,16 @@ def test_readout_is_zero_cost_without_a_wrapper():
 
 def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkeypatch):
     """A track3_record run ends inside its tail EMA: the logged val loss is the readout's,
-    not the params', and `load_params` (sampling, `train.evaluate`) restores the readout."""
-    config = tiny_adamw(corpus, tmp_path, optimizer="track3_record", max_iters=8, eval_interval=8,
-                   eval_iters=2, log_interval=8, num_samples=0, progress=False)
+    not the params', and `load_params` (sampling, `train.evaluate`) restores the readout.
+    Its metrics.jsonl logs the record's PowerCool lr at every step."""
+    # 9 steps, the recipe's fewest: the tail EMA averages updates 7 and 8.
+    config = tiny_adamw(corpus, tmp_path, optimizer="track3_record", max_iters=9,
+                        eval_interval=9, eval_iters=2, log_interval=1, num_samples=0,
+                        progress=False, tie_embeddings=False)
     result = train.run(config)
+    lrs = {h["step"]: h["lr"] for h in result.history if "lr" in h}
+    # step s logs the lr of its update, number s - 1
+    assert lrs == pytest.approx({s: power_cool_lr(s - 1, 9) for s in range(1, 10)}, rel=1e-6)
     logged = [h["val_loss"] for h in result.history if "val_loss" in h][-1]
     seen = {}
 
@@ -71,20 +77,60 @@ def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkey
     assert abs(loss(raw.params) - logged) > 1e-6  # the readout made a difference
 
 
-@pytest.mark.parametrize("name, lr0, sync", [("track3_record", 0.0375, None),
-                                              ("track3_soap_muon", 0.0375, None),
-                                              ("muonh", 0.018, None),
-                                              ("muloco_normuonh", 0.018, (29, 59)),
-                                              ("track3_newton_muon", 0.030, None)])
-def test_logged_lr_and_snoo_hint(name, lr0, sync):
-    """The logged lr is the recipe's Muon lr over `max_iters`; MuLoCo's hint syncs after
-    every 30th update (sync='end')."""
+# The records' logged Muon lr at update t of a T-step run, float64, from the records' code
+# (PowerCool's c from #44/#46's log, at its lr 0.0375 and 2900 steps).
+RECORD_C, RECORD_STEPS = 3.3169534699576625e-06, 2900
+
+
+def power_cool_lr(t, T, lr0=0.0375):
+    """#44/#46's `_lr`, min(lr0, c·(T - t)^1.2), its c stretched to T steps."""
+    return min(lr0, RECORD_C * (RECORD_STEPS / T) ** 1.2 * max(0.0, T - t) ** 1.2)
+
+
+def stable_cooldown_lr(t, T, lr0, cooldown_frac):
+    """The records' `set_hparams`: flat, then a line to 0 over the last cooldown_frac."""
+    x = t / T
+    return lr0 if x < 1 - cooldown_frac else lr0 * (1 - x) / cooldown_frac
+
+
+#: name -> (the logged lr at update t of T, the updates t after which Snoo syncs).
+LOGGED = {
+    "track3_record": (power_cool_lr, lambda t: False),
+    "track3_soap_muon": (power_cool_lr, lambda t: False),
+    # #5, #13: the hyperball's relative step 0.018, linear to 0 over the run.
+    "muonh": (lambda t, T: stable_cooldown_lr(t, T, 0.018, 1.0), lambda t: False),
+    # #13: MuLoCo's outer step after every 30th update (sync="end").
+    "muloco_normuonh": (lambda t, T: stable_cooldown_lr(t, T, 0.018, 1.0),
+                        lambda t: t % 30 == 29),
+    # #15: the MLP input group's 0.030 (the c_fc kernel's), flat for 30%.
+    "track3_newton_muon": (lambda t, T: stable_cooldown_lr(t, T, 0.030, 0.7),
+                           lambda t: False),
+    # #36: 0.025, flat for 30%; its Snoo twin syncs at updates 0, 28, 56, ... (k=28).
+    "track3_baseline": (lambda t, T: stable_cooldown_lr(t, T, 0.025, 0.7), lambda t: False),
+    "snoo_track3_baseline": (lambda t, T: stable_cooldown_lr(t, T, 0.025, 0.7),
+                             lambda t: t % 28 == 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOGGED))
+def test_logged_lr_and_snoo_hint_at_every_step(name):
+    """Over a whole 290-step run (a tenth of the records', so every step constant is
+    rescaled), the logged lr is the record's formula at every update and Snoo's hint
+    syncs exactly where the record does."""
     from train.config import TrainConfig, override
-    spec = build_optimizer(override(TrainConfig(), optimizer=name, max_iters=60))
-    assert float(spec.learning_rate(0)) == pytest.approx(lr0)
-    assert float(spec.learning_rate(60)) == 0.0
-    synced = [t for t in range(60) if spec.update_kwargs(t).get("snoo_sync")]
-    assert synced == ([] if sync is None else list(sync))
+    T = 290
+    spec = build_optimizer(override(TrainConfig(), optimizer=name, max_iters=T))
+    lr, synced = LOGGED[name]
+    steps = jnp.arange(T + 1, dtype=jnp.int32)  # the train step's int32 update count
+    got = np.asarray(jax.jit(jax.vmap(spec.learning_rate))(steps), np.float64)
+    want = np.array([lr(t, T) for t in range(T + 1)])
+    # float32: x = t/T and c·r^1.2 each round a few times, at the scale of the peak.
+    eps = np.finfo(np.float32).eps
+    np.testing.assert_allclose(got, want, rtol=8 * eps, atol=8 * eps * want.max())
+    assert got[-1] == 0.0  # every record ends at 0
+    assert [spec.update_kwargs(t).get("snoo_sync", False) for t in range(T)] == [
+        synced(t) for t in range(T)]
+    assert (spec.sync_period is not None) == any(synced(t) for t in range(T))
 
 
 @pytest.mark.parametrize("name", ["muonh", "muloco_normuonh"])
