@@ -532,10 +532,24 @@ def override(config: TrainConfig, **values: Any) -> TrainConfig:
         _check_hyperparameter(key, recipe)
         _check_type(key, _hints(recipe.hyperparameters)[key], value)
     if given or name != config.optimizer.name:
-        by_group.setdefault("optimizer", {})["hyperparameters"] = {**kept, **given}
+        by_group.setdefault("optimizer", {})["hyperparameters"] = _unread_dropped(
+            recipe, kept, given)
     return dataclasses.replace(config, **{
         group: dataclasses.replace(getattr(config, group), **fields)
         for group, fields in by_group.items()})
+
+
+def _unread_dropped(recipe: recipes.Recipe, kept: Mapping[str, Any],
+                   given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` over ``kept`` (a preset's), less the kept ones the new settings do not read
+    (a preset's ``warmup_iters`` under a given ``schedule="stable_cooldown"``); a given
+    one that is not read stays, for the recipe to refuse."""
+    merged = {**kept, **given}
+    try:
+        read = recipe.hyperparameters(**merged).read()
+    except ValueError:  # a bad value: the recipe's own check names it
+        return merged
+    return {k: v for k, v in merged.items() if k in given or k in read}
 
 
 def _carried(values: Mapping[str, Any], recipe: recipes.Recipe) -> dict[str, Any]:

@@ -37,14 +37,16 @@ pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
+    """A 12-step K-FAC run (both groups at 1e-2); `overrides` apply after, as flags after a
+    preset (a new optimizer keeps the base's hyperparameters it reads)."""
     base = dict(
         n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="kfac", learning_rate=1e-2, min_lr=1e-3, warmup_iters=3, max_iters=12,
-        lr_decay_iters=12, eval_interval=6, eval_iters=2, log_interval=5,
-        checkpoint_every=100, mesh_data=1, num_samples=0, progress=False, bias=True,
-        kfac_interval=3, kfac_first=1, kfac_damping=1e-2, vocab_multiple=8, data=str(corpus),
-        out_dir=str(tmp_path / "run"))
-    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+        optimizer="kfac", kfac_learning_rate=1e-2, adam_learning_rate=1e-2,
+        final_lr_scale=0.1, warmup_iters=3, max_iters=12, lr_decay_iters=12, eval_interval=6,
+        eval_iters=2, log_interval=5, checkpoint_every=100, mesh_data=1, num_samples=0,
+        progress=False, bias=True, kfac_interval=3, kfac_first=1, kfac_damping=1e-2,
+        vocab_multiple=8, data=str(corpus), out_dir=str(tmp_path / "run"))
+    return tc.override(tc.override(tc.TrainConfig(), **base), **overrides)
 
 
 def _events(result) -> list[dict]:
