@@ -10,50 +10,71 @@ import pytest
 
 import models
 from train import config as tc
+from train.optimizers import OPTIMIZERS
 
-LEARNING_RATES = ("learning_rate", "muon_learning_rate", "skew_learning_rate",
-                  "kfac_learning_rate", "snoo_learning_rate")
-WEIGHT_DECAYS = ("weight_decay", "muon_weight_decay", "skew_weight_decay")
-MOMENTA = ("b1", "b2", "muon_beta", "snoo_momentum", "kfac_momentum", "kfac_ema_decay",
-           "muon_smoothing")
+#: (recipe, hyperparameter): every learning rate of every recipe.
+LEARNING_RATES = [(name, key) for name, recipe in sorted(OPTIMIZERS.items())
+                  for key in recipe.hyperparameters.names() if key.endswith("learning_rate")]
+WEIGHT_DECAYS = [("adamw", "weight_decay"), ("snoo_muon", "muon_weight_decay"),
+                 ("skew_adam", "weight_decay"), ("adafactor", "weight_decay"),
+                 ("kfac", "weight_decay"), ("track3_baseline", "adam_weight_decay"),
+                 ("track3_newton_muon", "qkv_weight_decay")]
+MOMENTA = [("adamw", "b1"), ("adamw", "b2"), ("snoo_muon", "muon_momentum"),
+           ("snoo_muon", "snoo_momentum"), ("snoo_muon", "adam_b1"), ("snoo_muon", "adam_b2"),
+           ("normuon", "muon_beta2"), ("kfac", "kfac_momentum"), ("kfac", "kfac_ema_decay"),
+           ("snoo_muon", "muon_smoothing"), ("track3_soap_muon", "soap_beta")]
 
 
-@pytest.mark.parametrize("key", LEARNING_RATES)
+def test_every_learning_rate_is_checked():
+    assert len(LEARNING_RATES) > 50 and ("snoo_muon", "snoo_learning_rate") in LEARNING_RATES
+
+
+@pytest.mark.parametrize("name, key", LEARNING_RATES)
 @pytest.mark.parametrize("text", ["-1e-3", "0", "nan", "inf"])
-def test_a_learning_rate_must_be_positive_and_finite(key, text):
+def test_a_learning_rate_must_be_positive_and_finite(name, key, text):
     with pytest.raises(ValueError) as err:
-        tc.parse_args([f"--{key}={text}"])
-    assert str(err.value) == f"{key}={float(text)!r}: expected a finite number > 0"
+        tc.parse_args([f"--optimizer={name}", f"--{key}={text}"])
+    assert str(err.value) == f"recipe {name}: {key}={float(text)!r}: expected a finite number > 0"
 
 
-@pytest.mark.parametrize("key", [*WEIGHT_DECAYS, "min_lr", "grad_clip", "kfac_damping",
-                                 "skew_clip", "sample_temperature"])
-def test_decays_clips_damping_and_min_lr_must_not_be_negative(key):
+@pytest.mark.parametrize("name, key", [*WEIGHT_DECAYS, ("snoo_muon", "grad_clip"),
+                                       ("kfac", "kfac_damping"),
+                                       ("skew_adam", "clip_threshold"),
+                                       ("snoo_muon", "sample_temperature")])
+def test_decays_clips_and_damping_must_not_be_negative(name, key):
     with pytest.raises(ValueError) as err:
-        tc.parse_args([f"--{key}=-0.1"])
-    assert str(err.value) == f"{key}=-0.1: expected a finite number >= 0"
-    assert tc.flat_dict(tc.parse_args([f"--{key}=0"]))[key] == 0  # zero: off, or none
+        tc.parse_args([f"--optimizer={name}", f"--{key}=-0.1"])
+    prefix = "" if key in tc.KEYS else f"recipe {name}: "
+    assert str(err.value) == f"{prefix}{key}=-0.1: expected a finite number >= 0"
+    zero = tc.flat_dict(tc.parse_args([f"--optimizer={name}", f"--{key}=0"]))
+    assert zero[key] == 0  # zero: off, or none
 
 
-@pytest.mark.parametrize("key", MOMENTA)
+@pytest.mark.parametrize("name, key", MOMENTA)
 @pytest.mark.parametrize("value", [1.0, -0.1, 1.5])
-def test_momenta_and_betas_must_lie_in_the_unit_interval(key, value):
+def test_momenta_and_betas_must_lie_in_the_unit_interval(name, key, value):
     with pytest.raises(ValueError) as err:
-        tc.parse_args([f"--{key}={value}"])
-    assert str(err.value) == f"{key}={value!r}: expected a number in [0, 1)"
-    assert tc.flat_dict(tc.parse_args([f"--{key}=0"]))[key] == 0
+        tc.parse_args([f"--optimizer={name}", f"--{key}={value}"])
+    assert str(err.value) == f"recipe {name}: {key}={value!r}: expected a number in [0, 1)"
+    assert tc.flat_dict(tc.parse_args([f"--optimizer={name}", f"--{key}=0"]))[key] == 0
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"eps": 0.0}, "eps=0.0: expected a finite number > 0"),
-    ({"kfac_tau": -0.5}, "kfac_tau=-0.5: expected a finite number > 0"),
-    ({"cooldown_frac": 0.0}, r"cooldown_frac=0.0: expected a number in (0, 1]"),
-    ({"final_lr_scale": 1.5}, r"final_lr_scale=1.5: expected a number in [0, 1]"),
-    ({"kfac_interval": 0}, "kfac_interval=0: expected a positive integer"),
-    ({"kfac_first": -1}, "kfac_first=-1: expected an integer >= 0"),
+    ({"optimizer": "adamw", "eps": 0.0}, "recipe adamw: eps=0.0: expected a finite number > 0"),
+    ({"optimizer": "kfac", "kfac_refresh": "lr_ratio", "kfac_tau": -0.5},
+     "recipe kfac: kfac_tau=-0.5: expected a finite number > 0"),
+    ({"schedule": "stable_cooldown", "cooldown_frac": 0.0},
+     r"recipe snoo_muon: cooldown_frac=0.0: expected a number in (0, 1]"),
+    ({"final_lr_scale": 1.5}, r"recipe snoo_muon: final_lr_scale=1.5: expected a number in [0, 1]"),
+    ({"optimizer": "kfac", "kfac_interval": 0},
+     "recipe kfac: kfac_interval=0: expected an integer >= 1"),
+    ({"optimizer": "kfac", "kfac_first": -1},
+     "recipe kfac: kfac_first=-1: expected an integer >= 0"),
     ({"sample_top_k": 0}, "sample_top_k=0: expected a positive integer"),
-    ({"min_lr": 2e-3}, "min_lr=0.002: expected at most learning_rate=0.001 (the cosine "
-                       "decays from learning_rate to min_lr)"),
+    # a setting the chosen schedule does not read: refused, naming what reads it
+    ({"schedule": "stable_cooldown", "warmup_iters": 5},
+     "recipe snoo_muon: warmup_iters is read only with schedule='cosine', not "
+     "schedule='stable_cooldown'; drop warmup_iters or set schedule"),
 ])
 def test_other_ranges_name_the_key_value_and_range(values, message):
     with pytest.raises(ValueError) as err:
@@ -63,12 +84,17 @@ def test_other_ranges_name_the_key_value_and_range(values, message):
 
 def test_the_edges_of_each_range_are_accepted():
     config = tc.override(
-        tc.TrainConfig(), kfac_learning_rate=None, muon_smoothing=None, sample_top_k=None,
-        kfac_first=0, min_lr=1e-3, learning_rate=1e-3, cooldown_frac=1.0, final_lr_scale=1.0,
+        tc.TrainConfig(), muon_smoothing=None, sample_top_k=None, final_lr_scale=1.0,
         sample_temperature=0.0, lr_decay_iters=0)
-    assert config.schedule.min_lr == config.adamw.learning_rate
-    # min_lr is the cosine's: stable_cooldown ignores it, so it may exceed the peak there
-    assert tc.override(config, schedule="stable_cooldown", min_lr=1.0).schedule.min_lr == 1.0
+    assert (config.optimizer.table.final_lr_scale, config.optimizer.table.lr_decay_iters) == (
+        1.0, 0)
+    assert tc.override(config, optimizer="kfac", kfac_first=0).optimizer.table.kfac_first == 0
+    # lr_decay_iters is the cosine's: set before (a preset's), stable_cooldown drops it
+    cooled = tc.override(config, schedule="stable_cooldown", cooldown_frac=1.0)
+    assert cooled.optimizer.hyperparameters == {"final_lr_scale": 1.0,
+                                                "schedule": "stable_cooldown",
+                                                "cooldown_frac": 1.0}
+    assert "lr_decay_iters" not in cooled.optimizer.resolved()
 
 
 def test_an_unknown_attention_is_refused_naming_the_choices():
@@ -92,14 +118,35 @@ def test_the_help_of_the_model_keys_is_read_from_gpt_config():
     assert lines["--mlp"].endswith("MLP kind {gelu, swiglu, relu2}")
 
 
+#: The flags of earlier versions and their names now: one name per concept, the library's.
+OLD_FLAGS = {"muon_beta": "muon_momentum", "muon_beta_warmup": "muon_momentum_warmup_steps",
+             "min_lr": "final_lr_scale", "newton_muon_interval": "newton_refresh_every",
+             "newton_muon_ema_decay": "newton_ema_decay",
+             "newton_muon_damping": "newton_damping", "skew_learning_rate": "learning_rate",
+             "skew_weight_decay": "weight_decay", "skew_clip": "clip_threshold",
+             "skew_policies": "policies", "muon_lr": "muon_learning_rate"}
+
+
+def test_the_renamed_flags_are_known():
+    assert OLD_FLAGS.items() <= tc.RENAMED["key"].items()
+
+
 @pytest.mark.parametrize("old, new", sorted(tc.RENAMED["key"].items()))
-def test_an_old_key_is_refused_naming_its_new_name(old, new):
-    assert new in tc.KEYS and old not in tc.KEYS
+def test_an_old_key_is_refused_naming_its_new_name(old, new, capsys):
+    from train.__main__ import main
+
+    readers = [n for n, r in OPTIMIZERS.items() if new in r.hyperparameters.names()]
+    assert (new in tc.KEYS or readers) and old not in tc.KEYS
+    assert not any(old in r.hyperparameters.names() for r in OPTIMIZERS.values())
     for build in (lambda: tc.parse_args([f"--{old}=0.5"]), lambda: tc.parse_args([f"--{old}"]),
-                  lambda: tc.override(tc.TrainConfig(), **{old: 0.5})):
+                  lambda: tc.override(tc.TrainConfig(), **{old: 0.5}),
+                  lambda: tc.parse_args([f"--optimizer={(readers or ['adamw'])[0]}",
+                                         f"--{old}=0.5"])):
         with pytest.raises(ValueError) as err:
             build()
         assert str(err.value) == f"--{old} was renamed --{new}"
+    assert main([f"--{old}=0.5"]) == 2
+    assert capsys.readouterr().err == f"error: --{old} was renamed --{new}\n"
 
 
 @pytest.mark.parametrize("old, new", sorted(tc.RENAMED["optimizer"].items()))
