@@ -209,8 +209,9 @@ def check_optimizer(config: TrainConfig) -> None:
     if steps < recipe.min_steps:
         why = (f"its step constants are fractions of the record's {recipe.defaults.RECORD_STEPS}"
                if recipe.defaults.RECORD_STEPS else "a schedule needs a step")
+        plural = "" if recipe.min_steps == 1 else "s"
         raise ValueError(f"--max_iters={steps}: --optimizer={name} needs at least "
-                         f"{recipe.min_steps} steps ({why})")
+                         f"{recipe.min_steps} step{plural} ({why})")
     recipe.check_steps(steps, config.optimizer.table)
     if name in HYPERBALL_RECIPES and config.model.init == "track3":
         raise ValueError(

@@ -80,17 +80,123 @@ def test_errors_are_one_line_and_a_non_zero_exit(finished, corpus, tmp_path, cas
     assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("flag, named", [
-    ("--learning_rate=-1e-3", "learning_rate=-0.001: expected a finite number > 0"),
-    ("--muon_learning_rate=-0.02", "muon_learning_rate=-0.02: expected a finite number > 0"),
+@pytest.mark.parametrize("flags, named", [
+    (["--optimizer=adamw", "--learning_rate=-1e-3"],
+     "recipe adamw: learning_rate=-0.001: expected a finite number > 0"),
+    (["--muon_learning_rate=-0.02"],
+     "recipe snoo_muon: muon_learning_rate=-0.02: expected a finite number > 0"),
     # the names of earlier versions: one line naming the new one
-    ("--muon_lr=0.02", "--muon_lr was renamed --muon_learning_rate"),
-    ("--optimizer=skewadam", "--optimizer=skewadam was renamed --optimizer=skew_adam"),
+    (["--muon_lr=0.02"], "--muon_lr was renamed --muon_learning_rate"),
+    (["--muon_beta=0.9"], "--muon_beta was renamed --muon_momentum"),
+    (["--optimizer=skewadam"], "--optimizer=skewadam was renamed --optimizer=skew_adam"),
 ])
-def test_a_value_out_of_range_is_one_line_before_any_work(tmp_path, flag, named):
-    proc = cli(flag, f"--out_dir={tmp_path}/run")
+def test_a_value_out_of_range_is_one_line_before_any_work(tmp_path, flags, named):
+    proc = cli(*flags, f"--out_dir={tmp_path}/run")
     assert (proc.returncode, proc.stderr, proc.stdout) == (2, f"error: {named}\n", "")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag", ["--learning_rate=0.1", "--snoo_k=4"])
+def test_a_flag_the_recipe_does_not_read_is_refused_listing_its_own(tmp_path, flag):
+    """#44's SOAP-Muon has no single learning rate and no Snoo: each flag is refused in one
+    line that names it and lists the recipe's hyperparameters (once both were accepted
+    and ignored)."""
+    from optax_snoo import recipes
+
+    proc = cli("--optimizer=track3_soap_muon", flag, f"--out_dir={tmp_path}/run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    key = flag.split("=")[0]
+    assert line.startswith(f"error: {key} is not read by --optimizer=track3_soap_muon"), line
+    listed = line.split("its hyperparameters are ")[1].split(" (python -m train")[0]
+    assert listed.split(", ") == list(recipes.track3_soap_muon.hyperparameters.names())
+    assert "muon_learning_rate" in listed and not (tmp_path / "run").exists()
+
+
+def _soap_muon_run(corpus, out, *flags):
+    """A 9-step #44 SOAP-Muon run from the command line; its losses and config.json."""
+    from train.__main__ import main
+
+    argv = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
+            "--dtype=float32", "--tie_embeddings=false", "--optimizer=track3_soap_muon",
+            "--max_iters=9", "--eval_interval=9", "--eval_iters=1", "--log_interval=1",
+            "--checkpoint_every=9", "--mesh_data=1", "--num_samples=0", "--progress=false",
+            f"--data={corpus}", f"--out_dir={out}", *flags]
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [h["loss"] for h in rows if "loss" in h], json.loads((out / "config.json").read_text())
+
+
+def test_a_recipes_hyperparameter_from_the_command_line_is_the_one_trained(corpus, tmp_path):
+    """--muon_learning_rate=0.3 on #44's SOAP-Muon (default 0.0375) trains another run
+    and is what config.json records (it once trained at 0.0375 and recorded 0.3)."""
+    default, default_config = _soap_muon_run(corpus, tmp_path / "default")
+    faster, config = _soap_muon_run(corpus, tmp_path / "fast", "--muon_learning_rate=0.3")
+    assert len(default) == len(faster) == 9
+    assert default[0] == faster[0] and default[1:] != faster[1:]  # the same first batch
+    assert config["recipe"]["muon_learning_rate"] == 0.3
+    assert config["optimizer"]["hyperparameters"] == {"muon_learning_rate": 0.3}
+    assert default_config["recipe"]["muon_learning_rate"] == 0.0375
+    assert config["recipe"] == {**default_config["recipe"], "muon_learning_rate": 0.3}
+
+
+def test_a_run_shorter_than_its_recipe_is_refused_before_anything(tmp_path, capsys,
+                                                                   monkeypatch):
+    """track3_record's step constants need 9 steps; 0 steps are refused for every recipe.
+    Nothing is built (no mesh, no data, no state: nothing compiled) and nothing written."""
+    from optax_snoo import recipes
+    from train import loop
+    from train.__main__ import main
+
+    def built(*args, **kwargs):
+        raise AssertionError("the run was set up")
+
+    for name in ("make_mesh", "open_dataset", "create_train_state", "Checkpointer"):
+        monkeypatch.setattr(loop, name, built)
+    out = tmp_path / "run"
+    assert main(["--optimizer=track3_record", "--max_iters=3", f"--out_dir={out}"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --max_iters=3: --optimizer=track3_record needs at least 9 steps (its step "
+        "constants are fractions of the record's 2900)\n")
+    assert main(["--optimizer=track3_record", "--max_iters=9", "--help"]) == 0
+    capsys.readouterr()
+    for name in recipes.REGISTRY:
+        assert main([f"--optimizer={name}", "--max_iters=0", f"--out_dir={out}"]) == 2, name
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"error: --max_iters=0: --optimizer={name} needs at least "), line
+    assert not out.exists()
+    # a finished run's folder resumed with --max_iters=0: left as it was
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert main(["--max_iters=0", "--resume", f"--out_dir={out}"]) == 2
+    assert [p.name for p in out.iterdir()] == ["config.json"]
+    assert (out / "config.json").read_text() == "{}"
+
+
+def test_help_lists_the_recipes_hyperparameters_with_their_defaults(capsys):
+    """--optimizer=track3_record --help: each of #46's hyperparameters with its default
+    (a few typed from the record), and a given value in place of its default."""
+    from optax_snoo import recipes
+    from train.__main__ import main
+
+    def shown(argv):
+        assert main(argv) == 0
+        text = capsys.readouterr().out
+        section = text.split("track3_record's hyperparameters")[1].split("\n\n")[0]
+        rows = [re.match(r"  --(\w+) +(.+?) +default (\S+) ", line)
+                for line in section.splitlines()[1:]]
+        return {f"--{m[1]}": [m[2], "default", m[3]] for m in rows}
+
+    flags = shown(["--optimizer=track3_record", "--help"])
+    recipe = recipes.track3_record
+    assert list(flags) == [f"--{n}" for n in recipe.hyperparameters.names()]
+    for name, tp, default, _ in recipe.hyperparameters.describe():
+        assert flags[f"--{name}"] == [tp, "default", json.dumps(default)], name
+    # #46's own values (its log): Muon lr 0.0375, tail EMA from 2400 blended 0.6
+    assert flags["--muon_learning_rate"][2] == "0.0375"
+    assert flags["--tail_start"][2] == "2400" and flags["--tail_blend"][2] == "0.6"
+    given = shown(["--optimizer=track3_record", "--muon_learning_rate=0.05", "--help"])
+    assert given["--muon_learning_rate"][2] == "0.05"
 
 
 @pytest.mark.parametrize("module, usage, later", [
