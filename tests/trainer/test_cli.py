@@ -158,8 +158,6 @@ def test_a_run_shorter_than_its_recipe_is_refused_before_anything(tmp_path, caps
     assert capsys.readouterr().err == (
         "error: --max_iters=3: --optimizer=track3_record needs at least 9 steps (its step "
         "constants are fractions of the record's 2900)\n")
-    assert main(["--optimizer=track3_record", "--max_iters=9", "--help"]) == 0
-    capsys.readouterr()
     for name in recipes.REGISTRY:
         assert main([f"--optimizer={name}", "--max_iters=0", f"--out_dir={out}"]) == 2, name
         (line,) = capsys.readouterr().err.splitlines()
