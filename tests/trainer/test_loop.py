@@ -63,7 +63,7 @@ def _nanogpt_lr(it: int, *, peak: float, min_lr: float, warmup: int, decay: int)
 
 
 def test_schedule_change_warns_with_the_lr_jump_when_the_end_moves():
-    base = dict(learning_rate=1e-2, min_lr=1e-4, warmup_iters=100)
+    base = dict(optimizer="adamw", learning_rate=1e-2, final_lr_scale=0.01, warmup_iters=100)
     saved = tc.override(tc.TrainConfig(), max_iters=2000, **base)
     longer = tc.override(saved, max_iters=4000)
     line = schedule_change(saved, longer, 2000)
@@ -71,9 +71,9 @@ def test_schedule_change_warns_with_the_lr_jump_when_the_end_moves():
     new = _nanogpt_lr(2000, peak=1e-2, min_lr=1e-4, warmup=100, decay=4000)
     assert line == (
         "warning: resuming at step 2000 with --max_iters=4000 (the checkpoint's run had "
-        "2000): the cosine learning-rate schedule now ends at step 4000, not 2000, so the lr "
-        f"at step 2000 goes from {old:.4g} to {new:.4g} (AdamW's; every group alike); to "
-        "keep the first run's end pass --lr_decay_iters=2000")
+        "2000): --optimizer=adamw's schedules now end at step 4000, not 2000, so the logged "
+        f"lr at step 2000 goes from {old:.4g} to {new:.4g}; to keep the first run's end pass "
+        "--lr_decay_iters=2000")
     assert "\n" not in line
     # the end kept (a fixed lr_decay_iters, or the same max_iters): no warning
     assert schedule_change(tc.override(saved, lr_decay_iters=2000),
@@ -81,8 +81,14 @@ def test_schedule_change_warns_with_the_lr_jump_when_the_end_moves():
     assert schedule_change(saved, saved, 1000) is None
     cooldown = dict(schedule="stable_cooldown")
     line = schedule_change(tc.override(saved, **cooldown), tc.override(longer, **cooldown), 1500)
-    assert "stable_cooldown learning-rate schedule now ends at step 4000, not 2000" in line
+    assert "--optimizer=adamw's schedules now end at step 4000, not 2000" in line
     assert "--lr_decay_iters" not in line
+    # a record's recipe: its step constants move with the run (#36: flat for 30%, to 0)
+    track3 = tc.override(tc.TrainConfig(), optimizer="track3_baseline", max_iters=1000)
+    line = schedule_change(track3, tc.override(track3, max_iters=2000), 900)
+    lr_old, lr_new = 0.025 * (1 - 0.9) / 0.7, 0.025 * (1 - 0.45) / 0.7
+    assert line.endswith(f"now end at step 2000, not 1000, so the logged lr at step 900 goes "
+                         f"from {lr_old:.4g} to {lr_new:.4g}"), line
 
 
 @pytest.mark.parametrize("data, fsdp, batch, fits", [

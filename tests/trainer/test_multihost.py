@@ -52,18 +52,21 @@ def _losses(history) -> dict[int, float]:
 # replica per process (fsdp over its 4 devices; the sync's all-reduce crosses hosts as a
 # data-parallel gradient's would: plain data parallelism across processes is the token
 # shards test below); its restore takes one device per replica.
-@pytest.mark.parametrize("optimizer,mesh", [
-    ("snoo_muon", dict(mesh_data=1, mesh_fsdp=-1)),
-    ("kfac", dict(mesh_data=1, mesh_fsdp=-1)),
-    ("snoo_adamw", dict(mesh_diloco=2, mesh_data=1, mesh_fsdp=-1)),
+@pytest.mark.parametrize("optimizer,mesh,hyperparameters", [
+    ("snoo_muon", dict(mesh_data=1, mesh_fsdp=-1), dict(adam_learning_rate=1e-2, snoo_k=2)),
+    ("kfac", dict(mesh_data=1, mesh_fsdp=-1),
+     dict(adam_learning_rate=1e-2, kfac_learning_rate=1e-2, kfac_interval=2)),
+    ("snoo_adamw", dict(mesh_diloco=2, mesh_data=1, mesh_fsdp=-1),
+     dict(learning_rate=1e-2, snoo_k=2)),
 ])
-def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path, optimizer, mesh):
+def test_two_processes_match_one_and_restore_on_one_device(corpus, tmp_path, optimizer, mesh,
+                                                           hyperparameters):
     config = tc.override(
         tc.TrainConfig(), n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
-        dtype="float32", optimizer=optimizer, learning_rate=1e-2, min_lr=1e-3,
-        warmup_iters=2, max_iters=4, lr_decay_iters=8, eval_interval=4, eval_iters=1,
-        log_interval=1, checkpoint_every=4, snoo_k=2, kfac_interval=2, num_samples=0,
-        progress=False, data=str(corpus), out_dir=str(tmp_path / "multi"), **mesh)
+        dtype="float32", optimizer=optimizer, final_lr_scale=0.1, warmup_iters=2,
+        max_iters=4, lr_decay_iters=8, eval_interval=4, eval_iters=1, log_interval=1,
+        checkpoint_every=4, num_samples=0, progress=False, data=str(corpus),
+        out_dir=str(tmp_path / "multi"), **mesh, **hyperparameters)
     procs = _two_processes(config, lambda i: [sys.executable, "-m", "train"])
     # Meanwhile, the reference: one process, all 8 devices, 8 steps.
     reference = train.run(tc.override(config, out_dir=str(tmp_path / "one"),
