@@ -25,10 +25,10 @@ pytestmark = pytest.mark.usefixtures("compilation_cache")
 def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
     base = dict(
         n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="newton_muon", learning_rate=1e-2, muon_learning_rate=0.02, min_lr=1e-3,
-        warmup_iters=3, max_iters=12, lr_decay_iters=12, eval_interval=6, eval_iters=2,
-        log_interval=6, checkpoint_every=100, mesh_data=1, num_samples=0, progress=False,
-        bias=True, newton_muon_interval=3, vocab_multiple=8, data=str(corpus),
+        optimizer="newton_muon", adam_learning_rate=1e-2, muon_learning_rate=0.02,
+        final_lr_scale=0.1, warmup_iters=3, max_iters=12, lr_decay_iters=12, eval_interval=6,
+        eval_iters=2, log_interval=6, checkpoint_every=100, mesh_data=1, num_samples=0,
+        progress=False, bias=True, newton_refresh_every=3, vocab_multiple=8, data=str(corpus),
         out_dir=str(tmp_path / "run"))
     return tc.override(tc.TrainConfig(), **{**base, **overrides})
 

@@ -72,7 +72,7 @@ LAYOUTS = {
 
 def _tiny(data: Path, out: Path, **overrides) -> tc.TrainConfig:
     base = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=4, dtype="float32",
-                optimizer="adamw", learning_rate=1e-2, min_lr=1e-3, warmup_iters=1,
+                optimizer="adamw", learning_rate=1e-2, final_lr_scale=0.1, warmup_iters=1,
                 max_iters=6, lr_decay_iters=6, eval_interval=3, eval_iters=2, log_interval=1,
                 checkpoint_every=3, mesh_data=1, num_samples=1, sample_max_new_tokens=8,
                 sample_start="", progress=False, data=str(data), out_dir=str(out))
