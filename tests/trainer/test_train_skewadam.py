@@ -4,6 +4,8 @@ actually holds."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 
 import optax_snoo
 import train
-from optax_snoo import POLICY_PRESETS, ScaleBySecondMomentState, ScaleBySkewAdamState
+from optax_snoo import POLICY_PRESETS, ScaleBySecondMomentState, ScaleBySkewAdamState, recipes
 from optax_snoo.labels import path_to_str
 from optax_snoo.memory import skew_adam_state_bytes_by_role, state_bytes_by_group
 from train import config as tc
@@ -38,11 +40,12 @@ def tiny_moe(corpus, tmp_path, **overrides) -> tc.TrainConfig:
     base = dict(
         n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8, moe_every=2,
         n_experts=4, top_k=2, expert_hidden=32, dtype="float32", param_dtype="bfloat16",
-        optimizer="skew_adam", rounding="stochastic", skew_learning_rate=1e-2, learning_rate=1e-2,
-        min_lr=1e-3, warmup_iters=2, max_iters=10, lr_decay_iters=10, eval_interval=5,
-        eval_iters=2, log_interval=1, checkpoint_every=10, mesh_data=1, num_samples=0,
-        progress=False, snoo_k=3, data=str(corpus), out_dir=str(tmp_path / "run"))
-    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+        optimizer="skew_adam", rounding="stochastic", learning_rate=1e-2, final_lr_scale=0.1,
+        warmup_iters=2, max_iters=10, lr_decay_iters=10, eval_interval=5, eval_iters=2,
+        log_interval=1, checkpoint_every=10, mesh_data=1, num_samples=0, progress=False,
+        data=str(corpus), out_dir=str(tmp_path / "run"))
+    # as flags after a preset: another optimizer keeps the base's hyperparameters it has
+    return tc.override(tc.override(tc.TrainConfig(), **base), **overrides)
 
 
 def setup(config):
@@ -116,7 +119,7 @@ def test_stochastic_rounding_keeps_steps_below_half_a_bf16_unit(corpus, tmp_path
     for dtype, rounding in (("float32", "none"), ("bfloat16", "none"),
                             ("bfloat16", "stochastic")):
         config = tiny_moe(corpus, tmp_path, param_dtype=dtype, rounding=rounding,
-                          skew_learning_rate=1e-5, warmup_iters=0, skew_weight_decay=0.0)
+                          learning_rate=1e-5, warmup_iters=0, weight_decay=0.0)
         state, step, _, batch = setup(config)
         kernel = lambda s: np.asarray(s.params["blocks"][0]["mlp"]["c_fc"]["kernel"],
                                       np.float64)
@@ -141,7 +144,7 @@ def test_rounding_acts_on_the_float32_update(rounding):
     p32 = jax.tree.map(lambda x: x.astype(jnp.float32), p16)  # the same values
     grads = [jax.tree.map(lambda x, t=t: jnp.asarray(
         np.random.default_rng(t).normal(size=x.shape), jnp.float32), p32) for t in range(3)]
-    config = tc.override(tc.TrainConfig(), optimizer="skew_adam", skew_learning_rate=3e-2,
+    config = tc.override(tc.TrainConfig(), optimizer="skew_adam", learning_rate=3e-2,
                                  warmup_iters=0, max_iters=10, seed=3)
     tx = build_optimizer(tc.override(config, rounding=rounding)).tx
     ref_tx = build_optimizer(tc.override(config, rounding="none")).tx
@@ -166,7 +169,7 @@ def test_rounding_acts_on_the_float32_update(rounding):
 
 def test_snoo_skew_adam_fast_path_matches_in_jit_decision(corpus, tmp_path):
     config = tiny_moe(corpus, tmp_path, optimizer="snoo_skew_adam", param_dtype="float32",
-                      rounding="none")
+                      rounding="none", snoo_k=3)
     runs = {}
     for hint in (True, False):
         state, step, spec, batch = setup(config)
@@ -183,14 +186,15 @@ def test_snoo_skew_adam_fast_path_matches_in_jit_decision(corpus, tmp_path):
 
 
 def test_config_choices_and_errors():
-    assert set(tc.CHOICES["skew_policies"]) == set(POLICY_PRESETS)
-    config = tc.parse_args(["--optimizer=skew_adam", "--skew_policies=expert_momentum",
+    fields = {f.name: f for f in dataclasses.fields(recipes.skew_adam.hyperparameters)}
+    assert set(fields["policies"].metadata["choices"]) == set(POLICY_PRESETS)
+    config = tc.parse_args(["--optimizer=skew_adam", "--policies=expert_momentum",
                             "--param_dtype=bfloat16", "--rounding=dithered"])
-    assert (config.skew_adam.policies, config.optimizer.rounding) == ("expert_momentum",
-                                                                      "dithered")
+    assert (config.optimizer.table.policies, config.optimizer.rounding) == (
+        "expert_momentum", "dithered")
     with pytest.raises(ValueError, match="rounding='nearest'"):
         tc.parse_args(["--rounding=nearest"])
-    with pytest.raises(ValueError, match="skew_policies='tiered'"):
-        tc.parse_args(["--skew_policies=tiered"])
-    with pytest.raises(ValueError, match="skew_weight_decay=-1.0: expected a finite number >= 0"):
-        tc.override(tc.TrainConfig(), optimizer="skew_adam", skew_weight_decay=-1.0)
+    with pytest.raises(ValueError, match="policies='tiered'"):
+        tc.parse_args(["--optimizer=skew_adam", "--policies=tiered"])
+    with pytest.raises(ValueError, match="weight_decay=-1.0: expected a finite number >= 0"):
+        tc.override(tc.TrainConfig(), optimizer="skew_adam", weight_decay=-1.0)
