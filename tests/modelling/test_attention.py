@@ -96,9 +96,10 @@ def test_attention_is_a_compute_choice_a_resumed_run_may_change(corpus, tmp_path
     float32 rounding, and config.json records the implementation that ran."""
     config = tc.override(
         tc.TrainConfig(), n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8,
-        dtype="float32", optimizer="adamw", learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
-        max_iters=8, lr_decay_iters=8, eval_interval=2, eval_iters=1, log_interval=1,
-        checkpoint_every=2, mesh_data=1, num_samples=0, progress=False, data=str(corpus))
+        dtype="float32", optimizer="adamw", learning_rate=1e-2, final_lr_scale=0.1,
+        warmup_iters=2, max_iters=8, lr_decay_iters=8, eval_interval=2, eval_iters=1,
+        log_interval=1, checkpoint_every=2, mesh_data=1, num_samples=0, progress=False,
+        data=str(corpus))
     whole = train.run(tc.override(config, out_dir=str(tmp_path / "whole")))
     out = tmp_path / "resumed"
     train.run(tc.override(config, out_dir=str(out), max_iters=4))

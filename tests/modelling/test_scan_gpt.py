@@ -18,7 +18,6 @@ import train
 from optax_snoo import kfac
 from train import config as tc
 from train.kfac_trainer import kfac_curvature_fn
-from train.optimizers import decay_mask
 
 N_LAYER = 2
 
@@ -138,11 +137,13 @@ def test_scanned_gpt_matches_the_unrolled_gpt():
 def _tiny_run(corpus, tmp_path, **overrides):
     base = dict(
         n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        learning_rate=1e-2, min_lr=1e-3, warmup_iters=3, max_iters=12, lr_decay_iters=12,
+        optimizer="kfac", kfac_learning_rate=1e-2, adam_learning_rate=1e-2,
+        final_lr_scale=0.1, warmup_iters=3, max_iters=12, lr_decay_iters=12,
         eval_interval=6, eval_iters=2, log_interval=5, checkpoint_every=100, mesh_data=1,
         num_samples=0, progress=False, bias=True, scan_layers=True, kfac_interval=3,
         kfac_first=1, vocab_multiple=8, data=str(corpus), out_dir=str(tmp_path / "run"))
-    return tc.override(tc.TrainConfig(), **{**base, **overrides})
+    # as flags after a preset: another optimizer keeps the base's hyperparameters it has
+    return tc.override(tc.override(tc.TrainConfig(), **base), **overrides)
 
 
 def test_scanned_gpt_trains_with_kfac_and_muon(corpus, tmp_path):
@@ -152,7 +153,7 @@ def test_scanned_gpt_trains_with_kfac_and_muon(corpus, tmp_path):
     traces the scanned blocks inside its own loop). QK-clip is refused."""
     cfg = models.GPTConfig(n_layer=2, n_embd=16, n_head=2, bias=True, scan_layers=True)
     params = nnx.to_pure_dict(nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
-    mask = decay_mask(params)
+    mask = optax_snoo.recipes.nanogpt_decay_mask(params)
     assert mask["blocks"]["attn"]["c_q"]["kernel"] and mask["wte"]["embedding"]
     assert not mask["blocks"]["ln_1"]["scale"] and not mask["blocks"]["mlp"]["c_fc"]["bias"]
     labels = optax_snoo.labels.muon_adam_labels(params)
