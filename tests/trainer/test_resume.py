@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("compilation_cache")
 def tiny(corpus, out_dir, **overrides) -> tc.TrainConfig:
     base = dict(
         n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="adamw", learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
+        optimizer="adamw", learning_rate=1e-2, final_lr_scale=0.1, warmup_iters=2,
         max_iters=8, lr_decay_iters=10, eval_interval=4, eval_iters=2, log_interval=1,
         checkpoint_every=4, mesh_data=1, num_samples=0, progress=False,
         data=str(corpus), out_dir=str(out_dir))
@@ -56,7 +56,7 @@ def test_resumed_run_deletes_the_earlier_runs_checkpoints(corpus, tmp_path, caps
     assert "warning" not in capsys.readouterr().err
     train.run(tc.override(config, max_iters=12, resume=True, lr_decay_iters=None))
     warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning")]
-    assert len(warned) == 1 and "schedule now ends at step 12, not 10" in warned[0], warned
+    assert len(warned) == 1 and "schedules now end at step 12, not 10" in warned[0], warned
     val = {h["step"]: h["val_loss"] for h in logged(tmp_path / "run") if "val_loss" in h}
     best = min((s for s in val if s > 0), key=val.get)
     assert Checkpointer(tmp_path / "run" / "checkpoints").steps() == sorted({best, 10, 12})
@@ -91,7 +91,9 @@ def test_final_step_is_checkpointed_and_logged_off_the_intervals(corpus, tmp_pat
     assert ckpt.restore_meta(10)["step"] == 10
     assert result.final["step"] == 10
 
+    # no step: refused before anything is written (it once compiled and saved step 0)
     zero = tiny(corpus, tmp_path / "zero", max_iters=0)
-    train.run(zero)
-    assert Checkpointer(tmp_path / "zero" / "checkpoints", read_only=True).steps() == [0]
-    assert [h["step"] for h in logged(tmp_path / "zero")] == [0]
+    with pytest.raises(ValueError, match=r"^--max_iters=0: --optimizer=adamw needs at least 1 "
+                                         r"step"):
+        train.run(zero)
+    assert not (tmp_path / "zero").exists()
