@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import models
+import optax_snoo
 import train
 from optax_snoo import MuonState, recipes
 from optax_snoo import kfac as kfac_lib
@@ -226,3 +227,75 @@ def test_latch_skips_finite_steps_after_max_bad_steps():
     state, flags = step(state, one)  # finite, but latched
     assert (float(state.params["w"][0]), float(flags["skipped"]), int(state.bad_steps),
             int(state.skipped_steps)) == (2.0, 1.0, 3, 4)
+
+
+# --------------------------------------------------------------------- one recipe, one home
+
+#: A small GPT-shaped tree: every group the recipes have (embedding, untied head, hidden
+#: matrices with biases, the attention output, a norm gain).
+GPT_TREE = {
+    "wte": {"embedding": jnp.linspace(-1, 1, 9 * 8).reshape(9, 8)},
+    "lm_head": {"kernel": jnp.linspace(1, -1, 8 * 9).reshape(8, 9)},
+    "ln_f": {"scale": jnp.ones(8)},
+    "blocks": {"0": {
+        "attn": {"c_q": {"kernel": jnp.eye(8) + 0.1, "bias": jnp.zeros(8)},
+                 "c_proj": {"kernel": jnp.eye(8) - 0.1, "bias": jnp.full(8, 0.1)}},
+        "mlp": {"c_fc": {"kernel": jnp.linspace(-0.5, 0.5, 8 * 32).reshape(8, 32),
+                         "bias": jnp.zeros(32)},
+                "c_proj": {"kernel": jnp.linspace(0.5, -0.5, 32 * 8).reshape(32, 8),
+                           "bias": jnp.zeros(8)}}}}}
+#: The placement options the trainer sets on one device (train.optimizers): K-FAC's
+#: statistics axes, Newton-Muon's MLP input in blocks of n_embd, its shared inputs.
+TRAINER_OPTIONS = dict(stats_axes=("data", "fsdp"), block_size=8,
+                       shared_inputs=recipes.NEWTON_MUON_SHARED_INPUTS)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_trainer_runs_the_librarys_recipe(name):
+    """`--optimizer=NAME` is `optax_snoo.recipes.get(NAME)(max_iters, **hyperparameters)`
+    after the same clipping: the same update, bit for bit, over three steps (Snoo syncing
+    every 2), and the logged lr is the recipe's at every step."""
+    recipe = recipes.get(name)
+    names = recipe.hyperparameters.names()
+    given = {MAIN_LR[name]: 1.5 * getattr(recipe.defaults, MAIN_LR[name])}
+    if "snoo_k" in names:
+        given["snoo_k"] = 2
+    steps = 30
+    config = override(tc.TrainConfig(), optimizer=name, max_iters=steps, grad_clip=0.5,
+                      n_embd=8, **given)
+    assert config.optimizer.hyperparameters == given
+    spec = build_optimizer(config)
+    options = {k: v for k, v in TRAINER_OPTIONS.items() if k in recipe.options}
+    stack = recipe.stack(steps, **given, **options)
+    theirs = optax.chain(optax.clip_by_global_norm(0.5), recipe(steps, **given, **options))
+    extra = {arg: None for arg in stack.update_args}  # before any statistics (as at step 0)
+    ours_state, their_state = spec.tx.init(GPT_TREE), theirs.init(GPT_TREE)
+    params = GPT_TREE
+    for t in range(3):
+        grads = jax.tree.map(lambda p, t=t: jnp.cos(jnp.arange(p.size, dtype=p.dtype) + t
+                                                    ).reshape(p.shape), params)
+        hint = spec.update_kwargs(t)
+        assert hint == ({"snoo_sync": optax_snoo.snoo_is_sync_step(t, 2, stack.sync_phase)}
+                        if "snoo_k" in names else {})
+        ours, ours_state = spec.tx.update(grads, ours_state, params, **hint, **extra)
+        mine, their_state = theirs.update(grads, their_state, params, **hint, **extra)
+        jax.tree.map(np.testing.assert_array_equal, ours, mine)
+        assert float(optax.tree.norm(ours)) > 0, name
+        params = optax.apply_updates(params, ours)
+    count = jnp.arange(steps + 1, dtype=jnp.int32)
+    np.testing.assert_array_equal(jax.vmap(spec.learning_rate)(count),
+                                  jax.vmap(stack.learning_rate)(count))
+    assert (spec.sync_period, spec.sync_phase, spec.readout) == (
+        stack.sync_every, stack.sync_phase, stack.readout)
+
+
+def test_modded_nanogpt_trains_from_the_trainer(corpus, tmp_path):
+    """The GPT-2 Medium record's optimizer (Snoo around Muon, its Adam groups) is a trainer
+    recipe: a few steps of `--optimizer=modded_nanogpt` on the tiny GPT lower the loss."""
+    config = tiny_adamw(corpus, tmp_path, optimizer="modded_nanogpt", tie_embeddings=False,
+                        max_iters=8, eval_interval=8, eval_iters=1, log_interval=1,
+                        num_samples=0, progress=False, snoo_k=4)
+    result = train.run(config)
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    assert len(losses) == 8 and np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    assert build_optimizer(config).sync_period == 4
