@@ -43,10 +43,12 @@ HERE = Path(__file__).resolve().parent
 
 
 def base_config(args: argparse.Namespace) -> TrainConfig:
-    """The study's model and schedule (CPU-sized; see the module docstring)."""
+    """The study's model and schedule (CPU-sized; see the module docstring): K-FAC, both
+    its groups at `--lr`, cosine to a tenth of it."""
     return override(
         TrainConfig(), n_layer=2, n_head=4, n_embd=64, block_size=32, batch_size=8, dtype="float32",
-        learning_rate=args.lr, min_lr=args.lr / 10, warmup_iters=args.warmup,
+        optimizer="kfac", kfac_learning_rate=args.lr, adam_learning_rate=args.lr,
+        final_lr_scale=0.1, warmup_iters=args.warmup,
         max_iters=args.max_iters, eval_interval=args.max_iters // 4, eval_iters=args.eval_iters,
         log_interval=50, checkpoint_every=10**6, num_samples=0, progress=False, mesh_data=1,
         kfac_damping=args.damping, kfac_interval=args.interval)
@@ -54,18 +56,20 @@ def base_config(args: argparse.Namespace) -> TrainConfig:
 
 def strategies(base: TrainConfig, interval: int, long_warmup: int) -> dict[str, TrainConfig]:
     """Name -> config for the baseline and the K-FAC refresh strategies."""
-    kfac = override(base, optimizer="kfac")
-    n = interval
+    kfac = base
+    n, warmup = interval, base.optimizer.table.warmup_iters
     return {
-        "adamw": override(base, optimizer="adamw"),
+        # the baseline at the same rate and schedule
+        "adamw": override(base, optimizer="adamw",
+                          learning_rate=base.optimizer.table.adam_learning_rate),
         "a_fixed_early": override(kfac, kfac_first=n),
-        "b_fixed_after_warmup": override(kfac, kfac_first=base.schedule.warmup_iters),
+        "b_fixed_after_warmup": override(kfac, kfac_first=warmup),
         "c_by_lr_phase": override(kfac, kfac_refresh="by_lr_phase",
                                              kfac_phases=f"none,{n},{2 * n},{4 * n}"),
         "d_lr_ratio": override(kfac, kfac_refresh="lr_ratio", kfac_tau=0.15,
                                           kfac_interval=4 * n,
                                           kfac_min_interval=max(1, n // 2)),
-        "e_warm_start": override(kfac, kfac_first=base.schedule.warmup_iters,
+        "e_warm_start": override(kfac, kfac_first=warmup,
                                             kfac_warm_start=10),
         "a_long_warmup": override(kfac, kfac_first=n, warmup_iters=long_warmup),
     }
@@ -201,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
             "load": os.getloadavg()[0], "seeds": seeds, "args": vars(args),
             "config": ", ".join(f"{k}={flat_dict(base)[k]}" for k in (
                 "n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters",
-                "warmup_iters", "learning_rate", "min_lr", "kfac_damping", "kfac_interval",
+                "warmup_iters", "kfac_learning_rate", "final_lr_scale", "kfac_damping",
+                "kfac_interval",
                 "kfac_ema_decay", "kfac_graft", "kfac_stats_stride", "dtype"))}
     summary = summarise(runs)
     out = Path(args.out)

@@ -64,14 +64,16 @@ def renamed_stack(stack: str) -> str:
 def stack_config(preset: str, stack: str, *, seed: int, steps: int, eval_interval: int,
                  out_dir: str):
     """The `TrainConfig` of one run: `preset` (with its own `@key=value` overrides, for
-    every stack), the stack's optimizer and overrides. The cosine ends at `steps`."""
+    every stack), the stack's optimizer and overrides. A cosine ends at `steps`."""
     from train.config import override, parse_args
 
     preset_name, *common = preset.split("@")
     name, *overrides = ALIASES.get(stack, stack).split("@")
-    args = [f"--preset={preset_name}", "--lr_decay_iters=None", f"--optimizer={name}"] + [
+    args = [f"--preset={preset_name}", f"--optimizer={name}"] + [
         f"--{o}" for o in (*common, *overrides)]
     config = parse_args(args)
+    if "lr_decay_iters" in config.optimizer.resolved():  # not a preset's own end
+        config = override(config, lr_decay_iters=None)
     return override(
         config, seed=seed, max_iters=steps, eval_interval=eval_interval,
         checkpoint_every=max(steps, 1), out_dir=out_dir, progress=False, num_samples=0)

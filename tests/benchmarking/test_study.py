@@ -87,13 +87,21 @@ def test_stack_config_applies_overrides_and_aliases(tmp_path):
     smooth = stack_config("shakespeare_char_cpu", "snoo_muon_smooth", seed=0, steps=1,
                           eval_interval=1, out_dir=str(tmp_path))
     assert ALIASES["snoo_muon_smooth"].startswith("snoo_muon@")
-    assert (smooth.optimizer.name, smooth.muon.smoothing) == ("snoo_muon", 0.2)
+    assert (smooth.optimizer.name, smooth.optimizer.table.muon_smoothing) == ("snoo_muon", 0.2)
     # Preset overrides apply to every stack; the cosine always ends at the run's last step.
     gpu = stack_config("gpt2_small@warmup_iters=20@eval_iters=10", "muon@muon_learning_rate=0.03",
                        seed=0, steps=150, eval_interval=50, out_dir=str(tmp_path))
-    assert (gpu.model.n_layer, gpu.schedule.warmup_iters, gpu.run.eval_iters,
-            gpu.muon.learning_rate) == (12, 20, 10, 0.03)
-    assert gpu.schedule.lr_decay_iters is None  # the preset's 5000: a 150-step run at peak
+    table = gpu.optimizer.table
+    assert (gpu.model.n_layer, table.warmup_iters, gpu.run.eval_iters,
+            table.muon_learning_rate) == (12, 20, 10, 0.03)
+    assert table.lr_decay_iters is None  # the preset's 5000: a 150-step run at peak
+    # a stack without a cosine (its own schedule, or stable_cooldown) has no end to reset
+    record = stack_config("shakespeare_char_cpu", "track3_baseline", seed=0, steps=40,
+                          eval_interval=10, out_dir=str(tmp_path))
+    assert "lr_decay_iters" not in record.optimizer.resolved()
+    cooled = stack_config("gpt2_small", "muon@schedule=stable_cooldown", seed=0, steps=40,
+                          eval_interval=10, out_dir=str(tmp_path))
+    assert cooled.optimizer.table.schedule == "stable_cooldown"
     # the stacks of results saved before the config's renames
     assert renamed_stack("snoo_skewadam@snoo_lr=0.5@snoo_k=7") == (
         "snoo_skew_adam@snoo_learning_rate=0.5@snoo_k=7")
