@@ -2,7 +2,7 @@
 
 For each seed and optimizer, one trainer run (`train.run`, same steps, each optimizer
 with the trainer's defaults: AdamW lr 1e-3 / wd 0.1 on matrices; SkewAdam and Adafactor
-`skew_learning_rate` 1e-3 / wd 0.05; betas 0.9/0.99 for both Adams): final val loss, the MoE
+`learning_rate` 1e-3 / wd 0.05; betas 0.9/0.99 for both Adams): final val loss, the MoE
 load-balance loss over the last fifth of the run, and throughput. Then, on the same
 params: optimizer-state bytes measured on the real state with `optax_snoo.memory` next to
 the formula's prediction, and the update time of each stack as a ratio to AdamW's, all

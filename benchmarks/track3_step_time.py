@@ -38,14 +38,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import jax
 
     from benchmarks.throughput import ours
-    from train.config import get_preset, override
+    from train.config import parse_args
 
     names = [x for x in args.optimizers.split(",") if x]
     own = per_optimizer_options(args.set_for, names)
     runs = {}
-    for name in names:
-        values = dict(kv[2:].split("=", 1) for kv in own.get(name, []))
-        runs[name] = ours(override(get_preset(args.preset), optimizer=name, **values)).run
+    for name in names:  # the flags as the trainer parses them (typed by the recipe)
+        config = parse_args([f"--preset={args.preset}", f"--optimizer={name}",
+                             *own.get(name, [])])
+        runs[name] = ours(config).run
     load = [os.getloadavg()]
     for run in runs.values():
         run(2)  # compile and warm up
