@@ -363,14 +363,35 @@ def _labels_with_adam_groups(labels: Any, groups: Sequence[AdamGroup], names: Se
                              f"{[regex.pattern for regex, _, _ in compiled]}")
 
         out = jax.tree.map_with_path(refine, labels(params) if callable(labels) else labels)
-        found = set(jax.tree.leaves(out))
-        for regex, group_name, g in compiled:
-            if g.required and group_name not in found:
-                raise ValueError(
-                    f"Adam group {group_name!r} matches no parameter (pattern "
-                    f"{regex.pattern!r}): name its leaves in the group's pattern (a recipe's "
-                    "adam_patterns) or pass labels=; optax_snoo.recipes.describe(recipe, "
-                    "params) shows each leaf's group")
+        _check_required(compiled, params, out)
         return out
 
     return group_labels
+
+
+def _check_required(groups: Sequence[tuple[re.Pattern, str, AdamGroup]], params: Any,
+                    labels: Any) -> None:
+    """Refuse a ``required`` group with no leaf, and a ``like`` group with none while a
+    Muon leaf is shaped like a leaf of the group it names (or transposed)."""
+    leaves = jax.tree_util.tree_leaves_with_path(labels)
+    shapes = [tuple(getattr(p, "shape", ())) for p in jax.tree.leaves(params)]
+    by_group: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for (path, label), shape in zip(leaves, shapes, strict=True):
+        by_group.setdefault(label, []).append((path_to_str(path), shape))
+    hint = ("name its leaves in the group's pattern (a recipe's adam_patterns) or pass "
+            "labels=; optax_snoo.recipes.describe(recipe, params) shows each leaf's group")
+    for regex, name, g in groups:
+        if name in by_group:
+            continue
+        if g.required:
+            raise ValueError(f"Adam group {name!r} matches no parameter (pattern "
+                             f"{regex.pattern!r}): {hint}")
+        twins = {s for _, s in by_group.get(g.like, [])} if g.like else set()
+        twins |= {s[::-1] for s in twins}
+        suspect = [(p, s) for p, s in by_group.get("muon", []) if s in twins]
+        if suspect:
+            path, shape = suspect[0]
+            raise ValueError(f"Adam group {name!r} matches no parameter (pattern "
+                             f"{regex.pattern!r}) and the Muon leaf {path!r} {shape} is "
+                             f"shaped like group {g.like!r}'s: a {name} named otherwise? "
+                             f"{hint}")

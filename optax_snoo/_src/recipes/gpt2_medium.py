@@ -82,7 +82,8 @@ def _modded_nanogpt(t: ModdedNanogptHyperparameters, total_steps: int, *, labels
                                                      t.final_lr_scale)
     claimed = {"head", "embed"}
     groups = [AdamGroup(patterns[name], schedule(lr), t.adam_b1, t.adam_b2, t.adam_eps,
-                        name=name, claim=name in claimed, required=name in claimed)
+                        name=name, claim=name in claimed, required=name == "embed",
+                        like="embed" if name == "head" else None)
               for name, lr in (("head", t.head_learning_rate),
                                ("embed", t.embed_learning_rate),
                                ("vectors", t.vector_learning_rate))]

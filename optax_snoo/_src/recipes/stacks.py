@@ -267,6 +267,7 @@ def kfac_label_rules(experts: bool = False) -> tuple:
             (r".*", "adamw"))
 
 
+#: The K-FAC recipes' label rules without the expert stacks (`kfac_label_rules`).
 KFAC_LABEL_RULES: tuple = kfac_label_rules()
 
 
