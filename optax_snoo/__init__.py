@@ -16,7 +16,7 @@ from optax_snoo._src.averaging import (
     tail_ema,
 )
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
-from optax_snoo._src.muon import MuonState, muon_momentum_warmup, scale_by_muon
+from optax_snoo._src.muon import MuonState, scale_by_muon
 from optax_snoo._src.muon_adam import MuonGroup, muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import MatrixPrecondition, OwnedPreconditionState
@@ -38,6 +38,7 @@ from optax_snoo._src.radius import RadiusStepsState, radius_steps
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
 from optax_snoo._src.schedules import (
     muon_momentum_schedule,
+    muon_momentum_warmup,
     nanogpt_cosine_schedule,
     power_cool,
     power_cool_scaled,

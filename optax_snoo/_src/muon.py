@@ -66,10 +66,8 @@ from optax_snoo._src.newton_schulz import (
     _normalized_axes,
     _resolve_coefficients,
 )
-from optax_snoo._src.schedules import muon_momentum_schedule
 from optax_snoo._src.utils import (
     check_float_dtype,
-    check_int_at_least,
     check_unit_interval,
     path_to_str,
     value_at,
@@ -98,40 +96,6 @@ class MuonState(NamedTuple):
     smooth: optax.Updates | optax.EmptyState
     nu: optax.Updates | optax.EmptyState = optax.EmptyState()
     precondition: optax.OptState = optax.EmptyState()
-
-
-def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
-                         steps: int = 300) -> optax.Schedule:
-    """The record's momentum warm-up: ``β(t) = start + (end - start) * min(t / steps, 1)``.
-
-    `muon_momentum_schedule` without a cool-down (``warmup=steps``).
-
-    Args:
-      start: momentum at update 0.
-      end: momentum from update ``steps`` on.
-      steps: length of the linear warm-up (> 0).
-
-    Returns:
-      A schedule (callable of the update count) to pass as ``beta``.
-
-    Example:
-      >>> from optax_snoo import muon_momentum_warmup, scale_by_muon
-      >>> beta = muon_momentum_warmup()
-      >>> round(float(beta(150)), 4)
-      0.9
-      >>> tx = scale_by_muon(beta=beta)
-
-    References:
-      Jordan, `modded-nanogpt: Speedrunning the NanoGPT baseline
-      <https://github.com/KellerJordan/modded-nanogpt>`_, 2024
-
-      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
-      <https://kellerjordan.github.io/posts/muon/>`_, 2024
-    """
-    check_unit_interval("start", start)
-    check_unit_interval("end", end)
-    check_int_at_least("steps", steps, 1)
-    return muon_momentum_schedule(start, end, warmup=steps)
 
 
 def _resolve_shape_scale(shape_scale: Any) -> str | None:

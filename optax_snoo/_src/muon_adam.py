@@ -345,32 +345,27 @@ def _labels_with_adam_groups(labels: Any, groups: Sequence[AdamGroup], names: Se
     by the first group whose pattern its path matches, and any leaf a ``claim`` group's
     pattern matches given to that group; a ``required`` group that gets no leaf is an
     error naming it."""
-    compiled = [(re.compile(g.pattern), name, g) for g, name in zip(groups, names, strict=True)]
-    claims = [(regex, name) for regex, name, g in compiled if g.claim]
+    pairs = list(zip(groups, names, strict=True))
+    claims = by_path([(g.pattern, name) for g, name in pairs if g.claim], default=None)
+    adam = by_path([(g.pattern, name) for g, name in pairs], what="Adam group")
 
     def group_labels(params: optax.Params) -> Any:
         def refine(path: Any, label: Any) -> Any:
             name = path_to_str(path)
-            for regex, group_name in claims:
-                if regex.search(name):
-                    return group_name
-            if label != "adam":
-                return label
-            for regex, group_name, _ in compiled:
-                if regex.search(name):
-                    return group_name
-            raise ValueError(f"parameter {name!r} matches no Adam group "
-                             f"{[regex.pattern for regex, _, _ in compiled]}")
+            claimed = claims.value(name)
+            if claimed is not None:
+                return claimed
+            return adam.value(name) if label == "adam" else label
 
         out = jax.tree.map_with_path(refine, labels(params) if callable(labels) else labels)
-        _check_required(compiled, params, out)
+        _check_required(pairs, params, out)
         return out
 
     return group_labels
 
 
-def _check_required(groups: Sequence[tuple[re.Pattern, str, AdamGroup]], params: Any,
-                    labels: Any) -> None:
+def _check_required(groups: Sequence[tuple[AdamGroup, str]], params: Any, labels: Any
+                    ) -> None:
     """Refuse a ``required`` group with no leaf, and a ``like`` group with none while a
     Muon leaf is shaped like a leaf of the group it names (or transposed)."""
     leaves = jax.tree_util.tree_leaves_with_path(labels)
@@ -380,18 +375,19 @@ def _check_required(groups: Sequence[tuple[re.Pattern, str, AdamGroup]], params:
         by_group.setdefault(label, []).append((path_to_str(path), shape))
     hint = ("name its leaves in the group's pattern (a recipe's adam_patterns) or pass "
             "labels=; optax_snoo.recipes.describe(recipe, params) shows each leaf's group")
-    for regex, name, g in groups:
+    for g, name in groups:
+        pattern = getattr(g.pattern, "pattern", g.pattern)
         if name in by_group:
             continue
         if g.required:
             raise ValueError(f"Adam group {name!r} matches no parameter (pattern "
-                             f"{regex.pattern!r}): {hint}")
+                             f"{pattern!r}): {hint}")
         twins = {s for _, s in by_group.get(g.like, [])} if g.like else set()
         twins |= {s[::-1] for s in twins}
         suspect = [(p, s) for p, s in by_group.get("muon", []) if s in twins]
         if suspect:
             path, shape = suspect[0]
             raise ValueError(f"Adam group {name!r} matches no parameter (pattern "
-                             f"{regex.pattern!r}) and the Muon leaf {path!r} {shape} is "
+                             f"{pattern!r}) and the Muon leaf {path!r} {shape} is "
                              f"shaped like group {g.like!r}'s: a {name} named otherwise? "
                              f"{hint}")

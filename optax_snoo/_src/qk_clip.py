@@ -22,7 +22,6 @@ measured logits to ``update`` as the extra argument ``max_logits``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -30,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_snoo._src.labels import by_path
 from optax_snoo._src.utils import check_int_at_least, check_positive, path_to_str
 
 __all__ = ["QKHeads", "qk_clip_heads", "qk_clip_scales", "scale_by_qk_clip"]
@@ -310,18 +310,19 @@ def qk_clip_heads(
         raise ValueError(f"num_heads={num_heads} must be a multiple of "
                          f"num_kv_heads={num_kv_heads}.")
     try:
-        rules = ((re.compile(query), "query", num_heads), (re.compile(key), "key", num_kv_heads))
-    except re.error as err:
+        rules = by_path([(query, ("query", num_heads)), (key, ("key", num_kv_heads))],
+                        default=None, what="qk_clip_heads pattern")
+    except ValueError as err:
         raise ValueError(f"qk_clip_heads: invalid pattern: {err}") from None
 
     def heads_fn(params: optax.Params) -> HeadsTree:
         def mark(path, _):
             name = path_to_str(path)
-            for regex, role, count in rules:
-                match = regex.search(name)
-                if match:
-                    return QKHeads(name[:match.start()].rstrip("/"), role, count, axis)
-            return None
+            found = rules.match(name)
+            if found is None:
+                return None
+            (role, count), match = found
+            return QKHeads(name[:match.start()].rstrip("/"), role, count, axis)
 
         tree = jax.tree.map_with_path(mark, params)
         if not any(isinstance(h, QKHeads) for h in jax.tree.leaves(tree, is_leaf=_is_heads_leaf)):

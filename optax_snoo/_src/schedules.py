@@ -4,7 +4,8 @@
 - `stable_cooldown_schedule`: modded-nanogpt's records' flat-then-linear learning rate;
 - `power_cool`: Track 3's PowerCool (record #20 onwards), ``min(lr0, c·(t_end - t)^p)``,
   and `power_cool_scaled`, a record's PowerCool stretched to another run length;
-- `muon_momentum_schedule`: Muon's momentum warm-up and cool-down (records #30, #44 on).
+- `muon_momentum_schedule`: Muon's momentum warm-up and cool-down (records #30, #44 on),
+  and `muon_momentum_warmup`, the warm-up alone (the GPT-2 Medium record's).
 
 References:
   Jordan et al., `modded-nanogpt Track 3 (optimization) records #20, #30, #44, #46
@@ -20,8 +21,8 @@ import optax
 
 from optax_snoo._src.utils import check_int_at_least, check_positive, check_unit_interval
 
-__all__ = ["muon_momentum_schedule", "nanogpt_cosine_schedule", "power_cool",
-           "power_cool_scaled", "stable_cooldown_schedule"]
+__all__ = ["muon_momentum_schedule", "muon_momentum_warmup", "nanogpt_cosine_schedule",
+           "power_cool", "power_cool_scaled", "stable_cooldown_schedule"]
 
 
 def power_cool(
@@ -166,6 +167,39 @@ def muon_momentum_schedule(
         pieces.append(optax.linear_schedule(peak, end, cooldown))
         boundaries.append(total - cooldown)
     return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+
+
+def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
+                         steps: int = 300) -> optax.Schedule:
+    """The record's momentum warm-up: ``β(t) = start + (end - start) * min(t / steps, 1)``.
+
+    `muon_momentum_schedule` without a cool-down (``warmup=steps``).
+
+    Args:
+      start: momentum at update 0.
+      end: momentum from update ``steps`` on.
+      steps: length of the linear warm-up (> 0).
+
+    Returns:
+      A schedule (callable of the update count) to pass as ``beta``.
+
+    Example:
+      >>> from optax_snoo import muon_momentum_warmup
+      >>> beta = muon_momentum_warmup()
+      >>> round(float(beta(150)), 4)
+      0.9
+
+    References:
+      Jordan, `modded-nanogpt: Speedrunning the NanoGPT baseline
+      <https://github.com/KellerJordan/modded-nanogpt>`_, 2024
+
+      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024
+    """
+    check_unit_interval("start", start)
+    check_unit_interval("end", end)
+    check_int_at_least("steps", steps, 1)
+    return muon_momentum_schedule(start, end, warmup=steps)
 
 
 def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac: float = 0.7,

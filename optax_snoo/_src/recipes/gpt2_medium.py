@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any
 
 from optax_snoo._src.adam import AdamGroup
-from optax_snoo._src.muon import muon_momentum_warmup
 from optax_snoo._src.muon_adam import MuonGroup, group_labels, muon
 from optax_snoo._src.recipes.base import (
     Hyperparameters,
@@ -21,7 +20,7 @@ from optax_snoo._src.recipes.base import (
     register,
     with_snoo,
 )
-from optax_snoo._src.schedules import stable_cooldown_schedule
+from optax_snoo._src.schedules import muon_momentum_warmup, stable_cooldown_schedule
 
 __all__ = ["RECORD_ADAM_PATTERNS", "RECORD_MLP_PATTERN"]
 
