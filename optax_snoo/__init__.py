@@ -35,6 +35,7 @@ from optax_snoo._src.newton_schulz import (
 from optax_snoo._src.normuon import normuon, scale_by_normuon
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.radius import RadiusStepsState, radius_steps
+from optax_snoo._src.recipes.gpt2_medium import modded_nanogpt
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
 from optax_snoo._src.schedules import (
     muon_momentum_schedule,
@@ -122,6 +123,7 @@ __all__ = [
     "kfac",
     "labels",
     "memory",
+    "modded_nanogpt",
     "muon",
     "muon_momentum_schedule",
     "muon_momentum_warmup",

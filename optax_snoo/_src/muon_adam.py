@@ -304,10 +304,13 @@ def with_adam_groups(
 
 
 def group_labels(adam_groups: Sequence[AdamGroup],
-                 labels: Any | Callable[[optax.Params], Any] | None = None
+                 labels: Any | Callable[[optax.Params], Any] | None = None,
+                 muon_groups: Sequence[MuonGroup] | None = None
                  ) -> Callable[[optax.Params], Any]:
     """``params -> tree of group names`` of `with_adam_groups`' partition: ``"muon"`` or
-    the name of each leaf's `AdamGroup` (see `with_adam_groups` for the rules).
+    the name of each leaf's `AdamGroup` (see `with_adam_groups` for the rules); with
+    ``muon_groups``, a Muon leaf is ``"muon/<its MuonGroup's name>"`` (what
+    `optax_snoo.recipes.describe` shows; the partition's label stays ``"muon"``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -319,7 +322,18 @@ def group_labels(adam_groups: Sequence[AdamGroup],
       {'b': 'rest', 'tok_emb': 'embed', 'w': 'muon'}
     """
     base = muon_adam_labels if labels is None else labels
-    return _labels_with_adam_groups(base, adam_groups, _adam_group_names(adam_groups))
+    partition_labels = _labels_with_adam_groups(base, adam_groups, _adam_group_names(adam_groups))
+    if not muon_groups:
+        return partition_labels
+    names = by_path([(g.pattern, g.name or getattr(g.pattern, "pattern", g.pattern))
+                     for g in muon_groups], what="Muon group")
+
+    def with_muon_groups(params: optax.Params) -> Any:
+        return jax.tree.map_with_path(
+            lambda path, label: f"muon/{names.value(path_to_str(path))}" if label == "muon"
+            else label, partition_labels(params))
+
+    return with_muon_groups
 
 
 def _adam_group_names(groups: Sequence[AdamGroup]) -> list[str]:

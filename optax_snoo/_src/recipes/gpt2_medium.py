@@ -88,16 +88,16 @@ def _modded_nanogpt(t: ModdedNanogptHyperparameters, total_steps: int, *, labels
                                ("vectors", t.vector_learning_rate))]
     mlp_decay = t.muon_weight_decay * t.mlp_weight_decay_multiplier
     lr = schedule(t.muon_learning_rate)
+    muon_groups = [MuonGroup(RECORD_MLP_PATTERN, weight_decay=mlp_decay, name="mlp"),
+                   MuonGroup(".*", name="matrices")]
     tx = muon(
         lr, beta=muon_momentum_warmup(t.muon_momentum_start, t.muon_momentum,
                                       t.muon_momentum_warmup_steps),
-        weight_decay=t.muon_weight_decay,
-        muon_groups=[MuonGroup(RECORD_MLP_PATTERN, weight_decay=mlp_decay, name="mlp"),
-                     MuonGroup(".*", name="matrices")],
+        weight_decay=t.muon_weight_decay, muon_groups=muon_groups,
         coefficients="modded", smoothing=t.muon_smoothing, smoothing_form=t.smoothing_form,
         adam_groups=groups, labels=labels, newton_schulz_plan=newton_schulz_plan,
         shard_newton_schulz=shard_newton_schulz)
-    return Stack(tx, lr, groups=group_labels(groups, labels))
+    return Stack(tx, lr, groups=group_labels(groups, labels, muon_groups))
 
 
 def _patterns(adam_patterns: dict[str, str] | None) -> dict[str, str]:
