@@ -15,11 +15,12 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_snoo._src.utils import (
@@ -279,8 +280,58 @@ def tail_ema(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _is_readout(x: Any) -> bool:
-    return isinstance(x, EmaNesterovState | TailEmaState)
+_READOUTS = (EmaNesterovState, TailEmaState)
+
+
+def _holds_value(x: Any) -> bool:
+    """A box around one array (flax's ``Variable``: ``nnx.Param``, ``nnx.OptVariable``)."""
+    return (not isinstance(x, tuple | list | Mapping | jax.Array | np.ndarray)
+            and hasattr(type(x), "value"))
+
+
+def _unbox(x: Any) -> Any:
+    if not _holds_value(x):
+        return x
+    inner = jax.tree.leaves(x)
+    if len(inner) > 1:
+        raise ValueError(f"eval_params: a {type(x).__name__} holding {len(inner)} arrays, "
+                         "expected one (a box of one array, as flax's nnx.Param)")
+    # an nnx.Optimizer boxes a masked leaf's optax.MaskedNode too: an empty box is skipped
+    return inner[0] if inner else optax.MaskedNode()
+
+
+def _as_readout(x: Any) -> Any:
+    """``x`` as a readout state, or None: the NamedTuple itself, or the mapping of its
+    fields that ``nnx.state(optimizer, nnx.OptState)`` turns it into; boxed scalars
+    unboxed."""
+    if isinstance(x, _READOUTS):
+        kind, fields = type(x), x._asdict()
+    else:
+        kind = next((k for k in _READOUTS if isinstance(x, Mapping)
+                     and set(x.keys()) == set(k._fields)), None)
+        if kind is None:
+            return None
+        fields = dict(x)
+    scalars = ("count", "lookahead") if kind is EmaNesterovState else ("count", "blend")
+    return kind(**{k: _unbox(v) if k in scalars else v for k, v in fields.items()})
+
+
+def _key(entry: Any) -> Any:
+    # DictKey.key, GetAttrKey.name, SequenceKey.idx, FlattenedIndexKey.key: one name per step
+    for attribute in ("key", "name", "idx"):
+        if hasattr(entry, attribute):
+            return getattr(entry, attribute)
+    return entry
+
+
+def _by_path(tree: Any) -> list[tuple[tuple, Any]]:
+    """(path, leaf) for each array of ``tree``, boxes unboxed and skipped leaves kept, the
+    path in plain keys: a dict, an ``nnx.State`` or a module's attributes read alike."""
+    out = []
+    for path, node in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: _skipped(x) or _holds_value(x))[0]:
+        out.append((tuple(_key(e) for e in path), _unbox(node)))
+    return out
 
 
 def _broadcast(scalar: jax.Array, like: jax.Array) -> jax.Array:
@@ -289,9 +340,26 @@ def _broadcast(scalar: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _apply(params: Any, state: Any) -> Any:
-    def leaf(p, extra):
-        if _skipped(extra) or _skipped(p):
+    tree = state.displacement if isinstance(state, EmaNesterovState) else state.ema
+    extras = {path: e for path, e in _by_path(tree) if not _skipped(e)}
+    entries = [(path, p) for path, p in _by_path(params) if not _skipped(p)]
+    name = type(state).__name__
+    unmatched = sorted(set(extras) - {path for path, _ in entries}, key=str)
+    if unmatched:
+        raise ValueError(
+            f"eval_params: the optimizer state's {name} averages leaves the params do not "
+            f"have: {['/'.join(map(str, path)) for path in unmatched[:4]]}"
+            f"{' ...' if len(unmatched) > 4 else ''}; pass the params the optimizer updates "
+            "(a Flax model's nnx.state(model, nnx.Param))")
+
+    def leaf(path, p):
+        extra = extras.get(path)
+        if extra is None:
             return p
+        if jnp.shape(extra) != jnp.shape(p):
+            raise ValueError(f"eval_params: {'/'.join(map(str, path))} has shape "
+                             f"{jnp.shape(p)} in the params but {jnp.shape(extra)} in the "
+                             f"optimizer state's {name}")
         pf = p.astype(jnp.float32)
         if isinstance(state, EmaNesterovState):
             out = pf - _broadcast(state.lookahead, pf) * extra.astype(jnp.float32)
@@ -299,8 +367,12 @@ def _apply(params: Any, state: Any) -> Any:
             out = pf + _broadcast(state.blend, pf) * (extra - pf)
         return out.astype(p.dtype)
 
-    tree = state.displacement if isinstance(state, EmaNesterovState) else state.ema
-    return jax.tree.map(leaf, params, tree, is_leaf=_skipped)
+    # the params' own tree (a box's one array is its only leaf), so the caller's types return
+    leaves, treedef = jax.tree.flatten(params)
+    if len(leaves) != len(entries):
+        raise ValueError("eval_params: params must be a pytree of arrays (or of boxes "
+                         f"holding one array each, as flax's nnx.Param), got {type(params)}")
+    return jax.tree.unflatten(treedef, [leaf(path, p) for path, p in entries])
 
 
 def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
@@ -315,12 +387,26 @@ def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
     so a trainer can always evaluate and checkpoint ``eval_params(params, opt_state)``.
     jit-compatible; the params are not modified.
 
+    Params and state are matched leaf by leaf on their paths, so the containers may differ:
+    with Flax, ``eval_params(nnx.state(model, nnx.Param), opt.opt_state)``, or
+    ``nnx.state(opt, nnx.OptState)`` (which turns each state into a mapping of its
+    fields), or their ``nnx.to_pure_dict``, all give the same weights, as an
+    ``nnx.State`` of ``nnx.Param`` for ``nnx.update(model, ...)`` (an object holding one
+    array in ``.value``, as a flax ``Variable``, is read as that array).
+
     Args:
-      params: the params the optimizer updates.
-      opt_state: the whole optimizer state.
+      params: the params the optimizer updates: any pytree of arrays, or of boxes of one
+        array each (an ``nnx.State`` of ``nnx.Param``).
+      opt_state: the whole optimizer state, as ``optax`` gives it, an
+        ``nnx.Optimizer``'s ``opt_state``, its ``nnx.state(opt, nnx.OptState)``, or that
+        state's pure dict.
 
     Returns:
-      A tree like ``params`` (same dtypes).
+      A tree like ``params`` (same structure, boxes and dtypes).
+
+    Raises:
+      ValueError: a readout averages a leaf the params do not have (``params`` is not
+        the tree the optimizer updates), or a leaf's shape differs between the two.
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_snoo
@@ -334,7 +420,8 @@ def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
       <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
       2026.
     """
-    for state in jax.tree.leaves(opt_state, is_leaf=_is_readout):
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: _as_readout(x) is not None):
+        state = _as_readout(node)
         if isinstance(state, EmaNesterovState):
             params = eval_params(_apply(params, state), state.inner_state)
         elif isinstance(state, TailEmaState):
