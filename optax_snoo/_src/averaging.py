@@ -28,6 +28,7 @@ from optax_snoo._src.utils import (
     check_non_negative,
     check_unit_interval,
     concrete_real,
+    path_names,
     value_at,
 )
 
@@ -316,21 +317,13 @@ def _as_readout(x: Any) -> Any:
     return kind(**{k: _unbox(v) if k in scalars else v for k, v in fields.items()})
 
 
-def _key(entry: Any) -> Any:
-    # DictKey.key, GetAttrKey.name, SequenceKey.idx, FlattenedIndexKey.key: one name per step
-    for attribute in ("key", "name", "idx"):
-        if hasattr(entry, attribute):
-            return getattr(entry, attribute)
-    return entry
-
-
 def _by_path(tree: Any) -> list[tuple[tuple, Any]]:
     """(path, leaf) for each array of ``tree``, boxes unboxed and skipped leaves kept, the
-    path in plain keys: a dict, an ``nnx.State`` or a module's attributes read alike."""
+    path as `path_names` reads it: a dict, an ``nnx.State`` or attributes read alike."""
     out = []
     for path, node in jax.tree_util.tree_flatten_with_path(
             tree, is_leaf=lambda x: _skipped(x) or _holds_value(x))[0]:
-        out.append((tuple(_key(e) for e in path), _unbox(node)))
+        out.append((path_names(path), _unbox(node)))
     return out
 
 
@@ -344,11 +337,11 @@ def _apply(params: Any, state: Any) -> Any:
     extras = {path: e for path, e in _by_path(tree) if not _skipped(e)}
     entries = [(path, p) for path, p in _by_path(params) if not _skipped(p)]
     name = type(state).__name__
-    unmatched = sorted(set(extras) - {path for path, _ in entries}, key=str)
+    unmatched = sorted(set(extras) - {path for path, _ in entries})
     if unmatched:
         raise ValueError(
             f"eval_params: the optimizer state's {name} averages leaves the params do not "
-            f"have: {['/'.join(map(str, path)) for path in unmatched[:4]]}"
+            f"have: {['/'.join(path) for path in unmatched[:4]]}"
             f"{' ...' if len(unmatched) > 4 else ''}; pass the params the optimizer updates "
             "(a Flax model's nnx.state(model, nnx.Param))")
 
@@ -357,7 +350,7 @@ def _apply(params: Any, state: Any) -> Any:
         if extra is None:
             return p
         if jnp.shape(extra) != jnp.shape(p):
-            raise ValueError(f"eval_params: {'/'.join(map(str, path))} has shape "
+            raise ValueError(f"eval_params: {'/'.join(path)} has shape "
                              f"{jnp.shape(p)} in the params but {jnp.shape(extra)} in the "
                              f"optimizer state's {name}")
         pf = p.astype(jnp.float32)
