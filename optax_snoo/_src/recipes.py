@@ -138,7 +138,7 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
         raise ValueError(f"final_lr_scale must be in [0, 1], got {final_lr_scale!r}")
 
     def schedule(count):
-        x = jnp.asarray(count, jnp.float32) / total_steps
+        x = jnp.asarray(count, jnp.result_type(float)) / total_steps  # float64 under x64
         cooling = (1 - x) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale
         return peak_value * jnp.where(x < 1 - cooldown_frac, 1.0, cooling)
 
