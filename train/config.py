@@ -446,7 +446,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_every=2, n_experts=8, top_k=2, expert_hidden=256, out_dir="out/moe_tiny"),
     # GPT-2 small's shape (12 x 768, T = 1024) for one GPU; char vocabulary, so ~85M params.
     "gpt2_small": dict(
-        **_GPU_SIZED, n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=32, grad_accum=1,
+        **_GPU_SIZED, n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=32,
+        grad_accum=1,
         dropout=0.0, adam_learning_rate=6e-4, final_lr_scale=0.1, adam_b2=0.95,
         warmup_iters=200, max_iters=5000, lr_decay_iters=5000, eval_interval=500,
         eval_iters=50, checkpoint_every=1000, vocab_multiple=64, out_dir="out/gpt2_small"),
@@ -484,7 +485,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # val tokens every 125 steps, every 25 from step 2925, and at 3250. For GPUs (the file
     # ran 8 x H100; about 1.7B tokens); its target: mean val loss < 3.28.
     "track3": dict(
-        **_TRACK3_RECIPE, **_GPU_SIZED, block_size=1024, n_layer=12, n_head=6, n_embd=768, batch_size=64,
+        **_TRACK3_RECIPE, **_GPU_SIZED, block_size=1024, n_layer=12, n_head=6, n_embd=768,
+        batch_size=64,
         grad_accum=8, vocab_multiple=64, max_iters=3250, eval_interval=125,
         eval_interval_tail=25, val_tokens=10_485_760, eval_iters=4, log_interval=25,
         checkpoint_every=250, data="data/fineweb10B", out_dir="out/track3"),

@@ -14,7 +14,8 @@ Differences from `optax.contrib.muon` (optax 0.2.8), here and in `muon`, all del
 - the momentum is not bias-corrected by default (modded-nanogpt); `bias_correction=True`
   reproduces optax's corrected momentum and Nesterov step exactly;
 - the iteration runs in `ns_dtype` (bfloat16 by default, as in the record), not in the
-  gradient dtype, and the momentum is kept in float32 whatever the param dtype;
+  gradient dtype, and the momentum is kept in float32 for bf16/f16/f32 params (float64
+  for float64 params);
 - leaves with more than two axes are stacks of matrices (`matrix_axes` names the two
   matrix axes), so MoE expert weights `(E, in, out)` get Muon instead of silently going
   to Adam;
@@ -70,6 +71,7 @@ from optax_snoo._src.utils import (
     check_float_dtype,
     check_unit_interval,
     path_to_str,
+    state_dtype,
     value_at,
 )
 
@@ -82,11 +84,13 @@ class MuonState(NamedTuple):
 
     Attributes:
       count: number of updates so far (int32 scalar); schedules are evaluated at it.
-      mu: momentum buffer, shaped like the params, in ``mu_dtype`` (float32 by default).
-      smooth: update-smoothing buffer (float32, shaped like the params), or
-        ``optax.EmptyState()`` when smoothing is off.
-      nu: NorMuon's second moment (float32, shaped like the params with the reduced
-        matrix axis of size 1), or ``optax.EmptyState()`` without ``beta2``.
+      mu: momentum buffer, shaped like the params, in ``mu_dtype`` (by default float32,
+        float64 for float64 params).
+      smooth: update-smoothing buffer (shaped like the params, float32 or float64 as
+        ``mu``), or ``optax.EmptyState()`` when smoothing is off.
+      nu: NorMuon's second moment (float32 or float64 as ``mu``, shaped like the params
+        with the reduced matrix axis of size 1), or ``optax.EmptyState()`` without
+        ``beta2``.
       precondition: the state of the ``precondition`` transform (e.g.
         `SoapWhiteningState`), or ``optax.EmptyState()`` without one.
     """
@@ -131,7 +135,7 @@ def scale_by_muon(
     beta2: float | optax.Schedule | None = None,
     smoothing: float | optax.Schedule | None = None,
     smoothing_form: str = "ema",
-    mu_dtype: jax.typing.DTypeLike | None = jnp.float32,
+    mu_dtype: jax.typing.DTypeLike | None = None,
     shard_newton_schulz: bool = True,
     newton_schulz_plan: NewtonSchulzPlan | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
@@ -218,7 +222,9 @@ def scale_by_muon(
         ``None`` turns smoothing off (record PR #137 used 0.2).
       smoothing_form: ``"ema"`` (use ``S``, PR #137) or ``"nesterov"`` (use
         ``σ S + (1-σ) O``, PR #129).
-      mu_dtype: dtype of the momentum buffer (``None``: the gradient dtype).
+      mu_dtype: dtype of the momentum buffer; ``None``: float32, or the param's dtype
+        where it is wider (float64 params keep float64 momentum, smoothing and NorMuon
+        statistics).
       shard_newton_schulz: on sharded params, give each device whole matrices to
         orthogonalise (above); ``False`` leaves the iteration to the partitioner.
       newton_schulz_plan: where the leaves live when the update cannot see it (above);
@@ -295,12 +301,14 @@ def scale_by_muon(
     def init_fn(params: optax.Params) -> MuonState:
         for path, p in jax.tree_util.tree_leaves_with_path(params):
             _warn_if_convolution(path_to_str(path), jnp.shape(p), axes)
-        zeros = lambda dtype: lambda p: jnp.zeros_like(p, dtype=dtype)
-        f32_like = lambda: jax.tree.map(zeros(jnp.float32), params)
+        # statistics in float32, or wider with the param (a float64 run stays float64)
+        zeros = lambda dtype: lambda p: jnp.zeros_like(p, dtype=state_dtype(dtype, p))
+        stats_like = lambda: jax.tree.map(zeros(None), params)
         nu = optax.EmptyState() if beta2 is None else jax.tree.map(
-            lambda p: jnp.zeros(_reduced_shape(jnp.shape(p), axes), jnp.float32), params)
+            lambda p: jnp.zeros(_reduced_shape(jnp.shape(p), axes), state_dtype(None, p)),
+            params)
         return MuonState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros(mu_dtype), params),
-                         smooth=optax.EmptyState() if smoothing is None else f32_like(), nu=nu,
+                         smooth=optax.EmptyState() if smoothing is None else stats_like(), nu=nu,
                          precondition=(optax.EmptyState() if precondition is None
                                        else init_owned(params) if per_matrix
                                        else precondition.init(params)))
@@ -329,7 +337,7 @@ def scale_by_muon(
 
         beta_t = value_at(beta, count)
         moments = [_momentum(g, m, beta_t, count, nesterov=nesterov,
-                             bias_correction=bias_correction, mu_dtype=mu_dtype)
+                             bias_correction=bias_correction)
                    for g, m in zip(grads, mus, strict=True)]
         inputs = [v for v, _ in moments]
         pre_state = state.precondition
@@ -370,9 +378,11 @@ def scale_by_muon(
 
 
 def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nesterov: bool,
-              bias_correction: bool, mu_dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """(float32 input of the iteration, new momentum buffer) of one leaf."""
-    compute = jnp.promote_types(g.dtype, jnp.float32)  # float32, or float64 under x64
+              bias_correction: bool) -> tuple[jax.Array, jax.Array]:
+    """(float32 input of the iteration, new momentum buffer in the buffer's dtype) of one
+    leaf; float64 for float64 gradients or buffers."""
+    mu_dtype = m.dtype
+    compute = jnp.promote_types(jnp.promote_types(g.dtype, mu_dtype), jnp.float32)
     g32 = g.astype(compute)
     m = beta * m.astype(compute) + (1 - beta) * g32
     if bias_correction:
@@ -382,7 +392,7 @@ def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nester
             v = beta * v + (1 - beta) * (g32 / bc_g)
     else:
         v = beta * m + (1 - beta) * g32 if nesterov else m
-    return v, m.astype(g.dtype if mu_dtype is None else mu_dtype)
+    return v, m.astype(mu_dtype)
 
 
 def _reduced_axis(shape: tuple[int, ...], axes: tuple[int, int]) -> int:
@@ -404,21 +414,22 @@ def _normuon(o: jax.Array, nu: jax.Array, beta2: Any, axes: tuple[int, int]
     Written as the record fuses it: ``‖O‖_F² = Σ n q`` and ``‖D‖_F² = Σ n q / ν`` from
     the per-neuron mean squares ``q``, so only one pass over ``O`` reads it whole.
     """
-    red = _reduced_axis(o.shape, axes)
+    red, dtype = _reduced_axis(o.shape, axes), nu.dtype  # the state keeps its dtype
     n = o.shape[red]
     q = jnp.mean(jnp.square(o), axis=red, keepdims=True)
     nu = beta2 * nu + (1 - beta2) * q
     inv_rms = jax.lax.rsqrt(jnp.maximum(nu, 1e-10))
     norm = jnp.sqrt(jnp.sum(n * q, axis=axes, keepdims=True))
     new_norm = jnp.sqrt(jnp.sum(n * q * jnp.square(inv_rms), axis=axes, keepdims=True))
-    return o * (inv_rms * (norm / jnp.maximum(new_norm, 1e-10))), nu
+    return o * (inv_rms * (norm / jnp.maximum(new_norm, 1e-10))), nu.astype(dtype)
 
 
 def _smooth(ortho: Sequence[jax.Array], smooth: Sequence[jax.Array], sigma: Any, form: str
             ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Update smoothing: ``S = σ S + (1-σ) O``; the update is ``S`` ("ema") or
     ``σ S + (1-σ) O`` ("nesterov")."""
-    smooth = [sigma * s + (1 - sigma) * o for s, o in zip(smooth, ortho, strict=True)]
+    smooth = [(sigma * s + (1 - sigma) * o).astype(s.dtype)
+              for s, o in zip(smooth, ortho, strict=True)]
     if form == "ema":
         return smooth, smooth
     return [sigma * s + (1 - sigma) * o for s, o in zip(smooth, ortho, strict=True)], smooth

@@ -60,7 +60,7 @@ def power_cool(
       power: the power law's exponent (> 0).
 
     Returns:
-      A schedule: ``count -> learning rate`` (float32).
+      A schedule: ``count -> learning rate`` (float32; float64 under ``jax_enable_x64``).
 
     Raises:
       ValueError: neither or both of ``c`` and ``flat_until``, or a value out of range.
@@ -90,7 +90,8 @@ def power_cool(
     check_positive("c", c)
 
     def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        remaining = jnp.maximum(t_end - jnp.asarray(count, jnp.float32), 0.0)
+        # float64 under x64: a float64 run's learning rate is not rounded to float32
+        remaining = jnp.maximum(t_end - jnp.asarray(count, jnp.result_type(float)), 0.0)
         return jnp.minimum(lr0, c * remaining**power)
 
     return schedule
@@ -130,7 +131,8 @@ def muon_momentum_schedule(
       end: momentum at ``T`` (default ``start``), in [0, 1).
 
     Returns:
-      A schedule: ``count -> momentum``, to pass as Muon's ``beta``.
+      A schedule: ``count -> momentum``, to pass as Muon's ``beta`` (float32; float64
+      under ``jax_enable_x64``).
 
     Raises:
       ValueError: a momentum outside [0, 1), a negative length, a cool-down without
@@ -166,7 +168,17 @@ def muon_momentum_schedule(
     if cooldown > 0:
         pieces.append(optax.linear_schedule(peak, end, cooldown))
         boundaries.append(total - cooldown)
-    return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+    joined = optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+
+    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
+        # optax divides the integer count in its inexact dtype: an int32 count gives
+        # float32 even under x64, so the count is widened to int64 there (float64 values)
+        count = jnp.asarray(count)
+        if jnp.issubdtype(count.dtype, jnp.integer):
+            count = count.astype(jnp.result_type(int))
+        return joined(count)
+
+    return schedule
 
 
 def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
@@ -234,7 +246,7 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
         raise ValueError(f"final_lr_scale must be in [0, 1], got {final_lr_scale!r}")
 
     def schedule(count):
-        x = jnp.asarray(count, jnp.float32) / total_steps
+        x = jnp.asarray(count, jnp.result_type(float)) / total_steps  # float64 under x64
         cooling = (1 - x) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale
         return peak_value * jnp.where(x < 1 - cooldown_frac, 1.0, cooling)
 

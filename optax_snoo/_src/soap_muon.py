@@ -537,7 +537,7 @@ def soap_muon(
     ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     matrix_axes: tuple[int, int] = (-2, -1),
     shape_scale: bool | str | None = "modded",
-    mu_dtype: jax.typing.DTypeLike | None = jnp.float32,
+    mu_dtype: jax.typing.DTypeLike | None = None,
     shard_newton_schulz: bool = True,
     newton_schulz_plan: NewtonSchulzPlan | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
@@ -569,7 +569,8 @@ def soap_muon(
       ns_dtype: dtype of the Newton-Schulz iteration (record: bfloat16).
       matrix_axes: ``(fan_in, fan_out)`` axes of every leaf.
       shape_scale: as in `scale_by_muon` (record: ``"modded"``).
-      mu_dtype: dtype of Muon's momentum buffer.
+      mu_dtype: dtype of Muon's momentum buffer (``None``: float32, float64 for float64
+        params; see `scale_by_muon`).
       shard_newton_schulz: as in `scale_by_muon`.
       newton_schulz_plan: as in `scale_by_muon`.
       mesh: as in `scale_by_muon`.
