@@ -91,8 +91,8 @@ class MuonState(NamedTuple):
       nu: NorMuon's second moment (float32 or float64 as ``mu``, shaped like the params
         with the reduced matrix axis of size 1), or ``optax.EmptyState()`` without
         ``beta2``.
-      precondition: the state of the ``precondition`` transform (e.g.
-        `SoapWhiteningState`), or ``optax.EmptyState()`` without one.
+      precondition: the `MatrixPrecondition`'s state (`OwnedPreconditionState`), or
+        ``optax.EmptyState()`` without one.
     """
 
     count: jax.Array
@@ -139,7 +139,7 @@ def scale_by_muon(
     shard_newton_schulz: bool = True,
     newton_schulz_plan: NewtonSchulzPlan | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    precondition: optax.GradientTransformation | MatrixPrecondition | None = None,
+    precondition: MatrixPrecondition | None = None,
     ns_normalization: str = "frobenius",
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
@@ -149,7 +149,7 @@ def scale_by_muon(
 
         m = β m + (1-β) g                                 # float32 buffer
         v = β m + (1-β) g   if nesterov else   m          # EMA form of Nesterov
-        v = precondition(v, raw_gradient=g)               # if precondition (below)
+        v = precondition(v, g)                            # if precondition, per matrix (below)
         O = orthogonalize(v)                              # each matrix on its own
         O = normuon(O)                                    # if beta2 (NorMuon, below)
         S = σ S + (1-σ) O;  O = S (ema) or σ S + (1-σ) O (nesterov)   # if smoothing
@@ -167,18 +167,15 @@ def scale_by_muon(
     ``O = D ‖O‖_F / max(‖D‖_F, 1e-10)``: each neuron's update gets the same RMS on
     average, and the matrix keeps the Frobenius norm orthogonalisation gave it.
 
-    Preconditioning (``precondition`` set, e.g. `scale_by_soap_whitening` for
-    SOAP-Muon): a transform that receives the tree of Newton-Schulz inputs ``v`` as its
-    ``updates``, the params, and the raw gradient ``g`` as the extra argument
-    ``raw_gradient``, keeps its own state (`MuonState`'s ``precondition`` field) and
-    returns the matrices to orthogonalise. With sharded params it runs before the
-    matrices go to their owners, on the leaves as they lie (their own sharding; the
-    partitioner places its products), and only the iteration runs on whole matrices.
-    A `MatrixPrecondition` (e.g. `soap_whitening_per_matrix`) is a function of each
-    matrix alone: with sharded params the raw gradient travels to the owner beside the
-    momentum (the same all-to-all), the owner preconditions its whole matrices before
-    their iteration and keeps their state (`OwnedPreconditionState`), so the sharded
-    plan's collectives stay one redistribution in and one out.
+    Preconditioning (``precondition`` set, e.g. `soap_whitening` for SOAP-Muon): a
+    `MatrixPrecondition`, a function of each matrix alone (its Newton-Schulz input ``v``,
+    its raw gradient ``g`` and its own state) that returns the matrix to orthogonalise.
+    With sharded params the raw gradient travels to the owner beside the momentum (the
+    same all-to-all), the owner preconditions its whole matrices before their iteration
+    and keeps their state (`OwnedPreconditionState`, `MuonState`'s ``precondition``
+    field), so the sharded plan's collectives stay one redistribution in and one out. To
+    precondition the gradient before Muon instead, chain a transform before
+    `scale_by_muon` (as `newton_muon` does).
 
     With ``bias_correction=True`` the momentum is bias-corrected exactly as
     ``optax.contrib.scale_by_muon`` does: ``v = β m/(1-β^(t+2)) + (1-β) g/(1-β^(t+1))``
@@ -231,9 +228,9 @@ def scale_by_muon(
         `NewtonSchulzPlan`.
       mesh: the mesh to split leaves of unknown sharding over (above); default: the
         plan's, else the ``jax.set_mesh`` context of the update, if any.
-      precondition: a transform applied to the Newton-Schulz input before the
-        iteration (above), called with ``raw_gradient=``, or a `MatrixPrecondition`
-        run per matrix (on its owner under the sharded plan); ``None``: none.
+      precondition: a `MatrixPrecondition` run on each matrix's Newton-Schulz input
+        before the iteration (on its owner under the sharded plan, above); ``None``:
+        none.
       ns_normalization: how the iteration's input is scaled, ``"frobenius"`` or
         ``"gram_frobenius"`` (modded-nanogpt Track 3's SOAP-Muon); see `orthogonalize`.
 
@@ -284,13 +281,12 @@ def scale_by_muon(
         raise ValueError(f"newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
                          f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
     _check_ns_normalization(ns_normalization)
-    per_matrix = isinstance(precondition, MatrixPrecondition)
-    if precondition is not None and not per_matrix:
-        if not isinstance(precondition, optax.GradientTransformation):
-            raise ValueError(f"precondition must be an optax.GradientTransformation (e.g. "
-                             f"scale_by_soap_whitening()) or a MatrixPrecondition, got "
-                             f"{precondition!r}.")
-        precondition = optax.with_extra_args_support(precondition)
+    if precondition is not None and not isinstance(precondition, MatrixPrecondition):
+        raise ValueError(f"precondition must be a MatrixPrecondition (e.g. soap_whitening()) "
+                         f"or None, got {type(precondition).__name__}; to precondition the "
+                         f"gradient before Muon, chain a transform before scale_by_muon "
+                         f"(as newton_muon does).")
+    per_matrix = precondition is not None
     plan = newton_schulz_plan or NewtonSchulzPlan()
     spread_mesh = mesh if mesh is not None else plan.mesh
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
@@ -309,9 +305,8 @@ def scale_by_muon(
             params)
         return MuonState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros(mu_dtype), params),
                          smooth=optax.EmptyState() if smoothing is None else stats_like(), nu=nu,
-                         precondition=(optax.EmptyState() if precondition is None
-                                       else init_owned(params) if per_matrix
-                                       else precondition.init(params)))
+                         precondition=(init_owned(params) if per_matrix
+                                       else optax.EmptyState()))
 
     def flags_of(paths: list[str], treedef: Any) -> list[bool]:
         flags = precondition.flags
@@ -341,10 +336,6 @@ def scale_by_muon(
                    for g, m in zip(grads, mus, strict=True)]
         inputs = [v for v, _ in moments]
         pre_state = state.precondition
-        if precondition is not None and not per_matrix:
-            whitened, pre_state = precondition.update(
-                treedef.unflatten(inputs), pre_state, params, raw_gradient=updates)
-            inputs = treedef.flatten_up_to(whitened)
         placements = place_leaves(plan, paths, list(zip(grads, mus, strict=True)))
         owned = {}
         if per_matrix:
