@@ -44,6 +44,8 @@ from optax_snoo._src.schedules import (
     power_cool,
     power_cool_scaled,
     stable_cooldown_schedule,
+    trust_gate_cap,
+    trust_gate_floor,
 )
 from optax_snoo._src.skew_adam import (
     DEFAULT_POLICIES,
@@ -67,13 +69,7 @@ from optax_snoo._src.snoo import (
     snoo,
     snoo_is_sync_step,
 )
-from optax_snoo._src.soap_muon import (
-    SoapMatrixState,
-    soap_muon,
-    soap_whitening,
-    trust_gate_cap,
-    trust_gate_floor,
-)
+from optax_snoo._src.soap_muon import SoapMatrixState, soap_muon, soap_whitening
 from optax_snoo._src.weight_decay import (
     DecoupledWeightDecayState,
     add_decoupled_weight_decay,

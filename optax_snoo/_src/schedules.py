@@ -5,7 +5,8 @@
 - `power_cool`: Track 3's PowerCool (record #20 onwards), ``min(lr0, c·(t_end - t)^p)``,
   and `power_cool_scaled`, a record's PowerCool stretched to another run length;
 - `muon_momentum_schedule`: Muon's momentum warm-up and cool-down (records #30, #44 on),
-  and `muon_momentum_warmup`, the warm-up alone (the GPT-2 Medium record's).
+  and `muon_momentum_warmup`, the warm-up alone (the GPT-2 Medium record's);
+- `trust_gate_floor`, `trust_gate_cap`: the bounds of SOAP-Muon's trust gate (#16, #44, #46).
 
 References:
   Jordan et al., `modded-nanogpt Track 3 (optimization) records #20, #30, #44, #46
@@ -22,7 +23,8 @@ import optax
 from optax_snoo._src.utils import check_int_at_least, check_positive, check_unit_interval
 
 __all__ = ["muon_momentum_schedule", "muon_momentum_warmup", "nanogpt_cosine_schedule",
-           "power_cool", "power_cool_scaled", "stable_cooldown_schedule"]
+           "power_cool", "power_cool_scaled", "stable_cooldown_schedule", "trust_gate_cap",
+           "trust_gate_floor"]
 
 
 def power_cool(
@@ -333,3 +335,62 @@ def power_cool_scaled(lr0: float, *, c: float, lr0_record: float, record_steps: 
     check_int_at_least("total_steps", total_steps, 1)
     scale = (lr0 / lr0_record) * (record_steps / total_steps) ** power
     return power_cool(lr0, c=c * scale, t_end=total_steps, power=power)
+
+
+def trust_gate_floor(floor: float = 0.45, fade_start: int = 1375,
+                     fade_end: int = 1625) -> optax.Schedule:
+    """The trust gate's lower bound of records #16/#44/#46: ``floor`` until ``fade_start``,
+    then linearly to 0 at ``fade_end`` (a step at ``fade_start`` when
+    ``fade_end <= fade_start``), 0 after.
+
+    Args:
+      floor: the early floor (record: 0.45).
+      fade_start: update count where the fade begins (record: 1375).
+      fade_end: update count where the floor reaches 0 (record: 1625).
+
+    Returns:
+      A schedule of the update count.
+
+    Example:
+      >>> from optax_snoo import trust_gate_floor
+      >>> [round(float(trust_gate_floor()(t)), 3) for t in (0, 1500, 1625)]
+      [0.45, 0.225, 0.0]
+    """
+    check_unit_interval("floor", floor)
+    check_int_at_least("fade_start", fade_start, 0)
+    check_int_at_least("fade_end", fade_end, 0)
+
+    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
+        t = jnp.asarray(count).astype(jnp.result_type(float))  # float64 under x64
+        if fade_end <= fade_start:
+            return jnp.where(t >= fade_end, 0.0, floor)
+        frac = jnp.clip((fade_end - t) / (fade_end - fade_start), 0.0, 1.0)
+        return floor * frac
+
+    return schedule
+
+
+def trust_gate_cap(cap: float = 0.85, until: int = 1625) -> optax.Schedule:
+    """The trust gate's upper bound of records #16/#44/#46: ``cap`` before ``until``,
+    1 from ``until`` on.
+
+    Args:
+      cap: the early cap (record: 0.85).
+      until: update count from which the gate is uncapped (record: 1625, the end of the
+        floor's fade).
+
+    Returns:
+      A schedule of the update count.
+
+    Example:
+      >>> from optax_snoo import trust_gate_cap
+      >>> [round(float(trust_gate_cap()(t)), 3) for t in (0, 1625)]
+      [0.85, 1.0]
+    """
+    check_unit_interval("cap", cap)
+    check_int_at_least("until", until, 0)
+
+    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
+        return jnp.where(jnp.asarray(count) < until, cap, 1.0)
+
+    return schedule

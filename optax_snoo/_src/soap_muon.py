@@ -30,6 +30,7 @@ from optax_snoo._src.muon import scale_by_muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import MatrixPrecondition
 from optax_snoo._src.newton_schulz import Coefficients, gram_frobenius_norm
+from optax_snoo._src.schedules import trust_gate_cap, trust_gate_floor
 from optax_snoo._src.utils import (
     check_int_at_least,
     check_non_negative,
@@ -42,65 +43,6 @@ NORM_MATCHES = ("gram", "frobenius")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 TrustGateLeaves = bool | Callable[[str], bool] | Any
-
-
-def trust_gate_floor(floor: float = 0.45, fade_start: int = 1375,
-                     fade_end: int = 1625) -> optax.Schedule:
-    """The trust gate's lower bound of records #16/#44/#46: ``floor`` until ``fade_start``,
-    then linearly to 0 at ``fade_end`` (a step at ``fade_start`` when
-    ``fade_end <= fade_start``), 0 after.
-
-    Args:
-      floor: the early floor (record: 0.45).
-      fade_start: update count where the fade begins (record: 1375).
-      fade_end: update count where the floor reaches 0 (record: 1625).
-
-    Returns:
-      A schedule of the update count.
-
-    Example:
-      >>> from optax_snoo import trust_gate_floor
-      >>> [round(float(trust_gate_floor()(t)), 3) for t in (0, 1500, 1625)]
-      [0.45, 0.225, 0.0]
-    """
-    check_unit_interval("floor", floor)
-    check_int_at_least("fade_start", fade_start, 0)
-    check_int_at_least("fade_end", fade_end, 0)
-
-    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        t = jnp.asarray(count).astype(jnp.result_type(float))  # float64 under x64
-        if fade_end <= fade_start:
-            return jnp.where(t >= fade_end, 0.0, floor)
-        frac = jnp.clip((fade_end - t) / (fade_end - fade_start), 0.0, 1.0)
-        return floor * frac
-
-    return schedule
-
-
-def trust_gate_cap(cap: float = 0.85, until: int = 1625) -> optax.Schedule:
-    """The trust gate's upper bound of records #16/#44/#46: ``cap`` before ``until``,
-    1 from ``until`` on.
-
-    Args:
-      cap: the early cap (record: 0.85).
-      until: update count from which the gate is uncapped (record: 1625, the end of the
-        floor's fade).
-
-    Returns:
-      A schedule of the update count.
-
-    Example:
-      >>> from optax_snoo import trust_gate_cap
-      >>> [round(float(trust_gate_cap()(t)), 3) for t in (0, 1625)]
-      [0.85, 1.0]
-    """
-    check_unit_interval("cap", cap)
-    check_int_at_least("until", until, 0)
-
-    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        return jnp.where(jnp.asarray(count) < until, cap, 1.0)
-
-    return schedule
 
 
 def _mm(spec: str, *xs: jax.Array) -> jax.Array:

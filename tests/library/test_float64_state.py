@@ -36,7 +36,7 @@ TRANSFORMS = {
     "muon, smoothing": lambda: muon(smoothing=0.2),
     "normuon": lambda: optax_snoo.scale_by_normuon(0.9, ns_dtype=jnp.float32),
     "soap_muon": lambda: optax_snoo.soap_muon(0.02, ns_dtype=jnp.float32),
-    "soap per matrix": lambda: muon(precondition=optax_snoo.soap_whitening_per_matrix()),
+    "soap per matrix": lambda: muon(precondition=optax_snoo.soap_whitening()),
     "ema_nesterov": lambda: optax_snoo.ema_nesterov(optax.sgd(0.1), prefill=0, stop=10),
     "tail_ema": lambda: optax.chain(optax.sgd(0.1), optax_snoo.tail_ema(start=1)),
     "radius_steps (hyperball)": lambda: optax.chain(muon(), optax_snoo.radius_steps(

@@ -38,12 +38,13 @@ from optax_snoo._src.recipes.track3_common import (
     patterns,
     steps_in_order,
 )
-from optax_snoo._src.schedules import muon_momentum_schedule, power_cool_scaled
-from optax_snoo._src.soap_muon import (
-    soap_whitening,
+from optax_snoo._src.schedules import (
+    muon_momentum_schedule,
+    power_cool_scaled,
     trust_gate_cap,
     trust_gate_floor,
 )
+from optax_snoo._src.soap_muon import soap_whitening
 
 __all__ = ["SoapMuonHyperparameters", "Track3RecordHyperparameters"]
 
