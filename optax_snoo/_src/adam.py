@@ -141,8 +141,12 @@ class AdamGroup(NamedTuple):
         ``None``: ``"adam"`` for the only group, else ``"adam_<index>"``.
       claim: the group takes every leaf its pattern matches, also one the labels give to
         Muon (an embedding or head the default labels do not recognise by name).
-      required: a group that matches no leaf is an error at init (the recipes' embedding
-        and head: a model that names them otherwise would train them with Muon).
+      required: a group that matches no leaf is an error at init (the recipes' embedding:
+        a model that names it otherwise would train it with Muon).
+      like: the name of another group: this one is required when a Muon leaf has the
+        shape of one of that group's leaves or its transpose (the recipes' head, like the
+        embedding: a head named otherwise is refused, a tied head, which is the
+        embedding, is not).
 
     Example:
       >>> from optax_snoo import AdamGroup
@@ -163,6 +167,7 @@ class AdamGroup(NamedTuple):
     name: str | None = None
     claim: bool = False
     required: bool = False
+    like: str | None = None
 
 
 def adam_group(group: AdamGroup, *, cautious_weight_decay: bool = False
