@@ -335,7 +335,7 @@ def test_presets_and_overrides():
     assert tc.config_from_dict(tc.flat_dict(config)) == config  # older checkpoints: flat
     # Every flat key names one field; the model's are GPTConfig's (no second copy); the
     # optimizer's hyperparameters are the recipe's, not keys of the trainer.
-    assert len(tc.KEYS) == len(set(tc.KEYS.values())) == 68
+    assert len(tc.KEYS) == len(set(tc.KEYS.values())) == 69
     assert not set(tc.KEYS) & set(OPTIMIZERS["adamw"].hyperparameters.names())
     assert {name for g, name in tc.KEYS.values() if g == "model"} == {
         f.name for f in dataclasses.fields(models.GPTConfig)} - {"vocab_size"}
