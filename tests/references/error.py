@@ -87,3 +87,13 @@ def assert_as_accurate(got, peer, ref, *, factor=FACTOR, ulps=ULPS, what=""):
         e, b = error(g, r), bound(p, r, factor, ulps)
         assert e <= b, (f"{name}: error {e:.3g} against float64 exceeds {factor} x the "
                         f"peer's {error(p, r):.3g} + {ulps} ulps of {np.linalg.norm(r):.3g}")
+
+
+def run_in_float64(fn, *trees):
+    """`fn(*trees)` with every floating leaf of `trees` cast to float64 (the same values)
+    and jax's x64 on inside only; its results as float64 numpy. With `fn` building its
+    transform in float64 too, this is the computation a float32 program rounds."""
+    with in_float64():
+        cast = lambda x: (jax.numpy.asarray(np.asarray(x), np.float64)
+                          if np.issubdtype(np.asarray(x).dtype, np.floating) else x)
+        return float64(fn(*(jax.tree.map(cast, t) for t in trees)))
