@@ -26,6 +26,10 @@ FACTOR = 4.0
 # A result rounded to float32 once or twice more (a transpose, a cast, a stored state)
 # has that much error even where the peer's is zero.
 ULPS = 4.0
+# A reference of another computation would make any two results "as accurate" as each
+# other: the peer must be within this of it (relative, Frobenius), far above float32's
+# rounding of the computations compared here and far below a wrong formula's distance.
+SAME_COMPUTATION = 1e-3
 
 
 def float64(tree):
@@ -63,7 +67,8 @@ def bound(peer, ref, factor=FACTOR, ulps=ULPS) -> float:
 
 def assert_as_accurate(got, peer, ref, *, factor=FACTOR, ulps=ULPS, what=""):
     """Each floating leaf of `got` misses `ref`'s by at most `bound(peer, ref)`; the
-    other leaves (counts, integer indices) equal `peer`'s and `ref`'s exactly.
+    other leaves (counts, integer indices) equal `peer`'s and `ref`'s exactly; and
+    `ref` is `peer`'s computation (within `SAME_COMPUTATION`).
 
     Args:
       got: the float32 results of the program under test (a pytree).
@@ -84,6 +89,10 @@ def assert_as_accurate(got, peer, ref, *, factor=FACTOR, ulps=ULPS, what=""):
             np.testing.assert_array_equal(g, p, err_msg=name)
             np.testing.assert_array_equal(g, r, err_msg=name)
             continue
+        scale = float(np.linalg.norm(r.astype(np.float64).ravel()))
+        assert error(p, r) <= SAME_COMPUTATION * scale, (
+            f"{name}: the float64 reference is not the peer's computation (relative "
+            f"distance {error(p, r) / scale:.3g})")
         e, b = error(g, r), bound(p, r, factor, ulps)
         assert e <= b, (f"{name}: error {e:.3g} against float64 exceeds {factor} x the "
                         f"peer's {error(p, r):.3g} + {ulps} ulps of {np.linalg.norm(r):.3g}")
