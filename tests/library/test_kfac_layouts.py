@@ -207,7 +207,7 @@ def test_one_by_one_conv_update_is_the_dense_update():
                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return jnp.mean(jnp.sum(jnp.tanh(y + p["c"]["bias"]), axis=(1, 2, 3)))
 
-    def dense_loss(p):
+    def dense_loss(p, x=x):  # (x an argument for the float64 reference)
         y = x.reshape(3, 4, 4) @ p["c"]["kernel"] + p["c"]["bias"]
         return jnp.mean(jnp.sum(jnp.tanh(y), axis=(1, 2)))
 
@@ -216,7 +216,7 @@ def test_one_by_one_conv_update_is_the_dense_update():
     for mode in ("pi", "eigen"):
         u_c, c_c = _kfac_update(conv_loss, conv_p, (), mode)
         u_d, c_d = _kfac_update(dense_loss, dense_p, (), mode, num_tokens=3 * math.sqrt(4))
-        u64, c64 = _float64_update(dense_loss, dense_p, (), mode, num_tokens=3 * math.sqrt(4))
+        u64, c64 = _float64_update(dense_loss, dense_p, (x,), mode, num_tokens=3 * math.sqrt(4))
         for f in ("a", "g"):
             assert_as_accurate(getattr(c_c["c/kernel"], f), getattr(c_d["c/kernel"], f),
                                getattr(c64["c/kernel"], f), what=f"{mode} {f}")

@@ -98,11 +98,18 @@ def assert_as_accurate(got, peer, ref, *, factor=FACTOR, ulps=ULPS, what=""):
                         f"peer's {error(p, r):.3g} + {ulps} ulps of {np.linalg.norm(r):.3g}")
 
 
-def run_in_float64(fn, *trees):
+def run_in_float64(fn, *trees, float32_leaves=False):
     """`fn(*trees)` with every floating leaf of `trees` cast to float64 (the same values)
     and jax's x64 on inside only; its results as float64 numpy. With `fn` building its
-    transform in float64 too, this is the computation a float32 program rounds."""
+    transform in float64 too, this is the computation a float32 program rounds: a
+    floating result that is not float64 fails (unless `float32_leaves`, for a state the
+    library keeps in float32 whatever the params)."""
     with in_float64():
         cast = lambda x: (jax.numpy.asarray(np.asarray(x), np.float64)
                           if np.issubdtype(np.asarray(x).dtype, np.floating) else x)
-        return float64(fn(*(jax.tree.map(cast, t) for t in trees)))
+        out = fn(*(jax.tree.map(cast, t) for t in trees))
+        kinds = {np.asarray(x).dtype for x in jax.tree.leaves(out)
+                 if np.issubdtype(np.asarray(x).dtype, np.floating)}
+        assert float32_leaves or kinds <= {np.dtype(np.float64)}, (
+            f"the float64 reference computed in {sorted(map(str, kinds))}")
+        return float64(out)
