@@ -118,7 +118,8 @@ def test_static_sync_hint_gives_the_same_trajectory(k):
     params32, grads32 = (jax.tree.map(lambda x: np.asarray(x, np.float32), t)
                          for t in (params, grads))
     with in_float64():
-        exact = float64(run_ours(tx, params32, grads32, dtype=jnp.float64)[0])
+        tx64 = snoo(optax.adamw(0.01), 0.68, 0.37, k, slow_dtype="float64")
+        exact = float64(run_ours(tx64, params32, grads32, dtype=jnp.float64)[0])
     p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     state = tx.init(p)
     update = jax.jit(tx.update, static_argnames=("snoo_sync",))
@@ -241,13 +242,14 @@ MATRIX_PARAMS = {"w": jnp.ones((8, 4)), "b": jnp.zeros((4,)), "stack": jnp.ones(
 
 def test_optax_matrix(tmp_path):
     tx = snoo(optax.adamw(1e-2), k=3)
-    m.check_jit_matches_eager(tx, MATRIX_PARAMS, steps=5)
+    tx64 = snoo(optax.adamw(1e-2), k=3, slow_dtype="float64")  # the same in float64
+    m.check_jit_matches_eager(tx, MATRIX_PARAMS, steps=5, float64=tx64)
     m.check_state_stable(tx, MATRIX_PARAMS, steps=4)
     m.check_dtype_preserved(tx, MATRIX_PARAMS, steps=4)
-    m.check_multisteps(tx, MATRIX_PARAMS, steps=4)
-    m.check_partition(tx, MATRIX_PARAMS, steps=4)
+    m.check_multisteps(tx, MATRIX_PARAMS, steps=4, float64=tx64)
+    m.check_partition(tx, MATRIX_PARAMS, steps=4, float64=tx64)
     m.check_nnx_optimizer(snoo(optax.adam(1e-2), k=2), steps=5)
-    m.check_sharded_state(tx, MATRIX_PARAMS, steps=4)
+    m.check_sharded_state(tx, MATRIX_PARAMS, steps=4, float64=tx64)
     # Saved after 5 updates: mid-period for k = 3 (the next sync is at t = 6).
     m.check_orbax_roundtrip(tx, MATRIX_PARAMS, tmp_path, steps_before=5, steps_after=5)
 
@@ -260,7 +262,8 @@ def test_inject_hyperparams():
     inner = optax.adamw(1e-2)
     state = m.check_inject_hyperparams(
         snoo, MATRIX_PARAMS, {"inner": inner, "learning_rate": 0.68, "momentum": 0.37, "k": 2},
-        static_args=("k",), steps=5)
+        static_args=("k",), steps=5,
+        float64=lambda **kw: snoo(**kw, slow_dtype="float64"))
     assert float(state.hyperparams["momentum"]) == pytest.approx(0.37)
     # The injected value is the one used: zero outer lr freezes the params at the slow copy.
     tx = optax.inject_hyperparams(snoo, static_args=("k",))(inner, 0.68, 0.37, 2)
