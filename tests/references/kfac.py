@@ -4,7 +4,9 @@ by `library.test_kfac_transform` and `library.test_kfac_distributed`)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 class ReferenceKfac:
@@ -96,3 +98,40 @@ def cached_operator(inverse):
             k = np.kron(q_a[i], q_g[i])
             ops.append(k @ np.diag(scale[i].reshape(-1)) @ k.T)
     return np.stack(ops).reshape(*stack, *ops[0].shape)
+
+
+def fixed_curvature_kfac(curvature, learning_rate, *, damping, momentum=0.9, weight_decay=0.0,
+                         mode="pi"):
+    """`kfac(learning_rate, damping=, momentum=, weight_decay=, mode=)` for a curvature that
+    every step passes unchanged and a refresh at step 0, written in jnp: the factor EMA of
+    identical batches is that curvature and every refresh inverts it, so each layer's
+    ``[kernel; bias]`` is multiplied by the dense damped inverse (`operator`, float64),
+    then kfac's momentum, decoupled decay and learning rate. Under jax's x64 it is that
+    K-FAC's computation in float64 (the library's K-FAC is float32 only). `curvature`:
+    ``{layer: {"kernel": LayerCurvature}}``; the ``curvature=`` argument is ignored."""
+    ops = {name: operator(c["kernel"].a, c["kernel"].g, damping, mode)
+           for name, c in curvature.items()}
+
+    def update(updates, state, params=None, **extra_args):
+        del params, extra_args
+        out = dict(updates)
+        for name, op in ops.items():
+            layer = updates.get(name)
+            if layer is None or isinstance(layer.get("kernel"), optax.MaskedNode):
+                continue  # another group's layer (optax.partition)
+            kernel, bias = layer["kernel"], layer.get("bias")
+            has_bias = bias is not None and not isinstance(bias, optax.MaskedNode)
+            full = kernel.reshape(kernel.shape[0], -1)
+            if has_bias:
+                full = jnp.concatenate([full, bias.reshape(1, -1)])
+            y = (jnp.asarray(op, full.dtype) @ full.reshape(-1)).reshape(full.shape)
+            out[name] = {**layer, "kernel": y[:kernel.shape[0]].reshape(kernel.shape)}
+            if has_bias:
+                out[name]["bias"] = y[-1].reshape(bias.shape)
+        return out, state
+
+    direction = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+    return optax.chain(direction,
+                       optax.identity() if not momentum else optax.trace(decay=momentum),
+                       optax.add_decayed_weights(weight_decay),
+                       optax.scale_by_learning_rate(learning_rate))
