@@ -16,6 +16,7 @@ import models
 import optax_snoo
 import train
 from optax_snoo import kfac
+from optax_snoo.recipes import nanogpt_decay_mask as decay_mask
 from train import config as tc
 from train.kfac_trainer import kfac_curvature_fn
 
