@@ -154,7 +154,7 @@ def test_scanned_gpt_trains_with_kfac_and_muon(corpus, tmp_path):
     traces the scanned blocks inside its own loop). QK-clip is refused."""
     cfg = models.GPTConfig(n_layer=2, n_embd=16, n_head=2, bias=True, scan_layers=True)
     params = nnx.to_pure_dict(nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
-    mask = optax_snoo.recipes.nanogpt_decay_mask(params)
+    mask = decay_mask(params)
     assert mask["blocks"]["attn"]["c_q"]["kernel"] and mask["wte"]["embedding"]
     assert not mask["blocks"]["ln_1"]["scale"] and not mask["blocks"]["mlp"]["c_fc"]["bias"]
     labels = optax_snoo.labels.muon_adam_labels(params)
