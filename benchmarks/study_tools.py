@@ -53,9 +53,12 @@ ALIASES: dict[str, str] = {
 def renamed_stack(stack: str) -> str:
     """`stack` (`name@key=value...`) with the old optimizer and key names of
     `train.config.RENAMED` made new: the stacks of results saved before the renames."""
-    from train.config import RENAMED
+    from train.config import RENAMED, RENAMED_MEANING, renamed
 
     name, *overrides = stack.split("@")
+    for key, _, _ in (o.partition("=") for o in overrides):
+        if key in RENAMED_MEANING:  # its value would mean something else under the new name
+            raise ValueError(f"stack {stack!r}: {renamed(key)}")
     overrides = [RENAMED["key"].get(key, key) + eq + value
                  for key, eq, value in (o.partition("=") for o in overrides)]
     return "@".join([RENAMED["optimizer"].get(name, name), *overrides])

@@ -48,6 +48,7 @@ __all__ = [
     "KEYS",
     "PRESETS",
     "RENAMED",
+    "RENAMED_MEANING",
     "DataConfig",
     "MeshConfig",
     "OptimizerConfig",
@@ -63,6 +64,7 @@ __all__ = [
     "model_config",
     "override",
     "parse_args",
+    "renamed",
 ]
 
 
@@ -371,6 +373,17 @@ RENAMED: dict[str, dict[str, str]] = {
             "skew_policies": "policies", "min_lr": "final_lr_scale"},
     "optimizer": {"skewadam": "skew_adam", "snoo_skewadam": "snoo_skew_adam"},
 }
+#: The renamed keys whose value also means something else now: the refusal says what.
+RENAMED_MEANING: dict[str, str] = {
+    "min_lr": "a fraction of each group's peak now, not a learning rate: min_lr/learning_rate",
+}
+
+
+def renamed(key: str) -> str:
+    """The one-line refusal of a renamed key (`RENAMED`), with what its value means now
+    where that changed (`RENAMED_MEANING`)."""
+    note = f" ({RENAMED_MEANING[key]})" if key in RENAMED_MEANING else ""
+    return f"--{key} was renamed --{RENAMED['key'][key]}{note}"
 
 
 def _check_hyperparameter(key: str, recipe: recipes.Recipe) -> None:
@@ -381,7 +394,7 @@ def _check_hyperparameter(key: str, recipe: recipes.Recipe) -> None:
         return
     hints = []
     if key in RENAMED["key"]:
-        hints.append(f"--{key} was renamed --{RENAMED['key'][key]}")
+        hints.append(renamed(key))
     close = [n for n in names if n.endswith("_" + key)] or difflib.get_close_matches(
         key, [*names, *KEYS], n=3)
     if close:
@@ -521,7 +534,7 @@ def override(config: TrainConfig, **values: Any) -> TrainConfig:
     given: dict[str, Any] = {}
     for key, value in values.items():
         if key in RENAMED["key"] and key not in KEYS:
-            raise ValueError(f"--{key} was renamed --{RENAMED['key'][key]}")
+            raise ValueError(renamed(key))
         if key not in KEYS:
             given[key] = value
             continue
@@ -635,6 +648,21 @@ def config_to_dict(config: TrainConfig) -> dict[str, Any]:
     return out
 
 
+#: The optimizer families of the versions before the recipes (their fields are the
+#: recipes' hyperparameters now).
+_FORMER_GROUPS = ("adamw", "muon", "snoo", "skew_adam", "kfac", "schedule")
+
+
+def _check_group(group: str) -> None:
+    if group in _FORMER_GROUPS:
+        raise ValueError(f"config group {group!r} is from an earlier version of the trainer "
+                         "(its optimizer families are now the recipe's hyperparameters, "
+                         "docs/design.md's glossary): a run of that version cannot be "
+                         "resumed or read by this one")
+    if group not in _GROUP_TYPES:
+        raise ValueError(f"unknown config group {group!r}; expected one of {GROUPS}")
+
+
 def hyperparameter_keys(values: Mapping[str, Any]) -> list[str]:
     """The keys of a flat dict that are a recipe's hyperparameters (not `KEYS`)."""
     return [k for k in values if k not in KEYS]
@@ -648,6 +676,9 @@ def flat_dict(config: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:
     config = config_to_dict(config) if isinstance(config, TrainConfig) else dict(config)
     if not any(isinstance(v, Mapping) for v in config.values()):
         return dict(config)
+    for group in config:
+        if group != "recipe":
+            _check_group(group)
     flat = {key: config[group][name] for key, (group, name) in KEYS.items()
             if name in config.get(group, {})}
     optimizer = config.get("optimizer", {})
@@ -665,8 +696,7 @@ def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
     for group, fields in values.items():
         if group == "recipe":  # the resolved hyperparameters: what the given ones imply
             continue
-        if group not in _GROUP_TYPES:
-            raise ValueError(f"unknown config group {group!r}; expected one of {GROUPS}")
+        _check_group(group)
         cls = _GROUP_TYPES[group]
         names = [f.name for f in dataclasses.fields(cls)]
         for name in fields:
@@ -779,7 +809,7 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
         if key in KEYS:
             tp = _key_type(key)
         elif key in RENAMED["key"] and key not in recipe.hyperparameters.names():
-            raise ValueError(f"--{key} was renamed --{RENAMED['key'][key]}")
+            raise ValueError(renamed(key))
         else:
             _check_hyperparameter(key, recipe)
             tp = _hints(recipe.hyperparameters)[key]

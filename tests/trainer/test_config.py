@@ -144,9 +144,16 @@ def test_an_old_key_is_refused_naming_its_new_name(old, new, capsys):
                                          f"--{old}=0.5"])):
         with pytest.raises(ValueError) as err:
             build()
-        assert str(err.value) == f"--{old} was renamed --{new}"
+        assert str(err.value) == tc.renamed(old)
+        assert str(err.value).startswith(f"--{old} was renamed --{new}")
     assert main([f"--{old}=0.5"]) == 2
-    assert capsys.readouterr().err == f"error: --{old} was renamed --{new}\n"
+    assert capsys.readouterr().err == f"error: {tc.renamed(old)}\n"
+
+
+def test_a_renamed_key_whose_meaning_changed_says_so():
+    with pytest.raises(ValueError, match=r"--min_lr was renamed --final_lr_scale \(a fraction "
+                       r"of each group's peak now, not a learning rate"):
+        tc.parse_args(["--min_lr=1e-4"])
 
 
 @pytest.mark.parametrize("old, new", sorted(tc.RENAMED["optimizer"].items()))
