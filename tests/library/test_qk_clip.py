@@ -259,7 +259,7 @@ def test_clip_keeps_a_model_driven_into_large_logits_at_tau():
 
 def tiny_config(corpus, out_dir, **overrides) -> tc.TrainConfig:
     base = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=4, dtype="float32",
-                optimizer="adamw", learning_rate=1e-2, min_lr=1e-3, warmup_iters=0,
+                optimizer="adamw", learning_rate=1e-2, final_lr_scale=0.1, warmup_iters=0,
                 max_iters=3, eval_interval=3, eval_iters=1, log_interval=1,
                 checkpoint_every=3, mesh_data=1, num_samples=0, progress=False,
                 vocab_multiple=8, data=str(corpus), out_dir=str(out_dir))

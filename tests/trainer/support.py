@@ -20,7 +20,7 @@ def tiny(corpus, tmp_path, **overrides) -> tc.TrainConfig:
     """An 8-step Snoo-AdamW run of a 1-layer GPT in `tmp_path / "run"` (test_train's)."""
     base = dict(
         n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
+        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, final_lr_scale=0.1, warmup_iters=2,
         max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
         checkpoint_every=4, mesh_data=1, num_samples=0, progress=False, vocab_multiple=8,
         data=str(corpus), out_dir=str(tmp_path / "run"))
@@ -51,7 +51,7 @@ def tiny_in(corpus, out_dir, **overrides) -> tc.TrainConfig:
     """`tiny`'s run in `out_dir` itself, without `vocab_multiple` (test_faults')."""
     base = dict(
         n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=8, dtype="float32",
-        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=2,
+        optimizer="snoo_adamw", snoo_k=3, learning_rate=1e-2, final_lr_scale=0.1, warmup_iters=2,
         max_iters=8, lr_decay_iters=8, eval_interval=4, eval_iters=2, log_interval=1,
         checkpoint_every=4, mesh_data=1, num_samples=0, progress=False,
         data=str(corpus), out_dir=str(out_dir))

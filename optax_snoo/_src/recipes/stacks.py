@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import optax
 
-from optax_snoo._src import kfac as kfac_lib
+from optax_snoo import kfac as kfac_lib
 from optax_snoo._src.labels import by_path, label_by_rules, muon_adam_labels, partition
 from optax_snoo._src.muon import muon_momentum_warmup
 from optax_snoo._src.muon_adam import muon
