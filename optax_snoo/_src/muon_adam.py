@@ -342,19 +342,20 @@ def _adam_group_names(groups: Sequence[AdamGroup]) -> list[str]:
 def _labels_with_adam_groups(labels: Any, groups: Sequence[AdamGroup], names: Sequence[str]
                              ) -> Callable[[optax.Params], Any]:
     """``labels`` (a tree or a function of the params) with each ``"adam"`` leaf relabelled
-    by the first group whose pattern its path matches, and any leaf a ``claim`` group's
-    pattern matches given to that group; a ``required`` group that gets no leaf is an
-    error naming it."""
+    by the first group whose pattern its path matches, and any other leaf (Muon's) a
+    ``claim`` group's pattern matches given to the first such group; a ``required`` group
+    that gets no leaf is an error naming it."""
     compiled = [(re.compile(g.pattern), name, g) for g, name in zip(groups, names, strict=True)]
     claims = [(regex, name) for regex, name, g in compiled if g.claim]
 
     def group_labels(params: optax.Params) -> Any:
         def refine(path: Any, label: Any) -> Any:
             name = path_to_str(path)
-            for regex, group_name in claims:
-                if regex.search(name):
-                    return group_name
             if label != "adam":
+                # A claim takes a leaf from Muon only: Adam's own leaves keep first-match order.
+                for regex, group_name in claims:
+                    if regex.search(name):
+                        return group_name
                 return label
             for regex, group_name, _ in compiled:
                 if regex.search(name):
