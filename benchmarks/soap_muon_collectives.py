@@ -2,14 +2,11 @@
 
 One transformer block's hidden matrices (q, k, v, attention output, MLP in and out; Flax
 ``(in, out)`` kernels of width ``--width``), rows split over ``--devices`` simulated CPU
-devices, ``scale_by_muon`` compiled without a precondition (``muon``), with
-``precondition=scale_by_soap_whitening()`` (``soap_muon_before_exchange``: the
-whitening runs before the Newton-Schulz exchange, on the leaves as they lie, so the
-partitioner gathers for its Grams, projections, ``eigh`` and QR) and with
-``precondition=soap_whitening_per_matrix()`` (``soap_muon_on_owners``, what `soap_muon`
-runs: the raw gradient travels with the momentum to each matrix's owner, which whitens
-it there and keeps its statistics), read with `benchmarks.hlo` (loops counted; a
-conditional at its most expensive branch, the basis refresh).
+devices, ``scale_by_muon`` compiled without a precondition (``muon``) and with
+``precondition=soap_whitening()`` (``soap_muon_on_owners``, what `soap_muon` runs: the
+raw gradient travels with the momentum to each matrix's owner, which whitens it there and
+keeps its statistics), read with `benchmarks.hlo` (loops counted; a conditional at its
+most expensive branch, the basis refresh).
 
     python -m benchmarks.soap_muon_collectives             # width 768 on 8 devices
     python -m benchmarks.soap_muon_collectives --width=128
@@ -35,12 +32,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     from benchmarks import hlo
-    from optax_snoo import (
-        NewtonSchulzPlan,
-        scale_by_muon,
-        scale_by_soap_whitening,
-        soap_whitening_per_matrix,
-    )
+    from optax_snoo import NewtonSchulzPlan, scale_by_muon, soap_whitening
 
     d = args.width
     mesh = jax.make_mesh((args.devices,), ("fsdp",), axis_types=(AxisType.Auto,))
@@ -53,8 +45,7 @@ def main() -> None:
     rows = {}
     for name, precondition, norm in [
             ("muon", None, "frobenius"),
-            ("soap_muon_before_exchange", scale_by_soap_whitening(), "gram_frobenius"),
-            ("soap_muon_on_owners", soap_whitening_per_matrix(), "gram_frobenius")]:
+            ("soap_muon_on_owners", soap_whitening(), "gram_frobenius")]:
         tx = scale_by_muon(precondition=precondition, ns_normalization=norm,
                            newton_schulz_plan=plan)
         state = tx.init(params)

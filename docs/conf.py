@@ -90,9 +90,28 @@ def _data_doc(module, name: str) -> str:
 _LONGEST_VALUE = 80
 
 
+def _recipe_directive(name: str, recipe) -> str:
+    """A recipe's entry: its summary, its options and a table of its hyperparameters (name,
+    type, default, help), generated from the recipe itself."""
+    steps = (f" Its source's run: {recipe.record_steps} steps." if recipe.record_steps
+             else "") + f" Fewest steps: {recipe.min_steps}."
+    options = ", ".join(f"``{o}``" for o in recipe.options) or "none"
+    lines = [f".. py:data:: {name}", "", f"   A recipe: {recipe.summary}.{steps}", "",
+             f"   Options: {options}. Hyperparameters (the trainer's ``--NAME`` flags of "
+             "``--optimizer=" + recipe.name + "``):", "", "   .. list-table::",
+             "      :header-rows: 1", "", "      * - name", "        - type",
+             "        - default", "        - meaning"]
+    for field, tp, default, help_ in recipe.hyperparameters.describe():
+        lines += [f"      * - ``{field}``", f"        - {tp}", f"        - ``{default!r}``",
+                  f"        - {_code_spans(help_)}"]
+    return "\n".join(lines) + "\n"
+
+
 def _directive(module, name: str) -> str | None:
     obj = getattr(module, name)
     target = f"{module.__name__}.{name}"
+    if isinstance(obj, optax_snoo.recipes.Recipe):
+        return _recipe_directive(name, obj)
     if module.__name__ != "optax_snoo" and getattr(optax_snoo, name, None) is obj:
         # Re-exported by the package: described once, on its page; named here too, so
         # that references to either name resolve.

@@ -88,14 +88,43 @@ def _nest(flat: Mapping[str, Any]) -> dict:
     return tree
 
 
+def _as_array(name: str, value: Any) -> np.ndarray:
+    """``value`` as a numpy array of its own dtype, bit for bit; a torch tensor of any
+    dtype numpy lacks (bfloat16) through its bits, so nothing rounds before the cast."""
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+        tensor = value.detach().cpu().contiguous()
+        if str(tensor.dtype) == "torch.bfloat16":  # numpy has no bfloat16; ml_dtypes' has
+            import torch  # the tensor's own library: present whenever a tensor is
+
+            return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
+        value = tensor
+    try:
+        array = np.asarray(value)
+    except (TypeError, RuntimeError, ValueError) as error:
+        raise ValueError(f"from_torch: {name} ({type(value).__name__} of dtype "
+                         f"{getattr(value, 'dtype', '?')}) is not readable as an array "
+                         f"({str(error).splitlines()[0]}); pass it as tensor.float()") from None
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise ValueError(f"from_torch: {name} has dtype {array.dtype}, expected a "
+                         "floating-point array (float32, bfloat16, float16, float64)")
+    return array
+
+
 def _check_rotary(name: str, value: np.ndarray, config: GPTConfig) -> None:
     if config.rotary != "half_truncated":
         raise ValueError(f"from_torch: {name} is a rotary buffer but config.rotary is "
                          f"{config.rotary!r}; the file's network needs rotary='half_truncated'")
-    ours = np.asarray(half_truncated_frequencies(config.head_dim))
-    if np.shape(value) != ours.shape or not np.allclose(value, ours, rtol=1e-6, atol=0):
-        raise ValueError(f"from_torch: {name} {np.shape(value)} is not the half-truncated "
-                         f"rotary's frequencies for head_dim {config.head_dim} {ours.shape}")
+    ours = np.asarray(half_truncated_frequencies(config.head_dim), np.float64)
+    what = f"the half-truncated rotary's frequencies for head_dim {config.head_dim}"
+    if np.shape(value) != ours.shape:
+        raise ValueError(f"from_torch: {name} has shape {np.shape(value)}, expected "
+                         f"{ours.shape} ({what})")
+    # float32's rounding of the file's own computation, or the buffer dtype's (model.bfloat16())
+    rtol = max(1e-6, float(jnp.finfo(value.dtype).eps))
+    value = np.asarray(value, np.float64)
+    if not np.allclose(value, ours, rtol=rtol, atol=0):
+        raise ValueError(f"from_torch: {name} is not {what}: its values differ by up to "
+                         f"{np.max(np.abs(value - ours)):.3g} (relative tolerance {rtol:.3g})")
 
 
 def from_torch(state_dict: Mapping[str, Any], config: GPTConfig) -> GPT:
@@ -103,16 +132,19 @@ def from_torch(state_dict: Mapping[str, Any], config: GPTConfig) -> GPT:
 
     Each ``(out, in)`` ``weight`` becomes an ``(in, out)`` ``kernel`` (the embedding table
     stays ``(V, D)``), every array is cast to our parameter's dtype (``config``'s
-    ``embed_dtype`` for the table), and with ``config.scan_layers`` the blocks are stacked
-    (:func:`models.stack_blocks`). The rotary buffers (``...rotary.angular_freq``) are
-    checked against :func:`models.attention.half_truncated_frequencies` and not stored. A
+    ``embed_dtype`` for the table; a bfloat16 tensor into a bfloat16 or float32 parameter,
+    or a float16 one into a float16 or float32 parameter, keeps its exact value), and with
+    ``config.scan_layers`` the blocks are stacked (:func:`models.stack_blocks`). The rotary
+    buffers (``...rotary.angular_freq``) are checked against
+    :func:`models.attention.half_truncated_frequencies` and not stored. A
     ``torch.compile``\\ d model's ``_orig_mod.`` prefix is accepted. The arrays land
     unsharded on the default device (``jax.device_put`` them onto a mesh if needed).
 
     Args:
       state_dict: PyTorch parameter names (``embed.weight``, ``blocks.0.attn.q.weight``,
-        ...) to arrays: numpy (``tensor.float().numpy()``: numpy has no bfloat16 in torch),
-        or anything ``np.asarray`` reads.
+        ...) to arrays as a user has them: ``model.state_dict()``'s torch tensors of any
+        floating dtype (bfloat16 and float16 read bit for bit, on any device), numpy or
+        jax arrays (``ml_dtypes`` bfloat16 too), or anything ``np.asarray`` reads.
       config: the model's configuration, normally :func:`models.track3_config` with the
         checkpoint's shape; its parameter tree must be the file's.
 
@@ -122,7 +154,9 @@ def from_torch(state_dict: Mapping[str, Any], config: GPTConfig) -> GPT:
 
     Raises:
       ValueError: names missing from ``state_dict`` or not in ``config``'s model (listed),
-        or an array whose shape is not the parameter's.
+        an array whose shape is not the parameter's, a value that is not a floating-point
+        array (its name and the conversion to make), or a rotary buffer whose shape or
+        values are not the frequencies ``config`` computes.
 
     Example:
       >>> from flax import nnx
@@ -147,7 +181,7 @@ def from_torch(state_dict: Mapping[str, Any], config: GPTConfig) -> GPT:
     extra = []
     for name, value in given.items():
         if _ROTARY.fullmatch(name) and int(_ROTARY.fullmatch(name).group(1)) < config.n_layer:
-            _check_rotary(name, np.asarray(value), config)
+            _check_rotary(name, _as_array(name, value), config)
         elif name not in names:
             extra.append(name)
     missing = [name for name in names if name not in given]
@@ -161,11 +195,11 @@ def from_torch(state_dict: Mapping[str, Any], config: GPTConfig) -> GPT:
                          + "; ".join(p for p in parts if p))
     flat = {}
     for name, (path, transpose) in names.items():
-        value = np.asarray(given[name])
-        value = value.T if transpose else value
+        given_value = _as_array(name, given[name])
+        value = given_value.T if transpose else given_value
         want = expected[path]
         if value.shape != tuple(want.shape):
-            raise ValueError(f"from_torch: {name} has shape {np.shape(given[name])}, expected "
+            raise ValueError(f"from_torch: {name} has shape {given_value.shape}, expected "
                              f"{tuple(want.shape)[::-1] if transpose else tuple(want.shape)} "
                              f"for {path} of this config")
         flat[path] = jnp.asarray(value, want.dtype)
@@ -193,7 +227,8 @@ def to_torch(model_or_params: GPT | Mapping[str, Any] | nnx.State, config: GPTCo
       config: its configuration (the file's parameter tree, as for :func:`from_torch`).
 
     Returns:
-      A dict from the file's names to float32 numpy arrays.
+      A dict from the file's names to float32 numpy arrays, C-contiguous, writable and
+      owned by the caller (changing one changes no parameter of the model).
 
     Raises:
       ValueError: a parameter the file's network does not have, or one it needs missing.
@@ -233,7 +268,8 @@ def to_torch(model_or_params: GPT | Mapping[str, Any] | nnx.State, config: GPTCo
     out = {}
     for path, (name, transpose) in ours.items():
         value = np.asarray(jnp.asarray(flat[path], jnp.float32))
-        out[name] = np.ascontiguousarray(value.T if transpose else value)
+        # a copy of our own: writable (torch.from_numpy shares it) and not the model's buffer
+        out[name] = np.array(value.T if transpose else value, order="C", copy=True)
     if config.rotary == "half_truncated":
         freq = np.asarray(half_truncated_frequencies(config.head_dim))
         for i in range(config.n_layer):

@@ -16,7 +16,7 @@ from optax_snoo._src.averaging import (
     tail_ema,
 )
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
-from optax_snoo._src.muon import MuonState, muon_momentum_warmup, scale_by_muon
+from optax_snoo._src.muon import MuonState, scale_by_muon
 from optax_snoo._src.muon_adam import MuonGroup, muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import MatrixPrecondition, OwnedPreconditionState
@@ -35,13 +35,17 @@ from optax_snoo._src.newton_schulz import (
 from optax_snoo._src.normuon import normuon, scale_by_normuon
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.radius import RadiusStepsState, radius_steps
+from optax_snoo._src.recipes.gpt2_medium import modded_nanogpt
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
 from optax_snoo._src.schedules import (
     muon_momentum_schedule,
+    muon_momentum_warmup,
     nanogpt_cosine_schedule,
     power_cool,
     power_cool_scaled,
     stable_cooldown_schedule,
+    trust_gate_cap,
+    trust_gate_floor,
 )
 from optax_snoo._src.skew_adam import (
     DEFAULT_POLICIES,
@@ -65,15 +69,7 @@ from optax_snoo._src.snoo import (
     snoo,
     snoo_is_sync_step,
 )
-from optax_snoo._src.soap_muon import (
-    SoapMatrixState,
-    SoapWhiteningState,
-    scale_by_soap_whitening,
-    soap_muon,
-    soap_whitening_per_matrix,
-    trust_gate_cap,
-    trust_gate_floor,
-)
+from optax_snoo._src.soap_muon import SoapMatrixState, soap_muon, soap_whitening
 from optax_snoo._src.weight_decay import (
     DecoupledWeightDecayState,
     add_decoupled_weight_decay,
@@ -105,7 +101,6 @@ __all__ = [
     "ScaleBySkewAdamState",
     "SnooState",
     "SoapMatrixState",
-    "SoapWhiteningState",
     "TailEmaState",
     "adam_group",
     "add_decoupled_weight_decay",
@@ -121,6 +116,7 @@ __all__ = [
     "kfac",
     "labels",
     "memory",
+    "modded_nanogpt",
     "muon",
     "muon_momentum_schedule",
     "muon_momentum_warmup",
@@ -143,14 +139,13 @@ __all__ = [
     "scale_by_qk_clip",
     "scale_by_second_moment",
     "scale_by_skew_adam",
-    "scale_by_soap_whitening",
     "skew_adam",
     "skew_adam_roles",
     "skip_update",
     "snoo",
     "snoo_is_sync_step",
     "soap_muon",
-    "soap_whitening_per_matrix",
+    "soap_whitening",
     "stable_cooldown_schedule",
     "state_bytes",
     "state_bytes_by_group",

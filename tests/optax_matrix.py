@@ -5,6 +5,14 @@ runs a few steps with deterministic pseudo-random gradients, and asserts. They m
 optax's own `contrib/_common_test.py` and `_sharding_test.py`: jit, low-precision params,
 schedules, `inject_hyperparams`, `MultiSteps`, `partition`, `nnx.Optimizer`, sharded
 state on an 8-device CPU mesh and an Orbax round trip mid-run.
+
+The checks that compare two float32 programs (jitted and op by op, injected and plain,
+MultiSteps and the mean gradient, a partition group and the transform alone, sharded and
+unsharded) round differently in each, so with ``float64=`` (the transform's computation
+for float64 params: often the transform itself, when its state follows the params'
+dtype) both are measured against the float64 run and the first may be at most 4x less
+accurate than the second (`references.error`). Without it they fall back to a fixed
+rtol/atol: a number, not a bound (kept for callers not yet given a float64 transform).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from references.error import assert_as_accurate, run_in_float64
 
 
 def random_grads(params, step: int, scale: float = 1.0):
@@ -55,10 +65,33 @@ def assert_trees_equal(a, b):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
-def check_jit_matches_eager(tx, params, steps: int = 4, rtol=1e-5, atol=1e-6):
+def float64_run(tx64, params, steps: int, *, float32_state=False, **extra_args):
+    """The params after `run(tx64, params, steps)` with params, gradients and `tx64` in
+    float64 (jax's x64 inside only): what the float32 runs of that computation round. Its
+    state must be float64 too, unless `float32_state` (a transform that keeps float32
+    statistics whatever the params)."""
+    return run_in_float64(lambda p: run(tx64, p, steps, **extra_args)[:2], params,
+                          float32_leaves=float32_state)[0]
+
+
+def assert_runs_agree(got, peer, float64_params=None, rtol=1e-5, atol=1e-6, what=""):
+    """`got` as accurate as `peer` against `float64_params` (their computation in float64);
+    without it, the fixed `rtol`/`atol` of callers not yet ported."""
+    if float64_params is None:
+        assert_trees_close(got, peer, rtol, atol)
+    else:
+        assert_as_accurate(got, peer, float64_params, what=what)
+
+
+def check_jit_matches_eager(tx, params, steps: int = 4, rtol=1e-5, atol=1e-6, *,
+                            float64=None, float32_state=False):
+    """Jitted and op-by-op runs agree (XLA fuses, and may simplify small dots, in one and
+    not the other): against `float64`'s run when given (see the module docstring)."""
     p_jit, s_jit, _ = run(tx, params, steps, jit=True)
     p_eager, s_eager, _ = run(tx, params, steps, jit=False)
-    assert_trees_close(p_jit, p_eager, rtol, atol)
+    ref = None if float64 is None else float64_run(float64, params, steps,
+                                                    float32_state=float32_state)
+    assert_runs_agree(p_jit, p_eager, ref, rtol, atol, what="jit vs eager")
     assert jax.tree.structure(s_jit) == jax.tree.structure(s_eager)
 
 
@@ -86,39 +119,58 @@ def check_dtype_preserved(tx, params, dtype=jnp.bfloat16, steps: int = 3):
 
 
 def check_inject_hyperparams(factory: Callable[..., optax.GradientTransformation], params,
-                             kwargs: dict, static_args=(), steps: int = 3):
-    """`optax.inject_hyperparams(factory)` gives the same trajectory as `factory`."""
+                             kwargs: dict, static_args=(), steps: int = 3, *, float64=None,
+                             float32_state=False):
+    """`optax.inject_hyperparams(factory)` gives the same trajectory as `factory`.
+    `float64`: a factory like `factory` building the float64 computation (`True`:
+    `factory` itself)."""
     plain = factory(**kwargs)
     injected = optax.inject_hyperparams(factory, static_args=static_args)(**kwargs)
     p1, _, _ = run(plain, params, steps)
     p2, state, _ = run(injected, params, steps)
     # Injected hyperparameters are traced f32 arrays instead of folded constants: XLA may
     # fuse differently, so agreement is to f32 rounding, not bitwise.
-    assert_trees_close(p1, p2, 1e-5, 1e-6)
+    ref = None if float64 is None else float64_run(
+        (factory if float64 is True else float64)(**kwargs), params, steps,
+        float32_state=float32_state)
+    assert_runs_agree(p2, p1, ref, what="injected vs plain")
     return state
 
 
-def check_multisteps(tx, params, every_k: int = 2, steps: int = 2):
-    """`optax.MultiSteps(tx, k)` equals `tx` applied to the mean of k gradients."""
-    ms = optax.MultiSteps(tx, every_k_schedule=every_k)
-    ms_state = ms.init(params)
-    state = tx.init(params)
-    p_ms = p_ref = params
-    ms_update = jax.jit(ms.update)
+def _mean_gradient_run(tx, params, every_k, steps):
+    """`tx` applied to the mean of each `every_k` gradients (MultiSteps' definition)."""
+    state, p_ref = tx.init(params), params
     ref_update = jax.jit(tx.update)
+    acc = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
     for outer in range(steps):
         grads = [random_grads(params, outer * every_k + i) for i in range(every_k)]
-        for g in grads:
-            u, ms_state = ms_update(g, ms_state, p_ms)
-            p_ms = optax.apply_updates(p_ms, u)
-        mean = jax.tree.map(lambda *gs: sum(g.astype(jnp.float32) for g in gs) / every_k, *grads)
+        mean = jax.tree.map(lambda *gs: sum(acc(g) for g in gs) / every_k, *grads)
         mean = jax.tree.map(lambda m, p: m.astype(p.dtype), mean, params)
         u, state = ref_update(mean, state, p_ref)
         p_ref = optax.apply_updates(p_ref, u)
-    assert_trees_close(p_ms, p_ref, 1e-5, 1e-6)
+    return p_ref, state
 
 
-def check_partition(tx, params, steps: int = 3):
+def check_multisteps(tx, params, every_k: int = 2, steps: int = 2, *, float64=None,
+                     float32_state=False):
+    """`optax.MultiSteps(tx, k)` equals `tx` applied to the mean of k gradients."""
+    ms = optax.MultiSteps(tx, every_k_schedule=every_k)
+    ms_state = ms.init(params)
+    p_ms = params
+    ms_update = jax.jit(ms.update)
+    for outer in range(steps):
+        for i in range(every_k):
+            g = random_grads(params, outer * every_k + i)
+            u, ms_state = ms_update(g, ms_state, p_ms)
+            p_ms = optax.apply_updates(p_ms, u)
+    p_ref, _ = _mean_gradient_run(tx, params, every_k, steps)
+    ref = None if float64 is None else run_in_float64(
+        lambda p: _mean_gradient_run(float64, p, every_k, steps), params,
+        float32_leaves=float32_state)[0]
+    assert_runs_agree(p_ms, p_ref, ref, what="MultiSteps vs the mean gradient")
+
+
+def check_partition(tx, params, steps: int = 3, *, float64=None, float32_state=False):
     """`tx` as one group of `optax.partition`, SGD on the rest, equals `tx` on its leaves."""
     flat = {f"g{i}": x for i, x in enumerate(jax.tree.leaves(params))}
     ours = {k: v for k, v in flat.items()}
@@ -126,14 +178,19 @@ def check_partition(tx, params, steps: int = 3):
     labels = {"ours": jax.tree.map(lambda _: "ours", ours), "other": {"w": "sgd"}}
     part = optax.partition({"ours": tx, "sgd": optax.sgd(0.1)}, labels)
     p_part, _, _ = run(part, mixed, steps)
-    # Same gradients for the "ours" subtree: regenerate them the way `run` does.
-    state = tx.init(ours)
-    p_ref = ours
-    for t in range(steps):
-        g = random_grads(mixed, t)["ours"]
-        u, state = jax.jit(tx.update)(g, state, p_ref)
-        p_ref = optax.apply_updates(p_ref, u)
-    assert_trees_close(p_part["ours"], p_ref, 1e-6, 1e-7)
+
+    def alone(tx, mixed):  # the same gradients for the "ours" subtree, as `run` makes them
+        state, p_ref = tx.init(mixed["ours"]), mixed["ours"]
+        for t in range(steps):
+            g = random_grads(mixed, t)["ours"]
+            u, state = jax.jit(tx.update)(g, state, p_ref)
+            p_ref = optax.apply_updates(p_ref, u)
+        return p_ref, state
+
+    ref = None if float64 is None else run_in_float64(
+        lambda m: alone(float64, m), mixed, float32_leaves=float32_state)[0]
+    assert_runs_agree(p_part["ours"], alone(tx, mixed)[0], ref, 1e-6, 1e-7,
+                      what="partition vs alone")
 
 
 def check_nnx_optimizer(tx, steps: int = 3):
@@ -184,7 +241,8 @@ def shard_params(params, mesh, spec_fn: Callable[[jax.Array], P] | None = None):
     return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec_fn(x))), params)
 
 
-def check_sharded_state(tx, params, steps: int = 2, mesh=None):
+def check_sharded_state(tx, params, steps: int = 2, mesh=None, *, float64=None,
+                        float32_state=False):
     """On an 8-device mesh, state leaves shaped like a param carry that param's sharding,
     after an eager `init` and after jitted updates, and the result equals the unsharded run.
 
@@ -212,7 +270,9 @@ def check_sharded_state(tx, params, steps: int = 2, mesh=None):
     for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(sharded), strict=True):
         assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
     p_ref, _, _ = run(tx, params, steps)
-    assert_trees_close(p, p_ref, 1e-5, 1e-6)
+    ref = None if float64 is None else float64_run(float64, params, steps,
+                                                    float32_state=float32_state)
+    assert_runs_agree(p, p_ref, ref, what="sharded vs unsharded")
 
 
 def check_orbax_roundtrip(tx, params, tmp_path, steps_before: int = 3, steps_after: int = 4,
@@ -232,6 +292,7 @@ def check_orbax_roundtrip(tx, params, tmp_path, steps_before: int = 3, steps_aft
     assert jax.tree.structure(restored["state"]) == jax.tree.structure(s_mid)
     p_resumed, _, _ = run(tx, restored["params"], steps_after, start=steps_before,
                           state=restored["state"], **extra_args)
+    # Bitwise: the same compiled update on the same values (the round trip is exact).
     assert_trees_equal(p_resumed, p_full)
 
 

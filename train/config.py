@@ -218,6 +218,9 @@ class RunConfig:
     out_dir: str = _field("out/shakespeare_char_cpu", "where the run's outputs go")
     resume: bool = _field(False, "continue from the latest checkpoint in out_dir")
     progress: bool = _field(True, "show a progress bar")
+    require_accelerator: bool = _field(False, "refuse to start on a machine whose devices "
+                                       "are all CPUs (the GPU-sized presets set it; false "
+                                       "runs them here anyway)")
     max_bad_steps: int = _field(10, "stop after this many consecutive steps with a "
                                 "non-finite loss or gradient (each is skipped)")
     tensorboard: bool = _field(False, "write TensorBoard event files to out_dir/tensorboard "
@@ -409,6 +412,9 @@ def _check_hyperparameter(key: str, recipe: recipes.Recipe) -> None:
 _TRACK3_RECIPE: dict[str, Any] = dict(
     optimizer="track3_baseline", grad_clip=0.0, loss_reduction="sum",
     data_order="sequential", eval_tail_frac=0.1, num_samples=0)
+#: What the presets sized for accelerators share: refused on a CPU-only machine unless
+#: --require_accelerator=false.
+_GPU_SIZED: dict[str, Any] = dict(require_accelerator=True)
 
 
 def _track3_network() -> dict[str, Any]:
@@ -432,7 +438,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "shakespeare_char_cpu": dict(),
     # nanoGPT's config/train_shakespeare_char.py (one GPU); its README: best val 1.4697.
     "shakespeare_char": dict(
-        n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2,
+        **_GPU_SIZED, n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2,
         max_iters=5000, lr_decay_iters=5000, eval_iters=200, checkpoint_every=1000,
         out_dir="out/shakespeare_char"),
     # A small mixture-of-experts GPT on the same corpus, sized for a CPU.
@@ -440,7 +446,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_every=2, n_experts=8, top_k=2, expert_hidden=256, out_dir="out/moe_tiny"),
     # GPT-2 small's shape (12 x 768, T = 1024) for one GPU; char vocabulary, so ~85M params.
     "gpt2_small": dict(
-        n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=32, grad_accum=1,
+        **_GPU_SIZED, n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=32,
+        grad_accum=1,
         dropout=0.0, adam_learning_rate=6e-4, final_lr_scale=0.1, adam_b2=0.95,
         warmup_iters=200, max_iters=5000, lr_decay_iters=5000, eval_interval=500,
         eval_iters=50, checkpoint_every=1000, vocab_multiple=64, out_dir="out/gpt2_small"),
@@ -449,7 +456,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 40GB, 4 days, val loss ~2.85). 12 x 40 x 1024 = 491,520 tokens per step; on N
     # devices keep the product, e.g. --batch_size=96 --grad_accum=5 on 8.
     "gpt2_owt": dict(
-        n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=False, dropout=0.0,
+        **_GPU_SIZED, n_layer=12, n_head=12, n_embd=768, block_size=1024, bias=False, dropout=0.0,
         batch_size=12, grad_accum=40, optimizer="adamw", learning_rate=6e-4,
         final_lr_scale=0.1, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0, warmup_iters=2000,
         max_iters=600000, lr_decay_iters=600000, eval_interval=1000, eval_iters=200,
@@ -464,7 +471,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # per-group Adam lrs): this preset is its optimizer on our GPT, so its val loss is not
     # the record's 2.92.
     "gpt2_medium_fineweb": dict(
-        n_layer=24, n_head=16, n_embd=1024, block_size=1024, bias=False, dropout=0.0,
+        **_GPU_SIZED, n_layer=24, n_head=16, n_embd=1024, block_size=1024, bias=False, dropout=0.0,
         batch_size=64, grad_accum=8, optimizer="snoo_muon", muon_learning_rate=0.027,
         muon_weight_decay=0.01, adam_learning_rate=3e-3, adam_b1=0.8, adam_b2=0.95,
         adam_eps=1e-10, schedule="stable_cooldown", cooldown_frac=0.7, final_lr_scale=0.0,
@@ -478,7 +485,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # val tokens every 125 steps, every 25 from step 2925, and at 3250. For GPUs (the file
     # ran 8 x H100; about 1.7B tokens); its target: mean val loss < 3.28.
     "track3": dict(
-        **_TRACK3_RECIPE, block_size=1024, n_layer=12, n_head=6, n_embd=768, batch_size=64,
+        **_TRACK3_RECIPE, **_GPU_SIZED, block_size=1024, n_layer=12, n_head=6, n_embd=768,
+        batch_size=64,
         grad_accum=8, vocab_multiple=64, max_iters=3250, eval_interval=125,
         eval_interval_tail=25, val_tokens=10_485_760, eval_iters=4, log_interval=25,
         checkpoint_every=250, data="data/fineweb10B", out_dir="out/track3"),

@@ -732,7 +732,11 @@ def open_dataset(path: str | os.PathLike | None = None, *, check: bool = True) -
         data = _from_shards(files, str(path), GPT2_VOCAB_SIZE, _GPT2_META,
                             "modded-nanogpt shards (GPT-2 ids)", None)
     else:
-        raise FileNotFoundError(f"--data={str(path)!r}: no such file or folder")
+        hint = (": modded-nanogpt's data/cached_fineweb10B.py downloads FineWeb's GPT-2 shards "
+                "(`python data/cached_fineweb10B.py 18` in its checkout: 18 train shards of "
+                "100M tokens and the val shard, into data/fineweb10B/); pass that folder as "
+                "--data" if "fineweb" in str(path).lower() else "")
+        raise FileNotFoundError(f"--data={str(path)!r}: no such file or folder{hint}")
     if check:
         data.check_tokens()
     return data

@@ -230,10 +230,25 @@ def run(config: TrainConfig) -> RunResult:
     return result
 
 
+def check_accelerator(config: TrainConfig) -> None:
+    """Refuse a run that asks for an accelerator (`--require_accelerator`, the GPU-sized
+    presets) when every device is a CPU, in one line naming the flag that overrides."""
+    if not config.run.require_accelerator or jax.default_backend() != "cpu":
+        return
+    m, d = config.model, config.data
+    tokens = d.batch_size * d.grad_accum * m.block_size
+    raise ValueError(
+        f"this run is sized for GPUs ({m.n_layer} layers x {m.n_embd}, {tokens:,} tokens a "
+        f"step, {config.run.max_iters:,} steps) and this machine's devices are CPUs: use a "
+        "CPU preset (shakespeare_char_cpu; Track 3's 2-core twin is --preset=track3_cpu), or "
+        "pass --require_accelerator=false to run it here anyway")
+
+
 def _setup(config: TrainConfig, stack: contextlib.ExitStack) -> _Run:
     """Check everything that can be checked before any work, then build the run; each
     thing that must be closed is entered on `stack`."""
-    check_optimizer(config)  # a run too short for its recipe: the first thing said
+    check_accelerator(config)  # a GPU-sized run on a CPU: before anything is written
+    check_optimizer(config)  # a run too short for its recipe
     check_trackers(config.run)  # tensorboardX / wandb installed, if asked for
     mesh = make_mesh(config)
     out = Path(config.run.out_dir)

@@ -142,8 +142,12 @@ class AdamGroup(NamedTuple):
       claim: the group also takes the leaves its pattern matches that the labels give to
         Muon (an embedding or head the default labels do not recognise by name); the
         leaves the labels give to Adam still go to the first group they match.
-      required: a group that matches no leaf is an error at init (the recipes' embedding
-        and head: a model that names them otherwise would train them with Muon).
+      required: a group that matches no leaf is an error at init (the recipes' embedding:
+        a model that names it otherwise would train it with Muon).
+      like: the name of another group: this one is required when a Muon leaf has the
+        shape of one of that group's leaves or its transpose (the recipes' head, like the
+        embedding: a head named otherwise is refused, a tied head, which is the
+        embedding, is not).
 
     Example:
       >>> from optax_snoo import AdamGroup
@@ -164,6 +168,7 @@ class AdamGroup(NamedTuple):
     name: str | None = None
     claim: bool = False
     required: bool = False
+    like: str | None = None
 
 
 def adam_group(group: AdamGroup, *, cautious_weight_decay: bool = False

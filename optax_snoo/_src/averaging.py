@@ -15,18 +15,23 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_snoo._src.utils import (
+    check_float_dtype,
     check_int_at_least,
     check_non_negative,
     check_unit_interval,
     concrete_real,
+    path_names,
+    state_dtype,
     value_at,
 )
 
@@ -41,7 +46,8 @@ class EmaNesterovState(NamedTuple):
     Attributes:
       count: number of updates so far (int32).
       lookahead: the coefficient ``β`` of the displacement EMA in the current params
-        (float32 scalar): the params are ``W + β·b``, the weights to evaluate ``W``.
+        (float32 scalar, float64 for float64 params): the params are ``W + β·b``, the
+        weights to evaluate ``W``.
       displacement: the EMA ``b`` of the evaluated weights' displacement per update.
       inner_state: the wrapped transformation's state.
     """
@@ -57,9 +63,10 @@ class TailEmaState(NamedTuple):
 
     Attributes:
       count: number of updates so far (int32).
-      blend: the weight ``λ`` of the EMA in the weights to evaluate (float32 scalar; 0
-        until the EMA starts).
-      ema: float32 EMA of the params (``optax.MaskedNode`` on leaves not averaged).
+      blend: the weight ``λ`` of the EMA in the weights to evaluate (float32 scalar,
+        float64 for float64 params; 0 until the EMA starts).
+      ema: EMA of the params, float32 (float64 for float64 params; ``optax.MaskedNode`` on
+        leaves not averaged).
     """
 
     count: jax.Array
@@ -69,6 +76,18 @@ class TailEmaState(NamedTuple):
 
 def _skipped(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _compute_dtype(*arrays: Any) -> Any:
+    """float32, or float64 when an operand is: a float64 run's arithmetic stays float64."""
+    return functools.reduce(jnp.promote_types, [jnp.result_type(x) for x in arrays],
+                            jnp.dtype(jnp.float32))
+
+
+def _scalar_dtype(params: Any) -> Any:
+    """The dtype of a state's scalar coefficient: float32, float64 for float64 params."""
+    return _compute_dtype(*[p for p in jax.tree.leaves(params, is_leaf=_skipped)
+                            if not _skipped(p)])
 
 
 def _check_inner(name: str, inner: Any) -> None:
@@ -85,7 +104,7 @@ def ema_nesterov(
     stop: int = 1950,
     lr_ratio: ScalarOrSchedule = 1.0,
     *,
-    buffer_dtype: Any = "float32",
+    buffer_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Wrap `inner` in EMA-Nesterov: take each gradient at a lookahead point.
 
@@ -110,7 +129,8 @@ def ema_nesterov(
         The record reads the learning rate its schedule set on the *previous* step
         (``lr(t-1)/lr0``, and ``1`` at ``t = 0``): pass
         ``lambda t: sched(jnp.maximum(t - 1, 0)) / sched(0)`` to reproduce it.
-      buffer_dtype: dtype of ``b`` (float32; the record keeps it in the param dtype).
+      buffer_dtype: dtype of ``b`` (``None``: float32, or the param's dtype where wider,
+        float64 for float64 params; the record keeps it in the param dtype).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state `EmaNesterovState`.
@@ -138,37 +158,37 @@ def ema_nesterov(
     check_int_at_least("ema_nesterov: prefill", prefill, 0)
     check_int_at_least("ema_nesterov: stop", stop, 0)
     check_non_negative("ema_nesterov: lr_ratio", lr_ratio)
-    buffer_dtype = jnp.dtype(buffer_dtype)
+    check_float_dtype("ema_nesterov: buffer_dtype", buffer_dtype, allow_none=True)
     inner = optax.with_extra_args_support(inner)
 
-    def beta(t: jax.Array) -> jax.Array:
+    def beta(t: jax.Array, dtype: Any) -> jax.Array:
         ratio = value_at(lr_ratio, t)
         active = (t >= prefill) & (t < stop)
-        return jnp.where(active, beta0 * jnp.asarray(ratio, jnp.float32), 0.0).astype(
-            jnp.float32)
+        return jnp.where(active, beta0 * jnp.asarray(ratio, dtype), 0.0).astype(dtype)
 
     def init_fn(params):
         count = jnp.zeros([], jnp.int32)
         return EmaNesterovState(
-            count=count, lookahead=beta(count),
+            count=count, lookahead=beta(count, _scalar_dtype(params)),
             displacement=jax.tree.map(
-                lambda p: p if _skipped(p) else jnp.zeros_like(p, dtype=buffer_dtype),
+                lambda p: p if _skipped(p) else jnp.zeros_like(
+                    p, dtype=state_dtype(buffer_dtype, p)),
                 params, is_leaf=_skipped),
             inner_state=inner.init(params))
 
     def update_fn(updates, state, params=None, **extra_args):
         delta, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         count = optax.safe_increment(state.count)
-        beta_now, beta_next = state.lookahead, beta(count)
+        beta_now, beta_next = state.lookahead, beta(count, state.lookahead.dtype)
 
         def leaf(d, b):
             if _skipped(d):
                 return d, b
             # W_{t+1} - W_t = β_t b_t + Δ_t: the lookahead stays in the weights.
-            bf = b.astype(jnp.float32)
-            b_new = gamma * bf + (1.0 - gamma) * (beta_now * bf + d.astype(jnp.float32))
-            return (d.astype(jnp.float32) + beta_next * b_new).astype(d.dtype), \
-                b_new.astype(buffer_dtype)
+            dt = _compute_dtype(d, b)
+            bf = b.astype(dt)
+            b_new = gamma * bf + (1.0 - gamma) * (beta_now * bf + d.astype(dt))
+            return (d.astype(dt) + beta_next * b_new).astype(d.dtype), b_new.astype(b.dtype)
 
         pairs = jax.tree.map(leaf, delta, state.displacement, is_leaf=_skipped)
         is_pair = lambda x: type(x) is tuple
@@ -254,10 +274,11 @@ def tail_ema(
     def init_fn(params):
         ema = jax.tree.map(
             lambda p, keep: p if _skipped(p) else (
-                jnp.zeros_like(p, dtype=jnp.float32) if keep else optax.MaskedNode()),
+                jnp.zeros_like(p, dtype=state_dtype(None, p)) if keep
+                else optax.MaskedNode()),
             params, leaf_mask(params), is_leaf=_skipped)
-        return TailEmaState(count=jnp.zeros([], jnp.int32), blend=jnp.zeros([], jnp.float32),
-                            ema=ema)
+        return TailEmaState(count=jnp.zeros([], jnp.int32),
+                            blend=jnp.zeros([], _scalar_dtype(params)), ema=ema)
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -269,18 +290,60 @@ def tail_ema(
         def leaf(e, p, u):
             if _skipped(e):
                 return e
-            w = p.astype(jnp.float32) + u.astype(jnp.float32)
+            w = p.astype(e.dtype) + u.astype(e.dtype)
             return jnp.where(first, w, jnp.where(moving, e + (w - e) * rate, e))
 
         ema = jax.tree.map(leaf, state.ema, params, updates, is_leaf=_skipped)
-        weight = jnp.where(count >= start, blend, 0.0).astype(jnp.float32)
+        weight = jnp.where(count >= start, blend, 0.0).astype(state.blend.dtype)
         return updates, TailEmaState(count=count, blend=weight, ema=ema)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _is_readout(x: Any) -> bool:
-    return isinstance(x, EmaNesterovState | TailEmaState)
+_READOUTS = (EmaNesterovState, TailEmaState)
+
+
+def _holds_value(x: Any) -> bool:
+    """A box around one array (flax's ``Variable``: ``nnx.Param``, ``nnx.OptVariable``)."""
+    return (not isinstance(x, tuple | list | Mapping | jax.Array | np.ndarray)
+            and hasattr(type(x), "value"))
+
+
+def _unbox(x: Any) -> Any:
+    if not _holds_value(x):
+        return x
+    inner = jax.tree.leaves(x)
+    if len(inner) > 1:
+        raise ValueError(f"eval_params: a {type(x).__name__} holding {len(inner)} arrays, "
+                         "expected one (a box of one array, as flax's nnx.Param)")
+    # an nnx.Optimizer boxes a masked leaf's optax.MaskedNode too: an empty box is skipped
+    return inner[0] if inner else optax.MaskedNode()
+
+
+def _as_readout(x: Any) -> Any:
+    """``x`` as a readout state, or None: the NamedTuple itself, or the mapping of its
+    fields that ``nnx.state(optimizer, nnx.OptState)`` turns it into; boxed scalars
+    unboxed."""
+    if isinstance(x, _READOUTS):
+        kind, fields = type(x), x._asdict()
+    else:
+        kind = next((k for k in _READOUTS if isinstance(x, Mapping)
+                     and set(x.keys()) == set(k._fields)), None)
+        if kind is None:
+            return None
+        fields = dict(x)
+    scalars = ("count", "lookahead") if kind is EmaNesterovState else ("count", "blend")
+    return kind(**{k: _unbox(v) if k in scalars else v for k, v in fields.items()})
+
+
+def _by_path(tree: Any) -> list[tuple[tuple, Any]]:
+    """(path, leaf) for each array of ``tree``, boxes unboxed and skipped leaves kept, the
+    path as `path_names` reads it: a dict, an ``nnx.State`` or attributes read alike."""
+    out = []
+    for path, node in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: _skipped(x) or _holds_value(x))[0]:
+        out.append((path_names(path), _unbox(node)))
+    return out
 
 
 def _broadcast(scalar: jax.Array, like: jax.Array) -> jax.Array:
@@ -289,18 +352,39 @@ def _broadcast(scalar: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _apply(params: Any, state: Any) -> Any:
-    def leaf(p, extra):
-        if _skipped(extra) or _skipped(p):
+    tree = state.displacement if isinstance(state, EmaNesterovState) else state.ema
+    extras = {path: e for path, e in _by_path(tree) if not _skipped(e)}
+    entries = [(path, p) for path, p in _by_path(params) if not _skipped(p)]
+    name = type(state).__name__
+    unmatched = sorted(set(extras) - {path for path, _ in entries})
+    if unmatched:
+        raise ValueError(
+            f"eval_params: the optimizer state's {name} averages leaves the params do not "
+            f"have: {['/'.join(path) for path in unmatched[:4]]}"
+            f"{' ...' if len(unmatched) > 4 else ''}; pass the params the optimizer updates "
+            "(a Flax model's nnx.state(model, nnx.Param))")
+
+    def leaf(path, p):
+        extra = extras.get(path)
+        if extra is None:
             return p
-        pf = p.astype(jnp.float32)
+        if jnp.shape(extra) != jnp.shape(p):
+            raise ValueError(f"eval_params: {'/'.join(path)} has shape "
+                             f"{jnp.shape(p)} in the params but {jnp.shape(extra)} in the "
+                             f"optimizer state's {name}")
+        pf = p.astype(_compute_dtype(p, extra))
         if isinstance(state, EmaNesterovState):
-            out = pf - _broadcast(state.lookahead, pf) * extra.astype(jnp.float32)
+            out = pf - _broadcast(state.lookahead, pf) * extra.astype(pf.dtype)
         else:
             out = pf + _broadcast(state.blend, pf) * (extra - pf)
         return out.astype(p.dtype)
 
-    tree = state.displacement if isinstance(state, EmaNesterovState) else state.ema
-    return jax.tree.map(leaf, params, tree, is_leaf=_skipped)
+    # the params' own tree (a box's one array is its only leaf), so the caller's types return
+    leaves, treedef = jax.tree.flatten(params)
+    if len(leaves) != len(entries):
+        raise ValueError("eval_params: params must be a pytree of arrays (or of boxes "
+                         f"holding one array each, as flax's nnx.Param), got {type(params)}")
+    return jax.tree.unflatten(treedef, [leaf(path, p) for path, p in entries])
 
 
 def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
@@ -315,12 +399,26 @@ def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
     so a trainer can always evaluate and checkpoint ``eval_params(params, opt_state)``.
     jit-compatible; the params are not modified.
 
+    Params and state are matched leaf by leaf on their paths, so the containers may differ:
+    with Flax, ``eval_params(nnx.state(model, nnx.Param), opt.opt_state)``, or
+    ``nnx.state(opt, nnx.OptState)`` (which turns each state into a mapping of its
+    fields), or their ``nnx.to_pure_dict``, all give the same weights, as an
+    ``nnx.State`` of ``nnx.Param`` for ``nnx.update(model, ...)`` (an object holding one
+    array in ``.value``, as a flax ``Variable``, is read as that array).
+
     Args:
-      params: the params the optimizer updates.
-      opt_state: the whole optimizer state.
+      params: the params the optimizer updates: any pytree of arrays, or of boxes of one
+        array each (an ``nnx.State`` of ``nnx.Param``).
+      opt_state: the whole optimizer state, as ``optax`` gives it, an
+        ``nnx.Optimizer``'s ``opt_state``, its ``nnx.state(opt, nnx.OptState)``, or that
+        state's pure dict.
 
     Returns:
-      A tree like ``params`` (same dtypes).
+      A tree like ``params`` (same structure, boxes and dtypes).
+
+    Raises:
+      ValueError: a readout averages a leaf the params do not have (``params`` is not
+        the tree the optimizer updates), or a leaf's shape differs between the two.
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_snoo
@@ -334,7 +432,8 @@ def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
       <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
       2026.
     """
-    for state in jax.tree.leaves(opt_state, is_leaf=_is_readout):
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: _as_readout(x) is not None):
+        state = _as_readout(node)
         if isinstance(state, EmaNesterovState):
             params = eval_params(_apply(params, state), state.inner_state)
         elif isinstance(state, TailEmaState):

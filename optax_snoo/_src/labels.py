@@ -116,11 +116,19 @@ class PathRules:
     def __init__(self, compiled: list[tuple[re.Pattern, Any]], default: Any, what: str):
         self._compiled, self._default, self._what = compiled, default, what
 
+    def match(self, name: str) -> tuple[Any, re.Match] | None:
+        """The first rule's value and its match in path ``name``, or ``None``."""
+        for regex, value in self._compiled:
+            found = regex.search(name)
+            if found:
+                return value, found
+        return None
+
     def value(self, name: str, leaf: Any = None) -> Any:
         """The value of the leaf at path ``name`` (``"blocks/0/attn/c_q/kernel"``)."""
-        for regex, value in self._compiled:
-            if regex.search(name):
-                return value
+        found = self.match(name)
+        if found:
+            return found[0]
         if self._default is _REQUIRED:
             raise ValueError(f"parameter {name!r} matches no {self._what} "
                              f"{[r.pattern for r, _ in self._compiled]}")

@@ -14,7 +14,8 @@ Differences from `optax.contrib.muon` (optax 0.2.8), here and in `muon`, all del
 - the momentum is not bias-corrected by default (modded-nanogpt); `bias_correction=True`
   reproduces optax's corrected momentum and Nesterov step exactly;
 - the iteration runs in `ns_dtype` (bfloat16 by default, as in the record), not in the
-  gradient dtype, and the momentum is kept in float32 whatever the param dtype;
+  gradient dtype, and the momentum is kept in float32 for bf16/f16/f32 params (float64
+  for float64 params);
 - leaves with more than two axes are stacks of matrices (`matrix_axes` names the two
   matrix axes), so MoE expert weights `(E, in, out)` get Muon instead of silently going
   to Adam;
@@ -66,12 +67,11 @@ from optax_snoo._src.newton_schulz import (
     _normalized_axes,
     _resolve_coefficients,
 )
-from optax_snoo._src.schedules import muon_momentum_schedule
 from optax_snoo._src.utils import (
     check_float_dtype,
-    check_int_at_least,
     check_unit_interval,
     path_to_str,
+    state_dtype,
     value_at,
 )
 
@@ -84,13 +84,15 @@ class MuonState(NamedTuple):
 
     Attributes:
       count: number of updates so far (int32 scalar); schedules are evaluated at it.
-      mu: momentum buffer, shaped like the params, in ``mu_dtype`` (float32 by default).
-      smooth: update-smoothing buffer (float32, shaped like the params), or
-        ``optax.EmptyState()`` when smoothing is off.
-      nu: NorMuon's second moment (float32, shaped like the params with the reduced
-        matrix axis of size 1), or ``optax.EmptyState()`` without ``beta2``.
-      precondition: the state of the ``precondition`` transform (e.g.
-        `SoapWhiteningState`), or ``optax.EmptyState()`` without one.
+      mu: momentum buffer, shaped like the params, in ``mu_dtype`` (by default float32,
+        float64 for float64 params).
+      smooth: update-smoothing buffer (shaped like the params, float32 or float64 as
+        ``mu``), or ``optax.EmptyState()`` when smoothing is off.
+      nu: NorMuon's second moment (float32 or float64 as ``mu``, shaped like the params
+        with the reduced matrix axis of size 1), or ``optax.EmptyState()`` without
+        ``beta2``.
+      precondition: the `MatrixPrecondition`'s state (`OwnedPreconditionState`), or
+        ``optax.EmptyState()`` without one.
     """
 
     count: jax.Array
@@ -98,40 +100,6 @@ class MuonState(NamedTuple):
     smooth: optax.Updates | optax.EmptyState
     nu: optax.Updates | optax.EmptyState = optax.EmptyState()
     precondition: optax.OptState = optax.EmptyState()
-
-
-def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
-                         steps: int = 300) -> optax.Schedule:
-    """The record's momentum warm-up: ``β(t) = start + (end - start) * min(t / steps, 1)``.
-
-    `muon_momentum_schedule` without a cool-down (``warmup=steps``).
-
-    Args:
-      start: momentum at update 0.
-      end: momentum from update ``steps`` on.
-      steps: length of the linear warm-up (> 0).
-
-    Returns:
-      A schedule (callable of the update count) to pass as ``beta``.
-
-    Example:
-      >>> from optax_snoo import muon_momentum_warmup, scale_by_muon
-      >>> beta = muon_momentum_warmup()
-      >>> round(float(beta(150)), 4)
-      0.9
-      >>> tx = scale_by_muon(beta=beta)
-
-    References:
-      Jordan, `modded-nanogpt: Speedrunning the NanoGPT baseline
-      <https://github.com/KellerJordan/modded-nanogpt>`_, 2024
-
-      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
-      <https://kellerjordan.github.io/posts/muon/>`_, 2024
-    """
-    check_unit_interval("start", start)
-    check_unit_interval("end", end)
-    check_int_at_least("steps", steps, 1)
-    return muon_momentum_schedule(start, end, warmup=steps)
 
 
 def _resolve_shape_scale(shape_scale: Any) -> str | None:
@@ -167,11 +135,11 @@ def scale_by_muon(
     beta2: float | optax.Schedule | None = None,
     smoothing: float | optax.Schedule | None = None,
     smoothing_form: str = "ema",
-    mu_dtype: jax.typing.DTypeLike | None = jnp.float32,
+    mu_dtype: jax.typing.DTypeLike | None = None,
     shard_newton_schulz: bool = True,
     newton_schulz_plan: NewtonSchulzPlan | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    precondition: optax.GradientTransformation | MatrixPrecondition | None = None,
+    precondition: MatrixPrecondition | None = None,
     ns_normalization: str = "frobenius",
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
@@ -181,7 +149,7 @@ def scale_by_muon(
 
         m = β m + (1-β) g                                 # float32 buffer
         v = β m + (1-β) g   if nesterov else   m          # EMA form of Nesterov
-        v = precondition(v, raw_gradient=g)               # if precondition (below)
+        v = precondition(v, g)                            # if precondition, per matrix (below)
         O = orthogonalize(v)                              # each matrix on its own
         O = normuon(O)                                    # if beta2 (NorMuon, below)
         S = σ S + (1-σ) O;  O = S (ema) or σ S + (1-σ) O (nesterov)   # if smoothing
@@ -199,18 +167,15 @@ def scale_by_muon(
     ``O = D ‖O‖_F / max(‖D‖_F, 1e-10)``: each neuron's update gets the same RMS on
     average, and the matrix keeps the Frobenius norm orthogonalisation gave it.
 
-    Preconditioning (``precondition`` set, e.g. `scale_by_soap_whitening` for
-    SOAP-Muon): a transform that receives the tree of Newton-Schulz inputs ``v`` as its
-    ``updates``, the params, and the raw gradient ``g`` as the extra argument
-    ``raw_gradient``, keeps its own state (`MuonState`'s ``precondition`` field) and
-    returns the matrices to orthogonalise. With sharded params it runs before the
-    matrices go to their owners, on the leaves as they lie (their own sharding; the
-    partitioner places its products), and only the iteration runs on whole matrices.
-    A `MatrixPrecondition` (e.g. `soap_whitening_per_matrix`) is a function of each
-    matrix alone: with sharded params the raw gradient travels to the owner beside the
-    momentum (the same all-to-all), the owner preconditions its whole matrices before
-    their iteration and keeps their state (`OwnedPreconditionState`), so the sharded
-    plan's collectives stay one redistribution in and one out.
+    Preconditioning (``precondition`` set, e.g. `soap_whitening` for SOAP-Muon): a
+    `MatrixPrecondition`, a function of each matrix alone (its Newton-Schulz input ``v``,
+    its raw gradient ``g`` and its own state) that returns the matrix to orthogonalise.
+    With sharded params the raw gradient travels to the owner beside the momentum (the
+    same all-to-all), the owner preconditions its whole matrices before their iteration
+    and keeps their state (`OwnedPreconditionState`, `MuonState`'s ``precondition``
+    field), so the sharded plan's collectives stay one redistribution in and one out. To
+    precondition the gradient before Muon instead, chain a transform before
+    `scale_by_muon` (as `newton_muon` does).
 
     With ``bias_correction=True`` the momentum is bias-corrected exactly as
     ``optax.contrib.scale_by_muon`` does: ``v = β m/(1-β^(t+2)) + (1-β) g/(1-β^(t+1))``
@@ -254,16 +219,18 @@ def scale_by_muon(
         ``None`` turns smoothing off (record PR #137 used 0.2).
       smoothing_form: ``"ema"`` (use ``S``, PR #137) or ``"nesterov"`` (use
         ``σ S + (1-σ) O``, PR #129).
-      mu_dtype: dtype of the momentum buffer (``None``: the gradient dtype).
+      mu_dtype: dtype of the momentum buffer; ``None``: float32, or the param's dtype
+        where it is wider (float64 params keep float64 momentum, smoothing and NorMuon
+        statistics).
       shard_newton_schulz: on sharded params, give each device whole matrices to
         orthogonalise (above); ``False`` leaves the iteration to the partitioner.
       newton_schulz_plan: where the leaves live when the update cannot see it (above);
         `NewtonSchulzPlan`.
       mesh: the mesh to split leaves of unknown sharding over (above); default: the
         plan's, else the ``jax.set_mesh`` context of the update, if any.
-      precondition: a transform applied to the Newton-Schulz input before the
-        iteration (above), called with ``raw_gradient=``, or a `MatrixPrecondition`
-        run per matrix (on its owner under the sharded plan); ``None``: none.
+      precondition: a `MatrixPrecondition` run on each matrix's Newton-Schulz input
+        before the iteration (on its owner under the sharded plan, above); ``None``:
+        none.
       ns_normalization: how the iteration's input is scaled, ``"frobenius"`` or
         ``"gram_frobenius"`` (modded-nanogpt Track 3's SOAP-Muon); see `orthogonalize`.
 
@@ -314,13 +281,12 @@ def scale_by_muon(
         raise ValueError(f"newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
                          f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
     _check_ns_normalization(ns_normalization)
-    per_matrix = isinstance(precondition, MatrixPrecondition)
-    if precondition is not None and not per_matrix:
-        if not isinstance(precondition, optax.GradientTransformation):
-            raise ValueError(f"precondition must be an optax.GradientTransformation (e.g. "
-                             f"scale_by_soap_whitening()) or a MatrixPrecondition, got "
-                             f"{precondition!r}.")
-        precondition = optax.with_extra_args_support(precondition)
+    if precondition is not None and not isinstance(precondition, MatrixPrecondition):
+        raise ValueError(f"precondition must be a MatrixPrecondition (e.g. soap_whitening()) "
+                         f"or None, got {type(precondition).__name__}; to precondition the "
+                         f"gradient before Muon, chain a transform before scale_by_muon "
+                         f"(as newton_muon does).")
+    per_matrix = precondition is not None
     plan = newton_schulz_plan or NewtonSchulzPlan()
     spread_mesh = mesh if mesh is not None else plan.mesh
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
@@ -331,15 +297,16 @@ def scale_by_muon(
     def init_fn(params: optax.Params) -> MuonState:
         for path, p in jax.tree_util.tree_leaves_with_path(params):
             _warn_if_convolution(path_to_str(path), jnp.shape(p), axes)
-        zeros = lambda dtype: lambda p: jnp.zeros_like(p, dtype=dtype)
-        f32_like = lambda: jax.tree.map(zeros(jnp.float32), params)
+        # statistics in float32, or wider with the param (a float64 run stays float64)
+        zeros = lambda dtype: lambda p: jnp.zeros_like(p, dtype=state_dtype(dtype, p))
+        stats_like = lambda: jax.tree.map(zeros(None), params)
         nu = optax.EmptyState() if beta2 is None else jax.tree.map(
-            lambda p: jnp.zeros(_reduced_shape(jnp.shape(p), axes), jnp.float32), params)
+            lambda p: jnp.zeros(_reduced_shape(jnp.shape(p), axes), state_dtype(None, p)),
+            params)
         return MuonState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros(mu_dtype), params),
-                         smooth=optax.EmptyState() if smoothing is None else f32_like(), nu=nu,
-                         precondition=(optax.EmptyState() if precondition is None
-                                       else init_owned(params) if per_matrix
-                                       else precondition.init(params)))
+                         smooth=optax.EmptyState() if smoothing is None else stats_like(), nu=nu,
+                         precondition=(init_owned(params) if per_matrix
+                                       else optax.EmptyState()))
 
     def flags_of(paths: list[str], treedef: Any) -> list[bool]:
         flags = precondition.flags
@@ -365,14 +332,10 @@ def scale_by_muon(
 
         beta_t = value_at(beta, count)
         moments = [_momentum(g, m, beta_t, count, nesterov=nesterov,
-                             bias_correction=bias_correction, mu_dtype=mu_dtype)
+                             bias_correction=bias_correction)
                    for g, m in zip(grads, mus, strict=True)]
         inputs = [v for v, _ in moments]
         pre_state = state.precondition
-        if precondition is not None and not per_matrix:
-            whitened, pre_state = precondition.update(
-                treedef.unflatten(inputs), pre_state, params, raw_gradient=updates)
-            inputs = treedef.flatten_up_to(whitened)
         placements = place_leaves(plan, paths, list(zip(grads, mus, strict=True)))
         owned = {}
         if per_matrix:
@@ -406,9 +369,11 @@ def scale_by_muon(
 
 
 def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nesterov: bool,
-              bias_correction: bool, mu_dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """(float32 input of the iteration, new momentum buffer) of one leaf."""
-    compute = jnp.promote_types(g.dtype, jnp.float32)  # float32, or float64 under x64
+              bias_correction: bool) -> tuple[jax.Array, jax.Array]:
+    """(float32 input of the iteration, new momentum buffer in the buffer's dtype) of one
+    leaf; float64 for float64 gradients or buffers."""
+    mu_dtype = m.dtype
+    compute = jnp.promote_types(jnp.promote_types(g.dtype, mu_dtype), jnp.float32)
     g32 = g.astype(compute)
     m = beta * m.astype(compute) + (1 - beta) * g32
     if bias_correction:
@@ -418,7 +383,7 @@ def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nester
             v = beta * v + (1 - beta) * (g32 / bc_g)
     else:
         v = beta * m + (1 - beta) * g32 if nesterov else m
-    return v, m.astype(g.dtype if mu_dtype is None else mu_dtype)
+    return v, m.astype(mu_dtype)
 
 
 def _reduced_axis(shape: tuple[int, ...], axes: tuple[int, int]) -> int:
@@ -440,21 +405,22 @@ def _normuon(o: jax.Array, nu: jax.Array, beta2: Any, axes: tuple[int, int]
     Written as the record fuses it: ``‖O‖_F² = Σ n q`` and ``‖D‖_F² = Σ n q / ν`` from
     the per-neuron mean squares ``q``, so only one pass over ``O`` reads it whole.
     """
-    red = _reduced_axis(o.shape, axes)
+    red, dtype = _reduced_axis(o.shape, axes), nu.dtype  # the state keeps its dtype
     n = o.shape[red]
     q = jnp.mean(jnp.square(o), axis=red, keepdims=True)
     nu = beta2 * nu + (1 - beta2) * q
     inv_rms = jax.lax.rsqrt(jnp.maximum(nu, 1e-10))
     norm = jnp.sqrt(jnp.sum(n * q, axis=axes, keepdims=True))
     new_norm = jnp.sqrt(jnp.sum(n * q * jnp.square(inv_rms), axis=axes, keepdims=True))
-    return o * (inv_rms * (norm / jnp.maximum(new_norm, 1e-10))), nu
+    return o * (inv_rms * (norm / jnp.maximum(new_norm, 1e-10))), nu.astype(dtype)
 
 
 def _smooth(ortho: Sequence[jax.Array], smooth: Sequence[jax.Array], sigma: Any, form: str
             ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Update smoothing: ``S = σ S + (1-σ) O``; the update is ``S`` ("ema") or
     ``σ S + (1-σ) O`` ("nesterov")."""
-    smooth = [sigma * s + (1 - sigma) * o for s, o in zip(smooth, ortho, strict=True)]
+    smooth = [(sigma * s + (1 - sigma) * o).astype(s.dtype)
+              for s, o in zip(smooth, ortho, strict=True)]
     if form == "ema":
         return smooth, smooth
     return [sigma * s + (1 - sigma) * o for s, o in zip(smooth, ortho, strict=True)], smooth

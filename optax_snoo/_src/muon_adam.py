@@ -304,10 +304,13 @@ def with_adam_groups(
 
 
 def group_labels(adam_groups: Sequence[AdamGroup],
-                 labels: Any | Callable[[optax.Params], Any] | None = None
+                 labels: Any | Callable[[optax.Params], Any] | None = None,
+                 muon_groups: Sequence[MuonGroup] | None = None
                  ) -> Callable[[optax.Params], Any]:
     """``params -> tree of group names`` of `with_adam_groups`' partition: ``"muon"`` or
-    the name of each leaf's `AdamGroup` (see `with_adam_groups` for the rules).
+    the name of each leaf's `AdamGroup` (see `with_adam_groups` for the rules); with
+    ``muon_groups``, a Muon leaf is ``"muon/<its MuonGroup's name>"`` (what
+    `optax_snoo.recipes.describe` shows; the partition's label stays ``"muon"``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -319,7 +322,18 @@ def group_labels(adam_groups: Sequence[AdamGroup],
       {'b': 'rest', 'tok_emb': 'embed', 'w': 'muon'}
     """
     base = muon_adam_labels if labels is None else labels
-    return _labels_with_adam_groups(base, adam_groups, _adam_group_names(adam_groups))
+    partition_labels = _labels_with_adam_groups(base, adam_groups, _adam_group_names(adam_groups))
+    if not muon_groups:
+        return partition_labels
+    names = by_path([(g.pattern, g.name or getattr(g.pattern, "pattern", g.pattern))
+                     for g in muon_groups], what="Muon group")
+
+    def with_muon_groups(params: optax.Params) -> Any:
+        return jax.tree.map_with_path(
+            lambda path, label: f"muon/{names.value(path_to_str(path))}" if label == "muon"
+            else label, partition_labels(params))
+
+    return with_muon_groups
 
 
 def _adam_group_names(groups: Sequence[AdamGroup]) -> list[str]:
@@ -345,33 +359,50 @@ def _labels_with_adam_groups(labels: Any, groups: Sequence[AdamGroup], names: Se
     by the first group whose pattern its path matches, and any other leaf (Muon's) a
     ``claim`` group's pattern matches given to the first such group; a ``required`` group
     that gets no leaf is an error naming it."""
-    compiled = [(re.compile(g.pattern), name, g) for g, name in zip(groups, names, strict=True)]
-    claims = [(regex, name) for regex, name, g in compiled if g.claim]
+    pairs = list(zip(groups, names, strict=True))
+    claims = by_path([(g.pattern, name) for g, name in pairs if g.claim], default=None)
+    adam = by_path([(g.pattern, name) for g, name in pairs], what="Adam group")
 
     def group_labels(params: optax.Params) -> Any:
         def refine(path: Any, label: Any) -> Any:
             name = path_to_str(path)
-            if label != "adam":
-                # A claim takes a leaf from Muon only: Adam's own leaves keep first-match order.
-                for regex, group_name in claims:
-                    if regex.search(name):
-                        return group_name
-                return label
-            for regex, group_name, _ in compiled:
-                if regex.search(name):
-                    return group_name
-            raise ValueError(f"parameter {name!r} matches no Adam group "
-                             f"{[regex.pattern for regex, _, _ in compiled]}")
+            if label == "adam":
+                return adam.value(name)
+            # A claim takes a leaf from Muon only: Adam's own leaves keep first-match order.
+            claimed = claims.value(name)
+            return label if claimed is None else claimed
 
         out = jax.tree.map_with_path(refine, labels(params) if callable(labels) else labels)
-        found = set(jax.tree.leaves(out))
-        for regex, group_name, g in compiled:
-            if g.required and group_name not in found:
-                raise ValueError(
-                    f"Adam group {group_name!r} matches no parameter (pattern "
-                    f"{regex.pattern!r}): name its leaves in the group's pattern (a recipe's "
-                    "adam_patterns) or pass labels=; optax_snoo.recipes.describe(recipe, "
-                    "params) shows each leaf's group")
+        _check_required(pairs, params, out)
         return out
 
     return group_labels
+
+
+def _check_required(groups: Sequence[tuple[AdamGroup, str]], params: Any, labels: Any
+                    ) -> None:
+    """Refuse a ``required`` group with no leaf, and a ``like`` group with none while a
+    Muon leaf is shaped like a leaf of the group it names (or transposed)."""
+    leaves = jax.tree_util.tree_leaves_with_path(labels)
+    shapes = [tuple(getattr(p, "shape", ())) for p in jax.tree.leaves(params)]
+    by_group: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for (path, label), shape in zip(leaves, shapes, strict=True):
+        by_group.setdefault(label, []).append((path_to_str(path), shape))
+    hint = ("name its leaves in the group's pattern (a recipe's adam_patterns) or pass "
+            "labels=; optax_snoo.recipes.describe(recipe, params) shows each leaf's group")
+    for g, name in groups:
+        pattern = getattr(g.pattern, "pattern", g.pattern)
+        if name in by_group:
+            continue
+        if g.required:
+            raise ValueError(f"Adam group {name!r} matches no parameter (pattern "
+                             f"{pattern!r}): {hint}")
+        twins = {s for _, s in by_group.get(g.like, [])} if g.like else set()
+        twins |= {s[::-1] for s in twins}
+        suspect = [(p, s) for p, s in by_group.get("muon", []) if s in twins]
+        if suspect:
+            path, shape = suspect[0]
+            raise ValueError(f"Adam group {name!r} matches no parameter (pattern "
+                             f"{pattern!r}) and the Muon leaf {path!r} {shape} is "
+                             f"shaped like group {g.like!r}'s: a {name} named otherwise? "
+                             f"{hint}")

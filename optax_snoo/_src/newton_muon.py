@@ -38,6 +38,7 @@ from optax_snoo._src.utils import (
     check_positive,
     check_unit_interval,
     path_names,
+    state_dtype,
 )
 
 __all__ = ["InputCovarianceState", "input_covariance_from_stats",
@@ -54,8 +55,8 @@ class InputCovarianceState(NamedTuple):
       count: number of updates so far (int32).
       refreshes: number of refreshes so far (int32); 0 means the gradient passes unchanged.
       covariances: nested dict keyed by the key path of each factor's kernel (the first
-        layer of a shared group) of the input-covariance EMA ``C``, float32
-        ``(*stack, blocks, block, block)``.
+        layer of a shared group) of the input-covariance EMA ``C``, float32 (float64 for
+        float64 params) ``(*stack, blocks, block, block)``.
       inverses: same keys, the damped inverse ``(C + λI)⁻¹`` of the latest refresh
         (identity before the first).
     """
@@ -348,7 +349,8 @@ def precondition_by_input_covariance(
         covariances, inverses = {}, {}
         for names, f in factors.items():   # replicated on a sharded kernel's mesh (K-FAC's)
             shape = _factor_shape(f)
-            eye = jnp.broadcast_to(jnp.eye(shape[-1], dtype=jnp.float32), shape)
+            eye = jnp.broadcast_to(
+                jnp.eye(shape[-1], dtype=state_dtype(None, leaf[f.names])), shape)
             covariances[names] = _placed_like(initial_scale * eye, leaf[f.names])
             inverses[names] = _placed_like(jnp.array(eye), leaf[f.names])
         return InputCovarianceState(
@@ -378,7 +380,7 @@ def precondition_by_input_covariance(
             if tuple(k.shape) != want:
                 raise ValueError(f"precondition_by_input_covariance: input_covariance of "
                                  f"{label(names)} has shape {tuple(k.shape)}, expected {want}.")
-            out[names] = _diagonal_blocks(jnp.asarray(k, jnp.float32), f.blocks)
+            out[names] = _diagonal_blocks(jnp.asarray(k, state_dtype(None, k)), f.blocks)
         return out
 
     def update_fn(updates, state, params=None, *, input_covariance=_MISSING, **extra_args):
@@ -400,7 +402,8 @@ def precondition_by_input_covariance(
             if batch is not None:
                 # A batch with a NaN/Inf anywhere is dropped whole (as K-FAC's): C is kept.
                 use = jnp.isfinite(sum(jnp.sum(batch[k]) for k in keys))
-                covariances = [jnp.where(use, c + (1.0 - ema_decay) * (batch[k] - c), c)
+                covariances = [jnp.where(use, c + (1.0 - ema_decay) * (batch[k].astype(c.dtype)
+                                                                       - c), c)
                                for c, k in zip(covariances, keys, strict=True)]
             return covariances, [_damped_inverse(c, damping, eps) for c in covariances]
 
@@ -416,7 +419,7 @@ def precondition_by_input_covariance(
             g = leaves[i]
             p = inverse_of[layer.factor]
             b = layer.d_in // layer.blocks
-            g32 = g.astype(jnp.float32)
+            g32 = g.astype(jnp.promote_types(state_dtype(None, g), p.dtype))
             blocks = g32.reshape(*layer.stack, layer.blocks, b, g.shape[-1])
             # Pᵀ G: the record's G·P in the (in, out) layout (P is symmetric up to rounding).
             pg = jnp.einsum("...kji,...kjo->...kio", p, blocks, precision=_HIGHEST)

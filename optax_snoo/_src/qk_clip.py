@@ -22,7 +22,6 @@ measured logits to ``update`` as the extra argument ``max_logits``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -30,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.utils import check_int_at_least, check_positive, path_to_str
+from optax_snoo._src.labels import by_path
+from optax_snoo._src.utils import check_int_at_least, check_positive, path_to_str, state_dtype
 
 __all__ = ["QKHeads", "qk_clip_heads", "qk_clip_scales", "scale_by_qk_clip"]
 
@@ -101,7 +101,8 @@ def _layer_heads(marked: list[tuple[str, QKHeads]]) -> dict[str, tuple[int, int]
 
 def qk_clip_scales(max_logits_N: jax.Array, tau: float | jax.Array, num_kv_heads: int
                    ) -> tuple[jax.Array, jax.Array]:
-    """Per-head weight scales of one layer: ``(query_N, key_K)``, float32.
+    """Per-head weight scales of one layer: ``(query_N, key_K)``, float32 (float64 for
+    float64 logits).
 
     ``gamma_n = min(1, tau / S_n)`` (1 when ``S_n <= tau``); key head ``j`` scales by
     ``sqrt(g_j)``, ``g_j = min`` of ``gamma`` over its query group; query head ``n`` by
@@ -125,7 +126,7 @@ def qk_clip_scales(max_logits_N: jax.Array, tau: float | jax.Array, num_kv_heads
       Kimi Team, "Kimi K2: Open Agentic Intelligence", https://arxiv.org/abs/2507.20534,
       2025 (MuonClip, Algorithm 1).
     """
-    s = jnp.asarray(max_logits_N, jnp.float32)
+    s = jnp.asarray(max_logits_N, state_dtype(None, max_logits_N))  # float64 ones stay
     gamma_N = jnp.where(s > tau, tau / jnp.where(s > tau, s, 1.0), 1.0)
     group_g_K = jnp.min(gamma_N.reshape(num_kv_heads, -1), axis=1)
     key_K = jnp.sqrt(group_g_K)
@@ -141,8 +142,9 @@ def _clip_leaf(u: jax.Array, p: jax.Array, heads: QKHeads, scale_heads: jax.Arra
     head_of = jax.lax.broadcasted_iota(jnp.int32, p.shape, axis) // (
         p.shape[axis] // heads.num_heads)
     scale = scale_heads[head_of]
-    p32 = p.astype(jnp.float32)
-    clipped = ((p32 + u.astype(jnp.float32)) * scale - p32).astype(u.dtype)
+    dt = jnp.promote_types(state_dtype(None, p), state_dtype(None, u))  # f32, f64 for f64
+    p32 = p.astype(dt)
+    clipped = ((p32 + u.astype(dt)) * scale.astype(dt) - p32).astype(u.dtype)
     return jnp.where(scale == 1.0, u, clipped)
 
 
@@ -179,7 +181,8 @@ def scale_by_qk_clip(
     returns ``u'`` with ``p + u' = clip(p + u)``, where ``clip`` scales the query and key
     heads of every layer by `qk_clip_scales` of the ``max_logits`` measured in this step's
     forward pass (the per-head rule, exact for grouped-query attention; see the module
-    docstring). The work is done in float32 and cast back to the update's dtype; leaves
+    docstring). The work is done in float32 (float64 for float64 params) and cast back
+    to the update's dtype; leaves
     whose heads need no scaling (and unmarked leaves) keep ``u`` exactly.
 
     Args:
@@ -310,18 +313,19 @@ def qk_clip_heads(
         raise ValueError(f"num_heads={num_heads} must be a multiple of "
                          f"num_kv_heads={num_kv_heads}.")
     try:
-        rules = ((re.compile(query), "query", num_heads), (re.compile(key), "key", num_kv_heads))
-    except re.error as err:
+        rules = by_path([(query, ("query", num_heads)), (key, ("key", num_kv_heads))],
+                        default=None, what="qk_clip_heads pattern")
+    except ValueError as err:
         raise ValueError(f"qk_clip_heads: invalid pattern: {err}") from None
 
     def heads_fn(params: optax.Params) -> HeadsTree:
         def mark(path, _):
             name = path_to_str(path)
-            for regex, role, count in rules:
-                match = regex.search(name)
-                if match:
-                    return QKHeads(name[:match.start()].rstrip("/"), role, count, axis)
-            return None
+            found = rules.match(name)
+            if found is None:
+                return None
+            (role, count), match = found
+            return QKHeads(name[:match.start()].rstrip("/"), role, count, axis)
 
         tree = jax.tree.map_with_path(mark, params)
         if not any(isinstance(h, QKHeads) for h in jax.tree.leaves(tree, is_leaf=_is_heads_leaf)):

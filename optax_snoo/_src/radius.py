@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_snoo._src.newton_schulz import _check_matrix_axes, _normalized_axes
-from optax_snoo._src.utils import check_non_negative, concrete_real, value_at
+from optax_snoo._src.utils import check_non_negative, concrete_real, state_dtype, value_at
 from optax_snoo._src.weight_decay import cautious_mask
 
 __all__ = ["RadiusStepsState", "radius_steps"]
@@ -43,7 +43,8 @@ class RadiusStepsState(NamedTuple):
     Attributes:
       count: number of updates so far (int32), the learning-rate schedule's argument.
       initial_radius: with ``pin="initial"``, each matrix's Frobenius norm at ``init``
-        (float32, shape of the leaf with the two matrix axes kept as size 1); otherwise
+        (float32, float64 for float64 params; shape of the leaf with the two matrix axes
+        kept as size 1); otherwise
         ``optax.EmptyState()``.
     """
 
@@ -71,7 +72,8 @@ def radius_steps(
     (e.g. Muon's orthogonalised momentum; the step descends along ``-O``) and returns
     the final update ``W_new - W``. Per matrix (``matrix_axes`` = ``(fan_in, fan_out)``;
     other axes are a batch, as an expert stack), with ``‖·‖`` the Frobenius norm and
-    ``⟨·,·⟩`` its inner product, in float32 and in this order:
+    ``⟨·,·⟩`` its inner product, in float32 (float64 for float64 params) and in this
+    order:
 
     1. radial brake (``brake=s``, #29): ``c = ⟨O,W⟩/max(‖W‖², 1e-12)``; the radial part
        ``cW`` is multiplied by ``s`` where the step moves ``W`` outward (``c < 0``):
@@ -170,8 +172,8 @@ def radius_steps(
         def radius(p):
             if _skipped(p):
                 return p
-            return jnp.sqrt(jnp.sum(jnp.square(p.astype(jnp.float32)), axis=leaf_axes(p),
-                                    keepdims=True))
+            return jnp.sqrt(jnp.sum(jnp.square(p.astype(state_dtype(None, p))),
+                                    axis=leaf_axes(p), keepdims=True))
 
         for p in jax.tree.leaves(params, is_leaf=_skipped):
             if not _skipped(p):
@@ -182,7 +184,10 @@ def radius_steps(
 
     def step(o: jax.Array, w: jax.Array, r0: Any, lr: jax.Array, wd: jax.Array) -> jax.Array:
         ax = leaf_axes(w)
-        of, wf = o.astype(jnp.float32), w.astype(jnp.float32)
+        dt = jnp.promote_types(state_dtype(None, o), state_dtype(None, w))
+        of, wf = o.astype(dt), w.astype(dt)
+        # the schedules' values in the leaf's arithmetic (float64 ones are not rounded)
+        lr, wd = jnp.asarray(lr, dt), jnp.asarray(wd, dt)
 
         def inner(x, y):
             return jnp.sum(x * y, axis=ax, keepdims=True)
@@ -219,8 +224,8 @@ def radius_steps(
         if params is None:
             raise ValueError("radius_steps: update needs params (the radius is ‖params‖)")
         count = state.count
-        lr = jnp.asarray(value_at(learning_rate, count), jnp.float32)
-        wd = jnp.asarray(value_at(cautious_weight_decay, count), jnp.float32)
+        lr = jnp.asarray(value_at(learning_rate, count))
+        wd = jnp.asarray(value_at(cautious_weight_decay, count))
         def leaf(o, w, r0=None):
             return o if _skipped(o) else step(o, w, r0, lr, wd)
 

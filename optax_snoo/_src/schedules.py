@@ -4,7 +4,9 @@
 - `stable_cooldown_schedule`: modded-nanogpt's records' flat-then-linear learning rate;
 - `power_cool`: Track 3's PowerCool (record #20 onwards), ``min(lr0, c·(t_end - t)^p)``,
   and `power_cool_scaled`, a record's PowerCool stretched to another run length;
-- `muon_momentum_schedule`: Muon's momentum warm-up and cool-down (records #30, #44 on).
+- `muon_momentum_schedule`: Muon's momentum warm-up and cool-down (records #30, #44 on),
+  and `muon_momentum_warmup`, the warm-up alone (the GPT-2 Medium record's);
+- `trust_gate_floor`, `trust_gate_cap`: the bounds of SOAP-Muon's trust gate (#16, #44, #46).
 
 References:
   Jordan et al., `modded-nanogpt Track 3 (optimization) records #20, #30, #44, #46
@@ -20,8 +22,9 @@ import optax
 
 from optax_snoo._src.utils import check_int_at_least, check_positive, check_unit_interval
 
-__all__ = ["muon_momentum_schedule", "nanogpt_cosine_schedule", "power_cool",
-           "power_cool_scaled", "stable_cooldown_schedule"]
+__all__ = ["muon_momentum_schedule", "muon_momentum_warmup", "nanogpt_cosine_schedule",
+           "power_cool", "power_cool_scaled", "stable_cooldown_schedule", "trust_gate_cap",
+           "trust_gate_floor"]
 
 
 def power_cool(
@@ -59,7 +62,7 @@ def power_cool(
       power: the power law's exponent (> 0).
 
     Returns:
-      A schedule: ``count -> learning rate`` (float32).
+      A schedule: ``count -> learning rate`` (float32; float64 under ``jax_enable_x64``).
 
     Raises:
       ValueError: neither or both of ``c`` and ``flat_until``, or a value out of range.
@@ -89,7 +92,8 @@ def power_cool(
     check_positive("c", c)
 
     def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        remaining = jnp.maximum(t_end - jnp.asarray(count, jnp.float32), 0.0)
+        # float64 under x64: a float64 run's learning rate is not rounded to float32
+        remaining = jnp.maximum(t_end - jnp.asarray(count, jnp.result_type(float)), 0.0)
         return jnp.minimum(lr0, c * remaining**power)
 
     return schedule
@@ -129,7 +133,8 @@ def muon_momentum_schedule(
       end: momentum at ``T`` (default ``start``), in [0, 1).
 
     Returns:
-      A schedule: ``count -> momentum``, to pass as Muon's ``beta``.
+      A schedule: ``count -> momentum``, to pass as Muon's ``beta`` (float32; float64
+      under ``jax_enable_x64``).
 
     Raises:
       ValueError: a momentum outside [0, 1), a negative length, a cool-down without
@@ -165,7 +170,50 @@ def muon_momentum_schedule(
     if cooldown > 0:
         pieces.append(optax.linear_schedule(peak, end, cooldown))
         boundaries.append(total - cooldown)
-    return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+    joined = optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+
+    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
+        # optax divides the integer count in its inexact dtype: an int32 count gives
+        # float32 even under x64, so the count is widened to int64 there (float64 values)
+        count = jnp.asarray(count)
+        if jnp.issubdtype(count.dtype, jnp.integer):
+            count = count.astype(jnp.result_type(int))
+        return joined(count)
+
+    return schedule
+
+
+def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
+                         steps: int = 300) -> optax.Schedule:
+    """The record's momentum warm-up: ``β(t) = start + (end - start) * min(t / steps, 1)``.
+
+    `muon_momentum_schedule` without a cool-down (``warmup=steps``).
+
+    Args:
+      start: momentum at update 0.
+      end: momentum from update ``steps`` on.
+      steps: length of the linear warm-up (> 0).
+
+    Returns:
+      A schedule (callable of the update count) to pass as ``beta``.
+
+    Example:
+      >>> from optax_snoo import muon_momentum_warmup
+      >>> beta = muon_momentum_warmup()
+      >>> round(float(beta(150)), 4)
+      0.9
+
+    References:
+      Jordan, `modded-nanogpt: Speedrunning the NanoGPT baseline
+      <https://github.com/KellerJordan/modded-nanogpt>`_, 2024
+
+      Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024
+    """
+    check_unit_interval("start", start)
+    check_unit_interval("end", end)
+    check_int_at_least("steps", steps, 1)
+    return muon_momentum_schedule(start, end, warmup=steps)
 
 
 def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac: float = 0.7,
@@ -200,7 +248,7 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
         raise ValueError(f"final_lr_scale must be in [0, 1], got {final_lr_scale!r}")
 
     def schedule(count):
-        x = jnp.asarray(count, jnp.float32) / total_steps
+        x = jnp.asarray(count, jnp.result_type(float)) / total_steps  # float64 under x64
         cooling = (1 - x) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale
         return peak_value * jnp.where(x < 1 - cooldown_frac, 1.0, cooling)
 
@@ -287,3 +335,62 @@ def power_cool_scaled(lr0: float, *, c: float, lr0_record: float, record_steps: 
     check_int_at_least("total_steps", total_steps, 1)
     scale = (lr0 / lr0_record) * (record_steps / total_steps) ** power
     return power_cool(lr0, c=c * scale, t_end=total_steps, power=power)
+
+
+def trust_gate_floor(floor: float = 0.45, fade_start: int = 1375,
+                     fade_end: int = 1625) -> optax.Schedule:
+    """The trust gate's lower bound of records #16/#44/#46: ``floor`` until ``fade_start``,
+    then linearly to 0 at ``fade_end`` (a step at ``fade_start`` when
+    ``fade_end <= fade_start``), 0 after.
+
+    Args:
+      floor: the early floor (record: 0.45).
+      fade_start: update count where the fade begins (record: 1375).
+      fade_end: update count where the floor reaches 0 (record: 1625).
+
+    Returns:
+      A schedule of the update count.
+
+    Example:
+      >>> from optax_snoo import trust_gate_floor
+      >>> [round(float(trust_gate_floor()(t)), 3) for t in (0, 1500, 1625)]
+      [0.45, 0.225, 0.0]
+    """
+    check_unit_interval("floor", floor)
+    check_int_at_least("fade_start", fade_start, 0)
+    check_int_at_least("fade_end", fade_end, 0)
+
+    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
+        t = jnp.asarray(count).astype(jnp.result_type(float))  # float64 under x64
+        if fade_end <= fade_start:
+            return jnp.where(t >= fade_end, 0.0, floor)
+        frac = jnp.clip((fade_end - t) / (fade_end - fade_start), 0.0, 1.0)
+        return floor * frac
+
+    return schedule
+
+
+def trust_gate_cap(cap: float = 0.85, until: int = 1625) -> optax.Schedule:
+    """The trust gate's upper bound of records #16/#44/#46: ``cap`` before ``until``,
+    1 from ``until`` on.
+
+    Args:
+      cap: the early cap (record: 0.85).
+      until: update count from which the gate is uncapped (record: 1625, the end of the
+        floor's fade).
+
+    Returns:
+      A schedule of the update count.
+
+    Example:
+      >>> from optax_snoo import trust_gate_cap
+      >>> [round(float(trust_gate_cap()(t)), 3) for t in (0, 1625)]
+      [0.85, 1.0]
+    """
+    check_unit_interval("cap", cap)
+    check_int_at_least("until", until, 0)
+
+    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
+        return jnp.where(jnp.asarray(count) < until, cap, 1.0)
+
+    return schedule

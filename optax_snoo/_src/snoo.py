@@ -31,9 +31,11 @@ import jax.numpy as jnp
 import optax
 
 from optax_snoo._src.utils import (
+    check_float_dtype,
     check_int_at_least,
     check_non_negative,
     check_unit_interval,
+    state_dtype,
     value_at,
 )
 
@@ -158,7 +160,7 @@ def snoo(
     momentum: ScalarOrSchedule = 0.37,
     k: int = 28,
     *,
-    slow_dtype: Any = "float32",
+    slow_dtype: Any = None,
     replica_axis: str | tuple[str, ...] | None = None,
     sync: str = "start",
 ) -> optax.GradientTransformationExtraArgs:
@@ -175,8 +177,8 @@ def snoo(
     With `sync="end"`, `learning_rate=0.7, momentum=0.5, k=30` this is MuLoCo's outer
     Nesterov (modded-nanogpt Track 3 record #13, `NesterovOuterOptimizer`:
     `u = μu + ηΔ; W = snapshot - μu - ηΔ`, the same rule with `u = η·b` for a constant η),
-    except that the slow weights and the buffer are float32 here (`slow_dtype`), in the
-    param dtype there.
+    except that the slow weights and the buffer are float32 here for bf16 params
+    (`slow_dtype`), in the param dtype there.
 
     Extra keyword arguments of `update` are forwarded to `inner`, except `snoo_sync`: a
     static Python bool telling `update` whether this call is a sync step. With it, only
@@ -195,9 +197,10 @@ def snoo(
       momentum: outer Nesterov momentum μ in [0, 1), a float or a schedule of the
         outer-step count.
       k: sync period (integer >= 1).
-      slow_dtype: dtype of the slow weights and outer momentum (float32 even for bf16
-        params). Any dtype-like; the default is the string `"float32"` rather than
-        `jnp.float32` because `optax.inject_hyperparams` takes callables for schedules.
+      slow_dtype: dtype of the slow weights and outer momentum; `None`: float32 (even
+        for bf16 params), or the param's dtype where wider (float64 for float64 params).
+        Any dtype-like; pass a string (`"float32"`) rather than `jnp.float32` under
+        `optax.inject_hyperparams`, which takes callables for schedules.
       replica_axis: None (one worker), or the name of a mapped axis over DiLoCo replicas
         (`jax.vmap(..., axis_name=)`, `jax.shard_map`, `jax.pmap`): on sync steps only,
         `d` is replaced by its mean over that axis (`jax.lax.pmean`, one all-reduce of
@@ -237,17 +240,18 @@ def snoo(
     _validate(inner, learning_rate, momentum, k)
     _check_replica_axis(replica_axis)
     phase = _check_sync(sync)
-    slow_dtype = jnp.dtype(slow_dtype)
+    check_float_dtype("snoo: slow_dtype", slow_dtype, allow_none=True)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
         # A real copy: on float32 params `astype` would alias the params, and a train step
         # donating params and state would then donate one buffer twice.
-        slow = jax.tree.map(lambda p: jnp.array(p, dtype=slow_dtype, copy=True), params)
+        slow = jax.tree.map(
+            lambda p: jnp.array(p, dtype=state_dtype(slow_dtype, p), copy=True), params)
         return SnooState(
             count=jnp.zeros([], jnp.int32),
             slow=slow,
-            momentum=jax.tree.map(lambda p: jnp.zeros_like(p, dtype=slow_dtype), params),
+            momentum=jax.tree.map(lambda s: jnp.zeros_like(s), slow),
             inner_state=inner.init(params),
         )
 
@@ -255,18 +259,18 @@ def snoo(
         """Nesterov SGD on the slow weights with pseudo-gradient slow - (params + u)."""
 
         def leaf(s, b, p, u):
-            d = s - (p.astype(slow_dtype) + u.astype(slow_dtype))
+            d = s - (p.astype(s.dtype) + u.astype(s.dtype))
             return nesterov(s, b, d)
 
-        def nesterov(s, b, d):
-            b = (mu * b + d).astype(slow_dtype)
-            return (s - eta * (d + mu * b)).astype(slow_dtype), b
+        def nesterov(s, b, d):  # in the slow weights' own dtype (the state keeps it)
+            b = (mu * b + d).astype(s.dtype)
+            return (s - eta * (d + mu * b)).astype(s.dtype), b
 
         if replica_axis is None:
             out = jax.tree.map(leaf, slow, buf, params, inner_updates)
         else:
             # DiLoCo: the replicas' mean pseudo-gradient, one all-reduce of the whole tree.
-            d = jax.tree.map(lambda s, p, u: s - (p.astype(slow_dtype) + u.astype(slow_dtype)),
+            d = jax.tree.map(lambda s, p, u: s - (p.astype(s.dtype) + u.astype(s.dtype)),
                              slow, params, inner_updates)
             out = jax.tree.map(nesterov, slow, buf, jax.lax.pmean(d, replica_axis))
         is_pair = lambda x: type(x) is tuple
@@ -274,7 +278,7 @@ def snoo(
 
     def jump(slow, params, inner_updates):
         """The update that moves the params to the slow weights."""
-        return jax.tree.map(lambda s, p, u: (s - p.astype(slow_dtype)).astype(u.dtype),
+        return jax.tree.map(lambda s, p, u: (s - p.astype(s.dtype)).astype(u.dtype),
                             slow, params, inner_updates)
 
     def update_fn(updates, state, params=None, *, snoo_sync: bool | None = None, **extra_args):
@@ -434,7 +438,7 @@ def diloco(
     momentum: ScalarOrSchedule = 0.37,
     k: int = 28,
     *,
-    slow_dtype: Any = "float32",
+    slow_dtype: Any = None,
     axis_name: str = "diloco",
     sync: str = "start",
 ) -> optax.GradientTransformationExtraArgs:
@@ -464,7 +468,7 @@ def diloco(
       learning_rate: outer step size η (float or schedule of the outer-step count).
       momentum: outer Nesterov momentum μ in [0, 1) (float or schedule).
       k: sync period H (integer >= 1).
-      slow_dtype: dtype of the slow weights and outer momentum.
+      slow_dtype: dtype of the slow weights and outer momentum (`None`: as `snoo`'s).
       axis_name: the name of the replica axis inside the map.
       sync: `"start"` or `"end"`: when the syncs fall, as in `snoo`.
 

@@ -1,8 +1,9 @@
 """SOAP-Muon: Muon's momentum whitened in SOAP's eigenbasis before Newton-Schulz.
 
-`scale_by_soap_whitening` is the whitening, a transform for `scale_by_muon`'s
-``precondition=`` hook; `soap_muon` chains it into Muon with the Gram-Frobenius
-normalisation of the iteration and a learning rate. `trust_gate_floor` and
+`soap_whitening` is the whitening, a `MatrixPrecondition` for `scale_by_muon`'s
+``precondition=`` (run per matrix, on its owner under the sharded plan); `soap_muon`
+chains it into Muon with the Gram-Frobenius normalisation of the iteration and a
+learning rate. `trust_gate_floor` and
 `trust_gate_cap` are the record's bounds of the trust gate.
 
 References:
@@ -24,25 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from optax_snoo._src.muon import scale_by_muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import MatrixPrecondition
-from optax_snoo._src.newton_schulz import (
-    Coefficients,
-    _check_matrix_axes,
-    _normalized_axes,
-    gram_frobenius_norm,
-)
-from optax_snoo._src.sharding import concrete_sharding, spec_entries
+from optax_snoo._src.newton_schulz import Coefficients, gram_frobenius_norm
+from optax_snoo._src.schedules import trust_gate_cap, trust_gate_floor
 from optax_snoo._src.utils import (
     check_int_at_least,
     check_non_negative,
     check_positive,
     check_unit_interval,
-    path_to_str,
     value_at,
 )
 
@@ -50,93 +43,6 @@ NORM_MATCHES = ("gram", "frobenius")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 TrustGateLeaves = bool | Callable[[str], bool] | Any
-
-
-class SoapWhiteningState(NamedTuple):
-    """State of `scale_by_soap_whitening`, per leaf (a matrix or a stack of matrices).
-
-    With a leaf's matrix axes ``(fan_in, fan_out)`` = ``(in, out)`` and its other axes a
-    batch ``B`` (e.g. experts); statistics in float32 (float64 for float64 params).
-
-    Attributes:
-      count: number of updates so far (int32 scalar); the trust gate's schedules and the
-        refresh period read it.
-      gram_out: ``L``, the EMA of ``G Gᵀ`` over the fan_out axis, shape ``B + (out, out)``
-        (the record's row side of its ``(out, in)`` weights).
-      gram_in: ``R``, the EMA of ``Gᵀ G`` over the fan_in axis, ``B + (in, in)``.
-      basis_out: ``Q_L``, the eigenbasis of ``L`` (columns, by decreasing eigenvalue),
-        ``B + (out, out)``; the identity until the first update builds it.
-      basis_in: ``Q_R``, the eigenbasis of ``R``, ``B + (in, in)``.
-      second_moment: ``V``, the EMA of the squared projected momentum
-        ``(Q_Lᵀ M Q_R)²``, shaped like the leaf (entry ``[.., i, o]`` belongs to the
-        ``o``-th column of ``Q_L`` and the ``i``-th of ``Q_R``).
-    """
-
-    count: jax.Array
-    gram_out: optax.Updates
-    gram_in: optax.Updates
-    basis_out: optax.Updates
-    basis_in: optax.Updates
-    second_moment: optax.Updates
-
-
-def trust_gate_floor(floor: float = 0.45, fade_start: int = 1375,
-                     fade_end: int = 1625) -> optax.Schedule:
-    """The trust gate's lower bound of records #16/#44/#46: ``floor`` until ``fade_start``,
-    then linearly to 0 at ``fade_end`` (a step at ``fade_start`` when
-    ``fade_end <= fade_start``), 0 after.
-
-    Args:
-      floor: the early floor (record: 0.45).
-      fade_start: update count where the fade begins (record: 1375).
-      fade_end: update count where the floor reaches 0 (record: 1625).
-
-    Returns:
-      A schedule of the update count.
-
-    Example:
-      >>> from optax_snoo import trust_gate_floor
-      >>> [round(float(trust_gate_floor()(t)), 3) for t in (0, 1500, 1625)]
-      [0.45, 0.225, 0.0]
-    """
-    check_unit_interval("floor", floor)
-    check_int_at_least("fade_start", fade_start, 0)
-    check_int_at_least("fade_end", fade_end, 0)
-
-    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        t = jnp.asarray(count).astype(jnp.result_type(float))  # float64 under x64
-        if fade_end <= fade_start:
-            return jnp.where(t >= fade_end, 0.0, floor)
-        frac = jnp.clip((fade_end - t) / (fade_end - fade_start), 0.0, 1.0)
-        return floor * frac
-
-    return schedule
-
-
-def trust_gate_cap(cap: float = 0.85, until: int = 1625) -> optax.Schedule:
-    """The trust gate's upper bound of records #16/#44/#46: ``cap`` before ``until``,
-    1 from ``until`` on.
-
-    Args:
-      cap: the early cap (record: 0.85).
-      until: update count from which the gate is uncapped (record: 1625, the end of the
-        floor's fade).
-
-    Returns:
-      A schedule of the update count.
-
-    Example:
-      >>> from optax_snoo import trust_gate_cap
-      >>> [round(float(trust_gate_cap()(t)), 3) for t in (0, 1625)]
-      [0.85, 1.0]
-    """
-    check_unit_interval("cap", cap)
-    check_int_at_least("until", until, 0)
-
-    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        return jnp.where(jnp.asarray(count) < until, cap, 1.0)
-
-    return schedule
 
 
 def _mm(spec: str, *xs: jax.Array) -> jax.Array:
@@ -171,182 +77,22 @@ def _sorted_power_qr(gram: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.
     return q, order
 
 
-def scale_by_soap_whitening(
-    beta: float | optax.Schedule = 0.9,
-    *,
-    beta2: float | optax.Schedule | None = None,
-    precondition_frequency: int = 1,
-    denom_power: float = 0.5,
-    eps: float = 1e-8,
-    norm_match: str = "gram",
-    matrix_axes: tuple[int, int] = (-2, -1),
-    trust_gate: TrustGateLeaves = None,
-    trust_min_agree: float = 0.2,
-    trust_min_grad_align: float = 0.0,
-    trust_power: float = 1.0,
-    trust_floor: float | optax.Schedule | None = None,
-    trust_cap: float | optax.Schedule | None = None,
-) -> optax.GradientTransformationExtraArgs:
-    r"""SOAP's whitening of Muon's momentum (modded-nanogpt Track 3, records #14 to #46).
-
-    A ``precondition`` for `scale_by_muon`: its ``updates`` are the Newton-Schulz inputs
-    ``M`` (the Nesterov momentum) and it needs the raw gradient ``G`` as the extra
-    argument ``raw_gradient``. Per matrix, in the record's ``(out, in)`` terms, with ``t``
-    the update count::
-
-        t = 0:  D = M                                    # no basis yet
-        t > 0:  P = Q_Lᵀ M Q_R                           # momentum in the eigenbasis
-                V = β₂ V + (1-β₂) P²                     # no bias correction
-                D̃ = Q_L (P / max(V, eps²)^p) Q_Rᵀ         # p = denom_power
-                D = D̃ · g(M) / g(D̃)                      # g: norm_match (below)
-        trust-gated leaves:  D = blend(M, D, G)          # below
-        then, statistics for the next update:
-                L = β L + (1-β) G Gᵀ;   R = β R + (1-β) Gᵀ G
-                t = 0:  Q_L, Q_R = eigenvectors of L, R (eigh, decreasing eigenvalue)
-                t > 0 and t % precondition_frequency == 0, for each side:
-                        sort Q's columns by decreasing diag(Qᵀ L Q), permute V's
-                        rows (columns) alike, Q = qr(L Q).Q  # one power iteration
-
-    ``g(X) = max(‖XᵀX‖_F^{1/2}, 1e-8)`` (``norm_match="gram"``, #44/#46) or
-    ``max(‖X‖_F, 1e-8)`` (``"frobenius"``, #14). It differs from SOAP (Vyas et al.):
-    ``V`` tracks the projected *Nesterov momentum*, there is no Adam first moment in the
-    eigenbasis, ``V`` is permuted but not re-projected when the basis rotates, and the
-    basis uses the statistics of the previous updates (they are updated after use).
-
-    **Layout.** The record's weights are PyTorch ``(out, in)``; here a leaf's matrix axes
-    are ``matrix_axes = (fan_in, fan_out)`` (Flax ``(in, out)`` kernels by default), so
-    the sides swap: ``L`` (the record's row Gram, ``G Gᵀ``) is over our fan_out axis and
-    ``R`` over our fan_in axis, whatever the axes' positions. Other axes are a batch
-    (expert stacks): each matrix has its own statistics and basis.
-
-    **Trust gate** (#16; in #44/#46 on ``attn.proj`` only), on the leaves ``trust_gate``
-    selects: with ``cos`` the Frobenius cosine per matrix,
-    ``agree = clip((cos(D, M) - a)/(1 - a), 0, 1)`` (``a = trust_min_agree``),
-    ``align = clip((cos(D, G) - c)/max(cos(M, G) - c, 1e-8), 0, 1)``
-    (``c = trust_min_grad_align``), ``gate = clip(agree·align, 0, 1)^power``, clipped to
-    ``[trust_floor(t), trust_cap(t)]``, and ``D = B · g(M)/g(B)`` with
-    ``B = M + gate (D - M)``: SOAP is trusted when it still points along the momentum and
-    is at least as aligned with the gradient.
-
-    Args:
-      beta: decay of the Gram EMAs ``L``, ``R`` (record: 0.9), or a schedule.
-      beta2: decay of ``V``; ``None``: ``beta`` (as the record).
-      precondition_frequency: refresh the basis every this many updates (#44/#46: 1;
-        #14: 10).
-      denom_power: ``p`` in ``V^p`` (0.5: Adam's square root).
-      eps: ``V`` is floored at ``eps²`` (record: 1e-8).
-      norm_match: ``"gram"`` or ``"frobenius"`` (above).
-      matrix_axes: ``(fan_in axis, fan_out axis)`` of every leaf, as in `scale_by_muon`.
-      trust_gate: which leaves are gated: ``None``/``False`` (none), ``True`` (all), a
-        callable of the leaf's path string (``"blocks/0/attn/c_proj/kernel"``) returning
-        a bool, or a tree of bools with the params' structure.
-      trust_min_agree: ``a`` above (record: 0.2).
-      trust_min_grad_align: ``c`` above (record: 0).
-      trust_power: exponent of the gate (record: 1).
-      trust_floor: lower bound of the gate, float or schedule; ``None``: the record's
-        `trust_gate_floor` (0.45, fading to 0 over updates 1375 to 1625).
-      trust_cap: upper bound, float or schedule; ``None``: the record's
-        `trust_gate_cap` (0.85 until update 1625, then 1).
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs`` with state `SoapWhiteningState`,
-      whose update takes ``raw_gradient=`` (the gradient tree).
-
-    Raises:
-      ValueError: for ``beta``/``beta2`` outside [0, 1), a non-positive
-        ``precondition_frequency``, negative ``denom_power`` or ``eps``, an unknown
-        ``norm_match``, bad ``matrix_axes``; at update time without ``raw_gradient``.
-
-    Example:
-      >>> import jax.numpy as jnp, optax
-      >>> from optax_snoo import scale_by_muon, scale_by_soap_whitening
-      >>> params = {"w": jnp.ones((8, 4))}
-      >>> tx = scale_by_muon(precondition=scale_by_soap_whitening(),
-      ...                    ns_normalization="gram_frobenius")
-      >>> state = tx.init(params)
-      >>> state.precondition.gram_out["w"].shape  # L over the fan_out axis (4)
-      (4, 4)
-      >>> updates, state = tx.update({"w": jnp.eye(8, 4)}, state, params)
-
-    References:
-      Vyas et al., `SOAP: Improving and Stabilizing Shampoo using Adam
-      <https://arxiv.org/abs/2409.11321>`_, 2024
-
-      Jordan et al., `modded-nanogpt Track 3 records #14 (SOAP on MLP), #16 (trust gate),
-      #44 (all hidden matrices, every-step basis), #46
-      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
-      2026
-    """
-    axes = _check_matrix_axes(matrix_axes)
-    whiten = _matrix_whitening(beta, beta2, precondition_frequency, denom_power, eps,
-                               norm_match, trust_min_agree, trust_min_grad_align,
-                               trust_power, trust_floor, trust_cap)
-
-    def stat_dtype(x: Any) -> Any:
-        return jnp.promote_types(jnp.result_type(x), jnp.float32)
-
-    def init_fn(params: optax.Params) -> SoapWhiteningState:
-        def square(p: Any, side: int) -> jax.Array:
-            """Zeros of ``batch + (n, n)``, n the size of axis ``side`` (0: fan_in, 1:
-            fan_out); a sharded param's Gram is split like that axis on its first."""
-            shape = jnp.shape(p)
-            leaf_axes = _normalized_axes(shape, axes)
-            batch_axes = [a for a in range(len(shape)) if a not in leaf_axes]
-            n = shape[leaf_axes[side]]
-            zeros = jnp.zeros((*(shape[a] for a in batch_axes), n, n), stat_dtype(p))
-            sharding = None if isinstance(p, jax.core.Tracer) else concrete_sharding(p)
-            if sharding is None:
-                return zeros
-            entries = spec_entries(sharding, len(shape))
-            spec = P(*(entries[a] for a in batch_axes), entries[leaf_axes[side]], None)
-            return jax.device_put(zeros, NamedSharding(sharding.mesh, spec))
-
-        out, inn = 1, 0
-        eye = lambda x: x + jnp.eye(x.shape[-1], dtype=x.dtype)  # keeps x's sharding
-        gram_out = jax.tree.map(lambda p: square(p, out), params)
-        gram_in = jax.tree.map(lambda p: square(p, inn), params)
-        return SoapWhiteningState(
-            count=jnp.zeros([], jnp.int32), gram_out=gram_out, gram_in=gram_in,
-            basis_out=jax.tree.map(eye, gram_out), basis_in=jax.tree.map(eye, gram_in),
-            second_moment=jax.tree.map(lambda p: jnp.zeros_like(p, stat_dtype(p)), params))
-
-    def update_fn(updates: optax.Updates, state: SoapWhiteningState,
-                  params: optax.Params | None = None, *,
-                  raw_gradient: optax.Updates | None = None, **extra_args: Any
-                  ) -> tuple[optax.Updates, SoapWhiteningState]:
-        del params, extra_args
-        if raw_gradient is None:
-            raise ValueError("scale_by_soap_whitening needs the raw gradient: call its update "
-                             "with raw_gradient=grads (scale_by_muon(precondition=...) does).")
-        count = state.count
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        gates = _gated_leaves(trust_gate, [path_to_str(p) for p, _ in with_paths], treedef)
-        flat = [treedef.flatten_up_to(t) for t in (
-            raw_gradient, state.gram_out, state.gram_in, state.basis_out, state.basis_in,
-            state.second_moment)]
-        results = []
-        for (_, m), g, *stats, gated in zip(with_paths, *flat, gates, strict=True):
-            fan_in, fan_out = _normalized_axes(m.shape, axes)
-            # The record's (.., out, in) layout, so that L = G Gᵀ is the fan_out side.
-            to_rec = lambda x, i=fan_in, o=fan_out: jnp.moveaxis(x, (o, i), (-2, -1))
-            *grams, v = stats
-            d, new = whiten(to_rec(m), to_rec(g), SoapMatrixState(*grams, to_rec(v)), count,
-                            np.full(to_rec(m).shape[:-2], gated))
-            from_rec = lambda x, i=fan_in, o=fan_out: jnp.moveaxis(x, (-2, -1), (o, i))
-            results.append((from_rec(d).astype(m.dtype), *new[:4], from_rec(new[4])))
-        fields = list(zip(*results, strict=True)) if results else [[]] * 6
-        out, gram_out, gram_in, basis_out, basis_in, second = (
-            treedef.unflatten(list(f)) for f in fields)
-        return out, SoapWhiteningState(optax.safe_increment(count), gram_out, gram_in,
-                                       basis_out, basis_in, second)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
 class SoapMatrixState(NamedTuple):
-    """SOAP's statistics of a batch of matrices ``(..., out, in)`` (the record's layout):
-    ``L`` (gram_out) and its basis ``(..., out, out)``, ``R`` (gram_in) and its basis
-    ``(..., in, in)``, ``V`` (second_moment) ``(..., out, in)``."""
+    """State of `soap_whitening` for a batch of matrices ``(..., out, in)``: the record's
+    layout, ``out`` our fan_out axis and ``in`` our fan_in axis; the batch is the leaf's
+    other axes (e.g. experts). Float32 (float64 for float64 params).
+
+    Attributes:
+      gram_out: ``L``, the EMA of ``G Gᵀ`` over the fan_out axis, ``(..., out, out)``
+        (the record's row side of its ``(out, in)`` weights).
+      gram_in: ``R``, the EMA of ``Gᵀ G`` over the fan_in axis, ``(..., in, in)``.
+      basis_out: ``Q_L``, the eigenbasis of ``L`` (columns, by decreasing eigenvalue),
+        ``(..., out, out)``; the identity until the first update builds it.
+      basis_in: ``Q_R``, the eigenbasis of ``R``, ``(..., in, in)``.
+      second_moment: ``V``, the EMA of the squared projected momentum
+        ``(Q_Lᵀ M Q_R)²``, ``(..., out, in)`` (entry ``[.., o, i]`` belongs to the
+        ``o``-th column of ``Q_L`` and the ``i``-th of ``Q_R``).
+    """
 
     gram_out: jax.Array
     gram_in: jax.Array
@@ -427,7 +173,7 @@ def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
         trust=(trust_min_agree, trust_min_grad_align, trust_power))
 
 
-def soap_whitening_per_matrix(
+def soap_whitening(
     beta: float | optax.Schedule = 0.9,
     *,
     beta2: float | optax.Schedule | None = None,
@@ -442,42 +188,99 @@ def soap_whitening_per_matrix(
     trust_floor: float | optax.Schedule | None = None,
     trust_cap: float | optax.Schedule | None = None,
 ) -> MatrixPrecondition:
-    """`scale_by_soap_whitening` as a `MatrixPrecondition`: the same whitening, a function
-    of each matrix alone, so that under `scale_by_muon`'s sharded plan each device whitens
-    the whole matrices it owns (their statistics kept there), beside their Newton-Schulz.
+    r"""SOAP's whitening of Muon's momentum (modded-nanogpt Track 3, records #14 to #46).
+
+    A `MatrixPrecondition` for `scale_by_muon(precondition=...)`: a function of each
+    matrix alone, its Newton-Schulz input ``M`` (the Nesterov momentum), its raw gradient
+    ``G`` and its own statistics, so that under `scale_by_muon`'s sharded plan each device
+    whitens the whole matrices it owns (their statistics kept there), beside their
+    Newton-Schulz. Per matrix, in the record's ``(out, in)`` terms, with ``t`` the update
+    count::
+
+        t = 0:  D = M                                    # no basis yet
+        t > 0:  P = Q_Lᵀ M Q_R                           # momentum in the eigenbasis
+                V = β₂ V + (1-β₂) P²                     # no bias correction
+                D̃ = Q_L (P / max(V, eps²)^p) Q_Rᵀ         # p = denom_power
+                D = D̃ · g(M) / g(D̃)                      # g: norm_match (below)
+        trust-gated leaves:  D = blend(M, D, G)          # below
+        then, statistics for the next update:
+                L = β L + (1-β) G Gᵀ;   R = β R + (1-β) Gᵀ G
+                t = 0:  Q_L, Q_R = eigenvectors of L, R (eigh, decreasing eigenvalue)
+                t > 0 and t % precondition_frequency == 0, for each side:
+                        sort Q's columns by decreasing diag(Qᵀ L Q), permute V's
+                        rows (columns) alike, Q = qr(L Q).Q  # one power iteration
+
+    ``g(X) = max(‖XᵀX‖_F^{1/2}, 1e-8)`` (``norm_match="gram"``, #44/#46) or
+    ``max(‖X‖_F, 1e-8)`` (``"frobenius"``, #14). It differs from SOAP (Vyas et al.):
+    ``V`` tracks the projected *Nesterov momentum*, there is no Adam first moment in the
+    eigenbasis, ``V`` is permuted but not re-projected when the basis rotates, and the
+    basis uses the statistics of the previous updates (they are updated after use).
+
+    **Layout.** The record's weights are PyTorch ``(out, in)``; `scale_by_muon`'s
+    ``matrix_axes = (fan_in, fan_out)`` name a leaf's matrix axes (Flax ``(in, out)``
+    kernels by default) and the whitening sees each matrix as ``(fan_out, fan_in)``, so
+    ``L`` (the record's row Gram, ``G Gᵀ``) is over our fan_out axis and ``R`` over our
+    fan_in axis, whatever the axes' positions. Other axes are a batch (expert stacks):
+    each matrix has its own statistics and basis. The state is a `SoapMatrixState` per
+    leaf in `OwnedPreconditionState.leaves` (``V`` in the ``(…, out, in)`` layout), or,
+    for leaves whose matrices go to owners under the sharded plan, flattened on the owners
+    in `OwnedPreconditionState.owned`. Statistics are float32 (float64 for float64
+    params).
+
+    **Trust gate** (#16; in #44/#46 on ``attn.proj`` only), on the leaves ``trust_gate``
+    selects: with ``cos`` the Frobenius cosine per matrix,
+    ``agree = clip((cos(D, M) - a)/(1 - a), 0, 1)`` (``a = trust_min_agree``),
+    ``align = clip((cos(D, G) - c)/max(cos(M, G) - c, 1e-8), 0, 1)``
+    (``c = trust_min_grad_align``), ``gate = clip(agree·align, 0, 1)^power``, clipped to
+    ``[trust_floor(t), trust_cap(t)]``, and ``D = B · g(M)/g(B)`` with
+    ``B = M + gate (D - M)``: SOAP is trusted when it still points along the momentum and
+    is at least as aligned with the gradient.
 
     Args:
-      beta: as in `scale_by_soap_whitening`.
-      beta2: as in `scale_by_soap_whitening`.
-      precondition_frequency: as in `scale_by_soap_whitening`.
-      denom_power: as in `scale_by_soap_whitening`.
-      eps: as in `scale_by_soap_whitening`.
-      norm_match: as in `scale_by_soap_whitening`.
-      trust_gate: as in `scale_by_soap_whitening`.
-      trust_min_agree: as in `scale_by_soap_whitening`.
-      trust_min_grad_align: as in `scale_by_soap_whitening`.
-      trust_power: as in `scale_by_soap_whitening`.
-      trust_floor: as in `scale_by_soap_whitening`.
-      trust_cap: as in `scale_by_soap_whitening`.
+      beta: decay of the Gram EMAs ``L``, ``R`` (record: 0.9), or a schedule.
+      beta2: decay of ``V``; ``None``: ``beta`` (as the record).
+      precondition_frequency: refresh the basis every this many updates (#44/#46: 1;
+        #14: 10).
+      denom_power: ``p`` in ``V^p`` (0.5: Adam's square root).
+      eps: ``V`` is floored at ``eps²`` (record: 1e-8).
+      norm_match: ``"gram"`` or ``"frobenius"`` (above).
+      trust_gate: which leaves are gated: ``None``/``False`` (none), ``True`` (all), a
+        callable of the leaf's path string (``"blocks/0/attn/c_proj/kernel"``) returning
+        a bool, or a tree of bools with the params' structure.
+      trust_min_agree: ``a`` above (record: 0.2).
+      trust_min_grad_align: ``c`` above (record: 0).
+      trust_power: exponent of the gate (record: 1).
+      trust_floor: lower bound of the gate, float or schedule; ``None``: the record's
+        `trust_gate_floor` (0.45, fading to 0 over updates 1375 to 1625).
+      trust_cap: upper bound, float or schedule; ``None``: the record's
+        `trust_gate_cap` (0.85 until update 1625, then 1).
 
     Returns:
-      A `MatrixPrecondition` for `scale_by_muon(precondition=...)`; the per-matrix state
-      is a `SoapMatrixState` (the record's ``(out, in)`` layout).
+      A `MatrixPrecondition` for `scale_by_muon(precondition=...)`, whose per-matrix
+      state is a `SoapMatrixState`; the update count is `MuonState`'s.
 
     Raises:
-      ValueError: as `scale_by_soap_whitening`.
+      ValueError: for ``beta``/``beta2`` outside [0, 1), a non-positive
+        ``precondition_frequency``, ``eps`` or ``trust_power``, a negative
+        ``denom_power``, ``trust_min_agree`` outside [0, 1), an unknown ``norm_match``.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from optax_snoo import scale_by_muon, soap_whitening_per_matrix
-      >>> tx = scale_by_muon(precondition=soap_whitening_per_matrix(),
+      >>> from optax_snoo import scale_by_muon, soap_whitening
+      >>> params = {"w": jnp.ones((8, 4))}
+      >>> tx = scale_by_muon(precondition=soap_whitening(),
       ...                    ns_normalization="gram_frobenius")
-      >>> state = tx.init({"w": jnp.ones((8, 4))})
+      >>> state = tx.init(params)
       >>> state.precondition.leaves["w"].gram_out.shape  # L over the fan_out axis (4)
       (4, 4)
+      >>> updates, state = tx.update({"w": jnp.eye(8, 4)}, state, params)
 
     References:
-      Jordan et al., `modded-nanogpt Track 3 records #14, #16, #44, #46
+      Vyas et al., `SOAP: Improving and Stabilizing Shampoo using Adam
+      <https://arxiv.org/abs/2409.11321>`_, 2024
+
+      Jordan et al., `modded-nanogpt Track 3 records #14 (SOAP on MLP), #16 (trust gate),
+      #44 (all hidden matrices, every-step basis), #46
       <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
       2026
     """
@@ -537,14 +340,14 @@ def soap_muon(
     ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
     matrix_axes: tuple[int, int] = (-2, -1),
     shape_scale: bool | str | None = "modded",
-    mu_dtype: jax.typing.DTypeLike | None = jnp.float32,
+    mu_dtype: jax.typing.DTypeLike | None = None,
     shard_newton_schulz: bool = True,
     newton_schulz_plan: NewtonSchulzPlan | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> optax.GradientTransformation:
     r"""SOAP-Muon on matrices and matrix stacks (modded-nanogpt Track 3 #44's Muon part).
 
-    ``chain(scale_by_muon(beta, precondition=scale_by_soap_whitening(...),
+    ``chain(scale_by_muon(beta, precondition=soap_whitening(...),
     ns_normalization="gram_frobenius", coefficients=coefficients, ...),
     scale_by_learning_rate(learning_rate))``: the Nesterov momentum whitened in the
     eigenbasis of the gradient's two Gram EMAs, rescaled to its Gram norm, then
@@ -562,21 +365,22 @@ def soap_muon(
       eps: ``V`` floor ``eps²`` (record: 1e-8).
       norm_match: ``"gram"`` (record) or ``"frobenius"``.
       trust_gate: leaves to trust-gate (record: the attention output projections), see
-        `scale_by_soap_whitening`.
+        `soap_whitening`.
       trust_floor: the gate's lower bound (default: the record's `trust_gate_floor`).
       trust_cap: the gate's upper bound (default: the record's `trust_gate_cap`).
       coefficients: Newton-Schulz triples or a preset name (see `orthogonalize`).
       ns_dtype: dtype of the Newton-Schulz iteration (record: bfloat16).
       matrix_axes: ``(fan_in, fan_out)`` axes of every leaf.
       shape_scale: as in `scale_by_muon` (record: ``"modded"``).
-      mu_dtype: dtype of Muon's momentum buffer.
+      mu_dtype: dtype of Muon's momentum buffer (``None``: float32, float64 for float64
+        params; see `scale_by_muon`).
       shard_newton_schulz: as in `scale_by_muon`.
       newton_schulz_plan: as in `scale_by_muon`.
       mesh: as in `scale_by_muon`.
 
     Returns:
       An ``optax.GradientTransformation``: a chain whose first state is a `MuonState`
-      with the `SoapWhiteningState` in its ``precondition`` field.
+      with the whitening's `OwnedPreconditionState` in its ``precondition`` field.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -596,7 +400,7 @@ def soap_muon(
       <https://arxiv.org/abs/2409.11321>`_, 2024
     """
     check_non_negative("learning_rate", learning_rate)
-    whitening = soap_whitening_per_matrix(
+    whitening = soap_whitening(
         soap_beta, precondition_frequency=precondition_frequency, denom_power=denom_power,
         eps=eps, norm_match=norm_match, trust_gate=trust_gate, trust_floor=trust_floor,
         trust_cap=trust_cap)

@@ -12,7 +12,7 @@ import numpy as np
 
 __all__ = ["check_float_dtype", "check_int_at_least", "check_non_negative", "check_positive",
            "check_unit_interval", "concrete_real", "is_integer", "is_real", "path_names",
-           "path_to_str", "value_at"]
+           "path_to_str", "state_dtype", "value_at"]
 
 
 def path_names(path: Sequence[Any]) -> tuple[str, ...]:
@@ -44,6 +44,19 @@ def path_names(path: Sequence[Any]) -> tuple[str, ...]:
 def path_to_str(path: Sequence[Any]) -> str:
     """A pytree key path written as ``"blocks/0/attn/c_q/kernel"`` (see `path_names`)."""
     return "/".join(path_names(path))
+
+
+def state_dtype(dtype: Any, like: Any) -> jnp.dtype:
+    """The dtype of an optimizer statistic kept for ``like`` (a param, or a dtype).
+
+    ``dtype`` when given; ``None``: float32 widened to ``like``'s dtype, so statistics are
+    float32 for bfloat16, float16 and float32 params (the library's default) and float64
+    for float64 params (a float64 run is float64 throughout).
+    """
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    # canonical: float32 again where x64 is off (a numpy float64 param stays float32)
+    return jax.dtypes.canonicalize_dtype(jnp.promote_types(jnp.result_type(like), jnp.float32))
 
 
 def value_at(value: Any, count: Any) -> Any:

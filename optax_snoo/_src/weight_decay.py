@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.utils import check_non_negative, is_real, value_at
+from optax_snoo._src.utils import check_non_negative, is_real, state_dtype, value_at
 
 __all__ = ["DecoupledWeightDecayState", "add_decoupled_weight_decay", "cautious_mask"]
 
@@ -91,7 +91,8 @@ def add_decoupled_weight_decay(
     - takes a per-leaf factor ``mul`` (the record's ``wd_mul``: 2.0 on MLP weights);
     - skips ``optax.MaskedNode`` (and ``None``) leaves, so it works inside
       ``optax.partition``/``optax.masked`` without a mask of its own;
-    - forms ``wd·mul·p`` and the sum in float32 and casts the sum to the update dtype, so
+    - forms ``wd·mul·p`` and the sum in float32 (float64 for float64 params or updates)
+      and casts the sum to the update dtype, so
       bf16 params do not round the decay term to bf16 before it joins the update (with
       float32 updates and params the numbers are those of ``optax.add_decayed_weights``);
     - optionally decays cautiously (``cautious=True``): only where the update and the
@@ -175,19 +176,20 @@ def add_decoupled_weight_decay(
                 f"add_decoupled_weight_decay (weight_decay={weight_decay!r}) needs the "
                 "current params: pass `params` to `update`.")
         if scheduled:
-            wd = jnp.asarray(value_at(weight_decay, state.count), jnp.float32)
+            wd = jnp.asarray(value_at(weight_decay, state.count))
             state = DecoupledWeightDecayState(count=optax.safe_increment(state.count))
         else:
-            wd = jnp.asarray(weight_decay, jnp.float32)
+            wd = jnp.asarray(weight_decay)
 
         def decay(u: jax.Array, p: jax.Array, m: Any = None) -> jax.Array:
             if _skipped(u):
                 return u
-            rate = wd if m is None else wd * jnp.asarray(m, jnp.float32)
-            term = rate * p.astype(jnp.float32)
+            dt = jnp.promote_types(state_dtype(None, u), state_dtype(None, p))
+            rate = wd.astype(dt) if m is None else wd.astype(dt) * jnp.asarray(m, dt)
+            term = rate * p.astype(dt)
             if cautious:
                 term = jnp.where(cautious_mask(u, p), term, 0.0)
-            return (u.astype(jnp.float32) + term).astype(u.dtype)
+            return (u.astype(dt) + term).astype(u.dtype)
 
         mul = multiplier(params) if callable(multiplier) else multiplier
         if mul is None:

@@ -63,35 +63,52 @@ def record_lr_ratio(t):
     return lr(max(t - 1, 0)) / lr(0)
 
 
-def test_ema_nesterov_matches_record():
-    lr_sched = lambda t: jnp.where(t < 8, 0.1, 0.1 * (1.0 - (t - 8) / 10.0))
-    ratio = lambda t: lr_sched(jnp.maximum(t - 1, 0)) / 0.1
-    tx = ema_nesterov(optax.sgd(lr_sched, momentum=MOM), beta0=BETA0, gamma=GAMMA,
-                      prefill=PREFILL, stop=STOP, lr_ratio=ratio)
-    params = init_params()
-    state = tx.init(params)
-    update = jax.jit(tx.update)
-    readout = jax.jit(eval_params)
-    # The record: live weights p, prev_params, lookahead_buffer; SGD momentum inside.
-    p = {n: np.asarray(x, np.float64) for n, x in params.items()}
+def record_ema_nesterov(p, grad, steps):
+    """#40's `EMA_Nesterov` around SGD with momentum, in float64 on one set of weights `p`
+    (a dict) with `grad(point, step)`: the point each gradient is taken at, and the weights
+    validation sees after each step."""
     prev = {n: x.copy() for n, x in p.items()}
     buf = {n: np.zeros_like(x) for n, x in p.items()}
     mom = {n: np.zeros_like(x) for n, x in p.items()}
-    for it in range(T):
+    points, evals = [], []
+    for it in range(steps):
         # nesterov_step: lookahead while prefill <= it < rest (it + 1 > prefill).
         if it + 1 > PREFILL and it < STOP:
             p = {n: p[n] + BETA0 * record_lr_ratio(it) * buf[n] for n in p}
-        close(params, p, f"gradient point at step {it}")
-        g = grad_at(p, it)
-        updates, state = update(as_f32(grad_at(params, it)), state, params)
-        params = optax.apply_updates(params, updates)
+        points.append(p)
+        g = grad(p, it)
         # step: the inner optimizer steps from the lookahead point, then accum_lookahead.
         mom = {n: g[n] + MOM * mom[n] for n in p}
         p = {n: p[n] - lr(it) * mom[n] for n in p}
         buf = {n: GAMMA * buf[n] + (1 - GAMMA) * (p[n] - prev[n]) for n in p}
         prev = {n: p[n].copy() for n in p}
-        # Validation at the top of the next iteration sees p (no lookahead yet).
-        close(readout(params, state), p, f"eval weights after step {it}")
+        evals.append(p)  # validation at the top of the next iteration: no lookahead yet
+    return points, evals
+
+
+def lr_sched(t):
+    return jnp.where(t < 8, 0.1, 0.1 * (1.0 - (t - 8) / 10.0))
+
+
+def ours_ema_nesterov():
+    ratio = lambda t: lr_sched(jnp.maximum(t - 1, 0)) / 0.1
+    return ema_nesterov(optax.sgd(lr_sched, momentum=MOM), beta0=BETA0, gamma=GAMMA,
+                        prefill=PREFILL, stop=STOP, lr_ratio=ratio)
+
+
+def test_ema_nesterov_matches_record():
+    tx = ours_ema_nesterov()
+    params = init_params()
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    readout = jax.jit(eval_params)
+    points, evals = record_ema_nesterov({n: np.asarray(x, np.float64) for n, x in params.items()},
+                                        grad_at, T)
+    for it in range(T):
+        close(params, points[it], f"gradient point at step {it}")
+        updates, state = update(as_f32(grad_at(params, it)), state, params)
+        params = optax.apply_updates(params, updates)
+        close(readout(params, state), evals[it], f"eval weights after step {it}")
         active_next = PREFILL <= it + 1 < STOP
         assert (float(state.lookahead) != 0.0) == active_next, (it, float(state.lookahead))
         if not active_next:  # outside the window the params are the weights to evaluate
@@ -165,7 +182,8 @@ def test_snoo_sync_end_matches_muloco():
         updates, h_state = hinted(as_f32(grad_at(h_params, t)), h_state, h_params,
                                   snoo_sync=optax_snoo.snoo_is_sync_step(t, k, "end"))
         h_params = optax.apply_updates(h_params, updates)
-        m.assert_trees_close(h_params, params, 1e-6, 1e-7)
+        # The hinted program and the traced one, against this loop's float64 reference.
+        m.assert_runs_agree(h_params, params, p)
     assert syncs == [False, False, True] * 4  # the last update is a sync
     with pytest.raises(ValueError, match="sync"):
         snoo(optax.sgd(0.1), sync="middle")
@@ -222,13 +240,90 @@ def test_eval_params_finds_nested_readouts():
     m.assert_trees_equal(no_readout, params)
 
 
-def test_eval_params_over_replicas():
-    tx = optax_snoo.over_replicas(tail_ema(1, 2.0, 0.5))
-    params = {"w": jnp.arange(6.0).reshape(2, 3)}  # two replicas
+# ---- eval_params over replicas: each replica's own readout -----------------------------
+
+REPLICAS = 3
+
+
+def replica_grad(r):
+    """Replica r's gradient: its own noise scale and offset, so the replicas' weights, EMAs
+    and lookahead buffers all differ."""
+    return lambda point, t: {n: g + r * noise(t)[n] - 0.3 * r
+                             for n, g in grad_at(point, t).items()}
+
+
+def replica_params():
+    return [{n: (1.0 + 0.5 * r) * np.asarray(x, np.float64) for n, x in init_params().items()}
+            for r in range(REPLICAS)]
+
+
+def stacked(trees):
+    return {n: jnp.asarray(np.stack([t[n] for t in trees]), jnp.float32) for n in SHAPES}
+
+
+def replica(tree, r):
+    return {n: tree[n][r] for n in SHAPES}
+
+
+def test_eval_params_over_replicas_tail_ema():
+    """After the EMA has moved away from the weights, each replica evaluates its own blend
+    (1 - λ)·w_r + λ·ema_r: not the weights, not replica 0's EMA."""
+    mask = {"embed": False, "w": True, "b": True}
+    tx = optax_snoo.over_replicas(optax.chain(optax.sgd(0.05),
+                                              tail_ema(START, TAU, LAM, END, mask=mask)))
+    ref = replica_params()
+    params = stacked(ref)
     state = tx.init(params)
-    updates, state = tx.update({"w": jnp.ones((2, 3))}, state, params)
-    params = optax.apply_updates(params, updates)
-    m.assert_trees_equal(eval_params(params, state), params)  # ema == w after one step
+    update = jax.jit(tx.update)
+    readout = jax.jit(eval_params)
+    grads = [replica_grad(r) for r in range(REPLICAS)]
+    emas = [None] * REPLICAS
+    for step in range(END + 2):
+        g = stacked([grads[r](replica(params, r), step) for r in range(REPLICAS)])
+        updates, state = update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        ev = readout(params, state)
+        for r in range(REPLICAS):
+            ref[r] = {n: ref[r][n] - 0.05 * x for n, x in grads[r](ref[r], step).items()}
+            if START <= step + 1 < END:  # #46's lazy init, then ema += (w - ema)/TAU
+                emas[r] = ({n: ref[r][n].copy() for n in ("w", "b")} if emas[r] is None else
+                           {n: e + (ref[r][n] - e) / TAU for n, e in emas[r].items()})
+            blend = {n: (1 - LAM) * ref[r][n] + LAM * emas[r][n] if emas[r] is not None and
+                     n in emas[r] else ref[r][n] for n in SHAPES}
+            close(replica(ev, r), blend, f"replica {r} readout after step {step}")
+    # The check can fail: the blend is far (>> the tolerance) from the weights, and from
+    # what replica 0's EMA would give on the other replicas.
+    for r in range(1, REPLICAS):
+        w, e = ref[r]["w"], emas[r]["w"]
+        assert np.max(np.abs(LAM * (e - w))) > 1e-2
+        assert np.max(np.abs(LAM * (e - emas[0]["w"]))) > 1e-2
+
+
+def test_eval_params_over_replicas_ema_nesterov():
+    """Each replica's lookahead removed with its own displacement buffer (#40 per replica)."""
+    tx = optax_snoo.over_replicas(ours_ema_nesterov())
+    start = replica_params()
+    params = stacked(start)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    readout = jax.jit(eval_params)
+    grads = [replica_grad(r) for r in range(REPLICAS)]
+    records = [record_ema_nesterov(start[r], grads[r], T) for r in range(REPLICAS)]
+    for it in range(T):
+        for r, (points, _) in enumerate(records):
+            close(replica(params, r), points[it], f"replica {r} gradient point at step {it}")
+        g = stacked([grads[r](replica(params, r), it) for r in range(REPLICAS)])
+        updates, state = update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        ev = readout(params, state)
+        for r, (_, evals) in enumerate(records):
+            close(replica(ev, r), evals[it], f"replica {r} eval weights after step {it}")
+    # The check can fail: inside the window the lookahead moved the weights away from
+    # what is evaluated, differently on each replica.
+    points = [p for p, _ in records]
+    gap = lambda r: points[r][STOP - 1]["w"] - records[r][1][STOP - 2]["w"]
+    assert all(np.max(np.abs(gap(r))) > 1e-2 for r in range(REPLICAS))
+    assert all(np.max(np.abs(gap(r) - gap(0))) > 1e-2 for r in range(1, REPLICAS))
 
 
 def test_bad_input():
@@ -261,21 +356,24 @@ def test_optax_matrix(which, tmp_path):
                           lr_ratio=optax.linear_schedule(1.0, 0.5, 6))
     else:
         tx = optax.chain(optax.adam(1e-2), tail_ema(2, 2.0, 0.6))
-    m.check_jit_matches_eager(tx, MATRIX_PARAMS, steps=4)
+    f64 = dict(float64=tx, float32_state=True)  # (its buffers stay float32: issue 34.3)
+    m.check_jit_matches_eager(tx, MATRIX_PARAMS, steps=4, **f64)
     m.check_state_stable(tx, MATRIX_PARAMS, steps=3)
     m.check_dtype_preserved(tx, MATRIX_PARAMS, steps=3)
-    m.check_multisteps(tx, MATRIX_PARAMS, steps=2)
-    m.check_partition(tx, MATRIX_PARAMS, steps=3)
+    m.check_multisteps(tx, MATRIX_PARAMS, steps=2, **f64)
+    m.check_partition(tx, MATRIX_PARAMS, steps=3, **f64)
     m.check_nnx_optimizer(tx, steps=5)
-    m.check_sharded_state(tx, MATRIX_PARAMS, steps=3)
+    m.check_sharded_state(tx, MATRIX_PARAMS, steps=3, **f64)
     m.check_orbax_roundtrip(tx, MATRIX_PARAMS, tmp_path, steps_before=3, steps_after=3)
     if which == "tail_ema":
         m.check_inject_hyperparams(lambda horizon, blend: tail_ema(2, horizon, blend),
-                                   MATRIX_PARAMS, dict(horizon=2.0, blend=0.6), steps=4)
+                                   MATRIX_PARAMS, dict(horizon=2.0, blend=0.6), steps=4,
+                                   float64=True, float32_state=True)
     else:
         m.check_inject_hyperparams(
             lambda beta0, gamma: ema_nesterov(optax.sgd(0.1), beta0, gamma, 1, 5),
-            MATRIX_PARAMS, dict(beta0=0.3, gamma=0.9), steps=4)
+            MATRIX_PARAMS, dict(beta0=0.3, gamma=0.9), steps=4, float64=True,
+            float32_state=True)
 
 
 def test_properties():

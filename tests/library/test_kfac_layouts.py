@@ -12,6 +12,8 @@ import numpy as np
 import optax
 
 from optax_snoo import kfac
+from references.error import assert_as_accurate, run_in_float64
+from references.kfac import operator
 
 RNG = np.random.default_rng(0)
 
@@ -33,6 +35,32 @@ def _kfac_update(loss_fn, params, args, mode, num_tokens=None):
 
 def _f64(x):
     return np.asarray(x, np.float64)
+
+
+def _float64_update(loss_fn, params, args, mode, num_tokens=None):
+    """`_kfac_update` of dense ``(in, out...)`` layers in float64, the reference of the
+    layouts compared with them: the capture under x64, ``A = x̃ᵀx̃/n``, ``G = M² dyᵀdy/n``
+    (M = num_tokens, default n), and the damped solve of ``[kernel; bias]``."""
+    _, grads, stats = run_in_float64(
+        lambda p, a: kfac.value_grad_and_stats(loss_fn, p, *a), params, args)
+    updates, curvature = {}, {}
+    for path, st in stats.items():
+        name = path.removesuffix("/kernel")
+        kernel = grads[name]["kernel"]
+        x, dy = st.inputs.reshape(-1, kernel.shape[0]), st.out_grads.reshape(len(st.inputs), -1)
+        n = len(x)
+        full = kernel.reshape(kernel.shape[0], -1)
+        if st.has_bias:
+            x = np.concatenate([x, np.ones((n, 1))], axis=1)
+            full = np.concatenate([full, grads[name]["bias"].reshape(1, -1)])
+        g = (n if num_tokens is None else num_tokens) * dy
+        a, g = x.T @ x / n, g.T @ g / n
+        curvature[path] = kfac.LayerCurvature(a, g)
+        u = (operator(a, g, 1e-2, mode) @ full.reshape(-1)).reshape(full.shape)
+        updates[name] = {"kernel": u[:kernel.shape[0]].reshape(kernel.shape)}
+        if st.has_bias:
+            updates[name]["bias"] = u[-1].reshape(grads[name]["bias"].shape)
+    return updates, curvature
 
 
 def test_transposed_layouts_match_the_in_out_layer():
@@ -58,21 +86,19 @@ def test_transposed_layouts_match_the_in_out_layer():
     assert stats["l2/kernel"].kernel_axes == (1, 0, 2)
     # A from the float64 inputs: [x; 1] [x; 1]ᵀ / N.
     x1 = np.concatenate([_f64(x), np.ones((7, 1))], axis=1)
+    # Both layouts' float32 programs against the (in, out) layers' computation in float64.
     for mode in ("pi", "eigen"):
         u_t, c_t = _kfac_update(torch_loss, torch_like, (x,), mode)
         u_f, c_f = _kfac_update(flax_loss, flax_like, (x,), mode)
-        np.testing.assert_allclose(_f64(c_t["l1/kernel"].a), x1.T @ x1 / 7, rtol=1e-5)
+        u64, c64 = _float64_update(flax_loss, flax_like, (x,), mode)
+        np.testing.assert_allclose(c64["l1/kernel"].a, x1.T @ x1 / 7, rtol=1e-12)
         for name in ("l1/kernel", "l2/kernel"):
-            np.testing.assert_allclose(_f64(c_t[name].a), _f64(c_f[name].a), rtol=1e-5)
-            np.testing.assert_allclose(_f64(c_t[name].g), _f64(c_f[name].g), rtol=1e-5,
-                                       atol=1e-9)
-        np.testing.assert_allclose(_f64(u_t["l1"]["kernel"]), _f64(u_f["l1"]["kernel"]).T,
-                                   rtol=1e-4, atol=1e-7)
-        np.testing.assert_allclose(_f64(u_t["l1"]["bias"]), _f64(u_f["l1"]["bias"]),
-                                   rtol=1e-4, atol=1e-7)
-        np.testing.assert_allclose(_f64(u_t["l2"]["kernel"]),
-                                   _f64(u_f["l2"]["kernel"]).transpose(1, 0, 2),
-                                   rtol=1e-4, atol=1e-7)
+            for f in ("a", "g"):
+                assert_as_accurate(getattr(c_t[name], f), getattr(c_f[name], f),
+                                   getattr(c64[name], f), what=f"{mode} {name} {f}")
+        back = {"l1": {"kernel": u_t["l1"]["kernel"].T, "bias": u_t["l1"]["bias"]},
+                "l2": {"kernel": jnp.transpose(u_t["l2"]["kernel"], (1, 0, 2))}}
+        assert_as_accurate(back, u_f, u64, what=mode)
         # Preconditioned at all: not the gradient.
         g = jax.grad(torch_loss)(torch_like, x)["l1"]["kernel"]
         assert not np.allclose(_f64(u_t["l1"]["kernel"]), _f64(g), rtol=1e-2)
@@ -181,7 +207,7 @@ def test_one_by_one_conv_update_is_the_dense_update():
                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return jnp.mean(jnp.sum(jnp.tanh(y + p["c"]["bias"]), axis=(1, 2, 3)))
 
-    def dense_loss(p):
+    def dense_loss(p, x=x):  # (x an argument for the float64 reference)
         y = x.reshape(3, 4, 4) @ p["c"]["kernel"] + p["c"]["bias"]
         return jnp.mean(jnp.sum(jnp.tanh(y), axis=(1, 2)))
 
@@ -190,13 +216,13 @@ def test_one_by_one_conv_update_is_the_dense_update():
     for mode in ("pi", "eigen"):
         u_c, c_c = _kfac_update(conv_loss, conv_p, (), mode)
         u_d, c_d = _kfac_update(dense_loss, dense_p, (), mode, num_tokens=3 * math.sqrt(4))
-        np.testing.assert_allclose(_f64(c_c["c/kernel"].g), _f64(c_d["c/kernel"].g),
-                                   rtol=1e-5, atol=1e-9)
-        np.testing.assert_allclose(_f64(u_c["c"]["kernel"]).reshape(4, 5),
-                                   _f64(u_d["c"]["kernel"]), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(_f64(u_c["c"]["bias"]), _f64(u_d["c"]["bias"]),
-                                   rtol=1e-4, atol=1e-7)
+        u64, c64 = _float64_update(dense_loss, dense_p, (x,), mode, num_tokens=3 * math.sqrt(4))
+        for f in ("a", "g"):
+            assert_as_accurate(getattr(c_c["c/kernel"], f), getattr(c_d["c/kernel"], f),
+                               getattr(c64["c/kernel"], f), what=f"{mode} {f}")
         assert u_c["c"]["kernel"].shape == (1, 1, 4, 5)
+        as_dense = {"c": {"kernel": u_c["c"]["kernel"].reshape(4, 5), "bias": u_c["c"]["bias"]}}
+        assert_as_accurate(as_dense, u_d, u64, what=mode)
     # A template without the layout refuses the conv's curvature, naming the fix.
     tx = kfac.kfac(0.1, layers={"c/kernel": kfac.LayerCurvature(
         jnp.zeros((5, 5)), jnp.zeros((5, 5)))})
@@ -248,12 +274,13 @@ def test_scanned_layers_match_the_unrolled_stack():
         "dense, d_in 4, d_out 4, scanned stack (3,), with bias blocks/bias")
     u_s, c_s = _kfac_update(scanned_loss, stacked, (x,), "pi")
     u_u, c_u = _kfac_update(unrolled_loss, unrolled, (x,), "pi")
+    u64, c64 = _float64_update(unrolled_loss, unrolled, (x,), "pi")
     assert c_s["blocks/kernel"].a.shape == (3, 5, 5)
     for i in range(n_layers):
         for f in ("a", "g"):
-            np.testing.assert_allclose(_f64(getattr(c_s["blocks/kernel"], f)[i]),
-                                       _f64(getattr(c_u[f"l{i}/kernel"], f)), rtol=1e-5,
-                                       atol=1e-8)
+            assert_as_accurate(getattr(c_s["blocks/kernel"], f)[i],
+                               getattr(c_u[f"l{i}/kernel"], f), getattr(c64[f"l{i}/kernel"], f),
+                               what=f"layer {i} {f}")
         for leaf in ("kernel", "bias"):
-            np.testing.assert_allclose(_f64(u_s["blocks"][leaf][i]), _f64(u_u[f"l{i}"][leaf]),
-                                       rtol=1e-4, atol=1e-6)
+            assert_as_accurate(u_s["blocks"][leaf][i], u_u[f"l{i}"][leaf], u64[f"l{i}"][leaf],
+                               what=f"layer {i} {leaf}")

@@ -23,6 +23,7 @@ from optax_snoo._src.skew_adam import (
     skew_adam,
     skew_adam_roles,
 )
+from references.error import assert_as_accurate, run_in_float64
 
 # A small MoE-shaped tree: 2-D and 1-D backbone, an (E, R, C) expert stack, a 2-D router.
 SHAPES = {"wte": (6, 5), "ln": (5,), "moe": {"experts": (3, 4, 5), "router": (5, 3)}}
@@ -240,34 +241,55 @@ def test_factored_equals_full_for_rank_one_squared_gradients():
     second moments give the same direction (when the eps clamp is inactive)."""
     rng = np.random.default_rng(3)
     params = {"w": jnp.zeros((2, 6, 4))}
-    fac, full = scale_by_second_moment(0.9), scale_by_second_moment(0.9, factored=False)
-    sf, sg = fac.init(params), full.init(params)
-    fac_update, full_update = jax.jit(fac.update), jax.jit(full.update)
     a = rng.uniform(0.5, 2, size=(2, 6, 1))
     b = rng.uniform(0.5, 2, size=(2, 1, 4))
-    for _ in range(20):
-        # g² = s² a² b² stays rank one per expert; signs and the scale s change every step.
-        sign = rng.choice([-1, 1], size=(2, 6, 4))
-        g = {"w": jnp.asarray(rng.uniform(0.2, 3) * sign * a * b, jnp.float32)}
-        uf, sf = fac_update(g, sf)
-        ug, sg = full_update(g, sg)
-        np.testing.assert_allclose(uf["w"], ug["w"], rtol=1e-5)
+    # g² = s² a² b² stays rank one per expert; signs and the scale s change every step.
+    gs = [{"w": np.asarray(rng.uniform(0.2, 3) * rng.choice([-1, 1], size=(2, 6, 4)) * a * b,
+                           np.float32)} for _ in range(20)]
+
+    def directions(params, gs):  # statistics in the params' dtype (float64: the reference)
+        kw = dict(stats_dtype=params["w"].dtype)
+        fac, full = scale_by_second_moment(0.9, **kw), scale_by_second_moment(
+            0.9, factored=False, **kw)
+        sf, sg = fac.init(params), full.init(params)
+        fac_update, full_update = jax.jit(fac.update), jax.jit(full.update)
+        out = []
+        for g in gs:
+            (uf, sf), (ug, sg) = fac_update(g, sf), full_update(g, sg)
+            out.append((uf, ug))
+        return out
+
+    # Factored and full statistics round differently: as accurate as the full one
+    # against its float64 computation.
+    exact = run_in_float64(directions, params, gs)
+    for t, ((uf, ug), (_, ug64)) in enumerate(zip(directions(params, gs), exact, strict=True)):
+        assert_as_accurate(uf, ug, ug64, what=f"step {t}")
 
 
 def test_expert_stack_is_factored_per_expert():
     """An (E, R, C) stack's direction equals that of E separate (R, C) matrices."""
     rng = np.random.default_rng(4)
-    tx = scale_by_skew_adam(0.9, 0.99)
-    stack = {"e": jnp.zeros((3, 4, 5))}
-    split = {f"e{i}": jnp.zeros((4, 5)) for i in range(3)}
-    s1, s2 = tx.init(stack), tx.init(split)
-    update = jax.jit(tx.update)
-    for _ in range(10):
-        g = rng.normal(size=(3, 4, 5)).astype(np.float32) * rng.uniform(0.1, 3, size=(3, 1, 1))
-        u1, s1 = update({"e": jnp.asarray(g)}, s1)
-        u2, s2 = update({f"e{i}": jnp.asarray(g[i]) for i in range(3)}, s2)
-        for i in range(3):
-            np.testing.assert_allclose(u1["e"][i], u2[f"e{i}"], rtol=1e-6)
+    gs = [(rng.normal(size=(3, 4, 5)) * rng.uniform(0.1, 3, size=(3, 1, 1))).astype(np.float32)
+          for _ in range(10)]
+
+    def directions(gs):  # statistics in the gradients' dtype (float64: the reference)
+        tx = scale_by_skew_adam(0.9, 0.99, stats_dtype=gs[0].dtype)
+        stack = {"e": jnp.zeros((3, 4, 5), gs[0].dtype)}
+        split = {f"e{i}": jnp.zeros((4, 5), gs[0].dtype) for i in range(3)}
+        s1, s2 = tx.init(stack), tx.init(split)
+        update = jax.jit(tx.update)
+        out = []
+        for g in gs:
+            u1, s1 = update({"e": g}, s1)
+            u2, s2 = update({f"e{i}": g[i] for i in range(3)}, s2)
+            out.append(([u1["e"][i] for i in range(3)], [u2[f"e{i}"] for i in range(3)]))
+        return out
+
+    # One stacked reduction rounds otherwise than three: as accurate as the separate
+    # matrices against their float64 computation.
+    exact = run_in_float64(directions, gs)
+    for t, ((u1, u2), (_, u64)) in enumerate(zip(directions(gs), exact, strict=True)):
+        assert_as_accurate(u1, u2, u64, what=f"step {t}")
 
 
 def test_first_step_is_the_sign_for_full_second_moment():
@@ -413,13 +435,16 @@ def test_optax_matrix(tmp_path):
     tx = skew_adam(1e-2)
     # Eager op-by-op dispatch is slow on CPU: a two-leaf tree (backbone matrix with
     # momentum, factored expert stack) covers the eager path.
+    # skew_adam keeps float32 statistics for float64 params too: the float64 run's update
+    # is then float32-accurate, lr x that on the params, far below their own rounding.
+    f64 = dict(float64=tx, float32_state=True)
     m.check_jit_matches_eager(tx, {"w": MATRIX_PARAMS["wte"],
-                                   "experts": MATRIX_PARAMS["moe"]["experts"]}, steps=3)
+                                   "experts": MATRIX_PARAMS["moe"]["experts"]}, steps=3, **f64)
     m.check_state_stable(tx, MATRIX_PARAMS)
     m.check_dtype_preserved(tx, MATRIX_PARAMS)  # with rounding: tests/library/test_rounding.py
-    m.check_multisteps(tx, MATRIX_PARAMS)
-    m.check_partition(tx, MATRIX_PARAMS)
-    m.check_sharded_state(tx, MATRIX_PARAMS)
+    m.check_multisteps(tx, MATRIX_PARAMS, **f64)
+    m.check_partition(tx, MATRIX_PARAMS, **f64)
+    m.check_sharded_state(tx, MATRIX_PARAMS, **f64)
     m.check_orbax_roundtrip(tx, MATRIX_PARAMS, tmp_path)
     # Schedules: see the "clamped" reference case and test_inject_hyperparams.
 

@@ -10,6 +10,7 @@ import pytest
 import optax_matrix as m
 import optax_snoo
 from optax_snoo import snoo
+from references.error import assert_as_accurate, float64, in_float64
 from references.snoo import SHAPES, NumpyAdamW, NumpySGD, numpy_snoo
 
 
@@ -23,13 +24,13 @@ def grad_seq(steps):
     return [{k: rng.normal(size=s) for k, s in SHAPES.items()} for _ in range(steps)]
 
 
-def run_ours(tx, params, grads, **extra):
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+def run_ours(tx, params, grads, dtype=jnp.float32, **extra):
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     state = tx.init(params)
     update = jax.jit(tx.update, static_argnames=("snoo_sync",))
     history = []
     for g in grads:
-        g = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g)
+        g = jax.tree.map(lambda x: jnp.asarray(x, dtype), g)
         u, state = update(g, state, params, **extra)
         params = optax.apply_updates(params, u)
         history.append(params)
@@ -113,6 +114,12 @@ def test_static_sync_hint_gives_the_same_trajectory(k):
     params, grads = init_params(), grad_seq(4 * k + 2)
     tx = snoo(optax.adamw(0.01), 0.68, 0.37, k)
     plain, _ = run_ours(tx, params, grads)
+    # The inputs as float32 has them, then the plain path in float64: what both round.
+    params32, grads32 = (jax.tree.map(lambda x: np.asarray(x, np.float32), t)
+                         for t in (params, grads))
+    with in_float64():
+        tx64 = snoo(optax.adamw(0.01), 0.68, 0.37, k, slow_dtype="float64")
+        exact = float64(run_ours(tx64, params32, grads32, dtype=jnp.float64)[0])
     p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     state = tx.init(p)
     update = jax.jit(tx.update, static_argnames=("snoo_sync",))
@@ -120,7 +127,8 @@ def test_static_sync_hint_gives_the_same_trajectory(k):
         g = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g)
         u, state = update(g, state, p, snoo_sync=optax_snoo.snoo_is_sync_step(t, k))
         p = optax.apply_updates(p, u)
-        m.assert_trees_close(p, plain[t], rtol=1e-6, atol=1e-7)
+        # Two compiled programs (a static branch, a traced one): as accurate as each other.
+        assert_as_accurate(p, plain[t], exact[t], what=f"step {t}")
 
 
 def test_hint_must_be_a_static_bool():
@@ -234,13 +242,14 @@ MATRIX_PARAMS = {"w": jnp.ones((8, 4)), "b": jnp.zeros((4,)), "stack": jnp.ones(
 
 def test_optax_matrix(tmp_path):
     tx = snoo(optax.adamw(1e-2), k=3)
-    m.check_jit_matches_eager(tx, MATRIX_PARAMS, steps=5)
+    tx64 = snoo(optax.adamw(1e-2), k=3, slow_dtype="float64")  # the same in float64
+    m.check_jit_matches_eager(tx, MATRIX_PARAMS, steps=5, float64=tx64)
     m.check_state_stable(tx, MATRIX_PARAMS, steps=4)
     m.check_dtype_preserved(tx, MATRIX_PARAMS, steps=4)
-    m.check_multisteps(tx, MATRIX_PARAMS, steps=4)
-    m.check_partition(tx, MATRIX_PARAMS, steps=4)
+    m.check_multisteps(tx, MATRIX_PARAMS, steps=4, float64=tx64)
+    m.check_partition(tx, MATRIX_PARAMS, steps=4, float64=tx64)
     m.check_nnx_optimizer(snoo(optax.adam(1e-2), k=2), steps=5)
-    m.check_sharded_state(tx, MATRIX_PARAMS, steps=4)
+    m.check_sharded_state(tx, MATRIX_PARAMS, steps=4, float64=tx64)
     # Saved after 5 updates: mid-period for k = 3 (the next sync is at t = 6).
     m.check_orbax_roundtrip(tx, MATRIX_PARAMS, tmp_path, steps_before=5, steps_after=5)
 
@@ -253,7 +262,8 @@ def test_inject_hyperparams():
     inner = optax.adamw(1e-2)
     state = m.check_inject_hyperparams(
         snoo, MATRIX_PARAMS, {"inner": inner, "learning_rate": 0.68, "momentum": 0.37, "k": 2},
-        static_args=("k",), steps=5)
+        static_args=("k",), steps=5,
+        float64=lambda **kw: snoo(**kw, slow_dtype="float64"))
     assert float(state.hyperparams["momentum"]) == pytest.approx(0.37)
     # The injected value is the one used: zero outer lr freezes the params at the slow copy.
     tx = optax.inject_hyperparams(snoo, static_args=("k",))(inner, 0.68, 0.37, 2)
@@ -292,6 +302,7 @@ def test_a_skipped_update_keeps_its_slot_in_the_period():
     for t in (2, 3):
         hinted = tx.update(grads, state, params, snoo_sync=optax_snoo.snoo_is_sync_step(t, 3))
         decided = tx.update(grads, state, params)  # Snoo's own in-jit decision
+        # Exactly equal: sums and halvings of ones, exact in float32 in any order.
         jax.tree.map(np.testing.assert_array_equal, hinted, decided)
         state = hinted[1]
     assert int(state.count) == 4

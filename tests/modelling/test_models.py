@@ -25,6 +25,7 @@ from jax.sharding import AxisType
 import models
 from models import moe as moe_lib
 from models.layers import dropout, matmul
+from references.error import assert_as_accurate, run_in_float64
 
 # GQA (4 query heads share 2 key/value heads), tied GELU MLP.
 DENSE = models.GPTConfig(
@@ -297,15 +298,21 @@ def test_causal_attention_vjp_equals_autodiff_of_the_xla_attention(n_head, n_kv_
     w = jnp.asarray(rng.normal(size=(B, T, n_head, H)), jnp.float32)
     args = [jnp.asarray(a, dtype) for a in (q, k, v)]
     ours = lambda q, k, v: jnp.sum(models.causal_attention(q, k, v).astype(jnp.float32) * w)
-    xla = lambda q, k, v: jnp.sum(
-        jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32) * w)
+    xla = lambda q, k, v, w=w: jnp.sum(
+        jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(w.dtype) * w)
     value, grads = jax.jit(jax.value_and_grad(ours, (0, 1, 2)))(*args)
     ref_value, ref_grads = jax.value_and_grad(xla, (0, 1, 2))(
         *(a.astype(jnp.float32) for a in args))
-    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: the inputs' 8-bit mantissa
-    np.testing.assert_allclose(value, ref_value, rtol=tol)
-    for g, r, a in zip(grads, ref_grads, args, strict=True):
+    for g, a in zip(grads, args, strict=True):
         assert g.dtype == a.dtype and g.shape == a.shape
+    if dtype == "float32":  # two float32 programs: as accurate as autodiff, against float64
+        exact = run_in_float64(lambda q, k, v, w: jax.value_and_grad(
+            functools.partial(xla, w=w), (0, 1, 2))(q, k, v), *args, w)
+        assert_as_accurate((value, grads), (ref_value, ref_grads), exact)
+        return
+    tol = 2e-2  # bf16: the inputs' 8-bit mantissa
+    np.testing.assert_allclose(value, ref_value, rtol=tol)
+    for g, r in zip(grads, ref_grads, strict=True):
         scale = float(jnp.max(jnp.abs(r)))
         np.testing.assert_allclose(np.asarray(g, np.float32) / scale, r / scale, atol=tol)
     if dtype == "bfloat16":  # as accurate as autodiff of the same bf16 computation
@@ -329,9 +336,14 @@ def test_causal_attention_forward_under_differentiation_equals_the_xla_attention
     ours = jax.jit(lambda *a: jax.vjp(models.causal_attention, *a)[0])(*args)
     ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))(*args)
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    if dtype == "float32":  # two float32 programs: as accurate as XLA's, against float64
+        exact = run_in_float64(functools.partial(jax.nn.dot_product_attention, is_causal=True),
+                               *args)
+        assert_as_accurate(ours, ref, exact)
+        return
     ref = np.asarray(ref, np.float32)
-    tol = 1e-6 if dtype == "float32" else 2.0**-7 * np.max(np.abs(ref))
-    np.testing.assert_allclose(np.asarray(ours, np.float32), ref, atol=tol, rtol=0)
+    np.testing.assert_allclose(np.asarray(ours, np.float32), ref,
+                               atol=2.0**-7 * np.max(np.abs(ref)), rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])

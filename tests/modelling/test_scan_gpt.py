@@ -16,9 +16,9 @@ import models
 import optax_snoo
 import train
 from optax_snoo import kfac
+from optax_snoo.recipes import nanogpt_decay_mask as decay_mask
 from train import config as tc
 from train.kfac_trainer import kfac_curvature_fn
-from train.optimizers import decay_mask
 
 N_LAYER = 2
 

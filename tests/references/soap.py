@@ -63,14 +63,16 @@ class RefSoapMuon:
         self.soap_step = 0
         self.freq, self.norm, self.gated, self.fade = freq, norm, gated, fade
 
-    def step(self, grad, mu, step, beta=0.9):
+    def step(self, grad, mu, step, beta=0.9, beta2=None):
+        """``beta2``: decay of ``V`` (SOAP's, Vyas et al.); ``None``: ``beta`` (the record)."""
+        beta2 = beta if beta2 is None else beta2
         self.mom += (1 - mu) * (grad - self.mom)           # momentum.lerp_(grad, 1 - mu)
         M = grad + mu * (self.mom - grad)                  # grad.lerp(momentum, mu)
         if self.QL is None:
             D = M
         else:
             P = self.QL.T @ M @ self.QR
-            self.V = beta * self.V + (1 - beta) * P ** 2
+            self.V = beta2 * self.V + (1 - beta2) * P ** 2
             # :405, :412 clamp_min(eps * eps) with eps=1e-8; :86 SOAP_DENOM_POWER 0.5
             D = self.QL @ (P / np.maximum(self.V, 1e-16) ** 0.5) @ self.QR.T
             D = D * (self.norm(M, 1e-8) / self.norm(D, 1e-8))  # :414

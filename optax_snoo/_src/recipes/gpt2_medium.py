@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any
 
 from optax_snoo._src.adam import AdamGroup
-from optax_snoo._src.muon import muon_momentum_warmup
 from optax_snoo._src.muon_adam import MuonGroup, group_labels, muon
 from optax_snoo._src.recipes.base import (
     Hyperparameters,
@@ -21,7 +20,7 @@ from optax_snoo._src.recipes.base import (
     register,
     with_snoo,
 )
-from optax_snoo._src.schedules import stable_cooldown_schedule
+from optax_snoo._src.schedules import muon_momentum_warmup, stable_cooldown_schedule
 
 __all__ = ["RECORD_ADAM_PATTERNS", "RECORD_MLP_PATTERN"]
 
@@ -84,23 +83,24 @@ def _modded_nanogpt(t: ModdedNanogptHyperparameters, total_steps: int, *, labels
                                                      t.final_lr_scale)
     claimed = {"head", "embed"}
     groups = [AdamGroup(patterns[name], schedule(lr), t.adam_b1, t.adam_b2, t.adam_eps,
-                        name=name, claim=name in claimed, required=name in claimed)
+                        name=name, claim=name in claimed, required=name == "embed",
+                        like="embed" if name == "head" else None)
               for name, lr in (("head", t.head_learning_rate),
                                ("embed", t.embed_learning_rate),
                                ("vectors", t.vector_learning_rate))]
     mlp_decay = t.muon_weight_decay * t.mlp_weight_decay_multiplier
     lr = schedule(t.muon_learning_rate)
+    muon_groups = [MuonGroup(RECORD_MLP_PATTERN, weight_decay=mlp_decay, name="mlp"),
+                   MuonGroup(".*", name="matrices")]
     tx = muon(
         lr, beta=muon_momentum_warmup(t.muon_momentum_start, t.muon_momentum,
                                       t.muon_momentum_warmup_steps),
-        weight_decay=t.muon_weight_decay,
-        muon_groups=[MuonGroup(RECORD_MLP_PATTERN, weight_decay=mlp_decay, name="mlp"),
-                     MuonGroup(".*", name="matrices")],
+        weight_decay=t.muon_weight_decay, muon_groups=muon_groups,
         coefficients="modded", ns_dtype=t.ns_dtype, smoothing=t.muon_smoothing,
         smoothing_form=t.smoothing_form,
         adam_groups=groups, labels=labels, newton_schulz_plan=newton_schulz_plan,
         shard_newton_schulz=shard_newton_schulz)
-    return Stack(tx, lr, groups=group_labels(groups, labels))
+    return Stack(tx, lr, groups=group_labels(groups, labels, muon_groups))
 
 
 def _patterns(adam_patterns: dict[str, str] | None) -> dict[str, str]:

@@ -23,7 +23,6 @@ import optax
 
 from optax_snoo import kfac as kfac_lib
 from optax_snoo._src.labels import by_path, label_by_rules, muon_adam_labels, partition
-from optax_snoo._src.muon import muon_momentum_warmup
 from optax_snoo._src.muon_adam import muon
 from optax_snoo._src.newton_muon import newton_muon
 from optax_snoo._src.recipes.base import (
@@ -34,7 +33,11 @@ from optax_snoo._src.recipes.base import (
     register,
     with_snoo,
 )
-from optax_snoo._src.schedules import nanogpt_cosine_schedule, stable_cooldown_schedule
+from optax_snoo._src.schedules import (
+    muon_momentum_warmup,
+    nanogpt_cosine_schedule,
+    stable_cooldown_schedule,
+)
 from optax_snoo._src.skew_adam import skew_adam
 
 __all__ = [
@@ -267,6 +270,7 @@ def kfac_label_rules(experts: bool = False) -> tuple:
             (r".*", "adamw"))
 
 
+#: The K-FAC recipes' label rules without the expert stacks (`kfac_label_rules`).
 KFAC_LABEL_RULES: tuple = kfac_label_rules()
 
 

@@ -5,9 +5,9 @@ The records name their parameters ``embed``, ``proj`` (the head), ``blocks.N.att
 {q,k,v,proj}``, ``mlp.{fc,proj}``, ``norm*.gains``; this repository's GPT calls them
 ``wte/embedding``, ``lm_head/kernel``, ``blocks/N/attn/c_{q,k,v,proj}``, ``mlp/c_{fc,proj}``,
 ``ln_*/scale``. Every recipe takes ``adam_patterns=`` (a dict by group name) for other
-names, and ``labels=`` for another Muon/Adam split; the embedding and head groups are
-required (a model whose embedding matches nothing is refused) and claim what they match
-from Muon.
+names, and ``labels=`` for another Muon/Adam split; the embedding and head groups claim
+what they match from Muon, and a model whose embedding matches nothing, or whose head
+matches nothing while a Muon matrix has the embedding's shape, is refused.
 
 References:
   Jordan et al., `modded-nanogpt Track 3 (optimization)
@@ -58,8 +58,8 @@ TRACK3_RECORD_ADAM_PATTERNS: dict[str, str] = {
 #: #44/#46's attention output projections (``attn.proj``; here ``attn/c_proj``): the
 #: leaves the SOAP trust gate acts on.
 TRACK3_TRUST_GATE_PATTERN = r"(^|/)attn/c_proj/kernel$"
-#: The groups a model must have: refused when they match nothing.
-REQUIRED_GROUPS = ("embed", "head")
+#: The groups that take what their patterns match, also from Muon.
+CLAIMING_GROUPS = ("embed", "head")
 
 
 def patterns(defaults: Mapping[str, str], given: Mapping[str, str] | None) -> dict[str, str]:
@@ -75,9 +75,12 @@ def adam_groups(patterns: Mapping[str, str],
                 settings: Sequence[tuple[str, optax.ScalarOrSchedule, float, float, float,
                                          float, bool]]) -> list[AdamGroup]:
     """One `AdamGroup` per ``(name, lr, b1, b2, eps, weight_decay, bias_correction)``, its
-    pattern from ``patterns``; the embedding and head groups required and claiming."""
+    pattern from ``patterns``; the embedding and head groups claim what they match, the
+    embedding is required, the head when a Muon matrix is shaped like the embedding (a
+    tied head is the embedding)."""
     return [AdamGroup(patterns[name], lr, b1, b2, eps, wd, bias_correction=bc, name=name,
-                      claim=name in REQUIRED_GROUPS, required=name in REQUIRED_GROUPS)
+                      claim=name in CLAIMING_GROUPS, required=name == "embed",
+                      like="embed" if name == "head" else None)
             for name, lr, b1, b2, eps, wd, bc in settings]
 
 

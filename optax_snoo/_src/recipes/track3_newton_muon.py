@@ -95,7 +95,8 @@ def _track3_newton_muon(t: Track3NewtonMuonHyperparameters, total_steps: int, *,
         muon_groups=muon_groups, coefficients="track3", ns_dtype=t.ns_dtype,
         adam_groups=groups, labels=labels, newton_schulz_plan=newton_schulz_plan,
         shard_newton_schulz=shard_newton_schulz)
-    return Stack(tx, schedule(t.mlp_fc_learning_rate), groups=group_labels(groups, labels),
+    return Stack(tx, schedule(t.mlp_fc_learning_rate),
+                 groups=group_labels(groups, labels, muon_groups),
                  update_args=("input_covariance",))
 
 

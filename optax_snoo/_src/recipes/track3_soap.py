@@ -38,12 +38,13 @@ from optax_snoo._src.recipes.track3_common import (
     patterns,
     steps_in_order,
 )
-from optax_snoo._src.schedules import muon_momentum_schedule, power_cool_scaled
-from optax_snoo._src.soap_muon import (
-    soap_whitening_per_matrix,
+from optax_snoo._src.schedules import (
+    muon_momentum_schedule,
+    power_cool_scaled,
     trust_gate_cap,
     trust_gate_floor,
 )
+from optax_snoo._src.soap_muon import soap_whitening
 
 __all__ = ["SoapMuonHyperparameters", "Track3RecordHyperparameters"]
 
@@ -171,7 +172,7 @@ def _soap_partition(t: SoapMuonHyperparameters, total_steps: int, radius: dict[s
         t.muon_momentum_start, t.muon_momentum, warmup=t.muon_momentum_warmup_steps,
         cooldown=t.muon_momentum_cooldown_steps, total=total_steps)
     gate = by_path([(trust_gate_pattern, True)], default=False, what="trust gate")
-    whitening = soap_whitening_per_matrix(
+    whitening = soap_whitening(
         t.soap_beta, precondition_frequency=1, trust_gate=gate.value,
         trust_floor=trust_gate_floor(t.trust_floor, t.trust_fade_start, t.trust_fade_end),
         trust_cap=trust_gate_cap(t.trust_cap, t.trust_cap_until))
