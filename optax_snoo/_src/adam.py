@@ -139,8 +139,9 @@ class AdamGroup(NamedTuple):
       nesterov: Nesterov momentum in this group.
       name: the group's label in the partition (its key in the optimizer state);
         ``None``: ``"adam"`` for the only group, else ``"adam_<index>"``.
-      claim: the group takes every leaf its pattern matches, also one the labels give to
-        Muon (an embedding or head the default labels do not recognise by name).
+      claim: the group also takes the leaves its pattern matches that the labels give to
+        Muon (an embedding or head the default labels do not recognise by name); the
+        leaves the labels give to Adam still go to the first group they match.
       required: a group that matches no leaf is an error at init (the recipes' embedding:
         a model that names it otherwise would train it with Muon).
       like: the name of another group: this one is required when a Muon leaf has the

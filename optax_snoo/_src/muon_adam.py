@@ -356,9 +356,9 @@ def _adam_group_names(groups: Sequence[AdamGroup]) -> list[str]:
 def _labels_with_adam_groups(labels: Any, groups: Sequence[AdamGroup], names: Sequence[str]
                              ) -> Callable[[optax.Params], Any]:
     """``labels`` (a tree or a function of the params) with each ``"adam"`` leaf relabelled
-    by the first group whose pattern its path matches, and any other leaf a ``claim``
-    group's pattern matches given to that group; a ``required`` group that gets no leaf
-    is an error naming it."""
+    by the first group whose pattern its path matches, and any other leaf (Muon's) a
+    ``claim`` group's pattern matches given to the first such group; a ``required`` group
+    that gets no leaf is an error naming it."""
     pairs = list(zip(groups, names, strict=True))
     claims = by_path([(g.pattern, name) for g, name in pairs if g.claim], default=None)
     adam = by_path([(g.pattern, name) for g, name in pairs], what="Adam group")
@@ -366,10 +366,11 @@ def _labels_with_adam_groups(labels: Any, groups: Sequence[AdamGroup], names: Se
     def group_labels(params: optax.Params) -> Any:
         def refine(path: Any, label: Any) -> Any:
             name = path_to_str(path)
-            if label != "adam":  # a claim takes leaves from Muon; Adam's go first-match
-                claimed = claims.value(name)
-                return label if claimed is None else claimed
-            return adam.value(name)
+            if label == "adam":
+                return adam.value(name)
+            # A claim takes a leaf from Muon only: Adam's own leaves keep first-match order.
+            claimed = claims.value(name)
+            return label if claimed is None else claimed
 
         out = jax.tree.map_with_path(refine, labels(params) if callable(labels) else labels)
         _check_required(pairs, params, out)

@@ -15,6 +15,7 @@ import pytest
 import optax_snoo
 from optax_matrix import nest
 from optax_snoo import AdamGroup, adam_group, muon, scale_by_adam
+from optax_snoo._src.muon_adam import group_labels
 
 MODDED = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
           (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))  # modded-nanogpt's triples
@@ -178,3 +179,36 @@ def test_unmatched_leaf_and_bad_groups_raise():
         adam_group(AdamGroup(".*", 0.1, b2=1.0))
     with pytest.raises(ValueError, match="not a valid regex"):
         adam_group(AdamGroup("(", 0.1))
+
+
+def test_claim_takes_muon_leaves_and_keeps_adams_first_match_order():
+    """A model naming its embedding ``tok_emb`` and head ``out``: the default labels give
+    their matrices to Muon; a claiming group takes them back, while a 1-D leaf its pattern
+    also matches (``out/bias``) stays in the first Adam group it matches."""
+    params = {"tok_emb": jnp.ones((16, 4)), "h": {"kernel": jnp.ones((4, 4))},
+              "out": {"kernel": jnp.ones((4, 16)), "bias": jnp.ones(16)}}
+    groups = [AdamGroup(r"(^|/)bias$", 0.01, name="vectors"),
+              AdamGroup("tok_emb", 0.3, name="embed", claim=True),
+              AdamGroup("^out/", 0.004, name="head", claim=True)]
+    want = {"tok_emb": "embed", "h": {"kernel": "muon"},
+            "out": {"kernel": "head", "bias": "vectors"}}
+    assert group_labels(groups)(params) == want
+    unclaimed = [g._replace(claim=False) for g in groups]
+    assert group_labels(unclaimed)(params)["out"]["kernel"] == "muon"
+    state = muon(0.02, adam_groups=groups).init(params)
+    assert not isinstance(state.inner_states["head"].inner_state[0].mu["out"]["kernel"],
+                          optax.MaskedNode)
+
+
+def test_required_group_matching_nothing_names_it_its_pattern_and_labels():
+    params = {"tok_emb": jnp.ones((16, 4)), "h": {"kernel": jnp.ones((4, 4))},
+              "b": jnp.ones(4)}
+    tx = muon(0.02, adam_groups=[AdamGroup("wte", 0.3, name="embed", required=True),
+                                 AdamGroup(".*", 0.01, name="rest")])
+    with pytest.raises(ValueError, match=r"^Adam group 'embed' matches no parameter "
+                                         r"\(pattern 'wte'\).*labels=") as err:
+        tx.init(params)
+    assert "\n" not in str(err.value)
+    # Not required: the group may stay empty.
+    muon(0.02, adam_groups=[AdamGroup("wte", 0.3, name="embed"),
+                            AdamGroup(".*", 0.01, name="rest")]).init(params)

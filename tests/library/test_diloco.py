@@ -55,13 +55,14 @@ def numpy_diloco(inner, params, grads, lr, mom, k):
     return history
 
 
-def run(tx, params, grads, hint_k=None):
+def run(tx, params, grads, hint_k=None, sync="start"):
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     state = tx.init(params)
     update = jax.jit(tx.update, static_argnames=("snoo_sync",))
     history = []
     for t, g in enumerate(grads):
-        extra = {} if hint_k is None else {"snoo_sync": t % hint_k == 0}
+        extra = ({} if hint_k is None else
+                 {"snoo_sync": optax_snoo.snoo_is_sync_step(t, hint_k, sync)})
         u, state = update(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g), state,
                           params, **extra)
         params = optax.apply_updates(params, u)
@@ -98,16 +99,19 @@ def test_matches_numpy_reference(m, inner_name, hinted):
                                    rtol=0, atol=4 * float(jnp.finfo(jnp.float32).eps))
 
 
-def test_one_replica_is_snoo_bitwise():
-    """M = 1: `diloco` is `snoo` on the one replica, bit for bit, with and without the hint."""
+@pytest.mark.parametrize("sync", ["start", "end"])
+def test_one_replica_is_snoo_bitwise(sync):
+    """M = 1: `diloco` is `snoo` on the one replica, bit for bit, with and without the hint,
+    syncing at the start of each period or (MuLoCo) after its last update."""
     k, steps = 3, 8
     params, grads = replica_params(1), replica_grads(1, steps)
     inner = optax.adamw(0.01, weight_decay=1e-4)
     squeeze = lambda tree: jax.tree.map(lambda x: x[0], tree)
     for hint in (None, k):
-        ours, state = run(optax_snoo.diloco(inner, 0.68, 0.37, k), params, grads, hint)
-        plain, plain_state = run(optax_snoo.snoo(inner, 0.68, 0.37, k), squeeze(params),
-                                 [squeeze(g) for g in grads], hint)
+        ours, state = run(optax_snoo.diloco(inner, 0.68, 0.37, k, sync=sync), params, grads,
+                          hint, sync)
+        plain, plain_state = run(optax_snoo.snoo(inner, 0.68, 0.37, k, sync=sync),
+                                 squeeze(params), [squeeze(g) for g in grads], hint, sync)
         for a, b in zip(ours, plain, strict=True):
             jax.tree.map(np.testing.assert_array_equal, squeeze(a), b)
         jax.tree.map(np.testing.assert_array_equal, squeeze(state.slow), plain_state.slow)

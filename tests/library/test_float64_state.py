@@ -13,7 +13,6 @@ import pytest
 
 import optax_snoo
 from library.test_recipes_track3_records import (
-    AUX_PATTERNS,
     PARAMS,
     Record46,
     RecordMuonH,
@@ -22,6 +21,7 @@ from library.test_recipes_track3_records import (
 )
 from optax_snoo import recipes
 from references.track3 import flatten, nest
+from references.track3_constants import R13
 
 SHAPES = {"w": (6, 4), "stack": (2, 4, 8)}
 
@@ -151,7 +151,7 @@ def test_muonh_in_float64_matches_record_5():
     T = 10
     with jax.enable_x64(True):
         ref = RecordMuonH(init_weights(), T)
-        tx = recipes.muonh(T, ns_dtype=jnp.float64, adam_patterns=AUX_PATTERNS)
+        tx = recipes.muonh(T, ns_dtype="float64")
         run64(tx, ref, T, lambda params, state, t: close64(flatten(params), ref.p,
                                                            f"step {t}"))
 
@@ -159,9 +159,8 @@ def test_muonh_in_float64_matches_record_5():
 def test_muloco_normuonh_in_float64_matches_record_13():
     T, k = 9, 3
     with jax.enable_x64(True):
-        ref = RecordMuonH(init_weights(), T, normuon=True, k=k)
-        tx = recipes.muloco_normuonh(T, sync_every=k, ns_dtype=jnp.float64,
-                                     adam_patterns=AUX_PATTERNS)
+        ref = RecordMuonH(init_weights(), T, rec=R13, k=k)
+        tx = recipes.muloco_normuonh(T, snoo_k=k, ns_dtype="float64")
         run64(tx, ref, T, lambda params, state, t: close64(flatten(params), ref.p,
                                                            f"step {t}"))
 
@@ -172,7 +171,7 @@ def test_track3_record_in_float64_matches_record_46():
     n = 29
     with jax.enable_x64(True):
         ref = Record46(init_weights(), n)
-        tx = recipes.track3_record(n, ns_dtype=jnp.float64)
+        tx = recipes.track3_record(n, ns_dtype="float64")
 
         def check(params, state, t):
             ahead = {k: w + ref.beta(t + 1) * ref.buf[k] for k, w in ref.p.items()}

@@ -106,6 +106,32 @@ def test_rules_take_compiled_patterns_and_reject_other_types():
         lb.label_by_rules([(3, "a")])
 
 
+def test_by_path_gives_any_value_first_match_wins():
+    """Non-string values (numbers, schedules, tuples) as they are; a callable default
+    sees the leaf; `value` reads one path string; masked leaves stay masked."""
+    schedule = optax.linear_schedule(0.1, 0.0, 10)
+    rules = lb.by_path([(r"(^|/)mlp(/|$)", 2.0), (r"attn", schedule), (r"^w$", (1, "a"))],
+                       default=lambda leaf: float(leaf.ndim))
+    tree = {"blocks": [{"mlp": {"k": jnp.ones((2, 2))}, "attn": {"k": jnp.ones((2, 2))}}],
+            "w": jnp.ones(3), "scale": jnp.ones(3), "masked": optax.MaskedNode()}
+    out = rules(tree)
+    assert out["blocks"][0]["mlp"]["k"] == 2.0 and out["blocks"][0]["attn"]["k"] is schedule
+    assert out["w"] == (1, "a") and out["scale"] == 1.0
+    assert isinstance(out["masked"], optax.MaskedNode)
+    # "blocks/0/mlp_attn/k" is not an mlp module: the first rule's anchors; the second's not.
+    assert rules.value("blocks/0/mlp_attn/k") is schedule
+    assert rules.value("blocks/0/mlp/attn/k") == 2.0  # first match wins
+
+
+def test_by_path_without_default_names_the_unmatched_path():
+    rules = lb.by_path([(r"^w$", 1.0)], what="Muon group")
+    with pytest.raises(ValueError, match=r"parameter 'blocks/0/v' matches no Muon group "
+                                         r"\['\^w\$'\]"):
+        rules({"w": jnp.zeros(1), "blocks": [{"v": jnp.zeros(1)}]})
+    with pytest.raises(ValueError, match="not a valid regex"):
+        lb.by_path([("(", 1.0)])
+
+
 # ----------------------------------------------------------------------------- describe
 
 def test_describe_lists_every_path_and_its_label():

@@ -19,6 +19,7 @@ import pytest
 
 import optax_matrix as m
 from optax_snoo import (
+    MuonGroup,
     MuonState,
     add_decoupled_weight_decay,
     muon,
@@ -93,6 +94,9 @@ PARAMS = {
 }
 LABELS = {k: "muon" if v.ndim >= 2 else "adam" for k, v in PARAMS.items()}
 WD_MUL = {k: 2.0 if k.startswith("mlp") else 1.0 for k in PARAMS}
+LR_MUL = {k: 0.5 if k.startswith("mlp") else 1.0 for k in PARAMS}
+# The record's wd_mul 2 on the MLP matrices as Muon groups: twice the decay there.
+MLP_GROUPS = [MuonGroup(r"^mlp", weight_decay=0.02, name="mlp"), MuonGroup(".*")]
 ndim_labels = lambda p: jax.tree.map(lambda x: "muon" if x.ndim >= 2 else "adam", p)
 MATRICES = {"v": PARAMS["mlp_proj"], "e": PARAMS["experts"]}  # transposed path and a stack
 MIXED = dict(MATRICES, norm=PARAMS["norm"], scalar=PARAMS["scalar"])  # + Adam's 1-D and 0-D
@@ -115,7 +119,7 @@ STEPS = 100
 CONFIGS = {
     "keller_nesterov_wd_mul": dict(
         ours=dict(learning_rate=0.02, beta=0.95, coefficients="keller", weight_decay=0.01,
-                  weight_decay_multiplier=WD_MUL, adam_learning_rate=3e-3),
+                  muon_groups=MLP_GROUPS, adam_learning_rate=3e-3),
         ref=dict(lr=0.02, beta=0.95, triples=KELLER, wd=0.01, wd_mul=WD_MUL, adam_lr=3e-3)),
     "modded_plain_warmup_ema_smoothing": dict(
         ours=dict(learning_rate=0.03, beta=muon_momentum_warmup(0.85, 0.95, 50),
@@ -127,12 +131,14 @@ CONFIGS = {
     "modded_nesterov_smoothing_schedules": dict(
         ours=dict(learning_rate=lambda t: 0.03 * cooldown(STEPS, xp=jnp)(t),
                   beta=muon_momentum_warmup(), weight_decay=0.01,
-                  weight_decay_multiplier=lambda p: jax.tree_util.tree_map_with_path(
-                      lambda path, _: 2.0 if "mlp" in jax.tree_util.keystr(path) else 1.0, p),
+                  # The MLP group: its own schedule (half the rate) and twice the decay.
+                  muon_groups=[MuonGroup("mlp", lambda t: 0.015 * cooldown(STEPS, xp=jnp)(t),
+                                         weight_decay=0.02),
+                               MuonGroup(".*", name="rest")],
                   smoothing=optax.linear_schedule(0.5, 0.2, 60), smoothing_form="nesterov"),
         ref=dict(lr=lambda t: 0.03 * cooldown(STEPS)(t),
                  beta=lambda t: 0.85 + 0.10 * min(t / 300, 1), triples=MODDED, wd=0.01,
-                 wd_mul=WD_MUL, smoothing=lambda t: 0.5 - 0.3 * min(t / 60, 1),
+                 wd_mul=WD_MUL, lr_mul=LR_MUL, smoothing=lambda t: 0.5 - 0.3 * min(t / 60, 1),
                  smoothing_form="nesterov")),
     "polar_express_consistent_rms": dict(
         ours=dict(learning_rate=0.01, beta=0.9, coefficients="polar_express",
@@ -665,15 +671,15 @@ def test_matrix_scale_by_muon(tmp_path):
 def test_matrix_muon_alias(tmp_path):
     """muon() on a mixed tree (matrices, a stack, 1-D and 0-D leaves for AdamW). Partition
     is muon() itself; scale_by_muon covers jit-vs-eager and nesting in a partition."""
-    wd_mul = CONFIGS["modded_nesterov_smoothing_schedules"]["ours"]["weight_decay_multiplier"]
+    groups = [MuonGroup("^v$", 0.01, weight_decay=0.02), MuonGroup(".*")]
     kw = dict(learning_rate=0.02, beta=0.9, weight_decay=0.01, smoothing=0.2,
-              adam_learning_rate=3e-3, weight_decay_multiplier=wd_mul, labels=ndim_labels)
+              adam_learning_rate=3e-3, muon_groups=groups, labels=ndim_labels)
     tx = muon(ns_dtype=F32, **kw)
     m.check_state_stable(tx, MIXED)
     m.check_dtype_preserved(muon(0.02, weight_decay=0.01, labels=ndim_labels), MIXED)
     m.check_inject_hyperparams(
         muon, MIXED, dict(kw, ns_dtype=F32, learning_rate=lambda t: 0.02),
-        static_args=("labels", "ns_dtype", "weight_decay_multiplier"))
+        static_args=("labels", "ns_dtype", "muon_groups"))
     m.check_multisteps(tx, MIXED)
     m.check_nnx_optimizer(muon(0.02, weight_decay=0.01, ns_dtype=F32, labels=ndim_labels))
     m.check_sharded_state(tx, MIXED)

@@ -1,4 +1,6 @@
-"""The record's schedule and stack (modded-nanogpt PR #128: stable cooldown, Snoo, Muon)."""
+"""modded-nanogpt's GPT-2 Medium record stack (PR #128: Snoo around Muon and three Adam
+groups on the stable cooldown) against a float64 reference, and the general `snoo_muon`
+recipe as Snoo around `optax_snoo.muon`. (The schedules: `test_schedules`.)"""
 
 import jax
 import jax.numpy as jnp
@@ -9,35 +11,12 @@ import pytest
 import optax_snoo
 from optax_matrix import nest
 from optax_snoo import recipes
-from optax_snoo.recipes import modded_nanogpt, stable_cooldown_schedule
+from optax_snoo.recipes import modded_nanogpt, modded_nanogpt_muon
 
 
 def reference_multiplier(t, T, cooldown_frac, final):
     x = t / T
     return 1.0 if x < 1 - cooldown_frac else (1 - x) / cooldown_frac * (1 - final) + final
-
-
-@pytest.mark.parametrize("cooldown_frac, final", [(0.7, 0.0), (0.7, 0.01), (1.0, 0.1)])
-def test_stable_cooldown_matches_spec(cooldown_frac, final):
-    T = 5640
-    sched = stable_cooldown_schedule(0.03, T, cooldown_frac, final)
-    steps = np.arange(0, T + 1, 7)
-    got = np.asarray(jax.vmap(sched)(jnp.asarray(steps)))
-    want = np.array([0.03 * reference_multiplier(t, T, cooldown_frac, final) for t in steps])
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
-    assert float(sched(T)) == pytest.approx(0.03 * final, abs=1e-9)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"total_steps": 0}, "total_steps must be an int >= 1, got 0"),
-    ({"total_steps": True}, "total_steps must be an int >= 1, got True"),
-    ({"cooldown_frac": 0.0}, r"cooldown_frac must be in \(0, 1\]"),
-    ({"final_lr_scale": 2.0}, r"final_lr_scale must be in \[0, 1\]"),
-])
-def test_schedule_bad_input(kwargs, match):
-    args = {"peak_value": 0.1, "total_steps": 100, **kwargs}
-    with pytest.raises(ValueError, match=match):
-        stable_cooldown_schedule(**args)
 
 
 PARAMS = {
@@ -51,7 +30,7 @@ PARAMS = {
 
 def test_groups_get_their_learning_rates():
     """Without Snoo, with zero momentum, Adam's first step is lr·sign(g) per group."""
-    tx = modded_nanogpt(100, use_snoo=False, muon_weight_decay=0.0)
+    tx = modded_nanogpt_muon(100, muon_weight_decay=0.0)
     grads = jax.tree.map(jnp.ones_like, PARAMS)
     updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS)
     np.testing.assert_allclose(updates["lm_head"]["kernel"], -1 / 320, rtol=1e-5)
@@ -79,11 +58,14 @@ def test_record_stack_is_snoo_outermost_and_trains():
     assert float(loss(params)) < 0.5 * first
 
 
-def test_adam_group_without_match_is_an_error():
-    tx = modded_nanogpt(10, adam_groups=((r"lm_head", 0.01),))
-    match = r"parameter 'blocks/0/ln_1/scale' matches no Adam group \['lm_head'\]"
+def test_adam_patterns_without_a_match_are_an_error():
+    tx = modded_nanogpt(10, adam_patterns={"vectors": r"(^|/)bias$"})
+    match = r"parameter 'blocks/0/ln_1/scale' matches no Adam group \[.*'\(\^\|/\)bias\$'\]"
     with pytest.raises(ValueError, match=match):
         tx.init(PARAMS)
+    with pytest.raises(ValueError, match=r"adam_patterns: expected keys among \['embed', "
+                                         r"'head', 'vectors'\], got \['mlp'\]"):
+        modded_nanogpt(10, adam_patterns={"mlp": "mlp"})
 
 
 @pytest.mark.parametrize("use_snoo", [False, True])
@@ -91,7 +73,7 @@ def test_record_weight_decay_is_doubled_on_mlp_weights(use_snoo):
     """The record's wd 0.01 with wd_mul 2.0 on MLP weights, times the scheduled
     Muon lr. Zero gradients isolate the decay (NS(0) = 0, Adam's step is 0); with Snoo the
     first update is the inner one times η(1 + μ) (Snoo syncs at t = 0)."""
-    tx = modded_nanogpt(100, use_snoo=use_snoo)
+    tx = (modded_nanogpt if use_snoo else modded_nanogpt_muon)(100)
     grads = jax.tree.map(jnp.zeros_like, PARAMS)
     updates, _ = jax.jit(tx.update)(grads, tx.init(PARAMS), PARAMS)
     outer = 0.68 * (1 + 0.37) if use_snoo else 1.0
@@ -170,7 +152,7 @@ def test_record_stack_matches_float64_reference():
     grads = [{n: rng.standard_normal(shape) for n, (shape, _) in STACK.items()}
              for _ in range(T)]
     ref = reference_record(params, grads, T, k)
-    tx = modded_nanogpt(T, snoo_k=k, ns_dtype=jnp.float32)
+    tx = modded_nanogpt(T, snoo_k=k, ns_dtype="float32")
     ours = nest(params)
     state, update = tx.init(ours), jax.jit(tx.update)
     for t, g in enumerate(grads):
@@ -183,47 +165,48 @@ def test_record_stack_matches_float64_reference():
                                        err_msg=f"step {t}, {n}")
 
 
-def test_snoo_muon_with_one_adam_lr_is_snoo_around_muon():
-    """One Adam learning rate: the same updates as `snoo(optax_snoo.muon(...))` with an
-    undecayed AdamW group (the trainer's stack before it used this builder)."""
+@pytest.mark.parametrize("schedule", ["cosine", "stable_cooldown"])
+def test_snoo_muon_is_snoo_around_muon(schedule):
+    """The `snoo_muon` recipe: the same updates as `snoo(optax_snoo.muon(...))` with one
+    undecayed Adam group, both groups on the recipe's schedule of their own peak."""
+    T = 6
     params = {"h": {"kernel": jnp.linspace(-1, 1, 24).reshape(4, 6)},
               "wte": {"embedding": jnp.linspace(0, 1, 12).reshape(6, 2)}}
     grads = [jax.tree.map(lambda p, i=i: jnp.cos(p * (i + 1)), params) for i in range(4)]
-    beta = optax_snoo.muon_momentum_warmup(0.85, 0.95, 3)
-    ours = recipes.snoo_muon(0.02, 3e-3, muon_momentum=beta, muon_weight_decay=0.1,
-                             adam_b1=0.8, adam_b2=0.95, snoo_k=2)
+    if schedule == "cosine":
+        sched = lambda peak: optax_snoo.nanogpt_cosine_schedule(
+            peak, warmup_steps=2, decay_steps=T, final_lr_scale=0.1)
+        options = dict(warmup_iters=2)
+    else:
+        sched = lambda peak: optax_snoo.stable_cooldown_schedule(peak, T, 0.5, 0.1)
+        options = dict(cooldown_frac=0.5)
+    ours = recipes.snoo_muon(T, schedule=schedule, muon_learning_rate=0.02,
+                             adam_learning_rate=3e-3, muon_momentum_warmup_steps=3,
+                             muon_weight_decay=0.1, adam_b1=0.8, adam_b2=0.95, snoo_k=2,
+                             snoo_learning_rate=0.7, snoo_momentum=0.5, **options)
     theirs = optax_snoo.snoo(optax_snoo.muon(
-        0.02, beta=beta, weight_decay=0.1, adam_learning_rate=3e-3, adam_b1=0.8, adam_b2=0.95,
-        adam_weight_decay=0.0), k=2)
+        sched(0.02), beta=optax_snoo.muon_momentum_warmup(0.85, 0.95, 3), weight_decay=0.1,
+        adam_learning_rate=sched(3e-3), adam_b1=0.8, adam_b2=0.95, adam_eps=1e-8,
+        adam_weight_decay=0.0), 0.7, 0.5, k=2)
     states = [ours.init(params), theirs.init(params)]
     for g in grads:
         (u1, states[0]), (u2, states[1]) = (tx.update(g, s, params) for tx, s in
                                             zip((ours, theirs), states, strict=True))
         jax.tree.map(np.testing.assert_array_equal, u1, u2)
         params = optax.apply_updates(params, u1)
-    assert "adam" in states[0].inner_state.inner_states
+    assert sorted(states[0].inner_state.inner_states) == ["adam", "muon"]
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"muon_learning_rate": -1.0}, r"muon_learning_rate must be >= 0 \(a float or a schedule\), "
-                                   "got -1.0"),
-    ({"adam_learning_rate": ()}, "at least one"),
-    ({"adam_learning_rate": ((".*", -0.1),)}, r"adam_learning_rate\[0\] must be >= 0"),
+    ({"muon_learning_rate": -1.0}, r"^recipe snoo_muon: muon_learning_rate=-1\.0: expected a "
+                                   r"finite number > 0$"),
+    ({"adam_learning_rate": ()}, r"^recipe snoo_muon: adam_learning_rate=\(\): expected float$"),
+    ({"snoo_k": 0}, r"^recipe snoo_muon: snoo_k=0: expected an integer >= 1$"),
+    ({"cooldown_frac": 0.5}, r"^recipe snoo_muon: cooldown_frac is read only with "
+                             r"schedule='stable_cooldown', not schedule='cosine'"),
+    ({"muon_learning_rat": 0.02}, r"^'muon_learning_rat' is not a hyperparameter of recipe "
+                                  r"snoo_muon \(did you mean muon_learning_rate"),
 ])
 def test_snoo_muon_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        recipes.snoo_muon(**{"muon_learning_rate": 0.02, "adam_learning_rate": 3e-3, **kwargs})
-
-
-def test_snoo_muon_takes_adam_groups_as_they_are():
-    """An `AdamGroup` entry keeps its own hyperparameters (here no bias correction: the
-    first step is (1-b1)/sqrt(1-b2) = 0.2/0.1 = 2x lr·sign(g)); a pair gets adam_b1..."""
-    tx = recipes.snoo_muon(0.02, [optax_snoo.AdamGroup(r"(^|/)ln_1(/|$)", 0.01, b1=0.8,
-                                                       b2=0.99, eps=0.0,
-                                                       bias_correction=False, name="ln"),
-                                  (".*", 1e-3)], adam_b1=0.0, adam_b2=0.0, snoo_k=None)
-    grads = jax.tree.map(jnp.ones_like, PARAMS)
-    updates, state = tx.update(grads, tx.init(PARAMS), PARAMS)
-    assert sorted(state.inner_states) == ["adam_1", "ln", "muon"]
-    np.testing.assert_allclose(updates["blocks"][0]["ln_1"]["scale"], -0.02, rtol=1e-5)
-    np.testing.assert_allclose(updates["wte"]["embedding"], -1e-3, rtol=1e-5)
+        recipes.snoo_muon(100, **kwargs)

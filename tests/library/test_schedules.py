@@ -1,9 +1,13 @@
-"""PowerCool and Muon's momentum schedule against float64 transcriptions of the records'
-`_lr` (Track 3 #20, #46) and `_muon_mu_at_step` (#30, #44, #46), at every step of a run
-and at the boundaries: the first step, the end of the warm-up, the start of the
-cool-down, the last step and past the end."""
+"""The library's schedules against float64 transcriptions of their sources: PowerCool
+(Track 3 #20, #46's `_lr`) and its rescaling to other run lengths and rates, Muon's momentum
+(#30, #44, #46's `_muon_mu_at_step`), the records' stable cooldown (`set_hparams`) and
+nanoGPT's warm-up + cosine (`get_lr`), at every step of a run and at the boundaries: the
+first step, the end of the warm-up, the start of the cool-down, the last step and past the
+end."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +15,14 @@ import numpy as np
 import optax
 import pytest
 
-from optax_snoo import muon_momentum_schedule, muon_momentum_warmup, power_cool
+from optax_snoo import (
+    muon_momentum_schedule,
+    muon_momentum_warmup,
+    nanogpt_cosine_schedule,
+    power_cool,
+    power_cool_scaled,
+    stable_cooldown_schedule,
+)
 
 # Track 3 record #20 / #46 PowerCool constants (power 1.2), copied from the record's log.
 MUON_C, EMBED_C, HEAD_C, OTHER_C = (3.3169534699576625e-06, 4.976805410800738e-05,
@@ -134,3 +145,91 @@ def test_muon_momentum_warmup_is_the_schedule_without_cooldown():
 def test_muon_momentum_schedule_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         muon_momentum_schedule(**kwargs)
+
+
+# ---- power_cool_scaled: a record's PowerCool at another length and rate -----------------
+
+
+@pytest.mark.parametrize("lr0, total", [(0.0375, 2900), (0.075, 2900), (0.0375, 290),
+                                        (0.01, 1450)])
+def test_power_cool_scaled_keeps_the_records_flat_fraction(lr0, total):
+    """Muon's record PowerCool (0.0375, c at 2900 steps) for a run of ``total`` at ``lr0``:
+    ``lr0/0.0375`` times the record's schedule at the record's step ``t·2900/total``, so the
+    flat part ends at the same fraction of the run (the record's: step 513 of 2900)."""
+    lr = power_cool_scaled(lr0, c=MUON_C, lr0_record=0.0375, record_steps=2900,
+                           total_steps=total)
+    steps = np.arange(0, total + 5)
+    want = np.array([lr0 / 0.0375 * record_lr(t * 2900 / total, 0.0375, MUON_C, 2900)
+                     for t in steps])
+    np.testing.assert_allclose(values(lr, steps), want, rtol=2e-6, atol=0)
+    flat_end = 2900 - (0.0375 / MUON_C) ** (1 / 1.2)  # the record's: 513.6 of 2900
+    flat = values(lr, steps) == np.float32(lr0)
+    assert np.all(flat[steps < flat_end * total / 2900 - 0.5])
+    assert not np.any(flat[steps > flat_end * total / 2900 + 0.5])
+
+
+def test_power_cool_scaled_bad_input():
+    with pytest.raises(ValueError, match=r"lr0_record must be > 0, got 0\.0"):
+        power_cool_scaled(0.01, c=MUON_C, lr0_record=0.0, record_steps=2900, total_steps=10)
+    with pytest.raises(ValueError, match="total_steps must be an int >= 1, got 0"):
+        power_cool_scaled(0.01, c=MUON_C, lr0_record=0.01, record_steps=2900, total_steps=0)
+
+
+# ---- the records' stable cooldown and nanoGPT's cosine -----------------------------------
+
+
+def record_multiplier(t, total, cooldown_frac, final):
+    """modded-nanogpt's `get_lr`/`set_hparams` multiplier: 1, then linear to ``final``."""
+    x = t / total
+    return 1.0 if x < 1 - cooldown_frac else (1 - x) / cooldown_frac * (1 - final) + final
+
+
+@pytest.mark.parametrize("cooldown_frac, final", [(0.7, 0.0), (0.7, 0.01), (1.0, 0.1)])
+def test_stable_cooldown_matches_the_records(cooldown_frac, final):
+    total = 5640
+    steps = np.arange(0, total + 1, 7)
+    got = values(stable_cooldown_schedule(0.03, total, cooldown_frac, final), steps)
+    want = np.array([0.03 * record_multiplier(t, total, cooldown_frac, final) for t in steps])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+    assert float(stable_cooldown_schedule(0.03, total, cooldown_frac, final)(total)) == (
+        pytest.approx(0.03 * final, abs=1e-9))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"total_steps": 0}, "total_steps must be an int >= 1, got 0"),
+    ({"total_steps": True}, "total_steps must be an int >= 1, got True"),
+    ({"cooldown_frac": 0.0}, r"cooldown_frac must be in \(0, 1\]"),
+    ({"final_lr_scale": 2.0}, r"final_lr_scale must be in \[0, 1\]"),
+])
+def test_stable_cooldown_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        stable_cooldown_schedule(**{"peak_value": 0.1, "total_steps": 100, **kwargs})
+
+
+def nanogpt_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+    """nanoGPT's `get_lr` (train.py), in float64."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+@pytest.mark.parametrize("warmup, decay, final", [(100, 2000, 0.1), (0, 500, 0.0),
+                                                  (10, 60, 0.5)])
+def test_nanogpt_cosine_matches_get_lr(warmup, decay, final):
+    steps = np.arange(0, decay + 30)
+    got = values(nanogpt_cosine_schedule(1e-3, warmup_steps=warmup, decay_steps=decay,
+                                         final_lr_scale=final), steps)
+    want = np.array([nanogpt_lr(t, 1e-3, warmup, decay, 1e-3 * final) for t in steps])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-10)
+
+
+def test_nanogpt_cosine_without_a_cosine_is_warmup_then_floor():
+    """decay_steps <= warmup_steps: nanoGPT warms up, then holds min_lr."""
+    steps = np.arange(0, 30)
+    got = values(nanogpt_cosine_schedule(1e-3, warmup_steps=10, decay_steps=10), steps)
+    want = np.array([1e-3 * (t + 1) / 11 if t < 10 else 1e-4 for t in steps])
+    np.testing.assert_allclose(got, want, rtol=1e-5)

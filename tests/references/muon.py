@@ -48,7 +48,7 @@ class RefMuon:
     (decoupled wd times lr) for the others."""
 
     def __init__(self, params, labels, *, lr, beta, triples, nesterov=True,
-                 bias_correction=False, wd=0.0, wd_mul=None, smoothing=None,
+                 bias_correction=False, wd=0.0, wd_mul=None, lr_mul=None, smoothing=None,
                  smoothing_form="ema", adam_lr=None, b1=0.9, b2=0.999, eps=1e-8, adam_wd=0.0,
                  shape_scale="modded", beta2=None, cautious=False):
         self.p = {k: np.asarray(v, np.float64) for k, v in params.items()}
@@ -57,7 +57,7 @@ class RefMuon:
         self.adam_lr = const(lr if adam_lr is None else adam_lr)
         self.sigma = None if smoothing is None else const(smoothing)
         self.nesterov, self.bc, self.form = nesterov, bias_correction, smoothing_form
-        self.wd, self.wd_mul = wd, wd_mul or {}
+        self.wd, self.wd_mul, self.lr_mul = wd, wd_mul or {}, lr_mul or {}
         self.b1, self.b2, self.eps, self.adam_wd = b1, b2, eps, adam_wd
         self.shape_scale = shape_scale
         self.beta2, self.cautious = None if beta2 is None else const(beta2), cautious
@@ -89,7 +89,7 @@ class RefMuon:
                     self.s[k] = sigma * self.s[k] + (1 - sigma) * o
                     o = self.s[k] if self.form == "ema" else sigma * self.s[k] + (1 - sigma) * o
                 fan_in, fan_out = p.shape[-2], p.shape[-1]
-                lr, wd = self.lr(t), self.wd * self.wd_mul.get(k, 1.0)
+                lr, wd = self.lr(t) * self.lr_mul.get(k, 1.0), self.wd * self.wd_mul.get(k, 1.0)
                 scale = (np.sqrt(max(1.0, fan_out / fan_in)) if self.shape_scale == "modded"
                          else 0.2 * np.sqrt(max(fan_in, fan_out)))  # Moonlight's
                 new = p * (1 - lr * wd * self.decays(o, p)) - lr * scale * o

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
+# Line numbers: records/track_3_optimization/results/20260619_cwd_rowfloor_tailema/
+# train_gpt_cwd_SOTA.py of modded-nanogpt (#46).
 
-def ref_scale_radial_update(update, param, outward=0.5, inward=1.0, stats=None):
+
+def ref_scale_radial_update(update, param, outward=0.5, inward=1.0, stats=None):  # :354-368
     denom = max(float(np.sum(param * param)), 1e-12)
     coeff = float(np.sum(update * param)) / denom
     radial = coeff * param
@@ -27,7 +30,7 @@ def ref_scalar_floor(update, param, target, stats=None):
     return update * (target * p_fro / u_fro if binds else 1.0)
 
 
-def ref_row_floor(update, param, target, stats=None):
+def ref_row_floor(update, param, target, stats=None):  # :497-500
     r_row = np.maximum(np.linalg.norm(param, axis=1, keepdims=True), 1e-8)
     s_row = np.maximum(np.linalg.norm(update, axis=1, keepdims=True), 1e-8)
     f_row = np.maximum(target * r_row / s_row, 1.0)  # ROWFLOOR_RHO = 1, no Frobenius renorm
@@ -37,12 +40,12 @@ def ref_row_floor(update, param, target, stats=None):
     return update * f_row
 
 
-def ref_target_radius(param, update, lr):
+def ref_target_radius(param, update, lr):  # :370-377
     before = max(np.linalg.norm(param), 1e-8)
     return max(before - lr * float(np.sum(update * param)) / before, 1e-8)
 
 
-def ref_rescale_to_radius(param, target):
+def ref_rescale_to_radius(param, target):  # :379-381
     return param * (target / max(np.linalg.norm(param), 1e-8))
 
 
@@ -62,7 +65,7 @@ def ref_muon_step(p, update, lr, *, brake, floor, floor_per, pin, cwd, stats):
 
 
 def ref_scale_invariant_update(param, update, lr, eps=1e-10):
-    """#5 MuonH."""
+    """#5 MuonH (results/20260430_muonh/9319c798-6643-464a-b407-b05468e468f5.txt:204-213)."""
     p_norm = np.linalg.norm(param)
     new = param - lr * update * p_norm / max(np.linalg.norm(update), eps)
     return new / max(np.linalg.norm(new), eps) * p_norm

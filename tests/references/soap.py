@@ -29,22 +29,26 @@ def ref_newton_schulz(g):
     return X.T if g.shape[0] > g.shape[1] else X
 
 
-def ref_cos(a, b, eps=1e-8):
+# Line numbers: records/track_3_optimization/results/20260619_cwd_rowfloor_tailema/
+# train_gpt_cwd_SOTA.py of modded-nanogpt (#46), whose SOAP-Muon is #44's.
+
+
+def ref_cos(a, b, eps=1e-8):  # :313 tensor_cosine
     return np.sum(a * b) / max(np.linalg.norm(a) * np.linalg.norm(b), eps)
 
 
 def ref_trust_gate(raw, soap, grad, step, fade_start, fade_end):
     raw_grad, soap_grad, soap_raw = ref_cos(raw, grad), ref_cos(soap, grad), ref_cos(soap, raw)
-    agree = np.clip((soap_raw - 0.2) / (1 - 0.2), 0, 1)
-    align = np.clip((soap_grad - 0.0) / max(raw_grad - 0.0, 1e-8), 0, 1)
+    agree = np.clip((soap_raw - 0.2) / (1 - 0.2), 0, 1)  # :91, :324 ATTN_TRUST_MIN_AGREE
+    align = np.clip((soap_grad - 0.0) / max(raw_grad - 0.0, 1e-8), 0, 1)  # :92, :325-326
     gate = np.clip(agree * align, 0, 1)
-    if step < fade_start:
-        floor = 0.45
+    if step < fade_start:  # :332-341 early_trust_floor_for_step
+        floor = 0.45  # :87 ATTN_EARLY_TRUST_FLOOR
     elif step >= fade_end:
         floor = 0.0
     else:
         floor = 0.45 * (fade_end - step) / (fade_end - fade_start)
-    cap = 0.85 if step < fade_end else 1.0
+    cap = 0.85 if step < fade_end else 1.0  # :88 ATTN_EARLY_TRUST_CAP; :343-346
     return np.clip(gate, floor, cap)
 
 
@@ -69,8 +73,9 @@ class RefSoapMuon:
         else:
             P = self.QL.T @ M @ self.QR
             self.V = beta2 * self.V + (1 - beta2) * P ** 2
+            # :405, :412 clamp_min(eps * eps) with eps=1e-8; :86 SOAP_DENOM_POWER 0.5
             D = self.QL @ (P / np.maximum(self.V, 1e-16) ** 0.5) @ self.QR.T
-            D = D * (self.norm(M, 1e-8) / self.norm(D, 1e-8))
+            D = D * (self.norm(M, 1e-8) / self.norm(D, 1e-8))  # :414
         if self.gated:
             gate = ref_trust_gate(M, D, grad, step, *self.fade)
             B = M + (D - M) * gate

@@ -69,10 +69,10 @@ def describe(recipe: Recipe | str, params: Any, **options: Any) -> Groups:
       ...           "out": {"kernel": jnp.ones((4, 16))}}
       >>> print(recipes.describe("track3_baseline", params,
       ...                        adam_patterns={"embed": "tok_emb", "head": "^out/"}))
-      leaf      group (track3_baseline)
-      h/kernel  muon
+      leaf        group (track3_baseline)
+      h/kernel    muon
       out/kernel  head
-      tok_emb   embed
+      tok_emb     embed
       1 in muon, 1 in head, 1 in embed
     """
     recipe = get(recipe) if isinstance(recipe, str) else recipe

@@ -71,6 +71,8 @@ class ModdedNanogptHyperparameters(Hyperparameters):
                                           check="positive_fraction")
     final_lr_scale: float = hyperparameter(0.0, "every lr's final multiplier",
                                            check="fraction")
+    ns_dtype: str = hyperparameter("bfloat16", "dtype of the Newton-Schulz iteration",
+                                   choices=("bfloat16", "float32", "float64"))
 
 
 def _modded_nanogpt(t: ModdedNanogptHyperparameters, total_steps: int, *, labels: Any = None,
@@ -94,7 +96,8 @@ def _modded_nanogpt(t: ModdedNanogptHyperparameters, total_steps: int, *, labels
         lr, beta=muon_momentum_warmup(t.muon_momentum_start, t.muon_momentum,
                                       t.muon_momentum_warmup_steps),
         weight_decay=t.muon_weight_decay, muon_groups=muon_groups,
-        coefficients="modded", smoothing=t.muon_smoothing, smoothing_form=t.smoothing_form,
+        coefficients="modded", ns_dtype=t.ns_dtype, smoothing=t.muon_smoothing,
+        smoothing_form=t.smoothing_form,
         adam_groups=groups, labels=labels, newton_schulz_plan=newton_schulz_plan,
         shard_newton_schulz=shard_newton_schulz)
     return Stack(tx, lr, groups=group_labels(groups, labels, muon_groups))

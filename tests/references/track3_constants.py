@@ -1,0 +1,182 @@
+"""modded-nanogpt Track 3 records' constants, typed in from the records' own scripts.
+
+The recipe tests compare the library's recipes with these numbers, never with the
+library's own tables, so that a wrong digit in the library fails a test. Each value names
+the file and line it was read from, relative to ``records/track_3_optimization/`` of
+https://github.com/KellerJordan/modded-nanogpt (snapshot of 2026-12). A log's script is
+the part before its first ``====`` line; where a record's folder holds a script equal to
+its logs' (or, for #46, the script whose values the logs set through the environment), it
+is cited instead.
+"""
+
+from __future__ import annotations
+
+#: Track 3's Newton-Schulz: ``a, b, c = 2, -1.5, 0.5`` for 12 iterations, after
+#: ``X / (‖X‖_F + 1e-7)`` (#36, #5, #13, #15) or ``X / max(sqrt(‖XᵀX‖_F), 1e-7)`` (#44, #46).
+NS_TRIPLE = (2.0, -1.5, 0.5)        # train_gpt_simple.py:172 (the same line in every record)
+NS_STEPS = 12                       # train_gpt_simple.py:173
+NS_COEFFICIENTS = (NS_TRIPLE,) * NS_STEPS
+NS_EPS = 1e-7                       # train_gpt_simple.py:170; train_gpt_cwd_SOTA.py:282
+
+
+class R36:
+    """#36, the tuned Muon + AdamW baseline (3250 steps):
+    ``train_gpt_simple.py`` (its log, results/20260610_tuned_baseline_3250/263ea3c4-...txt,
+    holds the same script)."""
+
+    steps = 3250                    # train_gpt_simple.py:267 train_steps
+    muon_lr = 0.025                 # train_gpt_simple.py:292 Muon(..., lr=0.025,
+    muon_wd = 0.05                  # train_gpt_simple.py:292 weight_decay=0.05)
+    muon_mu = 0.95                  # train_gpt_simple.py:191 Muon(..., mu=0.95)
+    embed_lr = 0.7                  # train_gpt_simple.py:287
+    head_lr = 0.004                 # train_gpt_simple.py:288
+    vector_lr = 0.015               # train_gpt_simple.py:289
+    adam_betas = (0.8, 0.95)        # train_gpt_simple.py:290
+    adam_eps = 1e-10                # train_gpt_simple.py:290
+    adam_wd = 0.001                 # train_gpt_simple.py:290
+    cooldown_frac = 0.7             # train_gpt_simple.py:301 set_hparams(step, cooldown_frac=0.7)
+
+
+class R5:
+    """#5, MuonH (3325 steps): results/20260430_muonh/9319c798-6643-464a-b407-b05468e468f5.txt
+    (the log the README links; the folder's ``train_gpt_simple_muonh.py`` differs)."""
+
+    log = "results/20260430_muonh/9319c798-6643-464a-b407-b05468e468f5.txt"
+    steps = 3325                    # log:291 train_steps
+    muon_lr = 0.018                 # log:328-331 MuonH(..., lr=0.018)
+    muon_mu = 0.95                  # log:195 muon_update(..., mu=0.95); log:220
+    hyperball_eps = 1e-10           # log:204 scale_invariant_update_(..., eps=1e-10)
+    embed_lr = 0.3                  # log:324
+    head_lr = 1 / 320               # log:325
+    vector_lr = 0.01                # log:326
+    adam_betas = (0.8, 0.95)        # log:327
+    adam_eps = 1e-10                # log:327
+    adam_wd = 0.0                   # log:327
+    muon_cooldown_frac = 1.0        # log:352 cooldown_frac = 1.0 if "h" else 0.4
+    adam_cooldown_frac = 0.4        # log:352
+
+
+class R13:
+    """#13, MuLoCo around NorMuonH (3210 steps):
+    results/20260504_muloco_normuonh/train_gpt_simple_muloco_normuonh.py (= its logs'
+    script); the run's environment values from the README's log
+    results/20260504_muloco_normuonh/7fba9434-58d8-4166-b6a7-d62ef8d17e5d.txt."""
+
+    script = "results/20260504_muloco_normuonh/train_gpt_simple_muloco_normuonh.py"
+    log = "results/20260504_muloco_normuonh/7fba9434-58d8-4166-b6a7-d62ef8d17e5d.txt"
+    steps = 3210                    # log:510 "... H=30 train_steps=3210"
+    outer_lr = 0.7                  # log:510 "olr=0.7"
+    outer_momentum = 0.5            # log:510 "omom=0.5"
+    sync_interval = 30              # log:510 "H=30"
+    muon_lr = 0.018                 # script:402-405 NorMuonH(..., lr=0.018)
+    muon_mu = 0.95                  # script:234 NorMuonH(..., mu=0.95,
+    muon_beta2 = 0.95               # script:234 beta2=0.95,
+    normuon_eps = 1e-10             # script:234 eps=1e-10)
+    embed_lr = 0.3                  # script:398
+    head_lr = 1 / 320               # script:399
+    vector_lr = 0.01                # script:400
+    adam_betas = (0.8, 0.95)        # script:401
+    adam_eps = 1e-10                # script:401
+    muon_cooldown_frac = 1.0        # script:440
+    adam_cooldown_frac = 0.4        # script:440
+
+
+class R15:
+    """#15, Newton-Muon (3300 steps):
+    results/20260505_newton_muon/train_gpt_simple_newton_muon.py (= its logs' script)."""
+
+    script = "results/20260505_newton_muon/train_gpt_simple_newton_muon.py"
+    steps = 3300                    # script:423 train_steps
+    # (lr, weight decay) of the four Muon groups: script:454-457
+    qkv = (0.020, 0.025)
+    attn_proj = (0.025, 0.025)
+    mlp_fc = (0.030, 0.0375)
+    mlp_proj = (0.030, 0.025)
+    muon_mu = 0.95                  # script:230 Muon(..., mu=0.95,
+    refresh_interval = 64           # script:230, 458 refresh_interval=64
+    ema_alpha = 0.05                # script:310-311 _precond_alpha ... .mul_(0.05); cov.lerp_(K, α)
+    damping = 0.2                   # script:314 reg = diag.sum(-1) / d * 0.2 + 1e-8
+    damping_eps = 1e-8              # script:314
+    initial_cov = 0.001             # script:287 self._eye_(s["cov"], 0.001)
+    embed_lr = 0.3                  # script:443
+    head_lr = 1 / 320               # script:444
+    vector_lr = 0.01                # script:445
+    adam_betas = (0.8, 0.95)        # script:446
+    adam_eps = 1e-10                # script:446
+    cooldown_frac = 0.7             # script:468 set_hparams(step, cooldown_frac=0.7)
+
+
+class R44:
+    """#44, SOAP-Muon (the 2900-step schedule):
+    results/20260609_soap_f1_auxb2_clean/train_gpt_clean_SOTA.py (= its logs' script)."""
+
+    script = "results/20260609_soap_f1_auxb2_clean/train_gpt_clean_SOTA.py"
+    steps = 2900                    # script:57 FINAL_TRAIN_STEPS; :59 FINAL_SCHEDULE_STEPS
+    power = 1.2                     # script:60 FINAL_LR_POWER
+    embed_c = 4.976805410800738e-05   # script:61 ADAM_EMBED_POWER_C
+    head_c = 5.184172302917436e-07    # script:62 ADAM_PROJ_POWER_C
+    vector_c = 1.6589351369335795e-06  # script:63 ADAM_OTHER_POWER_C
+    muon_c = 3.3169534699576625e-06   # script:64 MUON_POWER_C
+    muon_lr = 0.0375                # script:68 MUON_LR
+    soap_beta = 0.90                # script:72 SOAP_BETA2
+    soap_eps = 1e-8                 # script:377 soap_precondition_momentum(..., eps=1e-8)
+    soap_v_floor = 1e-8 * 1e-8      # script:384 exp_avg_sq.clamp_min(eps * eps)
+    trust_floor = 0.45              # script:75 ATTN_EARLY_TRUST_FLOOR
+    trust_cap = 0.85                # script:76 ATTN_EARLY_TRUST_CAP
+    trust_fade_start = 1375         # script:77 ATTN_TRUST_FLOOR_END_STEP
+    trust_fade_end = 1625           # script:78 ATTN_TRUST_FLOOR_FADE_END_STEP
+    trust_min_agree = 0.20          # script:79
+    trust_min_grad_align = 0.00     # script:80
+    mu_min, mu_max = 0.85, 0.95     # script:813-814 _MU_MIN, _MU_MAX
+    mu_warmup = 300                 # script:815 _MU_WARMUP_STEPS
+    mu_cooldown = 200               # script:817 _MU_COOLDOWN_STEPS
+    embed_lr = 0.3                  # script:762
+    head_lr = 1 / 320               # script:763
+    embed_head_betas = (0.8, 0.99)  # script:764 (torch AdamW: bias-corrected)
+    adam_eps = 1e-10                # script:764, 779
+    gains = (0.01, 0.99)            # script:775 (lr, beta2) of the bias-correction-free Adam
+    vectors = (0.01, 0.997)         # script:776
+    attn_proj_bias = (0.01, 0.9965)  # script:777
+    adam_b1 = 0.8                   # script:764, 775-777
+
+
+class R46:
+    """#46, the whole stack (2900-step schedule, loss claimed at 2690):
+    results/20260619_cwd_rowfloor_tailema/train_gpt_cwd_SOTA.py (its logs run an
+    environment-driven version of it with these values)."""
+
+    script = "results/20260619_cwd_rowfloor_tailema/train_gpt_cwd_SOTA.py"
+    steps = 2900                    # script:69 FINAL_TRAIN_STEPS; :71 FINAL_SCHEDULE_STEPS
+    power = 1.2                     # script:72 FINAL_LR_POWER
+    embed_c = 4.976805410800738e-05   # script:73 ADAM_EMBED_POWER_C
+    head_c = 5.184172302917436e-07    # script:74 ADAM_PROJ_POWER_C
+    vector_c = 1.6589351369335795e-06  # script:75 ADAM_OTHER_POWER_C (all three 1-D groups)
+    muon_c = 3.3169534699576625e-06   # script:76 MUON_POWER_C
+    muon_lr = 0.0375                # script:80 MUON_LR
+    target_uw = 0.3825              # script:81 TARGET_UW (RowFloor's target)
+    soap_beta = 0.90                # script:84 SOAP_BETA2
+    soap_v_floor = 1e-8 * 1e-8      # script:405, 412 clamp_min(eps * eps), eps=1e-8
+    trust_floor = 0.45              # script:87
+    trust_cap = 0.85                # script:88
+    trust_fade_start = 1375         # script:89
+    trust_fade_end = 1625           # script:90
+    brake = 0.5                     # script:96 RADIAL_OUTWARD_SCALE
+    cwd = 0.025                     # script:108 CWD
+    tail_tau = 150.0                # script:111 TAILEMA_TAU
+    tail_start = 2400               # script:112 TAILEMA_START
+    tail_lambda = 0.6               # script:114 TAILEMA_LAMBDA
+    lookahead = 0.3                 # script:831 lookahead_stepsize=0.3
+    lookahead_ema = 0.99            # script:833
+    lookahead_prefill = 300         # script:834 prefill_steps=300
+    lookahead_stop = 2900 - 950     # script:835 rest_steps=train_steps - 950
+    mu_min, mu_max = 0.85, 0.95     # script:857-858
+    mu_warmup = 300                 # script:859
+    mu_cooldown = 200               # script:861
+    embed_lr = 0.3                  # script:806
+    head_lr = 1 / 320               # script:807
+    embed_head_betas = (0.8, 0.99)  # script:808
+    adam_eps = 1e-10                # script:808, 823
+    gains = (0.01, 0.99)            # script:819
+    vectors = (0.01, 0.997)         # script:820
+    attn_proj_bias = (0.01, 0.9965)  # script:821
+    adam_b1 = 0.8                   # script:808, 819-821
