@@ -117,16 +117,16 @@ def run_in_float64(fn, *trees, float32_leaves=False):
 
 
 def program_text(lowered) -> str:
-    """The program `lowered` gives the compiler: its HLO with every constant in full, without
-    debug metadata (source locations) and without the module's name. Two programs with
-    equal texts compile to one executable, so on the same inputs they give bitwise the
-    same results and may be compared exactly.
+    """The program `lowered` gives the compiler, as StableHLO text: every constant in full,
+    no source locations, no argument names, the module's name left out. Two programs
+    with equal texts compile to one executable, so on the same inputs they give bitwise
+    the same results and may be compared exactly.
 
-    (The compiled text is no substitute: it elides constants of more than a few elements
+    (The compiled text is no substitute: it prints constants of more than a few elements
     as ``{...}``, and its frame tables, whose order differs on a cold compilation cache,
-    come before its computations.)
+    come before its computations; the HLO text names parameters by their argument paths.)
 
     Args:
       lowered: ``jax.jit(f).lower(*args)``.
     """
-    return re.sub(r"^HloModule [^ ,]+", "HloModule", lowered.as_text(dialect="hlo"), count=1)
+    return re.sub(r"^module @[\w.\-]+", "module", lowered.as_text(debug_info=False), count=1)
