@@ -16,6 +16,7 @@ import optax_snoo
 from optax_matrix import nest
 from optax_snoo import AdamGroup, adam_group, muon, scale_by_adam
 from optax_snoo._src.muon_adam import group_labels
+from references.error import assert_as_accurate, program_text, run_in_float64
 
 MODDED = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
           (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))  # modded-nanogpt's triples
@@ -62,8 +63,11 @@ def test_scale_by_adam_bias_correction_on_is_optax():
     g = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}
     ours, theirs = scale_by_adam(0.8, 0.95, 1e-10), optax.scale_by_adam(0.8, 0.95, 1e-10)
     s1, s2 = ours.init(g), theirs.init(g)
+    up1, up2 = jax.jit(ours.update), jax.jit(theirs.update)
+    # optax's own program, so bit for bit its numbers and state.
+    assert program_text(up1.lower(g, s1)) == program_text(up2.lower(g, s2))
     for _ in range(3):
-        (u1, s1), (u2, s2) = ours.update(g, s1), theirs.update(g, s2)
+        (u1, s1), (u2, s2) = up1(g, s1), up2(g, s2)
         jax.tree.map(np.testing.assert_array_equal, (u1, s1), (u2, s2))
 
 
@@ -149,12 +153,22 @@ def test_default_single_group_is_optax_adamw():
     tx = muon(0.02, adam_learning_rate=3e-3, adam_b1=0.8, adam_b2=0.95, adam_eps=1e-10,
               adam_weight_decay=0.1, labels=labels)
     adamw = optax.adamw(3e-3, 0.8, 0.95, 1e-10, weight_decay=0.1)
+    grads = [jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 2)), params) for i in range(3)]
+
+    def run_adamw(p, grads):  # its updates of "b" (on float64 values: their computation)
+        state, update, out = adamw.init(p), jax.jit(adamw.update), []
+        for g in grads:
+            u, state = update(g["b"], state, p)
+            out.append(u)
+        return out
+
+    exact = run_in_float64(run_adamw, params["b"], grads)
     s1, s2 = tx.init(params), adamw.init(params["b"])
     assert sorted(s1.inner_states) == ["adam", "muon"]
-    for i in range(3):
-        g = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 2)), params)
+    for i, g in enumerate(grads):
         (u1, s1), (u2, s2) = tx.update(g, s1, params), adamw.update(g["b"], s2, params["b"])
-        np.testing.assert_allclose(u1["b"], u2, rtol=1e-6, atol=1e-9)
+        # Another program (a partition, the decay as its own transform): as accurate.
+        assert_as_accurate(u1["b"], u2, exact[i], what=f"update {i}")
 
 
 def test_unmatched_leaf_and_bad_groups_raise():

@@ -18,6 +18,7 @@ import pytest
 
 from optax_snoo import kfac
 from optax_snoo._src.utils import path_to_str
+from references.error import assert_as_accurate, run_in_float64
 
 RNG = np.random.default_rng(0)
 
@@ -59,7 +60,7 @@ def test_nnx_linear_and_einsum_against_hand_computed_statistics():
         loss_fn, params, x, y)
 
     # By hand: the same network with explicit zero perturbations on the layer outputs.
-    def by_hand(p, perts):
+    def by_hand(p, perts, x):
         fc, heads, out = p["fc"], p["heads"], p["out"]
         y1 = x @ fc["kernel"] + fc["bias"] + perts[0]
         h = jnp.tanh(y1)
@@ -69,22 +70,25 @@ def test_nnx_linear_and_einsum_against_hand_computed_statistics():
         ce = optax.softmax_cross_entropy_with_integer_labels(y3, y).mean()
         return ce, (x, h, h2)
 
+    reference = jax.jit(jax.value_and_grad(by_hand, argnums=(0, 1), has_aux=True))
     perts = [jnp.zeros((3, 4, 6)), jnp.zeros((3, 4, 2, 3)), jnp.zeros((3, 4, 5))]
-    (ref_loss, inputs), (ref_grads, dys) = jax.value_and_grad(
-        by_hand, argnums=(0, 1), has_aux=True)(params, perts)
+    (ref_loss, inputs), (ref_grads, dys) = reference(params, perts, x)
+    # Another float32 program of it: the capture as accurate as it against it in float64.
+    (loss64, inputs64), (grads64, dys64) = run_in_float64(reference, params, perts, x)
     assert sorted(stats) == ["fc/kernel", "heads/kernel", "out/kernel"]
-    assert_close(loss, ref_loss)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        assert_close(a, b)
-    for path, x_ref, dy_ref, d_in, d_out, bias in (
-            ("fc/kernel", inputs[0], dys[0], 4, 6, True),
-            ("heads/kernel", inputs[1], dys[1], 6, 6, True),
-            ("out/kernel", inputs[2], dys[2], 6, 5, False)):
+    assert_as_accurate(loss, ref_loss, loss64, what="loss")
+    assert_as_accurate(grads, ref_grads, grads64, what="grads")
+    for i, path, d_in, d_out, bias in ((0, "fc/kernel", 4, 6, True),
+                                       (1, "heads/kernel", 6, 6, True),
+                                       (2, "out/kernel", 6, 5, False)):
         s = stats[path]
         assert s.inputs.shape == (12, d_in) and s.out_grads.shape == (12, d_out), path
         assert s.has_bias == bias, path
-        assert_close(s.inputs, x_ref.reshape(12, d_in), what=path)
-        assert_close(s.out_grads, dy_ref.reshape(12, d_out), what=path)
+        flat = lambda a, d: np.reshape(a, (12, d))
+        assert_as_accurate(s.inputs, flat(inputs[i], d_in), flat(inputs64[i], d_in),
+                           what=f"{path} inputs")
+        assert_as_accurate(s.out_grads, flat(dys[i], d_out), flat(dys64[i], d_out),
+                           what=f"{path} out_grads")
 
     # One line to K-FAC; the Einsum kernel (6, 2, 3) with its (2, 3) bias is not a 2-D
     # "kernel", so the layers template comes from the statistics' shapes.
@@ -104,25 +108,28 @@ def test_expert_stack_and_einsum_layouts():
     p = {"experts": {"w": _normal(3, 4, 5)}, "proj": {"kernel": _normal(2, 5, 4)}}
     x = _normal(3, 6, 4)                           # (E, C, d)
 
-    def loss_fn(p, perts=None):
+    def loss_fn(p, x, perts=None):
         add = (lambda i, y: y) if perts is None else (lambda i, y: y + perts[i])
         h = add(0, jnp.einsum("eci,eio->eco", x, p["experts"]["w"]))       # (E, C, 5)
         h = jnp.tanh(h).reshape(3, 6, 1, 5) * jnp.ones((1, 1, 2, 1))        # (E, C, n, h)
         z = add(1, jnp.einsum("ecnh,nhd->ecd", h, p["proj"]["kernel"]))     # (E, C, 4)
         return jnp.sum(jnp.sin(z)), (x, h)
 
-    _, grads, stats = kfac.value_grad_and_stats(lambda p: loss_fn(p)[0], p)
+    _, grads, stats = kfac.value_grad_and_stats(lambda p: loss_fn(p, x)[0], p)
     perts = [jnp.zeros((3, 6, 5)), jnp.zeros((3, 6, 4))]
-    (_, (x_ref, h_ref)), dys = jax.value_and_grad(
-        lambda pt: loss_fn(p, pt), has_aux=True)(perts)
+    reference = jax.jit(lambda p, x, perts: jax.value_and_grad(
+        lambda pt: loss_fn(p, x, pt), has_aux=True)(perts))
+    (_, (_, h_ref)), dys = reference(p, x, perts)
+    (_, (_, h64)), dys64 = run_in_float64(reference, p, x, perts)
     e = stats["experts/w"]
     assert e.inputs.shape == (3, 6, 4) and e.out_grads.shape == (3, 6, 5)
-    assert_close(e.inputs, x_ref)
-    assert_close(e.out_grads, dys[0])
+    np.testing.assert_array_equal(e.inputs, x)  # the data itself: no arithmetic
+    assert_as_accurate(e.out_grads, dys[0], dys64[0], what="expert out_grads")
     q = stats["proj/kernel"]
     assert q.inputs.shape == (18, 10) and q.out_grads.shape == (18, 4)
-    assert_close(q.inputs, h_ref.reshape(18, 10))
-    assert_close(q.out_grads, dys[1].reshape(18, 4))
+    assert_as_accurate(q.inputs, h_ref.reshape(18, 10), h64.reshape(18, 10), what="inputs")
+    assert_as_accurate(q.out_grads, dys[1].reshape(18, 4), dys64[1].reshape(18, 4),
+                       what="out_grads")
     # The gradient identity per expert: ∇W_e = x_eᵀ dy_e.
     assert_close(jnp.einsum("eci,eco->eio", e.inputs, e.out_grads), grads["experts"]["w"],
                  rtol=1e-5, atol=1e-6)
@@ -136,7 +143,7 @@ def test_contracting_axis_first_and_lhs_kernel():
     p = {"a": {"kernel": _normal(4, 3)}, "b": {"kernel": _normal(3, 2)}}
     xt = _normal(4, 7)
 
-    def f(p, perts):
+    def f(p, perts, xt):
         y = jax.lax.dot_general(xt, p["a"]["kernel"], (((0,), (0,)), ((), ()))) + perts[0]
         # kernel on the left: out = (kernel free, x free) = (2, 7)
         z = jax.lax.dot_general(p["b"]["kernel"], jnp.tanh(y), (((0,), (1,)), ((), ())))
@@ -144,12 +151,15 @@ def test_contracting_axis_first_and_lhs_kernel():
         return jnp.sum(jnp.cos(z)), jnp.tanh(y)
 
     perts = [jnp.zeros((7, 3)), jnp.zeros((2, 7))]
-    _, _, stats = kfac.value_grad_and_stats(lambda p: f(p, [0.0, 0.0])[0], p)
-    (_, h), dys = jax.value_and_grad(lambda pt: f(p, pt), has_aux=True)(perts)
-    assert_close(stats["a/kernel"].inputs, xt.T)
-    assert_close(stats["a/kernel"].out_grads, dys[0])
-    assert_close(stats["b/kernel"].inputs, h)
-    assert_close(stats["b/kernel"].out_grads, dys[1].T)
+    _, _, stats = kfac.value_grad_and_stats(lambda p: f(p, [0.0, 0.0], xt)[0], p)
+    reference = jax.jit(lambda p, perts, xt: jax.value_and_grad(
+        lambda pt: f(p, pt, xt), has_aux=True)(perts))
+    (_, h), dys = reference(p, perts, xt)
+    (_, h64), dys64 = run_in_float64(reference, p, perts, xt)
+    np.testing.assert_array_equal(stats["a/kernel"].inputs, xt.T)  # the data itself
+    assert_as_accurate(stats["a/kernel"].out_grads, dys[0], dys64[0], what="a out_grads")
+    assert_as_accurate(stats["b/kernel"].inputs, h, h64, what="b inputs")
+    assert_as_accurate(stats["b/kernel"].out_grads, dys[1].T, dys64[1].T, what="b out_grads")
 
 
 def test_bf16_compute_through_casts():
@@ -210,9 +220,12 @@ def test_custom_vjp_matmul_is_kept_whole():
     _, grads, stats = jax.jit(lambda p: kfac.value_grad_and_stats(
         lambda p: f(p, 0.0), p))(p)
     dy = jax.grad(lambda pt: f(p, pt))(jnp.zeros((10, 3)))
-    assert_close(grads["l"]["kernel"], 2.0 * x.T @ dy, rtol=1e-5)
-    assert_close(stats["l/kernel"].inputs, x)
-    assert_close(stats["l/kernel"].out_grads, dy)
+    # dy = cos(x W) and the marker's 2 xᵀ dy, in float64: what both programs round.
+    x64 = np.asarray(x, np.float64)
+    dy64 = np.cos(x64 @ np.asarray(p["l"]["kernel"], np.float64))
+    assert_as_accurate(grads["l"]["kernel"], 2.0 * x.T @ dy, 2.0 * x64.T @ dy64, what="grad")
+    np.testing.assert_array_equal(stats["l/kernel"].inputs, x)  # the data itself
+    assert_as_accurate(stats["l/kernel"].out_grads, dy, dy64, what="out_grads")
 
 
 # ------------------------------------------------------------------------------ GPT
@@ -384,8 +397,10 @@ def test_curvature_from_stats_token_stride():
     c = jax.jit(lambda o: kfac.curvature_from_stats(stats, num_tokens=12, token_stride=3,
                                                     token_offset=o))(1)
     ref = kfac.layer_factors(x[1::3], dy[1::3], num_tokens=12)
-    assert_close(c["l/kernel"].a, ref.a)
-    assert_close(c["l/kernel"].g, ref.g)
+    # Both float32 (K-FAC's factors are): measured against xᵀx/n, (M dy)ᵀ(M dy)/n in float64.
+    xs, gs = np.asarray(x, np.float64)[1::3], 12 * np.asarray(dy, np.float64)[1::3]
+    assert_as_accurate(c["l/kernel"].a, ref.a, xs.T @ xs / 4, what="a")
+    assert_as_accurate(c["l/kernel"].g, ref.g, gs.T @ gs / 4, what="g")
     with pytest.raises(ValueError, match="divide"):
         kfac.curvature_from_stats(stats, token_stride=5)
     with pytest.raises(ValueError, match="token_stride"):
@@ -439,10 +454,20 @@ def test_moe_gpt_experts_preconditioned_per_expert():
     inv = k_state.inverses["blocks"]["1"]["moe"]["experts"]["w_fc"]
     g = grads["blocks"][1]["moe"]["experts"]["w_fc"]         # nnx.List: int keys
     u = updates["blocks"][1]["moe"]["experts"]["w_fc"]
+    def pi_damped64(grad, a, g, damping=1e-2):  # (A + π√λ I)⁻¹ ∇ (G + √λ/π I)⁻¹, float64
+        grad, a, g = (np.asarray(x, np.float64) for x in (grad, a, g))
+        pi = np.sqrt((np.trace(a) / len(a)) / (np.trace(g) / len(g)))
+        root = np.sqrt(damping)
+        return (np.linalg.solve(a + pi * root * np.eye(len(a)), grad)
+                @ np.linalg.inv(g + root / pi * np.eye(len(g))))
+
     for e in range(4):
-        ref = kfac.precondition(g[e], curvature[w].a[e], curvature[w].g[e], 1e-2)
-        assert_close(inv.a_inv[e] @ g[e] @ inv.g_inv[e], ref, rtol=1e-3, atol=1e-6)
-        assert_close(u[e], -0.1 * ref, rtol=1e-3, atol=1e-7)
+        args = g[e], curvature[w].a[e], curvature[w].g[e]
+        ref, ref64 = kfac.precondition(*args, 1e-2), pi_damped64(*args)
+        # Kept inverses, then two products, against one solve: as accurate as the solve.
+        assert_as_accurate(inv.a_inv[e] @ g[e] @ inv.g_inv[e], ref, ref64, what=f"expert {e}")
+        assert_as_accurate(u[e], -0.1 * np.asarray(ref, np.float64), -0.1 * ref64,
+                           what=f"update {e}")
 
 
 def test_through_remat_and_custom_jvp_boundaries():
@@ -462,16 +487,19 @@ def test_through_remat_and_custom_jvp_boundaries():
         h = jax.checkpoint(lambda x, w: jnp.sin(x @ w + perts[0]))(x, p["a"]["kernel"])
         return jnp.sum(layer_b(h, p["b"]["kernel"]) ** 2), h
 
-    def g(p, perts):                      # the same with the perturbation inside layer_b
+    def g(p, perts, x):                   # the same with the perturbation inside layer_b
         h = jnp.sin(x @ p["a"]["kernel"] + perts[0])
         return jnp.sum(jnp.tanh(h @ p["b"]["kernel"] + perts[1]) ** 2), h
 
     _, grads, stats = kfac.value_grad_and_stats(lambda p: f(p, [0.0])[0], p)
-    (_, h), dys = jax.value_and_grad(lambda pt: g(p, pt), has_aux=True)(
-        [jnp.zeros((6, 5)), jnp.zeros((6, 3))])
+    reference = jax.jit(lambda p, x, perts: jax.value_and_grad(
+        lambda pt: g(p, pt, x), has_aux=True)(perts))
+    perts = [jnp.zeros((6, 5)), jnp.zeros((6, 3))]
+    (_, h), dys = reference(p, x, perts)
+    (_, h64), dys64 = run_in_float64(reference, p, x, perts)
     assert set(stats) == {"a/kernel", "b/kernel"}
-    assert_close(stats["a/kernel"].inputs, x)
-    assert_close(stats["a/kernel"].out_grads, dys[0])
-    assert_close(stats["b/kernel"].inputs, h)
-    assert_close(stats["b/kernel"].out_grads, dys[1])
-    assert_close(grads["b"]["kernel"], h.T @ dys[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(stats["a/kernel"].inputs, x)  # the data itself
+    assert_as_accurate(stats["a/kernel"].out_grads, dys[0], dys64[0], what="a out_grads")
+    assert_as_accurate(stats["b/kernel"].inputs, h, h64, what="b inputs")
+    assert_as_accurate(stats["b/kernel"].out_grads, dys[1], dys64[1], what="b out_grads")
+    assert_as_accurate(grads["b"]["kernel"], h.T @ dys[1], h64.T @ dys64[1], what="grad")

@@ -10,6 +10,8 @@ step by step.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,7 @@ from optax_snoo import (
     orthogonalize,
     scale_by_muon,
 )
+from references.error import assert_as_accurate, bound, error, program_text, run_in_float64
 from references.muon import KELLER, MODDED, RefMuon, ref_ns, ref_scalar_ns
 
 # Amsel et al. 2025 (arXiv 2505.16932), Algorithm 1, copied from the paper: the degree-5
@@ -63,7 +66,7 @@ def ref_polar_express(x, steps=5):
 PE_FOLDED = ((PAPER_POLAR_EXPRESS[0][0] / 1.01, PAPER_POLAR_EXPRESS[0][1] / 1.01**3,
               PAPER_POLAR_EXPRESS[0][2] / 1.01**5), *PAPER_POLAR_EXPRESS[1:5])
 PRESETS = {"keller": KELLER, "modded": MODDED, "polar_express": PE_FOLDED}
-F32 = jnp.float32
+F32, F64 = jnp.float32, jnp.float64
 # Jitted once per (shape, coefficients, dtype): eager lax.scan would compile op by op.
 ortho = jax.jit(orthogonalize, static_argnums=(1, 2, 3))
 
@@ -105,6 +108,38 @@ MIXED = dict(MATRICES, norm=PARAMS["norm"], scalar=PARAMS["scalar"])  # + Adam's
 def first_update(tx, grads, params=None):
     """One jitted update from a fresh state (eager mode would compile op by op)."""
     return jax.jit(tx.update)(grads, tx.init(grads if params is None else params), params)
+
+
+def first_update64(make, grads):
+    """`first_update(make(F64), grads)` on the float64 values of `grads` (x64 inside only):
+    the computation that the float32 programs of `make(F32)` round. Two float32 programs
+    of it (another blocking, batching or fusion) differ by their rounding of it, so they
+    are compared by their errors against this (`references.error`), not by a fixed rtol."""
+    return run_in_float64(lambda g: first_update(make(F64), g)[0], grads)
+
+
+def in_dtype_of(grads, params):
+    """`grads` cast to the params' dtypes (float64 in a float64 run)."""
+    return jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, params)
+
+
+def trajectory(tx, params, steps):
+    """The params after `steps` jitted updates on `normal_tree` gradients, and the state."""
+    state, update = tx.init(params), jax.jit(tx.update)
+    for t in range(steps):
+        u, state = update(in_dtype_of(normal_tree(params, t), params), state, params)
+        params = optax.apply_updates(params, u)
+    return params, state
+
+
+def update_sequence(tx, grads_like, steps):
+    """The updates of `steps` jitted updates on `normal_tree` gradients without params,
+    and the last state."""
+    state, update, out = tx.init(grads_like), jax.jit(tx.update), []
+    for t in range(steps):
+        u, state = update(in_dtype_of(normal_tree(grads_like, t), grads_like), state)
+        out.append(u)
+    return out, state
 
 
 def cooldown(T, frac=0.7, final=0.01, xp=np):
@@ -276,11 +311,13 @@ def test_normuon_keeps_the_frobenius_norm_and_evens_the_neurons():
     whose orthogonalised rows differ in size comes out with rows of equal RMS at step 0."""
     w = normal((8, 32), seed=7)
     g = w * jnp.linspace(0.1, 3.0, 32)[None, :]  # columns (the longer axis) of unequal size
-    plain, _ = first_update(scale_by_muon(0.9, ns_dtype=F32, shape_scale=None), {"w": g})
+    make = lambda dtype: scale_by_muon(0.9, ns_dtype=dtype, shape_scale=None)
+    plain, _ = first_update(make(F32), {"w": g})
     normed, state = first_update(scale_by_muon(0.9, ns_dtype=F32, shape_scale=None,
                                                beta2=0.5), {"w": g})
-    np.testing.assert_allclose(np.linalg.norm(normed["w"]), np.linalg.norm(plain["w"]),
-                               rtol=1e-5)
+    # As accurate as the orthogonalised one's own float32 norm.
+    norm = lambda u: np.linalg.norm(np.asarray(u["w"], np.float64))
+    assert_as_accurate(norm(normed), norm(plain), norm(first_update64(make, {"w": g})))
     col_rms = np.sqrt(np.mean(np.square(np.asarray(normed["w"])), axis=0))
     np.testing.assert_allclose(col_rms, col_rms.mean(), rtol=1e-4)
     assert np.std(np.sqrt(np.mean(np.square(np.asarray(plain["w"])), axis=0))) > 1e-3
@@ -298,6 +335,9 @@ def test_orthogonalize_float32_matches_reference(preset):
         out = ortho(jnp.asarray(x), preset, F32)
         assert out.dtype == F32 and out.shape == shape
         np.testing.assert_allclose(np.asarray(out), ref_ns(x, PRESETS[preset]), atol=5e-6)
+    # The preset is its triples: the same program (constants included), so bitwise equal.
+    assert (program_text(ortho.lower(jnp.asarray(x), PRESETS[preset], F32))
+            == program_text(ortho.lower(jnp.asarray(x), preset, F32)))
     explicit = ortho(jnp.asarray(x), PRESETS[preset], F32)
     np.testing.assert_array_equal(np.asarray(explicit), np.asarray(out))
 
@@ -377,13 +417,24 @@ def test_polar_express_is_the_papers_algorithm_and_its_band():
             assert lo - tol <= s.min() and s.max() <= hi + tol, (dtype, s.min(), s.max())
 
 
+@functools.cache
+def unscaled64(seed):
+    """The first update of `scale_by_muon(shape_scale=None)` on `normal((8, 32), seed)`,
+    in float64 (two tests compare with it)."""
+    return first_update64(lambda dtype: scale_by_muon(ns_dtype=dtype, shape_scale=None),
+                          normal((8, 32), seed=seed))
+
+
 def test_shape_scale_options():
     w = normal((8, 32), seed=9)
     base, _ = first_update(scale_by_muon(ns_dtype=F32, shape_scale=None), w)
+    exact = unscaled64(9)
     for value, factor in (("modded", 2.0), (True, 2.0), (False, 1.0), (None, 1.0),
                           ("consistent_rms", 0.2 * np.sqrt(32))):
         u, _ = first_update(scale_by_muon(ns_dtype=F32, shape_scale=value), w)
-        np.testing.assert_allclose(np.asarray(u), factor * np.asarray(base), rtol=1e-6)
+        # Another program than `base`'s: as accurate as `base` scaled (one more rounding).
+        assert_as_accurate(u, factor * np.asarray(base, np.float64), factor * exact,
+                           what=str(value))
     # An orthogonal O of shape (m, n) has ||O||_F^2 = min(m, n), so RMS(O) =
     # 1/sqrt(max(m, n)) and 0.2 sqrt(max(m, n)) O has RMS 0.2, AdamW's typical update
     # RMS (up to the Newton-Schulz band).
@@ -398,25 +449,20 @@ def test_consistent_rms_and_adam_nesterov_match_optax_contrib():
     """optax.contrib.muon(consistent_rms=0.2, nesterov=True) uses Nesterov in its AdamW
     group too: ours matches it with adam_nesterov=True (and differs without)."""
     params = {"w": PARAMS["wq"], "v": PARAMS["mlp_proj"], "norm": PARAMS["norm"]}
-    theirs = optax.contrib.muon(0.02, beta=0.9, eps=1e-7, consistent_rms=0.2, nesterov=True,
-                                adam_learning_rate=3e-3)
+    theirs = lambda: optax.contrib.muon(0.02, beta=0.9, eps=1e-7, consistent_rms=0.2,
+                                        nesterov=True, adam_learning_rate=3e-3)
     kw = dict(beta=0.9, coefficients="keller", ns_dtype=F32, bias_correction=True,
               shape_scale="consistent_rms", adam_learning_rate=3e-3, adam_eps=1e-7,
               labels=ndim_labels)
-    ours, plain = muon(0.02, adam_nesterov=True, **kw), muon(0.02, **kw)
-    p = {k: params for k in ("ours", "plain", "theirs")}
-    txs = {"ours": ours, "plain": plain, "theirs": theirs}
-    states = {k: tx.init(params) for k, tx in txs.items()}
-    updates = {k: jax.jit(tx.update) for k, tx in txs.items()}
-    for t in range(6):
-        g = normal_tree(params, t)
-        for k in txs:
-            u, states[k] = updates[k](g, states[k], p[k])
-            p[k] = optax.apply_updates(p[k], u)
-    m.assert_trees_close(p["ours"], p["theirs"], rtol=1e-5, atol=1e-6)
+    txs = {"ours": muon(0.02, adam_nesterov=True, **kw), "plain": muon(0.02, **kw),
+           "theirs": theirs()}
+    p = {k: trajectory(tx, params, 6)[0] for k, tx in txs.items()}
+    # optax's on float64 params (its iteration and momentum follow them): what both round.
+    exact = run_in_float64(lambda q: trajectory(theirs(), q, 6)[0], params)
+    assert_as_accurate(p["ours"], p["theirs"], exact)
     assert float(jnp.max(jnp.abs(p["plain"]["norm"] - p["theirs"]["norm"]))) > 1e-4
-    m.assert_trees_close({k: p["plain"][k] for k in "wv"}, {k: p["theirs"][k] for k in "wv"},
-                         rtol=1e-5, atol=1e-6)
+    matrices = lambda tree: {k: tree[k] for k in "wv"}
+    assert_as_accurate(matrices(p["plain"]), matrices(p["theirs"]), matrices(exact))
 
 
 def test_convolution_kernels_warn_once_per_leaf():
@@ -439,17 +485,37 @@ def test_convolution_kernels_warn_once_per_leaf():
 def test_stacks_equal_per_matrix_results():
     # Slicing and transposing happen in numpy: eager jax indexing compiles per index.
     x = np.asarray(normal((4, 8, 12), seed=5))
+    grads = [np.asarray(normal_tree({"e": x}, t)["e"]) for t in range(2)]
+
+    def per_matrix(dtype):  # the four matrices as four leaves: their updates per step
+        tx = scale_by_muon(0.9, ns_dtype=dtype)
+        split = lambda a: {f"e{i}": jnp.asarray(a[i], dtype) for i in range(4)}
+        state, update, out = tx.init(split(x)), jax.jit(tx.update), []
+        for g in grads:
+            u, state = update(split(g), state)
+            out.append(u)
+        return out
+
+    split32, split64 = per_matrix(F32), run_in_float64(lambda: per_matrix(F64))
     tx = scale_by_muon(0.9, ns_dtype=F32)
-    stack, split = {"e": jnp.asarray(x)}, {f"e{i}": jnp.asarray(x[i]) for i in range(4)}
-    st1, st2 = tx.init(stack), tx.init(split)
-    update = jax.jit(tx.update)
-    for t in range(2):
-        g = np.asarray(normal_tree(stack, t)["e"])
-        u1, st1 = update({"e": jnp.asarray(g)}, st1)
-        u2, st2 = update({f"e{i}": jnp.asarray(g[i]) for i in range(4)}, st2)
-        u1 = np.asarray(u1["e"])
-        for i in range(4):
-            np.testing.assert_allclose(u1[i], np.asarray(u2[f"e{i}"]), atol=1e-6)
+    state, update = tx.init({"e": jnp.asarray(x)}), jax.jit(tx.update)
+    for t, g in enumerate(grads):
+        u, state = update({"e": jnp.asarray(g)}, state)
+        u = np.asarray(u["e"])
+        # One batched iteration, blocked unlike four: as accurate as the four.
+        assert_as_accurate({f"e{i}": u[i] for i in range(4)}, split32[t], split64[t],
+                           what=f"step {t}")
+
+
+_alone64 = {}
+
+
+def alone64(key, g):
+    """The first update of `scale_by_muon(0.9)` on the one leaf `{key: g}`, in float64."""
+    if key not in _alone64:
+        _alone64[key] = first_update64(lambda dtype: scale_by_muon(0.9, ns_dtype=dtype),
+                                       {key: g})[key]
+    return _alone64[key]
 
 
 @pytest.mark.parametrize("ns_dtype", [F32, jnp.bfloat16])
@@ -463,8 +529,13 @@ def test_same_shape_leaves_share_one_iteration_with_their_own_results(ns_dtype):
     together, _ = first_update(tx, tree)
     for k, g in tree.items():
         alone = np.asarray(first_update(tx, {k: g})[0][k])
-        tol = 1e-6 if ns_dtype == F32 else 2.0**-8 * np.max(np.abs(alone))  # one bf16 ulp
-        np.testing.assert_allclose(np.asarray(together[k]), alone, atol=tol, rtol=0)
+        # As accurate as alone, against alone's computation in float64 (bf16's is ~1%
+        # from it, so that case allows 4x that: the float32 case is the sharp one).
+        exact = alone64(k, np.asarray(g))
+        if ns_dtype == F32:
+            assert_as_accurate(together[k], alone, exact, what=k)
+        else:
+            assert error(together[k], exact) <= bound(alone, exact), k
     # one Newton-Schulz loop for the five (8, 16) matrices, one for the (6, 10)
     hlo = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
     assert hlo.count(" while(") == 2
@@ -476,13 +547,16 @@ def test_matrix_axes_other_than_the_last_two():
     u, _ = first_update(ours, jnp.asarray(g))
     default = scale_by_muon(0.9, ns_dtype=F32)
     ut, _ = first_update(default, jnp.asarray(g.transpose(1, 0, 2)))
-    np.testing.assert_allclose(np.asarray(u), np.asarray(ut).transpose(1, 0, 2), atol=1e-6)
+    default64 = lambda x: first_update64(lambda dtype: scale_by_muon(0.9, ns_dtype=dtype), x)
+    # Another program (the transposes inside it): as accurate as the default one.
+    assert_as_accurate(u, np.asarray(ut).transpose(1, 0, 2),
+                       default64(g.transpose(1, 0, 2)).transpose(1, 0, 2))
     # PyTorch (out, in) layout: fan_in is axis 1. (16, 8) with axes (1, 0) is a 8 -> 16 map.
     w = np.asarray(normal((16, 8), seed=8))
     torch_tx = scale_by_muon(0.9, ns_dtype=F32, matrix_axes=(1, 0))
     u_torch, _ = first_update(torch_tx, jnp.asarray(w))
     u_flax, _ = first_update(default, jnp.asarray(w.T))
-    np.testing.assert_allclose(np.asarray(u_torch), np.asarray(u_flax).T, atol=1e-6)
+    assert_as_accurate(u_torch, np.asarray(u_flax).T, default64(w.T).T)
     np.testing.assert_allclose(np.asarray(u_torch), np.sqrt(2.0) * ref_ns(w, MODDED), atol=1e-5)
 
 
@@ -491,7 +565,7 @@ def test_shape_scale_flag_and_state():
     on, off = scale_by_muon(ns_dtype=F32), scale_by_muon(ns_dtype=F32, shape_scale=False)
     u_on, s_on = first_update(on, w)
     u_off, _ = first_update(off, w)
-    np.testing.assert_allclose(np.asarray(u_on), 2.0 * np.asarray(u_off), rtol=1e-6)
+    assert_as_accurate(u_on, 2.0 * np.asarray(u_off, np.float64), 2.0 * unscaled64(9))
     assert isinstance(s_on, MuonState) and s_on.mu.dtype == F32
     assert isinstance(s_on.smooth, optax.EmptyState) and int(s_on.count) == 1
     smoothed = scale_by_muon(smoothing=0.2).init(w.astype(jnp.bfloat16))
@@ -536,46 +610,45 @@ def test_momentum_warmup_schedule():
 def test_bias_correction_matches_optax_contrib(preset, nesterov):
     dims = {"v": optax.contrib.MuonDimensionNumbers(0, 1),
             "e": optax.contrib.MuonDimensionNumbers(1, 2)}
-    theirs = optax.contrib.scale_by_muon(
+    theirs = lambda: optax.contrib.scale_by_muon(
         ns_coeffs=PRESETS[preset], ns_steps=5, beta=0.9, eps=1e-7, nesterov=nesterov,
         weight_dimension_numbers=dims)
     ours = scale_by_muon(0.9, coefficients=preset, ns_dtype=F32, nesterov=nesterov,
                          bias_correction=True, shape_scale=False)
     # Bias correction matters for Nesterov from step 1 on (step 0: both are multiples of g);
     # without Nesterov it only rescales the momentum, which Newton-Schulz normalises away.
-    plain = scale_by_muon(0.9, coefficients=preset, ns_dtype=F32, nesterov=nesterov,
-                          shape_scale=False)
-    txs = {"ours": ours, "theirs": theirs, "plain": plain}
-    states = {k: tx.init(MATRICES) for k, tx in txs.items()}
-    updates = {k: jax.jit(tx.update) for k, tx in txs.items()}
+    plain = lambda dtype: scale_by_muon(0.9, coefficients=preset, ns_dtype=dtype,
+                                        nesterov=nesterov, shape_scale=False)
+    (u_ours, s_ours), (u_theirs, s_theirs), (u_plain, _) = (
+        update_sequence(tx, MATRICES, 8) for tx in (ours, theirs(), plain(F32)))
+    # The float64 runs of optax's (its iteration and momentum follow the gradients' dtype)
+    # and of ours without bias correction: what the float32 programs round.
+    def theirs_float64(g):
+        updates, state = update_sequence(theirs(), g, 8)
+        return updates, state.mu
+
+    theirs64, mu64 = run_in_float64(theirs_float64, MATRICES)
+    plain64 = run_in_float64(lambda g: update_sequence(plain(F64), g, 8)[0], MATRICES)
     for t in range(8):
-        g = normal_tree(MATRICES, t)
-        u = {}
-        for k in txs:
-            u[k], states[k] = updates[k](g, states[k])
-        m.assert_trees_close(u["ours"], u["theirs"], rtol=1e-5, atol=2e-6)
-        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                   for a, b in zip(jax.tree.leaves(u["ours"]), jax.tree.leaves(u["plain"]),
-                                   strict=True))
-        assert diff > 1e-2 if nesterov and t > 0 else diff < 5e-6, (t, diff)
-    m.assert_trees_close(states["ours"].mu, states["theirs"].mu, rtol=1e-6, atol=1e-7)
+        assert_as_accurate(u_ours[t], u_theirs[t], theirs64[t], what=f"step {t}")
+        if nesterov and t > 0:
+            diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                       for a, b in zip(jax.tree.leaves(u_ours[t]), jax.tree.leaves(u_plain[t]),
+                                       strict=True))
+            assert diff > 1e-2, (t, diff)
+        else:  # the same update as without it, to the float32 rounding of that one
+            assert_as_accurate(u_ours[t], u_plain[t], plain64[t], what=f"unchanged {t}")
+    assert_as_accurate(s_ours.mu, s_theirs.mu, mu64, what="mu")
 
 
 def test_muon_alias_matches_optax_contrib_muon_on_matrices():
     params = {"w": PARAMS["wq"], "v": PARAMS["mlp_proj"]}  # shape scale sqrt(2) and 1
-    theirs = optax.contrib.muon(0.02, beta=0.9, eps=1e-7, weight_decay=0.01)
+    theirs = lambda: optax.contrib.muon(0.02, beta=0.9, eps=1e-7, weight_decay=0.01)
     ours = muon(0.02, beta=0.9, coefficients="keller", ns_dtype=F32, bias_correction=True,
                 weight_decay=0.01, labels=ndim_labels)
-    p_ours, p_theirs = params, params
-    s_ours, s_theirs = ours.init(params), theirs.init(params)
-    up_ours, up_theirs = jax.jit(ours.update), jax.jit(theirs.update)
-    for t in range(6):
-        g = normal_tree(params, t)
-        u, s_ours = up_ours(g, s_ours, p_ours)
-        p_ours = optax.apply_updates(p_ours, u)
-        u, s_theirs = up_theirs(g, s_theirs, p_theirs)
-        p_theirs = optax.apply_updates(p_theirs, u)
-    m.assert_trees_close(p_ours, p_theirs, rtol=1e-5, atol=1e-6)
+    exact = run_in_float64(lambda p: trajectory(theirs(), p, 6)[0], params)
+    assert_as_accurate(trajectory(ours, params, 6)[0], trajectory(theirs(), params, 6)[0],
+                       exact)
 
 
 # ----------------------------------------------------------------------------------------
@@ -644,6 +717,10 @@ def test_default_labels_come_from_optax_snoo_labels():
     params = {"w": MIXED["v"], "b": MIXED["norm"]}
     default = muon(0.1, ns_dtype=F32)
     explicit = muon(0.1, ns_dtype=F32, labels=labels_mod.muon_adam_labels)
+    # The labels are read at trace time: one program, so bitwise one trajectory.
+    lowered = [jax.jit(tx.update).lower(params, tx.init(params), params)
+               for tx in (default, explicit)]
+    assert program_text(lowered[0]) == program_text(lowered[1])
     p1, _, _ = m.run(default, params, 2)
     p2, _, _ = m.run(explicit, params, 2)
     m.assert_trees_equal(p1, p2)
@@ -655,16 +732,19 @@ def test_default_labels_come_from_optax_snoo_labels():
 def test_matrix_scale_by_muon(tmp_path):
     # One transform for most checks, so its compiled update is reused between them.
     tx = scale_by_muon(muon_momentum_warmup(), ns_dtype=F32, smoothing=0.2)
-    m.check_jit_matches_eager(tx, MATRICES)
+    # The same computation in float64 (its state follows the params; mu_dtype says so).
+    tx64 = scale_by_muon(muon_momentum_warmup(), ns_dtype=F64, mu_dtype=F64, smoothing=0.2)
+    m.check_jit_matches_eager(tx, MATRICES, float64=tx64)
     m.check_state_stable(tx, MATRICES)
     m.check_dtype_preserved(scale_by_muon(smoothing=0.2), MATRICES)  # bf16 Newton-Schulz
     m.check_inject_hyperparams(
         scale_by_muon, MATRICES,
         dict(beta=0.9, smoothing=0.3, coefficients="keller", ns_dtype=F32),
-        static_args=("ns_dtype", "mu_dtype"))
-    m.check_multisteps(tx, MATRICES)
-    m.check_partition(tx, MATRICES)
-    m.check_sharded_state(tx, MATRICES)
+        static_args=("ns_dtype", "mu_dtype"),
+        float64=lambda **kw: scale_by_muon(**dict(kw, ns_dtype=F64, mu_dtype=F64)))
+    m.check_multisteps(tx, MATRICES, float64=tx64)
+    m.check_partition(tx, MATRICES, float64=tx64)
+    m.check_sharded_state(tx, MATRICES, float64=tx64)
     m.check_orbax_roundtrip(tx, MATRICES, tmp_path)
 
 
@@ -675,14 +755,16 @@ def test_matrix_muon_alias(tmp_path):
     kw = dict(learning_rate=0.02, beta=0.9, weight_decay=0.01, smoothing=0.2,
               adam_learning_rate=3e-3, muon_groups=groups, labels=ndim_labels)
     tx = muon(ns_dtype=F32, **kw)
+    tx64 = muon(ns_dtype=F64, **kw)  # the same in float64 (Muon's and Adam's state follow)
     m.check_state_stable(tx, MIXED)
     m.check_dtype_preserved(muon(0.02, weight_decay=0.01, labels=ndim_labels), MIXED)
     m.check_inject_hyperparams(
         muon, MIXED, dict(kw, ns_dtype=F32, learning_rate=lambda t: 0.02),
-        static_args=("labels", "ns_dtype", "muon_groups"))
-    m.check_multisteps(tx, MIXED)
+        static_args=("labels", "ns_dtype", "muon_groups"),
+        float64=lambda **kw: muon(**dict(kw, ns_dtype=F64)))
+    m.check_multisteps(tx, MIXED, float64=tx64)
     m.check_nnx_optimizer(muon(0.02, weight_decay=0.01, ns_dtype=F32, labels=ndim_labels))
-    m.check_sharded_state(tx, MIXED)
+    m.check_sharded_state(tx, MIXED, float64=tx64)
     m.check_orbax_roundtrip(tx, MIXED, tmp_path)
 
 
@@ -693,13 +775,15 @@ def test_matrix_new_options(tmp_path):
               shape_scale="consistent_rms", adam_nesterov=True, adam_learning_rate=3e-3,
               weight_decay=0.01, labels=ndim_labels, beta2=0.95, cautious_weight_decay=True)
     tx = muon(ns_dtype=F32, **kw)
+    tx64 = muon(ns_dtype=F64, **kw)  # the same in float64 (Muon's and Adam's state follow)
     m.check_state_stable(tx, MIXED)
-    m.check_jit_matches_eager(tx, MIXED)
+    m.check_jit_matches_eager(tx, MIXED, float64=tx64)
     m.check_dtype_preserved(muon(**kw), MIXED)
     m.check_inject_hyperparams(
         muon, MIXED, dict(kw, ns_dtype=F32),
         static_args=("labels", "ns_dtype", "coefficients", "shape_scale", "adam_nesterov",
-                     "cautious_weight_decay"))
-    m.check_multisteps(tx, MIXED)
-    m.check_sharded_state(tx, MIXED)
+                     "cautious_weight_decay"),
+        float64=lambda **kw: muon(**dict(kw, ns_dtype=F64)))
+    m.check_multisteps(tx, MIXED, float64=tx64)
+    m.check_sharded_state(tx, MIXED, float64=tx64)
     m.check_orbax_roundtrip(tx, MIXED, tmp_path)

@@ -12,6 +12,7 @@ import optax_snoo
 from optax_matrix import nest
 from optax_snoo import recipes
 from optax_snoo.recipes import modded_nanogpt, modded_nanogpt_muon
+from references.error import program_text
 
 
 def reference_multiplier(t, T, cooldown_frac, final):
@@ -189,9 +190,13 @@ def test_snoo_muon_is_snoo_around_muon(schedule):
         adam_learning_rate=sched(3e-3), adam_b1=0.8, adam_b2=0.95, adam_eps=1e-8,
         adam_weight_decay=0.0), 0.7, 0.5, k=2)
     states = [ours.init(params), theirs.init(params)]
+    updates = [jax.jit(ours.update), jax.jit(theirs.update)]
+    # The recipe builds that stack: one program, so bit for bit the same updates.
+    assert (program_text(updates[0].lower(grads[0], states[0], params))
+            == program_text(updates[1].lower(grads[0], states[1], params)))
     for g in grads:
-        (u1, states[0]), (u2, states[1]) = (tx.update(g, s, params) for tx, s in
-                                            zip((ours, theirs), states, strict=True))
+        (u1, states[0]), (u2, states[1]) = (update(g, s, params) for update, s in
+                                            zip(updates, states, strict=True))
         jax.tree.map(np.testing.assert_array_equal, u1, u2)
         params = optax.apply_updates(params, u1)
     assert sorted(states[0].inner_state.inner_states) == ["adam", "muon"]

@@ -14,6 +14,7 @@ and a few float32 roundings of the result.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import jax
 import numpy as np
@@ -113,3 +114,19 @@ def run_in_float64(fn, *trees, float32_leaves=False):
         assert float32_leaves or kinds <= {np.dtype(np.float64)}, (
             f"the float64 reference computed in {sorted(map(str, kinds))}")
         return float64(out)
+
+
+def program_text(lowered) -> str:
+    """The program `lowered` gives the compiler, as StableHLO text: every constant in full,
+    no source locations, no argument names, the module's name left out. Two programs
+    with equal texts compile to one executable, so on the same inputs they give bitwise
+    the same results and may be compared exactly.
+
+    (The compiled text is no substitute: it prints constants of more than a few elements
+    as ``{...}``, and its frame tables, whose order differs on a cold compilation cache,
+    come before its computations; the HLO text names parameters by their argument paths.)
+
+    Args:
+      lowered: ``jax.jit(f).lower(*args)``.
+    """
+    return re.sub(r"^module @[\w.\-]+", "module", lowered.as_text(debug_info=False), count=1)
