@@ -42,14 +42,14 @@ def sample_token(
       >>> int(sample_token(logits, jax.random.key(0), 0.0, valid_vocab=2)[0])
       1
     """
-    logits_BV = logits_BV.astype(jnp.float32)
+    logits_BV = logits_BV.astype(jnp.promote_types(jnp.float32, logits_BV.dtype))
     V = logits_BV.shape[-1]
     if valid_vocab is not None:
         logits_BV = jnp.where(jnp.arange(V) < valid_vocab, logits_BV, -jnp.inf)
     if top_k is not None:
         kth_B1 = jax.lax.dynamic_index_in_dim(jnp.sort(logits_BV, axis=-1), V - top_k, axis=-1)
         logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
-    temperature = jnp.asarray(temperature, jnp.float32)
+    temperature = jnp.asarray(temperature, logits_BV.dtype)
     hot = temperature > 0
     sampled_B = jax.random.categorical(key, logits_BV / jnp.where(hot, temperature, 1.0), axis=-1)
     return jnp.where(hot, sampled_B, jnp.argmax(logits_BV, axis=-1)).astype(jnp.int32)
