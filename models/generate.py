@@ -23,7 +23,9 @@ def sample_token(
     As nanoGPT: logits below the k-th largest are removed (ties with it are kept).
     ``temperature == 0`` is greedy (argmax). Ids ``>= valid_vocab`` (vocabulary padding)
     are removed first, so they are never drawn. ``temperature``, ``top_k`` and
-    ``valid_vocab`` may be traced values, so changing them does not recompile.
+    ``valid_vocab`` may be traced values, so changing them does not recompile. Float64
+    logits (a float64 model's) are perturbed by the float32 draw's Gumbel noise, so they
+    sample what float32 logits of the same values do.
 
     Args:
       logits_BV: logits of the next token.
@@ -51,7 +53,12 @@ def sample_token(
         logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
     temperature = jnp.asarray(temperature, logits_BV.dtype)
     hot = temperature > 0
-    sampled_B = jax.random.categorical(key, logits_BV / jnp.where(hot, temperature, 1.0), axis=-1)
+    scaled_BV = logits_BV / jnp.where(hot, temperature, 1.0)
+    if scaled_BV.dtype == jnp.float32:
+        sampled_B = jax.random.categorical(key, scaled_BV, axis=-1)
+    else:  # categorical's Gumbel noise in float32, so float64 logits sample as float32 ones
+        noise_BV = jax.random.gumbel(key, scaled_BV.shape, jnp.float32)
+        sampled_B = jnp.argmax(scaled_BV + noise_BV, axis=-1)
     return jnp.where(hot, sampled_B, jnp.argmax(logits_BV, axis=-1)).astype(jnp.int32)
 
 

@@ -327,7 +327,8 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout; the identity when ``key`` is ``None`` or ``rate`` is 0."""
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    # float32 draws whatever jax's x64 mode: a float64 model drops what its float32 model does
+    keep = jax.random.bernoulli(key, jnp.float32(1.0 - rate), x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
