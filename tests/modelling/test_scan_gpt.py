@@ -19,6 +19,7 @@ from optax_snoo import kfac
 from optax_snoo.recipes import nanogpt_decay_mask as decay_mask
 from references.error import assert_as_accurate, run_in_float64
 from references.gpt64 import float64_model
+from references.kfac import dense_factors64
 from train import config as tc
 from train.kfac_trainer import kfac_curvature_fn
 
@@ -29,25 +30,10 @@ def _f64(x):
     return np.asarray(x, np.float64)
 
 
-def _factors64(stats, num_tokens):
-    """`kfac.curvature_from_stats` of dense layers in float64 numpy (the library computes
-    factors in float32 whatever its inputs): ``A = x̃ᵀx̃ / N`` with ``x̃ = [x; 1]`` for a
-    bias, ``G = gᵀg / N`` with ``g = M ∂L/∂y``."""
-    out = {}
-    for path, s in stats.items():
-        assert s.locations == s.uses == 1 and not s.scanned, path
-        x, g = _f64(s.inputs), num_tokens * _f64(s.out_grads)
-        if s.has_bias:
-            x = np.concatenate([x, np.ones((len(x), 1))], axis=1)
-        out[path] = kfac.LayerCurvature(jnp.asarray(x.T @ x / len(x)),
-                                        jnp.asarray(g.T @ g / len(g)), s.kernel_axes)
-    return out
-
-
 def _kfac_step(model, tokens_BT, targets_BT, factors=None):
     """Loss, batch factors and one K-FAC direction (refresh at step 0) of ``model``; the
     factors and gradients go to the transform in float64, so its inversion adds no
-    float32 rounding to the comparison. Of a float64 model with ``factors=_factors64``
+    float32 rounding to the comparison. Of a float64 model with ``factors=dense_factors64``
     (under x64), everything is float64."""
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
@@ -105,7 +91,7 @@ def test_scanned_gpt_matches_the_unrolled_gpt():
 
     ref = run_in_float64(lambda: run(float64_model(unrolled)))
     ref_kfac = run_in_float64(lambda: _kfac_step(float64_model(unrolled), tokens, targets,
-                                                 factors=_factors64))
+                                                 factors=dense_factors64))
     got, peer = run(scanned), run(unrolled)
     assert_as_accurate(got[0], peer[0], ref[0], what="logits with dropout")
     assert len(got[2][0][1]) == N_LAYER
