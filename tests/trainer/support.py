@@ -3,6 +3,7 @@ would build for one, random token batches, and a corpus folder as nanoGPT writes
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from pathlib import Path
 
@@ -68,20 +69,71 @@ def permute_rows(xy, seed, replicas=1):
     return blocks[:, :, :, order].reshape(xy.shape)
 
 
+#: The loss scale of `rounded_otherwise`: not a power of two, so every value derived from
+#: the gradient rounds (to float32, and to bf16 in Newton-Schulz) otherwise.
+LOSS_SCALE = 1 + 3 * 2**-10
+#: Recipes whose step depends on the gradient's scale (K-FAC's damping): their peer is
+#: the batch rows permuted only.
+SCALE_DEPENDENT = frozenset({"kfac", "snoo_kfac"})
+
+
+@contextlib.contextmanager
+def rounded_otherwise(scale=LOSS_SCALE):
+    """Inside, the trainer differentiates its mean cross-entropy times `scale`. Muon's
+    Newton-Schulz normalises its input and Adam divides by its second moment's root, so
+    their steps are the same for a scaled loss (Adam's eps aside, 1e-8 against the
+    gradients' ~1e-3), while every rounding moves: with the rows permuted, the peer of a
+    program that computes the same step in another order (another blocking of the bf16
+    Newton-Schulz products among them, which permuted rows alone leave unchanged: their
+    float32 differences rarely move a bf16 rounding)."""
+    import train.kfac_trainer
+    import train.step
+
+    plain = train.step.cross_entropy
+    scaled = lambda logits_BTV, targets_BT: plain(logits_BTV, targets_BT) * scale
+    with contextlib.ExitStack() as stack:
+        for module in (train.step, train.kfac_trainer):
+            stack.enter_context(_setattr(module, "cross_entropy", scaled))
+        yield
+
+
+@contextlib.contextmanager
+def _setattr(module, name, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def peer_steps(config, steps=None, **kw):
+    """`train_steps` of the same computation with its roundings moved: each batch's rows
+    permuted and, unless the recipe is `SCALE_DEPENDENT`, the loss scaled
+    (`rounded_otherwise`). Its distance from `config`'s own run bounds (x4, references.
+    error.bound) another program's of that run where no float64 run exists (bf16
+    Newton-Schulz, a run over several processes)."""
+    name = config.optimizer.name
+    with contextlib.nullcontext() if name in SCALE_DEPENDENT else rounded_otherwise():
+        return train_steps(config, steps, shuffle=True, **kw)
+
+
 def train_steps(config, steps=None, *, batches=None, hinted=True, shuffle=False,
-                on_host=True):
+                on_host=True, history=False):
     """The jitted step of `config` (`step_setup`) over `batches` (default `steps` of
     `random_batches`, each reshaped to the config's micro-batches): each step's float
     metrics (``loss``, ``grad_norm``) as arrays over the steps, and the final state on
     the host (on its devices unless `on_host`). `hinted`: pass the optimizer's static
     hints (else its in-jit choices);
     `shuffle`: each batch's rows permuted (`permute_rows`), the peer of a program that
-    sums the same rows in another order."""
+    sums the same rows in another order. `history`: the metrics also hold ``params``,
+    the list of the params (on the host) after each step."""
     mesh, state, step, spec, vocab_size = step_setup(config)
     if batches is None:
         batches = random_batches(config, steps, vocab_size)
     put = lambda x: put_batch(x, batch_sharding(mesh))
     metrics = {"loss": [], "grad_norm": []}
+    params = []
     for t, xy in enumerate(batches):
         xy = xy.reshape(2, config.data.grad_accum, config.data.batch_size, -1)
         if shuffle:
@@ -90,8 +142,12 @@ def train_steps(config, steps=None, *, batches=None, hinted=True, shuffle=False,
                           **(spec.update_kwargs(t) if hinted else {}))
         for name, values in metrics.items():
             values.append(np.asarray(out[name]))
-    return {k: np.stack(v) for k, v in metrics.items()}, (
-        jax.device_get(state) if on_host else state)
+        if history:
+            params.append(jax.device_get(state.params))
+    metrics = {k: np.stack(v) for k, v in metrics.items()}
+    if history:
+        metrics["params"] = params
+    return metrics, jax.device_get(state) if on_host else state
 
 
 def float64_train_steps(config, steps=None, **kw):
