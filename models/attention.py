@@ -20,11 +20,11 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     hand-written VJP.
 
     Called outside differentiation it is that call (softmax in float32, grouped-query
-    heads when ``K < N``; in float64 the forward pass below, as that call's softmax is
-    float32 whatever its inputs). Under differentiation the forward pass is the same math
-    written in the backward's layouts (tested against that call), saving the float32
-    log-sum-exp. The backward pass is FlashAttention's (without tiling): ``P = softmax(S)``
-    recomputed from the saved log-sum-exp, ``dV = Pᵀ dO``,
+    heads when ``K < N``; in float64 the same function written out in float64, as that
+    call's softmax is float32 whatever its inputs). Under differentiation the forward pass
+    is the same math written in the backward's layouts (tested against that call), saving
+    the float32 log-sum-exp. The backward pass is FlashAttention's (without tiling):
+    ``P = softmax(S)`` recomputed from the saved log-sum-exp, ``dV = Pᵀ dO``,
     ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dQ = dS K / sqrt(H)``,
     ``dK = dSᵀ Q / sqrt(H)`` (``scale`` for ``1/sqrt(H)`` when given), every product
     accumulated in float32 (float64 for float64 inputs); in bf16 it is as
@@ -59,7 +59,7 @@ def _accumulation(q_BTNH: jax.Array) -> jnp.dtype:
     return jnp.promote_types(jnp.float32, q_BTNH.dtype)
 
 
-def softmax_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
+def _softmax_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
                       scale: float | None, mask_TS: jax.Array | None = None,
                       implementation: str | None = None) -> jax.Array:
     """``jax.nn.dot_product_attention`` (causal without ``mask_TS``), or for float64
@@ -82,7 +82,7 @@ def softmax_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _causal_attention(q_BTNH, k_BSKH, v_BSKH, scale):
-    return softmax_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale)
+    return _softmax_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale)
 
 
 def _groups(q_BTNH: jax.Array, k_BSKH: jax.Array) -> tuple[str, tuple[int, ...]]:
@@ -428,7 +428,7 @@ class CausalSelfAttention(nnx.Module):
         elif cache is None and attention == "handwritten":
             y_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH, scale)
         elif cache is None:
-            y_BTNH = softmax_attention(q_BTNH, k_BTKH, v_BTKH, scale=scale,
+            y_BTNH = _softmax_attention(q_BTNH, k_BTKH, v_BTKH, scale=scale,
                                        implementation=attention)
         else:
             start = (0, pos, 0, 0)
@@ -437,6 +437,6 @@ class CausalSelfAttention(nnx.Module):
             cache = KVCache(k_BSKH, v_BSKH)
             S = k_BSKH.shape[1]
             mask_TS = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]
-            y_BTNH = softmax_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale,
+            y_BTNH = _softmax_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale,
                                        mask_TS=mask_TS)
         return self.c_proj(y_BTNH.reshape(B, T, self.n_head * self.head_dim)), cache

@@ -326,7 +326,7 @@ class GPTConfig:
         if wide and not jax.config.jax_enable_x64:
             raise ValueError(
                 f"GPTConfig.{wide[0]}='float64' needs jax's 64-bit mode: call "
-                f'jax.config.update("jax_enable_x64", True) first (or set JAX_ENABLE_X64=1).')
+                'jax.config.update("jax_enable_x64", True) first (or set JAX_ENABLE_X64=1).')
 
     @property
     def params_dtype(self) -> jnp.dtype:
