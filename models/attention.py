@@ -20,13 +20,14 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     hand-written VJP.
 
     Called outside differentiation it is that call (softmax in float32, grouped-query
-    heads when ``K < N``). Under differentiation the forward pass is the same math
-    written in the backward's layouts (tested against that call), saving the float32
-    log-sum-exp. The backward pass is FlashAttention's (without tiling): ``P = softmax(S)``
-    recomputed from the saved log-sum-exp, ``dV = Pᵀ dO``,
+    heads when ``K < N``; in float64 the same function written out in float64, as that
+    call's softmax is float32 whatever its inputs). Under differentiation the forward pass
+    is the same math written in the backward's layouts (tested against that call), saving
+    the float32 log-sum-exp. The backward pass is FlashAttention's (without tiling):
+    ``P = softmax(S)`` recomputed from the saved log-sum-exp, ``dV = Pᵀ dO``,
     ``dP = dO Vᵀ``, ``dS = P ∘ (dP - rowsum(P ∘ dP))``, ``dQ = dS K / sqrt(H)``,
     ``dK = dSᵀ Q / sqrt(H)`` (``scale`` for ``1/sqrt(H)`` when given), every product
-    accumulated in float32; in bf16 it is as
+    accumulated in float32 (float64 for float64 inputs); in bf16 it is as
     accurate as autodiff. The XLA implementation works on arrays with a unit axis (its
     ``vmap`` over the query groups), whose reductions XLA:CPU's YNNPACK runs much slower
     than the same reduction without that axis, and its ``P V`` product is not in a form
@@ -53,9 +54,35 @@ def _scale(q_BTNH: jax.Array, scale: float | None) -> float:
     return 1.0 / math.sqrt(q_BTNH.shape[-1]) if scale is None else float(scale)
 
 
+def _accumulation(q_BTNH: jax.Array) -> jnp.dtype:
+    """float32, or float64 for float64 queries: the dtype of the logits and the softmax."""
+    return jnp.promote_types(jnp.float32, q_BTNH.dtype)
+
+
+def _softmax_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
+                      scale: float | None, mask_TS: jax.Array | None = None,
+                      implementation: str | None = None) -> jax.Array:
+    """``jax.nn.dot_product_attention`` (causal without ``mask_TS``), or for float64
+    inputs the same function written out in float64 (jax's softmax is float32 whatever
+    the inputs), differentiated by autodiff either way."""
+    if _accumulation(q_BTNH) == jnp.float32:
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BSKH, v_BSKH, scale=scale, is_causal=mask_TS is None,
+            mask=None if mask_TS is None else mask_TS[None, None],
+            implementation=implementation)
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    if mask_TS is None:
+        mask_TS = jnp.tril(jnp.ones((T, S), bool))
+    groups = q_BTNH.shape[2] // k_BSKH.shape[2]
+    k_BSNH, v_BSNH = (jnp.repeat(a, groups, axis=2) for a in (k_BSKH, v_BSKH))
+    s_BNTS = jnp.einsum("btnh,bsnh->bnts", q_BTNH, k_BSNH) * _scale(q_BTNH, scale)
+    p_BNTS = jax.nn.softmax(jnp.where(mask_TS, s_BNTS, -jnp.inf), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", p_BNTS, v_BSNH).astype(q_BTNH.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _causal_attention(q_BTNH, k_BSKH, v_BSKH, scale):
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale, is_causal=True)
+    return _softmax_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale)
 
 
 def _groups(q_BTNH: jax.Array, k_BSKH: jax.Array) -> tuple[str, tuple[int, ...]]:
@@ -72,18 +99,20 @@ def _groups(q_BTNH: jax.Array, k_BSKH: jax.Array) -> tuple[str, tuple[int, ...]]
 def _attend(q_BTNH, k_BSKH, v_BSKH, scale):
     """The forward pass in the backward's layouts (no unit axis, every product a bf16 one
     on XLA:CPU): the output, the float32 log-sum-exp as the backward reads it, and the
-    float32 logits ``(B, K[, G], T, S)`` with the non-causal ones at ``-inf``."""
+    float32 logits ``(B, K[, G], T, S)`` with the non-causal ones at ``-inf`` (float64
+    for float64 inputs)."""
     B, T, N, H = q_BTNH.shape
     g, grouped = _groups(q_BTNH, k_BSKH)
     q = q_BTNH.reshape(*grouped, H)
+    acc = _accumulation(q_BTNH)
     s = jnp.einsum(f"btk{g}h,bskh->bk{g}ts", q, k_BSKH,
-                   preferred_element_type=jnp.float32) * scale
+                   preferred_element_type=acc) * scale
     s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.exp(s - m)
     total = jnp.sum(e, axis=-1, keepdims=True)
     p = (e / total).astype(v_BSKH.dtype)
-    out = jnp.einsum(f"bk{g}ts,bskh->btk{g}h", p, v_BSKH, preferred_element_type=jnp.float32)
+    out = jnp.einsum(f"bk{g}ts,bskh->btk{g}h", p, v_BSKH, preferred_element_type=acc)
     lse = (m + jnp.log(total))[..., 0]
     return out.reshape(B, T, N, H).astype(q_BTNH.dtype), lse, s
 
@@ -104,7 +133,7 @@ def _causal_attention_bwd(scale, residuals, dout_BTNH):
     B, T, N, H = q_BTNH.shape
     g, grouped = _groups(q_BTNH, k_BSKH)
     q, do = q_BTNH.reshape(*grouped, H), dout_BTNH.reshape(*grouped, H)
-    f32 = dict(preferred_element_type=jnp.float32)
+    f32 = dict(preferred_element_type=_accumulation(q_BTNH))
     s = jnp.einsum(f"btk{g}h,bskh->bk{g}ts", q, k_BSKH, **f32) * scale
     p = jnp.where(jnp.tril(jnp.ones((T, T), bool)), jnp.exp(s - lse[..., None]), 0.0)
     dv = jnp.einsum(f"bk{g}ts,btk{g}h->bskh", p.astype(v_BSKH.dtype), do, **f32)
@@ -256,19 +285,20 @@ def resolve_attention(config: GPTConfig, *, platform: str | None = None,
     return "xla"
 
 
-def half_truncated_frequencies(head_dim: int) -> jax.Array:
+def half_truncated_frequencies(head_dim: int, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """modded-nanogpt's rotary frequencies: ``head_dim/4`` of ``(1/1024)^(j/(head_dim/4 - 1))``
     (``torch.linspace(0, 1, head_dim/4)`` exponents), then ``head_dim/4`` zeros.
 
     Args:
       head_dim: width of one head, a multiple of 4.
+      dtype: float32 (the file's), or float64 for a float64 model.
 
     Returns:
-      ``(head_dim/2,)`` float32 angular frequencies, one per rotated pair.
+      ``(head_dim/2,)`` angular frequencies in ``dtype``, one per rotated pair.
     """
     quarter = head_dim // 4
-    exponents = jnp.linspace(0.0, 1.0, quarter, dtype=jnp.float32)
-    return jnp.concatenate([(1.0 / 1024.0) ** exponents, jnp.zeros((quarter,), jnp.float32)])
+    exponents = jnp.linspace(0.0, 1.0, quarter, dtype=dtype)
+    return jnp.concatenate([(1.0 / 1024.0) ** exponents, jnp.zeros((quarter,), dtype)])
 
 
 def rotate_half_truncated(x_BTNH: jax.Array, pos_T: jax.Array) -> jax.Array:
@@ -276,7 +306,8 @@ def rotate_half_truncated(x_BTNH: jax.Array, pos_T: jax.Array) -> jax.Array:
 
     Pairs ``(x1, x2) = (x[:H/2], x[H/2:])`` turn by ``-theta`` (theta = position x
     frequency, :func:`half_truncated_frequencies`): ``y1 = x1 cos + x2 sin``,
-    ``y2 = -x1 sin + x2 cos``, in float32; the pairs of zero frequency pass unchanged.
+    ``y2 = -x1 sin + x2 cos``, in float32 (float64 for a float64 ``x``); the pairs of zero
+    frequency pass unchanged.
 
     Args:
       x_BTNH: queries or keys ``(B, T, N, H)``.
@@ -290,10 +321,10 @@ def rotate_half_truncated(x_BTNH: jax.Array, pos_T: jax.Array) -> jax.Array:
       https://arxiv.org/abs/2104.09864, 2021; modded-nanogpt ``Rotary`` (Track 3,
       https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization).
     """
-    H = x_BTNH.shape[-1]
-    theta_TF = jnp.asarray(pos_T, jnp.float32)[:, None] * half_truncated_frequencies(H)[None]
+    H, acc = x_BTNH.shape[-1], jnp.promote_types(jnp.float32, x_BTNH.dtype)
+    theta_TF = jnp.asarray(pos_T, acc)[:, None] * half_truncated_frequencies(H, acc)[None]
     cos, sin = jnp.cos(theta_TF)[:, None], jnp.sin(theta_TF)[:, None]  # (T, 1, H/2)
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x_BTNH.astype(acc), 2, axis=-1)
     y = jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], axis=-1)
     return y.astype(x_BTNH.dtype)
 
@@ -397,8 +428,8 @@ class CausalSelfAttention(nnx.Module):
         elif cache is None and attention == "handwritten":
             y_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH, scale)
         elif cache is None:
-            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, scale=scale,
-                                                  is_causal=True, implementation=attention)
+            y_BTNH = _softmax_attention(q_BTNH, k_BTKH, v_BTKH, scale=scale,
+                                       implementation=attention)
         else:
             start = (0, pos, 0, 0)
             k_BSKH = jax.lax.dynamic_update_slice(cache.k, k_BTKH.astype(cache.k.dtype), start)
@@ -406,7 +437,6 @@ class CausalSelfAttention(nnx.Module):
             cache = KVCache(k_BSKH, v_BSKH)
             S = k_BSKH.shape[1]
             mask_TS = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]
-            y_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BSKH, v_BSKH, scale=scale, mask=mask_TS[None, None]
-            )
+            y_BTNH = _softmax_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale,
+                                       mask_TS=mask_TS)
         return self.c_proj(y_BTNH.reshape(B, T, self.n_head * self.head_dim)), cache

@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 MLP_KINDS = ("gelu", "swiglu", "relu2")
@@ -21,7 +22,10 @@ ROTARY_KINDS = ("none", "half_truncated")
 INIT_KINDS = ("nanogpt", "track3", "hyperball")
 #: How attention is computed (``GPTConfig.attention``; see :func:`models.resolve_attention`).
 ATTENTION_KINDS = ("auto", "handwritten", "xla", "cudnn")
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+#: ``"float64"`` needs jax's 64-bit mode (``jax.config.update("jax_enable_x64", True)``):
+#: a float64 model computes the float32 model's function, e.g. as its float64 reference.
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_DTYPE_FIELDS = ("dtype", "param_dtype", "embed_dtype", "residual_dtype")
 _BOOLS = ("bias", "tie_embeddings", "scan_layers", "embed_norm", "qk_norm", "lm_head_bias")
 _REALS = ("dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
@@ -71,15 +75,15 @@ class GPTConfig:
         rotary: ``"none"`` or ``"half_truncated"``: modded-nanogpt's rotary embedding of
             queries and keys, ``head_dim / 4`` frequencies ``(1/1024)^(j / (head_dim/4 - 1))``
             then ``head_dim / 4`` zero frequencies, pairs ``(x[i], x[i + head_dim/2])``,
-            ``y1 = x1 cos + x2 sin``, ``y2 = -x1 sin + x2 cos`` (float32); ``head_dim`` must
-            be a multiple of 4.
+            ``y1 = x1 cos + x2 sin``, ``y2 = -x1 sin + x2 cos`` (in ``accumulation_dtype``);
+            ``head_dim`` must be a multiple of 4.
         qk_norm: a parameter-free RMS norm (eps as ``norm="rmsnorm"``) of each head's query
             and key, before the rotary embedding.
         attn_scale: the factor of ``q . k`` in the attention logits; ``None`` is
             ``1/sqrt(head_dim)`` (modded-nanogpt Track 3 uses 0.12).
         lm_head_bias: a bias on the untied LM head (``tie_embeddings=False`` only).
-        logit_softcap: ``c`` of the logit soft-cap ``c z / sqrt(z^2 + c^2)`` (float32, after
-            the head); ``None`` for none.
+        logit_softcap: ``c`` of the logit soft-cap ``c z / sqrt(z^2 + c^2)`` (in
+            ``accumulation_dtype``, after the head); ``None`` for none.
         init: ``"nanogpt"`` (described on :class:`models.GPT`) or ``"track3"``
             (``train_gpt_simple.py``'s: input matrices ``q/k/v``, ``fc`` (and ``gate``)
             ``N(0, 0.33 / fan_in)``, every output projection and the LM head zero, biases
@@ -99,10 +103,15 @@ class GPTConfig:
         dropout: dropout rate on the embeddings and on each residual branch (used only
             when the model is called with a ``dropout_key``).
         tie_embeddings: whether the output head reuses ``wte`` (no ``lm_head`` parameter).
-        dtype: compute dtype name for matmuls and activations. Logits, losses, LayerNorm
-            statistics, the softmax of attention and the router are always float32, and
-            the residual stream is ``residual_dtype``.
-        param_dtype: dtype name of the parameters (the router kernel is float32 always).
+        dtype: compute dtype name for matmuls and activations. Logits, losses, norm
+            statistics, the softmax of attention, the rotary angles and the router are
+            computed in ``accumulation_dtype`` (float32, float64 for a float64 ``dtype``),
+            and the residual stream is ``residual_dtype``. ``"float64"`` (in any dtype
+            field) needs jax's 64-bit mode, ``jax.config.update("jax_enable_x64", True)``:
+            a float64 model computes the float32 model's function (the same eps, the same
+            parameters of a seed), more exactly.
+        param_dtype: dtype name of the parameters (the router kernel is float32, float64
+            with float64 parameters).
         moe_every: 0 for a dense model; ``N`` makes block ``i`` a mixture-of-experts block
             when ``(i + 1) % N == 0`` (so ``N = 1``: every block, ``N = 2``: blocks 1, 3, ...).
         n_experts: experts per MoE block.
@@ -231,6 +240,7 @@ class GPTConfig:
             value = getattr(self, name)
             if value not in FLOAT_DTYPES:
                 raise ValueError(f"GPTConfig.{name} must be one of {FLOAT_DTYPES}, got {value!r}.")
+        self.check_float64()
         if isinstance(self.moe_every, bool) or not isinstance(self.moe_every, int):
             raise ValueError(f"GPTConfig.moe_every must be an int >= 0, got {self.moe_every!r}.")
         if not 0 <= self.moe_every <= self.n_layer:
@@ -297,6 +307,26 @@ class GPTConfig:
     def compute_dtype(self) -> jnp.dtype:
         """``dtype`` as a numpy dtype."""
         return jnp.dtype(self.dtype)
+
+    @property
+    def accumulation_dtype(self) -> jnp.dtype:
+        """What the model computes in float32 whatever ``dtype`` is, for accuracy (softmax
+        and log-sum-exp, norm statistics, rotary angles, logits and their soft-cap, the
+        router): ``jnp.promote_types(float32, dtype)``, so float64 for a float64 model."""
+        return jnp.promote_types(jnp.float32, self.compute_dtype)
+
+    def check_float64(self) -> None:
+        """Raise unless jax's 64-bit mode is on where a dtype field is ``"float64"`` (jax
+        would otherwise silently compute in float32).
+
+        Raises:
+          ValueError: one line naming the field and how to turn the mode on.
+        """
+        wide = [name for name in _DTYPE_FIELDS if getattr(self, name) == "float64"]
+        if wide and not jax.config.jax_enable_x64:
+            raise ValueError(
+                f"GPTConfig.{wide[0]}='float64' needs jax's 64-bit mode: call "
+                'jax.config.update("jax_enable_x64", True) first (or set JAX_ENABLE_X64=1).')
 
     @property
     def params_dtype(self) -> jnp.dtype:

@@ -23,7 +23,9 @@ def sample_token(
     As nanoGPT: logits below the k-th largest are removed (ties with it are kept).
     ``temperature == 0`` is greedy (argmax). Ids ``>= valid_vocab`` (vocabulary padding)
     are removed first, so they are never drawn. ``temperature``, ``top_k`` and
-    ``valid_vocab`` may be traced values, so changing them does not recompile.
+    ``valid_vocab`` may be traced values, so changing them does not recompile. Float64
+    logits (a float64 model's) are perturbed by the float32 draw's Gumbel noise, so they
+    sample what float32 logits of the same values do.
 
     Args:
       logits_BV: logits of the next token.
@@ -42,16 +44,21 @@ def sample_token(
       >>> int(sample_token(logits, jax.random.key(0), 0.0, valid_vocab=2)[0])
       1
     """
-    logits_BV = logits_BV.astype(jnp.float32)
+    logits_BV = logits_BV.astype(jnp.promote_types(jnp.float32, logits_BV.dtype))
     V = logits_BV.shape[-1]
     if valid_vocab is not None:
         logits_BV = jnp.where(jnp.arange(V) < valid_vocab, logits_BV, -jnp.inf)
     if top_k is not None:
         kth_B1 = jax.lax.dynamic_index_in_dim(jnp.sort(logits_BV, axis=-1), V - top_k, axis=-1)
         logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
-    temperature = jnp.asarray(temperature, jnp.float32)
+    temperature = jnp.asarray(temperature, logits_BV.dtype)
     hot = temperature > 0
-    sampled_B = jax.random.categorical(key, logits_BV / jnp.where(hot, temperature, 1.0), axis=-1)
+    scaled_BV = logits_BV / jnp.where(hot, temperature, 1.0)
+    if scaled_BV.dtype == jnp.float32:
+        sampled_B = jax.random.categorical(key, scaled_BV, axis=-1)
+    else:  # categorical's Gumbel noise in float32, so float64 logits sample as float32 ones
+        noise_BV = jax.random.gumbel(key, scaled_BV.shape, jnp.float32)
+        sampled_B = jnp.argmax(scaled_BV + noise_BV, axis=-1)
     return jnp.where(hot, sampled_B, jnp.argmax(logits_BV, axis=-1)).astype(jnp.int32)
 
 

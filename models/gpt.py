@@ -86,8 +86,9 @@ class GPT(nnx.Module):
     Init as nanoGPT: ``N(0, 0.02)`` for matrices and embeddings, ``0.02 / sqrt(2 n_layer)``
     for residual output projections (``c_proj``, ``w_proj``), zeros for biases, ones for
     norm scales; ``config.init="track3"`` is modded-nanogpt's (see :class:`GPTConfig`). Norms
-    and logits are float32, the residual stream ``config.residual_dtype`` (float32 by
-    default); matmuls run in ``config.dtype``. The options of :class:`GPTConfig` (norm kind,
+    and logits are float32 (``config.accumulation_dtype``: float64 in a float64 model), the
+    residual stream ``config.residual_dtype`` (float32 by default); matmuls run in
+    ``config.dtype``. The options of :class:`GPTConfig` (norm kind,
     ``embed_norm``, ``position``, ``rotary``, ``qk_norm``, ``attn_scale``, ``mlp="relu2"``,
     ``lm_head_bias``, ``logit_softcap``, dtypes) make modded-nanogpt's Track-3 network
     (:func:`models.track3_config`, weights from PyTorch with :func:`models.from_torch`).
@@ -122,6 +123,7 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        config.check_float64()
         D, dt = config.n_embd, config.params_dtype
         emb = dict(param_dtype=config.embeddings_dtype, std=embed_std(config), rngs=rngs)
         self.wte = Embed(config.vocab_size, D, names=("vocab", "embed"), **emb)
@@ -158,7 +160,8 @@ class GPT(nnx.Module):
             (read them through :func:`forward`).
 
         Returns:
-          ``logits_BTV`` in float32 (soft-capped with ``config.logit_softcap``).
+          ``logits_BTV`` in float32 (``config.accumulation_dtype``; soft-capped with
+          ``config.logit_softcap``).
         """
         seq_len, block_size = tokens_BT.shape[1], self.config.block_size
         if seq_len > block_size:
@@ -206,10 +209,11 @@ class GPT(nnx.Module):
 
     def _run(self, tokens_BT, cache, pos, dropout_key, dropless, max_logits=False):
         cfg = self.config
-        T = tokens_BT.shape[1]
+        cfg.check_float64()  # a float64 model traced without x64 would compute in float32
+        acc, T = cfg.accumulation_dtype, tokens_BT.shape[1]
         x_BTD = self.wte(tokens_BT)
         if self.wpe is not None:
-            x_BTD = x_BTD.astype(jnp.float32) + self.wpe(pos + jnp.arange(T)).astype(jnp.float32)
+            x_BTD = x_BTD.astype(acc) + self.wpe(pos + jnp.arange(T)).astype(acc)
         if self.ln_embed is not None:
             x_BTD = self.ln_embed(x_BTD)
         x_BTD = x_BTD.astype(cfg.stream_dtype)
@@ -224,11 +228,10 @@ class GPT(nnx.Module):
         x_BTD = self.ln_f(x_BTD).astype(cfg.compute_dtype)
         if self.lm_head is None:
             wte_VD = self.wte.embedding[...].astype(cfg.compute_dtype)
-            logits_BTV = matmul(x_BTD, wte_VD, transpose_w=True,
-                                preferred_element_type=jnp.float32)
+            logits_BTV = matmul(x_BTD, wte_VD, transpose_w=True, preferred_element_type=acc)
         else:
             logits_BTV = self.lm_head(x_BTD)
-        logits_BTV = logits_BTV.astype(jnp.float32)
+        logits_BTV = logits_BTV.astype(acc)
         if cfg.logit_softcap is not None:
             c = cfg.logit_softcap
             logits_BTV = c * logits_BTV * jax.lax.rsqrt(jnp.square(logits_BTV) + c * c)
@@ -346,7 +349,8 @@ def forward(
       model); and ``None``, or with ``max_logits=True`` a dict from each attention layer's
       path (``"blocks/0/attn"``, the prefix of its ``c_q``/``c_k`` parameters) to the
       float32 ``(n_head,)`` maximum of ``q . k / sqrt(head_dim)`` (``q . k * attn_scale``,
-      after ``qk_norm`` and ``rotary``) over the batch and the causal positions.
+      after ``qk_norm`` and ``rotary``) over the batch and the causal positions (each
+      float64 in a float64 model).
 
     Example:
       >>> import jax.numpy as jnp
@@ -364,11 +368,12 @@ def forward(
     """
     call = lambda model, tokens_BT, key: model(tokens_BT, dropout_key=key, max_logits=max_logits)
     logits_BTV, captured = nnx.capture(call, nnx.Intermediate)(model, tokens_BT, dropout_key)
-    aux_loss = jnp.zeros((), jnp.float32)
+    acc = model.config.accumulation_dtype
+    aux_loss = jnp.zeros((), acc)
     layer_max_logits = {}
     for path, value in nnx.to_flat_state(captured):
         if path[-1] == "aux_loss":
-            aux_loss = aux_loss + sum(jnp.asarray(v, jnp.float32) for v in value.get_value())
+            aux_loss = aux_loss + sum(jnp.asarray(v, acc) for v in value.get_value())
         elif path[-1] == "max_logits":
             layer = "/".join(str(part) for part in path[:-1])
             layer_max_logits[layer] = functools.reduce(jnp.maximum, value.get_value())

@@ -63,7 +63,8 @@ def param(
     std: Init,
 ) -> nnx.Param:
     """A parameter drawn from ``N(0, std^2)`` (``U(-b, b)`` for ``std=Uniform(b)``, zeros
-    when ``std`` is None), with logical axes.
+    when ``std`` is None), with logical axes. Drawn in float32 whatever ``dtype``, so a
+    float64 model of a seed holds its float32 model's values exactly.
 
     The parameter is sharded on creation when a mesh is set (``jax.set_mesh``; map the
     logical names with ``nnx.logical_axis_rules``); with no mesh it is created unsharded
@@ -239,46 +240,52 @@ class Dense(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm over the last axis (statistics in float32, eps 1e-5 as PyTorch).
+    """LayerNorm over the last axis (statistics in ``dtype``, eps 1e-5 as PyTorch).
 
     Args:
       dim: normalised width.
       bias: whether to add a learned bias.
       param_dtype: parameter dtype.
+      dtype: dtype of the statistics and the output (float32; float64 in a float64 model).
     """
 
-    def __init__(self, dim: int, *, bias: bool, param_dtype: jnp.dtype):
+    def __init__(self, dim: int, *, bias: bool, param_dtype: jnp.dtype,
+                 dtype: jnp.dtype = jnp.float32):
         self.scale = nnx.Param(
             jnp.ones((dim,), param_dtype), out_sharding=(None,), eager_sharding=_eager_sharding()
         )
         self.bias = param(None, (dim,), (None,), param_dtype, None) if bias else None
+        self.dtype = jnp.dtype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.float32)
+        x = x.astype(self.dtype)
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...].astype(jnp.float32)
+        y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...].astype(self.dtype)
         if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
+            y = y + self.bias[...].astype(self.dtype)
         return y
 
 
-def rms_norm(x: jax.Array, eps: float = RMS_EPS) -> jax.Array:
-    """``x / sqrt(mean(x^2) + eps)`` over the last axis, in float32 (no gain, no centring).
+def rms_norm(x: jax.Array, eps: float = RMS_EPS, dtype: jnp.dtype | None = None) -> jax.Array:
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis, in ``dtype`` (no gain, no centring).
 
     Args:
       x: input ``(..., D)``.
-      eps: added to the mean square (default PyTorch's ``F.rms_norm(eps=None)``: 2^-23).
+      eps: added to the mean square (default PyTorch's ``F.rms_norm(eps=None)``: 2^-23,
+        also in float64, where it stays the float32 model's function).
+      dtype: dtype of the computation; ``None`` is ``promote_types(float32, x.dtype)``
+        (float32, float64 for a float64 ``x``).
 
     Returns:
-      The normalised ``x`` in float32.
+      The normalised ``x`` in ``dtype``.
     """
-    x = x.astype(jnp.float32)
+    x = x.astype(jnp.promote_types(jnp.float32, x.dtype) if dtype is None else dtype)
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis: ``rms_norm(x) * scale (+ bias)``, in float32.
+    """RMSNorm over the last axis: ``rms_norm(x) * scale (+ bias)``, in ``dtype``.
 
     The gain is named ``scale`` as LayerNorm's, so both kinds have the same parameter
     paths. eps is PyTorch's default for ``F.rms_norm`` (:data:`RMS_EPS`, 2^-23).
@@ -287,47 +294,53 @@ class RMSNorm(nnx.Module):
       dim: normalised width.
       bias: whether to add a learned bias.
       param_dtype: parameter dtype.
+      dtype: dtype of the computation and the output (float32; float64 in a float64 model).
 
     References:
       Zhang and Sennrich, "Root Mean Square Layer Normalization",
       https://arxiv.org/abs/1910.07467, 2019.
     """
 
-    def __init__(self, dim: int, *, bias: bool, param_dtype: jnp.dtype):
+    def __init__(self, dim: int, *, bias: bool, param_dtype: jnp.dtype,
+                 dtype: jnp.dtype = jnp.float32):
         self.scale = nnx.Param(
             jnp.ones((dim,), param_dtype), out_sharding=(None,), eager_sharding=_eager_sharding()
         )
         self.bias = param(None, (dim,), (None,), param_dtype, None) if bias else None
+        self.dtype = jnp.dtype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = rms_norm(x) * self.scale[...].astype(jnp.float32)
+        y = rms_norm(x, dtype=self.dtype) * self.scale[...].astype(self.dtype)
         if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
+            y = y + self.bias[...].astype(self.dtype)
         return y
 
 
 def norm(config: GPTConfig, dim: int) -> LayerNorm | RMSNorm:
     """The norm ``config.norm`` names, with a bias when ``config.has_norm_bias``."""
     kind = RMSNorm if config.norm == "rmsnorm" else LayerNorm
-    return kind(dim, bias=config.has_norm_bias, param_dtype=config.params_dtype)
+    return kind(dim, bias=config.has_norm_bias, param_dtype=config.params_dtype,
+                dtype=config.accumulation_dtype)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout; the identity when ``key`` is ``None`` or ``rate`` is 0."""
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    # float32 draws whatever jax's x64 mode: a float64 model drops what its float32 model does
+    keep = jax.random.bernoulli(key, jnp.float32(1.0 - rate), x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 def gelu(x: jax.Array) -> jax.Array:
-    """Exact GELU, ``x/2 * (1 + erf(x/sqrt(2)))`` (PyTorch's ``nn.GELU()``), in float32.
+    """Exact GELU, ``x/2 * (1 + erf(x/sqrt(2)))`` (PyTorch's ``nn.GELU()``), in float32
+    (float64 for a float64 ``x``).
 
     ``jax.nn.gelu(approximate=False)`` computes the same function through ``erfc``,
     which XLA:CPU expands into a much longer polynomial (the whole nanoGPT CPU-recipe
     step was 13% slower with it).
     """
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(jnp.promote_types(jnp.float32, x.dtype))
     return (0.5 * x32 * (1.0 + jax.lax.erf(x32 * (1.0 / math.sqrt(2.0))))).astype(x.dtype)
 
 

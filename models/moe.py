@@ -1,6 +1,6 @@
 """Mixture-of-experts feed-forward block: top-k router, capacity-based dispatch, experts.
 
-Routing (per token, in float32): ``logits = x @ router`` ``(N, E)``,
+Routing (per token, in float32; float64 in a float64 model): ``logits = x @ router`` ``(N, E)``,
 ``probs = softmax(logits)``, the ``top_k`` largest probabilities pick the experts.
 Gate weights: for ``top_k > 1`` the chosen probabilities are renormalised to sum to one
 (Mixtral/GShard); for ``top_k == 1`` the raw probability is kept (Switch), otherwise the
@@ -90,7 +90,7 @@ def route(logits_BTE: jax.Array, top_k: int, capacity: int) -> Routing:
     """
     B, T, E = logits_BTE.shape
     N, K = B * T, top_k
-    logits_NE = logits_BTE.reshape(N, E).astype(jnp.float32)
+    logits_NE = logits_BTE.reshape(N, E).astype(jnp.promote_types(jnp.float32, logits_BTE.dtype))
     probs_NE = jax.nn.softmax(logits_NE, axis=-1)
     gates_NK, experts_NK = jax.lax.top_k(probs_NE, K)
     if K > 1:
@@ -102,7 +102,7 @@ def route(logits_BTE: jax.Array, top_k: int, capacity: int) -> Routing:
     rank_NK = jnp.sum(rank_TKBE * onehot_TKBE, axis=-1).transpose(2, 0, 1).reshape(N, K)
     keep_NK = rank_NK < capacity
     slots_NK = jnp.where(keep_NK, experts_NK * capacity + rank_NK, E * capacity)
-    tokens_NK = jnp.broadcast_to(jnp.arange(N)[:, None], (N, K))
+    tokens_NK = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[:, None], (N, K))
     slot_tokens_EC = (
         jnp.full((E * capacity + 1,), N, jnp.int32)  # the last entry collects the drops
         .at[slots_NK.reshape(-1)]
@@ -124,7 +124,7 @@ def load_balance_loss(probs_NE: jax.Array, experts_NK: jax.Array) -> jax.Array:
       A float32 scalar.
     """
     E = probs_NE.shape[-1]
-    f_E = jnp.mean(jax.nn.one_hot(experts_NK, E, dtype=jnp.float32), axis=(0, 1))
+    f_E = jnp.mean(jax.nn.one_hot(experts_NK, E, dtype=probs_NE.dtype), axis=(0, 1))
     P_E = jnp.mean(probs_NE, axis=0)
     return E * jnp.sum(f_E * P_E)
 
@@ -138,7 +138,8 @@ def router_z_loss(logits_NE: jax.Array) -> jax.Array:
     Returns:
       A float32 scalar.
     """
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_NE.astype(jnp.float32), axis=-1)))
+    logits_NE = logits_NE.astype(jnp.promote_types(jnp.float32, logits_NE.dtype))
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_NE, axis=-1)))
 
 
 class Experts(nnx.Module):
@@ -185,7 +186,8 @@ class Experts(nnx.Module):
 class MoE(nnx.Module):
     """Mixture-of-experts feed-forward block (see the module docstring).
 
-    ``router`` is a float32 :class:`models.layers.Dense` ``(D, E)`` (no bias);
+    ``router`` is a float32 :class:`models.layers.Dense` ``(D, E)`` (no bias; float64 in a
+    float64 model);
     ``experts`` an :class:`Experts` stack.
 
     Args:
@@ -198,8 +200,8 @@ class MoE(nnx.Module):
             config.n_embd,
             config.n_experts,
             names=("embed", None),
-            dtype=jnp.dtype(jnp.float32),
-            param_dtype=jnp.dtype(jnp.float32),
+            dtype=config.accumulation_dtype,
+            param_dtype=jnp.promote_types(jnp.float32, config.params_dtype),
             bias=False,
             rngs=rngs,
         )

@@ -11,8 +11,13 @@ MultiSteps and the mean gradient, a partition group and the transform alone, sha
 unsharded) round differently in each, so with ``float64=`` (the transform's computation
 for float64 params: often the transform itself, when its state follows the params'
 dtype) both are measured against the float64 run and the first may be at most 4x less
-accurate than the second (`references.error`). Without it they fall back to a fixed
-rtol/atol: a number, not a bound (kept for callers not yet given a float64 transform).
+accurate than the second (`references.error`). A transform that ends in a randomized
+rounding to a grid (``grid=jnp.bfloat16``: stochastic or dithered rounding) is compared
+on that grid instead: a float32 value within float32 rounding of its random threshold
+may go to either neighbour, so the two runs may end at most one grid step apart per
+rounding step, never further (`assert_on_grid_within`). Without either they fall back to
+a fixed rtol/atol: a number, not a bound (kept for callers not yet given a float64
+transform).
 """
 
 from __future__ import annotations
@@ -74,24 +79,55 @@ def float64_run(tx64, params, steps: int, *, float32_state=False, **extra_args):
                           float32_leaves=float32_state)[0]
 
 
-def assert_runs_agree(got, peer, float64_params=None, rtol=1e-5, atol=1e-6, what=""):
+def grid_steps(a, b, dtype) -> np.ndarray:
+    """How many values of the 16-bit float `dtype` (bf16, fp16) lie from each element of
+    `a` to `b` (both on its grid): the distance of their bit patterns in the order of the
+    values (a sign-magnitude pattern read as a signed count; +0 and -0 the same)."""
+    def order(x):
+        bits = np.asarray(jnp.asarray(x, dtype)).view(np.uint16).astype(np.int64)
+        return np.where(bits & 0x8000, -(bits & 0x7FFF), bits)
+    return np.abs(order(a) - order(b))
+
+
+def assert_on_grid_within(got, peer, grid, steps: int, what=""):
+    """Every leaf of `got` and `peer` lies on `grid`'s values and the two are at most
+    `steps` grid steps apart (one per randomized rounding of a value its two float32
+    programs computed within rounding of each other)."""
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(peer),
+                            strict=True):
+        name = f"{what}{jax.tree_util.keystr(path)}"
+        for z in (x, y):
+            z = np.asarray(z, np.float32)
+            np.testing.assert_array_equal(np.asarray(jnp.asarray(z, grid), np.float32), z,
+                                          err_msg=f"{name}: off the {jnp.dtype(grid)} grid")
+        apart = int(grid_steps(x, y, grid).max())
+        assert apart <= steps, f"{name}: {apart} grid steps apart after {steps} roundings"
+
+
+def assert_runs_agree(got, peer, float64_params=None, rtol=1e-5, atol=1e-6, what="", *,
+                      grid=None, steps=1):
     """`got` as accurate as `peer` against `float64_params` (their computation in float64);
-    without it, the fixed `rtol`/`atol` of callers not yet ported."""
-    if float64_params is None:
+    with `grid`, within `steps` grid steps of `peer` (`assert_on_grid_within`); without
+    either, the fixed `rtol`/`atol` of callers not yet ported."""
+    if grid is not None:
+        assert_on_grid_within(got, peer, grid, steps, what)
+    elif float64_params is None:
         assert_trees_close(got, peer, rtol, atol)
     else:
         assert_as_accurate(got, peer, float64_params, what=what)
 
 
 def check_jit_matches_eager(tx, params, steps: int = 4, rtol=1e-5, atol=1e-6, *,
-                            float64=None, float32_state=False):
+                            float64=None, float32_state=False, grid=None):
     """Jitted and op-by-op runs agree (XLA fuses, and may simplify small dots, in one and
-    not the other): against `float64`'s run when given (see the module docstring)."""
+    not the other): against `float64`'s run when given, on `grid` when given (see the
+    module docstring)."""
     p_jit, s_jit, _ = run(tx, params, steps, jit=True)
     p_eager, s_eager, _ = run(tx, params, steps, jit=False)
     ref = None if float64 is None else float64_run(float64, params, steps,
                                                     float32_state=float32_state)
-    assert_runs_agree(p_jit, p_eager, ref, rtol, atol, what="jit vs eager")
+    assert_runs_agree(p_jit, p_eager, ref, rtol, atol, what="jit vs eager", grid=grid,
+                      steps=steps)
     assert jax.tree.structure(s_jit) == jax.tree.structure(s_eager)
 
 
@@ -120,10 +156,10 @@ def check_dtype_preserved(tx, params, dtype=jnp.bfloat16, steps: int = 3):
 
 def check_inject_hyperparams(factory: Callable[..., optax.GradientTransformation], params,
                              kwargs: dict, static_args=(), steps: int = 3, *, float64=None,
-                             float32_state=False):
+                             float32_state=False, grid=None):
     """`optax.inject_hyperparams(factory)` gives the same trajectory as `factory`.
     `float64`: a factory like `factory` building the float64 computation (`True`:
-    `factory` itself)."""
+    `factory` itself); `grid`: see the module docstring."""
     plain = factory(**kwargs)
     injected = optax.inject_hyperparams(factory, static_args=static_args)(**kwargs)
     p1, _, _ = run(plain, params, steps)
@@ -133,7 +169,7 @@ def check_inject_hyperparams(factory: Callable[..., optax.GradientTransformation
     ref = None if float64 is None else float64_run(
         (factory if float64 is True else float64)(**kwargs), params, steps,
         float32_state=float32_state)
-    assert_runs_agree(p2, p1, ref, what="injected vs plain")
+    assert_runs_agree(p2, p1, ref, what="injected vs plain", grid=grid, steps=steps)
     return state
 
 
@@ -152,8 +188,9 @@ def _mean_gradient_run(tx, params, every_k, steps):
 
 
 def check_multisteps(tx, params, every_k: int = 2, steps: int = 2, *, float64=None,
-                     float32_state=False):
-    """`optax.MultiSteps(tx, k)` equals `tx` applied to the mean of k gradients."""
+                     float32_state=False, grid=None):
+    """`optax.MultiSteps(tx, k)` equals `tx` applied to the mean of k gradients (`grid`:
+    see the module docstring; `tx` rounds once per `every_k` gradients)."""
     ms = optax.MultiSteps(tx, every_k_schedule=every_k)
     ms_state = ms.init(params)
     p_ms = params
@@ -167,11 +204,14 @@ def check_multisteps(tx, params, every_k: int = 2, steps: int = 2, *, float64=No
     ref = None if float64 is None else run_in_float64(
         lambda p: _mean_gradient_run(float64, p, every_k, steps), params,
         float32_leaves=float32_state)[0]
-    assert_runs_agree(p_ms, p_ref, ref, what="MultiSteps vs the mean gradient")
+    assert_runs_agree(p_ms, p_ref, ref, what="MultiSteps vs the mean gradient", grid=grid,
+                      steps=steps)
 
 
-def check_partition(tx, params, steps: int = 3, *, float64=None, float32_state=False):
-    """`tx` as one group of `optax.partition`, SGD on the rest, equals `tx` on its leaves."""
+def check_partition(tx, params, steps: int = 3, *, float64=None, float32_state=False,
+                    grid=None):
+    """`tx` as one group of `optax.partition`, SGD on the rest, equals `tx` on its leaves
+    (`grid`: see the module docstring)."""
     flat = {f"g{i}": x for i, x in enumerate(jax.tree.leaves(params))}
     ours = {k: v for k, v in flat.items()}
     mixed = {"ours": ours, "other": {"w": jnp.ones((3,), jnp.float32)}}
@@ -190,7 +230,7 @@ def check_partition(tx, params, steps: int = 3, *, float64=None, float32_state=F
     ref = None if float64 is None else run_in_float64(
         lambda m: alone(float64, m), mixed, float32_leaves=float32_state)[0]
     assert_runs_agree(p_part["ours"], alone(tx, mixed)[0], ref, 1e-6, 1e-7,
-                      what="partition vs alone")
+                      what="partition vs alone", grid=grid, steps=steps)
 
 
 def check_nnx_optimizer(tx, steps: int = 3):
@@ -242,7 +282,7 @@ def shard_params(params, mesh, spec_fn: Callable[[jax.Array], P] | None = None):
 
 
 def check_sharded_state(tx, params, steps: int = 2, mesh=None, *, float64=None,
-                        float32_state=False):
+                        float32_state=False, grid=None):
     """On an 8-device mesh, state leaves shaped like a param carry that param's sharding,
     after an eager `init` and after jitted updates, and the result equals the unsharded run.
 
@@ -272,7 +312,7 @@ def check_sharded_state(tx, params, steps: int = 2, mesh=None, *, float64=None,
     p_ref, _, _ = run(tx, params, steps)
     ref = None if float64 is None else float64_run(float64, params, steps,
                                                     float32_state=float32_state)
-    assert_runs_agree(p, p_ref, ref, what="sharded vs unsharded")
+    assert_runs_agree(p, p_ref, ref, what="sharded vs unsharded", grid=grid, steps=steps)
 
 
 def check_orbax_roundtrip(tx, params, tmp_path, steps_before: int = 3, steps_after: int = 4,

@@ -181,11 +181,17 @@ def _accumulate(total: dict, update_args: dict) -> dict:
                                total[name], value) for name, value in update_args.items()}
 
 
+def _wide(dtype: Any) -> jnp.dtype:
+    """float32, or float64 for float64 values: what sums of `dtype` values are kept in."""
+    return jnp.promote_types(jnp.float32, dtype)
+
+
 def _accumulator(shapes: dict) -> dict:
-    """The start of `_accumulate`: `-inf` for a maximum, 0 for a sum (float32)."""
+    """The start of `_accumulate`: `-inf` for a maximum, 0 for a sum (float32; float64
+    for float64 values)."""
     def start(name: str, shape: jax.ShapeDtypeStruct) -> jax.Array:
         fill = -jnp.inf if name in MAXED_OVER_MICRO_BATCHES else 0.0
-        return jnp.full(shape.shape, fill, jnp.float32)
+        return jnp.full(shape.shape, fill, _wide(shape.dtype))
 
     return {name: jax.tree.map(functools.partial(start, name), value)
             for name, value in shapes.items()}
@@ -259,7 +265,7 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
             (_, (ce, aux_loss)), (grads, update_args) = grad_fn(
                 params, inputs_ABT[0], targets_ABT[0], key_of(0), step)
             if to_sum != 1:
-                grads = jax.tree.map(lambda g: (g.astype(jnp.float32) * to_sum).astype(g.dtype),
+                grads = jax.tree.map(lambda g: (g.astype(_wide(g.dtype)) * to_sum).astype(g.dtype),
                                      grads)
         else:
             def micro_step(total, batch):
@@ -273,7 +279,7 @@ def make_train_step(model: ModelDef, optimizer: TrainOptimizer, *, mesh: Mesh,
 
             grad_shapes, args_shapes = jax.eval_shape(
                 grad_fn, params, inputs_ABT[0], targets_ABT[0], key_of(0), step)[1]
-            zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), grad_shapes),
+            zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, _wide(s.dtype)), grad_shapes),
                      _accumulator(args_shapes))
             (grads, update_args), (ce_A, aux_A) = jax.lax.scan(
                 micro_step, zeros, (inputs_ABT, targets_ABT, jnp.arange(A)))
@@ -382,7 +388,8 @@ def make_eval_step(model: ModelDef, *, mesh: Mesh,
             logits_BTV, _, _ = models.forward(model.merge(params), batch[0])
             return total + cross_entropy(logits_BTV, batch[1]), None
 
-        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (inputs_NBT, targets_NBT))
+        total = jnp.zeros((), model.config.accumulation_dtype)
+        total, _ = jax.lax.scan(one, total, (inputs_NBT, targets_NBT))
         return total / inputs_NBT.shape[0]
 
     data = batch_sharding(mesh)

@@ -371,13 +371,16 @@ def sr_adamw(learning_rate=1e-2):
 
 
 def test_optax_matrix(tmp_path):
+    """The float32 comparisons of two programs on the bf16 grid the rounding leaves: a
+    value within float32 rounding of its random threshold may round either way in either
+    program, so they may be one bf16 step apart per rounding step (optax_matrix)."""
     tx = sr_adamw()
-    m.check_jit_matches_eager(tx, GRID, steps=2)
+    m.check_jit_matches_eager(tx, GRID, steps=2, grid=BF16)
     m.check_state_stable(tx, GRID)
     m.check_dtype_preserved(optax.chain(optax.adamw(1e-2), stochastic_rounding()), GRID)
-    m.check_multisteps(tx, GRID)
-    m.check_partition(tx, GRID)
-    m.check_sharded_state(tx, GRID)
+    m.check_multisteps(tx, GRID, grid=BF16)
+    m.check_partition(tx, GRID, grid=BF16)
+    m.check_sharded_state(tx, GRID, grid=BF16)
     m.check_orbax_roundtrip(tx, GRID, tmp_path)
-    m.check_inject_hyperparams(sr_adamw, GRID, {"learning_rate": 1e-2})
+    m.check_inject_hyperparams(sr_adamw, GRID, {"learning_rate": 1e-2}, grid=BF16)
     m.check_nnx_optimizer(optax.chain(optax.adamw(1e-2), dithered_rounding(dtype=jnp.bfloat16)))

@@ -17,6 +17,9 @@ import optax_snoo
 import train
 from optax_snoo import kfac
 from optax_snoo.recipes import nanogpt_decay_mask as decay_mask
+from references.error import assert_as_accurate, run_in_float64
+from references.gpt64 import float64_model
+from references.kfac import dense_factors64
 from train import config as tc
 from train.kfac_trainer import kfac_curvature_fn
 
@@ -27,21 +30,11 @@ def _f64(x):
     return np.asarray(x, np.float64)
 
 
-def _assert_close_blockwise(actual, expected, what, rtol=1e-5):
-    """``max |actual - expected| <= rtol * max |expected|`` over the whole block: the two
-    programs are the same float32 arithmetic fused differently, so entries agree to the
-    block's scale, not each to its own (``c_k``'s bias gradient is zero up to rounding:
-    a key bias shifts every logit of a query alike, which the softmax ignores)."""
-    actual, expected = _f64(actual), _f64(expected)
-    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
-    error, scale = np.max(np.abs(actual - expected)), np.max(np.abs(expected))
-    assert scale > 0 and error <= rtol * scale, (what, error, scale)
-
-
-def _kfac_step(model, tokens_BT, targets_BT):
+def _kfac_step(model, tokens_BT, targets_BT, factors=None):
     """Loss, batch factors and one K-FAC direction (refresh at step 0) of ``model``; the
     factors and gradients go to the transform in float64, so its inversion adds no
-    float32 rounding to the comparison."""
+    float32 rounding to the comparison. Of a float64 model with ``factors=dense_factors64``
+    (under x64), everything is float64."""
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
 
@@ -52,14 +45,14 @@ def _kfac_step(model, tokens_BT, targets_BT):
         return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT).mean()
 
     loss, grads, stats = jax.jit(lambda p: kfac.value_grad_and_stats(loss_fn, p))(params)
-    curvature = kfac.curvature_from_stats(stats, num_tokens=tokens_BT.size)
+    curvature = (factors or kfac.curvature_from_stats)(stats, num_tokens=tokens_BT.size)
     with jax.enable_x64(True):
         curvature64, grads64, params64 = jax.tree.map(
             lambda x: jnp.asarray(x, jnp.float64), (curvature, grads, params))
         tx = kfac.scale_by_kfac(damping=1e-2, refresh=kfac.every(1, first=0),
                                 layers=jax.eval_shape(lambda: curvature64))
         update = jax.jit(lambda g, p, c: tx.update(g, tx.init(p), p, curvature=c)[0])
-        updates = jax.tree.map(_f64, update(grads64, params64, curvature64))
+        updates = update(grads64, params64, curvature64)
     return loss, stats, curvature, updates
 
 
@@ -67,8 +60,10 @@ def test_scanned_gpt_matches_the_unrolled_gpt():
     """With the unrolled weights stacked (``models.stack_blocks``): the same logits (with
     dropout, and decoding with a cache), the same loss, every
     block kernel captured as a scanned stack with its bias, its factors ``(L, ...)`` the
-    unrolled layers' and its K-FAC update (kernel and bias) theirs, in float64; the
-    parameters are annotated with the replicated ``"layers"`` axis."""
+    unrolled layers' and its K-FAC update (kernel and bias) theirs; the parameters are
+    annotated with the replicated ``"layers"`` axis. The scanned and the unrolled model
+    are two float32 programs of one computation: each result is as accurate as the
+    unrolled one's against the float64 (unrolled) model."""
     cfg = models.GPTConfig(n_layer=N_LAYER, n_head=2, n_embd=16, block_size=8, dropout=0.1,
                            vocab_size=13, bias=True, dtype="float32")
     unrolled = models.GPT(cfg, rngs=nnx.Rngs(0))
@@ -84,55 +79,71 @@ def test_scanned_gpt_matches_the_unrolled_gpt():
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, cfg.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1)
     key = jax.random.key(1)  # dropout: the scan folds in the same per-layer keys
-    _assert_close_blockwise(scanned(tokens, dropout_key=key), unrolled(tokens, dropout_key=key),
-                            "logits with dropout", rtol=1e-6)
-    (logits_s, cache_s), (logits_u, cache_u) = (
-        m.decode(tokens[:, :5], m.init_cache(2), 0) for m in (scanned, unrolled))
-    _assert_close_blockwise(logits_s, logits_u, "decode logits", rtol=1e-6)
-    assert len(cache_s) == N_LAYER
-    for i in range(N_LAYER):
-        _assert_close_blockwise(cache_s[i].k, cache_u[i].k, f"cached keys {i}", rtol=1e-6)
-    # Three more steps, one token each, through the cache: every step's logits are the
-    # unrolled model's and the full forward's at that position, and the cached keys and
-    # values (each layer's own, carried across steps) the unrolled model's.
-    full = _f64(unrolled(tokens))
-    for pos in range(5, 8):
-        (logits_s, cache_s), (logits_u, cache_u) = (
-            m.decode(tokens[:, pos:pos + 1], c, pos)
-            for m, c in ((scanned, cache_s), (unrolled, cache_u)))
-        _assert_close_blockwise(logits_s, logits_u, f"decode logits at {pos}", rtol=1e-6)
-        _assert_close_blockwise(logits_s[:, -1], full[:, pos], f"logits at {pos}", rtol=1e-5)
+
+    def run(model):
+        """Logits with dropout, the full forward, and decoding 5 tokens then 3 more one by
+        one through the cache (each step's logits and every layer's keys and values)."""
+        logits, cache = model.decode(tokens[:, :5], model.init_cache(2), 0)
+        steps = [(logits, cache)]
+        for pos in range(5, 8):
+            steps.append(model.decode(tokens[:, pos:pos + 1], steps[-1][1], pos))
+        return model(tokens, dropout_key=key), model(tokens), steps
+
+    ref = run_in_float64(lambda: run(float64_model(unrolled)))
+    ref_kfac = run_in_float64(lambda: _kfac_step(float64_model(unrolled), tokens, targets,
+                                                 factors=dense_factors64))
+    got, peer = run(scanned), run(unrolled)
+    assert_as_accurate(got[0], peer[0], ref[0], what="logits with dropout")
+    assert len(got[2][0][1]) == N_LAYER
+    # Each step's logits are the unrolled model's and the full forward's at that position,
+    # and the cached keys and values (each layer's own, carried across steps) the
+    # unrolled model's.
+    for (logits_s, cache_s), (logits_u, cache_u), (logits_r, cache_r), pos in zip(
+            got[2], peer[2], ref[2], (4, 5, 6, 7), strict=True):
+        assert_as_accurate(logits_s, logits_u, logits_r, what=f"decode logits at {pos}")
+        assert_as_accurate(logits_s[:, -1], peer[1][:, pos], ref[1][:, pos],
+                           what=f"decode vs full logits at {pos}")
         for i in range(N_LAYER):
             for part in ("k", "v"):
-                _assert_close_blockwise(getattr(cache_s[i], part)[:, :pos + 1],
-                                        getattr(cache_u[i], part)[:, :pos + 1],
-                                        f"cached {part} {i} at {pos}", rtol=1e-6)
+                assert_as_accurate(*(getattr(c[i], part)[:, :pos + 1]
+                                     for c in (cache_s, cache_u, cache_r)),
+                                   what=f"cached {part} {i} at {pos}")
     with pytest.raises(ValueError, match="moe_every"):
         dataclasses.replace(cfg, scan_layers=True, moe_every=1)
 
     loss_u, stats_u, curv_u, upd_u = _kfac_step(unrolled, tokens, targets)
     loss_s, stats_s, curv_s, upd_s = _kfac_step(scanned, tokens, targets)
-    np.testing.assert_allclose(_f64(loss_s), _f64(loss_u), rtol=1e-6)
+    loss_r, _, curv_r, upd_r = ref_kfac
+    assert_as_accurate(loss_s, loss_u, loss_r, what="loss")
 
     kernels = ("attn/c_q", "attn/c_k", "attn/c_v", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")
     assert sorted(curv_s) == sorted(["wte/embedding"] + [f"blocks/{k}/kernel" for k in kernels])
+
+    def stacked(update, path, layer=None):
+        """A layer's [W; b] update (``c_k``'s bias gradient is zero up to rounding: a key
+        bias shifts every logit of a query alike, which the softmax ignores, so it is
+        bounded at its kernel's scale)."""
+        for part in path.split("/"):
+            update = update[part]
+        w, b = (update[n] if layer is None else update[n][layer] for n in ("kernel", "bias"))
+        return np.vstack([w, b[None]])
+
     for k in kernels:
         path = f"blocks/{k}/kernel"
         assert stats_s[path].has_bias and stats_s[path].inputs.shape[0] == N_LAYER
         d_in = stats_u[f"blocks/0/{k}/kernel"].inputs.shape[-1]
         assert curv_s[path].a.shape == (N_LAYER, d_in + 1, d_in + 1), path
         for i in range(N_LAYER):
+            layer = f"blocks/{i}/{k}/kernel"
             for f in ("a", "g"):
-                _assert_close_blockwise(getattr(curv_s[path], f)[i],
-                                        getattr(curv_u[f"blocks/{i}/{k}/kernel"], f),
-                                        f"{path} layer {i} factor {f}")
-            s, u = upd_s["blocks"], upd_u["blocks"][i]
-            for part in k.split("/"):
-                s, u = s[part], u[part]
-            _assert_close_blockwise(np.vstack([s["kernel"][i], s["bias"][i][None]]),
-                                    np.vstack([u["kernel"], u["bias"][None]]),
-                                    f"{path} layer {i} update [W; b]")
-    _assert_close_blockwise(upd_s["wte"]["embedding"], upd_u["wte"]["embedding"], "wte")
+                assert_as_accurate(getattr(curv_s[path], f)[i], getattr(curv_u[layer], f),
+                                   getattr(curv_r[layer], f), what=f"{path} {i} factor {f}")
+            assert_as_accurate(stacked(upd_s["blocks"], k, i),
+                               stacked(upd_u["blocks"][i], k),
+                               stacked(upd_r["blocks"][i], k),
+                               what=f"{path} layer {i} update [W; b]")
+    assert_as_accurate(upd_s["wte"]["embedding"], upd_u["wte"]["embedding"],
+                       upd_r["wte"]["embedding"], what="wte")
 
 
 def _tiny_run(corpus, tmp_path, **overrides):

@@ -66,10 +66,11 @@ def bound(peer, ref, factor=FACTOR, ulps=ULPS) -> float:
     return factor * error(peer, ref) + ulps * EPS32 * scale
 
 
-def assert_as_accurate(got, peer, ref, *, factor=FACTOR, ulps=ULPS, what=""):
+def assert_as_accurate(got, peer, ref, *, factor=FACTOR, ulps=ULPS, what="",
+                       same=SAME_COMPUTATION):
     """Each floating leaf of `got` misses `ref`'s by at most `bound(peer, ref)`; the
     other leaves (counts, integer indices) equal `peer`'s and `ref`'s exactly; and
-    `ref` is `peer`'s computation (within `SAME_COMPUTATION`).
+    `ref` is `peer`'s computation (within `same`).
 
     Args:
       got: the float32 results of the program under test (a pytree).
@@ -78,6 +79,8 @@ def assert_as_accurate(got, peer, ref, *, factor=FACTOR, ulps=ULPS, what=""):
       factor: how much less accurate than `peer` `got` may be.
       ulps: float32 roundings of the result's scale allowed on top.
       what: a prefix for the failure message.
+      same: how far (relative) `peer` may be from `ref` (`SAME_COMPUTATION`; more for
+        bf16 programs, whose own rounding is larger).
     """
     got_l = jax.tree_util.tree_flatten_with_path(got)[0]
     peer_l, ref_l = jax.tree.leaves(peer), jax.tree.leaves(ref)
@@ -91,7 +94,7 @@ def assert_as_accurate(got, peer, ref, *, factor=FACTOR, ulps=ULPS, what=""):
             np.testing.assert_array_equal(g, r, err_msg=name)
             continue
         scale = float(np.linalg.norm(r.astype(np.float64).ravel()))
-        assert error(p, r) <= SAME_COMPUTATION * scale, (
+        assert error(p, r) <= same * scale, (
             f"{name}: the float64 reference is not the peer's computation (relative "
             f"distance {error(p, r) / scale:.3g})")
         e, b = error(g, r), bound(p, r, factor, ulps)

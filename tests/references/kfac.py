@@ -135,3 +135,21 @@ def fixed_curvature_kfac(curvature, learning_rate, *, damping, momentum=0.9, wei
                        optax.identity() if not momentum else optax.trace(decay=momentum),
                        optax.add_decayed_weights(weight_decay),
                        optax.scale_by_learning_rate(learning_rate))
+
+
+def dense_factors64(stats, num_tokens, stride=1, offset=0):
+    """`optax_snoo.kfac.curvature_from_stats` of dense layers in float64 numpy (the library
+    computes its factors in float32 whatever its inputs): over every `stride`-th token
+    from `offset`, ``A = x̃ᵀx̃ / n`` with ``x̃ = [x; 1]`` for a bias and ``G = gᵀg / n``
+    with ``g = M ∂L/∂y`` (M = `num_tokens`, the loss's; n the tokens used)."""
+    from optax_snoo import kfac
+
+    out = {}
+    for path, s in stats.items():
+        assert s.locations == s.uses == 1 and not s.scanned, path
+        x = np.asarray(s.inputs, np.float64)[offset::stride]
+        g = num_tokens * np.asarray(s.out_grads, np.float64)[offset::stride]
+        if s.has_bias:
+            x = np.concatenate([x, np.ones((len(x), 1))], axis=1)
+        out[path] = kfac.LayerCurvature(x.T @ x / len(x), g.T @ g / len(g), s.kernel_axes)
+    return out

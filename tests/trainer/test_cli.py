@@ -358,3 +358,16 @@ def test_check_memory_refuses_what_cannot_fit_and_passes_the_presets():
                                          r"needs at least .* more than the 80.0 GiB on 1 Fake"):
         check_memory(config, gpt, tx, [FakeDevice(80)])
     check_memory(config, gpt, tx, [FakeDevice(80)] * 8)  # eight of them: enough
+
+
+def test_float64_without_x64_is_refused_in_one_line(tmp_path, capsys):
+    """jax would silently compute a float64 model in float32: the flag is refused, naming
+    the switch, before anything is written."""
+    from train.__main__ import main
+
+    out = tmp_path / "run"
+    assert main(["--param_dtype=float64", f"--out_dir={out}"]) == 2
+    assert capsys.readouterr().err == (
+        "error: GPTConfig.param_dtype='float64' needs jax's 64-bit mode: call "
+        'jax.config.update("jax_enable_x64", True) first (or set JAX_ENABLE_X64=1).\n')
+    assert not out.exists()

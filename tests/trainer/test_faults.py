@@ -24,6 +24,8 @@ import pytest
 
 import train
 from optax_snoo import SnooState
+from references.error import assert_as_accurate, float64, in_float64
+from references.gpt64 import FLOAT64_DTYPES
 from repository import ROOT
 from train import config as tc
 from train import data as td
@@ -91,15 +93,15 @@ def test_snoo_hint_from_the_step_agrees_with_the_in_jit_sync_after_a_skipped_ste
         corpus, tmp_path):
     """The host's hint `step % k == 0` stays right after a skip: the same states as
     Snoo's own in-jit choice (`snoo_sync=None`), step by step."""
-    config = tiny_in(corpus, tmp_path, snoo_k=3)
     vocab = td.open_dataset(corpus).vocab_size
-    spec = build_optimizer(config)
-    mesh = make_mesh(config)
-    put = lambda x: put_batch(x, batch_sharding(mesh))
     batches = np.random.default_rng(1).integers(0, vocab, (8, 2, 1, 8, 16)).astype(np.int32)
     batches[1, 0, 0, 2, 3] = 10 * vocab  # step 1 is skipped
-    finals = []
-    for hinted in (False, True):
+
+    def final_state(hinted, **dtypes):
+        config = tiny_in(corpus, tmp_path, snoo_k=3, **dtypes)
+        spec = build_optimizer(config)
+        mesh = make_mesh(config)
+        put = lambda x: put_batch(x, batch_sharding(mesh))
         model, state = create_train_state(tc.model_config(config, vocab), spec.tx, seed=0,
                                           mesh=mesh)
         step = make_train_step(model, spec, mesh=mesh, state_shardings=tree_shardings(state, mesh))
@@ -108,10 +110,15 @@ def test_snoo_hint_from_the_step_agrees_with_the_in_jit_sync_after_a_skipped_ste
                                   **(spec.update_kwargs(s) if hinted else {}))
             assert float(metrics["skipped"]) == (s == 1)
         assert [int(c) for c in snoo_counts(state)] == [len(batches)]
-        finals.append(jax.device_get(state))
-    # Two differently compiled f32 programs (a static branch and a `lax.cond`): rounding-
-    # level differences only; a sync at a wrong step moves params by ~lr (1e-3).
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *finals)
+        return jax.device_get(state)
+
+    in_jit, hinted = final_state(False), final_state(True)
+    # Two differently compiled f32 programs (a static branch and a `lax.cond`): every float
+    # of the state as accurate as the in-jit run's against that program in float64 (a sync
+    # at a wrong step moves params by ~lr, 1e-3); counts and keys equal.
+    with in_float64():
+        ref = float64(final_state(False, **FLOAT64_DTYPES))
+    assert_as_accurate(hinted, in_jit, ref)
 
 
 def test_run_skips_bad_steps_then_stops_keeping_the_last_good_checkpoint(

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import models
 import train
 from optax_snoo.labels import path_to_str
+from references.error import assert_as_accurate
 from train import config as tc
 from train import data as td
 from train.__main__ import main
@@ -37,7 +38,7 @@ from train.step import (
     CPU_COMPILER_OPTIONS,
     compiler_options,
 )
-from trainer.support import random_batches, step_setup, tiny
+from trainer.support import float64_train_steps, random_batches, step_setup, tiny, train_steps
 
 # Runs of the same config compile the same programs: cached for this module.
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -142,23 +143,15 @@ def test_resume_continues_exactly(reference, corpus, tmp_path):
 
 
 def test_snoo_static_hint_matches_in_jit_decision(corpus, tmp_path):
-    """The host's static sync hint (two compiled variants) equals Snoo's in-jit `lax.cond`."""
+    """The host's static sync hint (two compiled variants) equals Snoo's in-jit `lax.cond`:
+    two differently fused float32 programs, so the losses and every float of the state
+    are as accurate as the in-jit run's against the float64 run (a sync at a wrong step
+    would move the params by ~lr); counts and keys equal."""
     config = tiny(corpus, tmp_path)  # the reference run's config: Snoo k=3 around AdamW
-    runs = {}
-    for hint in (True, False):
-        mesh, state, step, spec, vocab_size = step_setup(config)
-        assert spec.sync_period == 3
-        losses = []
-        for t, xy in enumerate(random_batches(config, 7, vocab_size)):
-            hints = spec.update_kwargs(t) if hint else {}
-            state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
-                                  put_batch(xy[1], batch_sharding(mesh)), **hints)
-            losses.append(float(metrics["loss"]))
-        runs[hint] = (losses, state)
-    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
-    # Two differently fused f32 programs: rounding-level differences only (params ~0.02-0.1).
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 runs[True][1], runs[False][1])
+    assert step_setup(config)[3].sync_period == 3
+    hinted, in_jit = (train_steps(config, 7, hinted=h) for h in (True, False))
+    # The float64 run is the peer's program (in-jit), so a bug of either path shows.
+    assert_as_accurate(hinted, in_jit, float64_train_steps(config, 7, hinted=False))
 
 
 def _schedule(compiled) -> list[str]:
@@ -192,42 +185,29 @@ def test_cpu_step_compiles_with_the_memory_optimized_schedule(corpus, tmp_path, 
 
 
 def test_gradient_accumulation_equals_big_batch(corpus, tmp_path):
+    """Two micro-batches of 4 rows are the batch of 8: the losses, gradient norms and
+    params as accurate as the one big batch's against the float64 run."""
     big = tiny(corpus, tmp_path, batch_size=8, grad_accum=1)
     small = tc.override(big, batch_size=4, grad_accum=2)
-    results = {}
-    for config in (big, small):
-        mesh, state, step, _, vocab_size = step_setup(config)
-        losses = []
-        for xy in random_batches(big, 4, vocab_size):
-            xy = xy.reshape(2, config.data.grad_accum, config.data.batch_size,
-                            config.model.block_size)
-            state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
-                                  put_batch(xy[1], batch_sharding(mesh)))
-            losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
-        results[config.data.grad_accum] = (losses, state.params)
-    np.testing.assert_allclose(results[2][0], results[1][0], rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 results[2][1], results[1][1])
+    batches = random_batches(big, 4, td.open_dataset(corpus).vocab_size)
+    (m_small, s_small), (m_big, s_big) = (train_steps(c, batches=batches, hinted=False)
+                                          for c in (small, big))
+    m_ref, s_ref = float64_train_steps(big, batches=batches, hinted=False)
+    assert_as_accurate((m_small, s_small.params), (m_big, s_big.params), (m_ref, s_ref.params))
 
 
 def test_eight_devices_match_one_and_stay_sharded(corpus, tmp_path):
     """data=2, fsdp=2, tensor=2 follows the 1-device trajectory; state keeps its shardings."""
     assert len(jax.devices()) == 8
     one = tiny(corpus, tmp_path)
-    runs = {}
-    for config in (one, tc.override(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)):
-        mesh, state, step, _, vocab_size = step_setup(config)
-        losses = []
-        for xy in random_batches(config, 4, vocab_size):
-            state, metrics = step(state, put_batch(xy[0], batch_sharding(mesh)),
-                                  put_batch(xy[1], batch_sharding(mesh)))
-            losses.append(float(metrics["loss"]))
-        runs[mesh.size] = (losses, state)
-    np.testing.assert_allclose(runs[8][0], runs[1][0], rtol=2e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 runs[8][1], runs[1][1])
+    eight = tc.override(one, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)
+    # Two float32 programs (the 8-device one reduces over devices): every float of its
+    # losses and state as accurate as the 1-device run's against the float64 run.
+    (m8, state), (m1, s1) = (train_steps(c, 4, hinted=False, on_host=False)
+                             for c in (eight, one))
+    assert_as_accurate((m8, jax.device_get(state)), (m1, jax.device_get(s1)),
+                       float64_train_steps(one, 4, hinted=False))
 
-    state = runs[8][1]
     name = "blocks/0/mlp/c_fc/kernel"
     mirrors = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
                if path_to_str(path).endswith(name)]
@@ -238,7 +218,7 @@ def test_eight_devices_match_one_and_stay_sharded(corpus, tmp_path):
     ckpt = Checkpointer(tmp_path / "ckpt")
     ckpt.save(4, state, {"step": 4}, val_loss=1.0)
     ckpt.wait()
-    for like in (state, runs[1][1]):  # restore sharded, and resharded onto one device
+    for like in (state, s1):  # restore sharded, and resharded onto one device
         restored, _ = ckpt.restore(4, like=like)
         jax.tree.map(np.testing.assert_array_equal, restored, state)
         same = jax.tree.map(lambda r, x: r.sharding.is_equivalent_to(x.sharding, r.ndim),
