@@ -46,6 +46,7 @@ from optax_snoo._src.recipes.stacks import muon_recipe as muon
 from optax_snoo._src.recipes.stacks import newton_muon_recipe as newton_muon
 from optax_snoo._src.recipes.stacks import normuon_recipe as normuon
 from optax_snoo._src.recipes.stacks import skew_adam_recipe as skew_adam
+from optax_snoo._src.recipes.track3_adam import track3_adam
 from optax_snoo._src.recipes.track3_baseline import snoo_track3_baseline, track3_baseline
 from optax_snoo._src.recipes.track3_common import (
     TRACK3_ADAM_PATTERNS,
@@ -98,6 +99,7 @@ __all__ = [
     "snoo_normuon",
     "snoo_skew_adam",
     "snoo_track3_baseline",
+    "track3_adam",
     "track3_baseline",
     "track3_newton_muon",
     "track3_record",

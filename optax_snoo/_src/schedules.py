@@ -217,17 +217,20 @@ def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
 
 
 def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac: float = 0.7,
-                             final_lr_scale: float = 0.0) -> optax.Schedule:
+                             final_lr_scale: float = 0.0, *, warmup_steps: int = 0
+                             ) -> optax.Schedule:
     """Constant, then a linear cooldown over the last `cooldown_frac` of training.
 
     The multiplier at step `t` of `T` is 1 while `t/T < 1 - cooldown_frac`, then
-    `(1 - t/T) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale`.
+    `(1 - t/T) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale`; with a warm-up,
+    times `min(1, (t + 1) / warmup_steps)` (Track 3 #2's `set_hparams`).
 
     Args:
       peak_value: the learning rate before the cooldown.
       total_steps: `T`, the number of training steps (>= 1).
       cooldown_frac: fraction of `T` spent cooling down, in (0, 1].
       final_lr_scale: multiplier reached at `t = T` (record: 0 in PR #128, 0.01 later).
+      warmup_steps: length of a linear warm-up from `peak/warmup_steps` (0: none).
 
     Returns:
       A schedule `step -> learning rate`.
@@ -242,15 +245,18 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
       Jordan et al, `modded-nanogpt <https://github.com/KellerJordan/modded-nanogpt>`_, 2025.
     """
     check_int_at_least("total_steps", total_steps, 1)
+    check_int_at_least("warmup_steps", warmup_steps, 0)
     if not 0 < cooldown_frac <= 1:
         raise ValueError(f"cooldown_frac must be in (0, 1], got {cooldown_frac!r}")
     if not 0 <= final_lr_scale <= 1:
         raise ValueError(f"final_lr_scale must be in [0, 1], got {final_lr_scale!r}")
 
     def schedule(count):
-        x = jnp.asarray(count, jnp.result_type(float)) / total_steps  # float64 under x64
+        t = jnp.asarray(count, jnp.result_type(float))  # float64 under x64
+        x = t / total_steps
         cooling = (1 - x) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale
-        return peak_value * jnp.where(x < 1 - cooldown_frac, 1.0, cooling)
+        lr = peak_value * jnp.where(x < 1 - cooldown_frac, 1.0, cooling)
+        return lr if warmup_steps == 0 else lr * jnp.minimum(1.0, (t + 1) / warmup_steps)
 
     return schedule
 

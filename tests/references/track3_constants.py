@@ -180,3 +180,23 @@ class R46:
     vectors = (0.01, 0.997)         # script:820
     attn_proj_bias = (0.01, 0.9965)  # script:821
     adam_b1 = 0.8                   # script:808, 819-821
+
+
+class R2:
+    """#2, plain Adam on the matrices (5625 steps, "most likely undertuned"): the script of
+    results/a63a68d1-24aa-4a22-af9a-224e43209ea4.txt (before its first ``====`` line)."""
+
+    log = "results/a63a68d1-24aa-4a22-af9a-224e43209ea4.txt"
+    steps = 5625                    # log:267 train_steps
+    matrix_lr = 0.0015              # log:271 block_adamw_lr
+    matrix_wd = 0.10                # log:272 block_adamw_weight_decay
+    warmup_steps = 250              # log:273 block_adamw_warmup_steps (every group: log:296)
+    matrix_betas = (0.9, 0.95)      # log:274 block_adamw_betas
+    matrix_eps = 1e-10              # log:288
+    embed_lr = 0.3                  # log:283
+    head_lr = 1 / 320               # log:284
+    vector_lr = 0.01                # log:285
+    adam_betas = (0.8, 0.95)        # log:286
+    adam_eps = 1e-10                # log:286
+    adam_wd = 0.0                   # log:286
+    cooldown_frac = 0.7             # log:299 set_hparams(step, cooldown_frac=0.7)
