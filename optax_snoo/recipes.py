@@ -53,7 +53,7 @@ from optax_snoo._src.recipes.track3_common import (
     TRACK3_RECORD_ADAM_PATTERNS,
     TRACK3_TRUST_GATE_PATTERN,
 )
-from optax_snoo._src.recipes.track3_hyperball import muloco_normuonh, muonh
+from optax_snoo._src.recipes.track3_hyperball import adamh, muloco_normuonh, muonh
 from optax_snoo._src.recipes.track3_newton_muon import (
     TRACK3_NEWTON_MUON_PATTERNS,
     track3_newton_muon,
@@ -76,6 +76,7 @@ __all__ = [
     "SnooHyperparameters",
     "Stack",
     "adafactor",
+    "adamh",
     "adamw",
     "describe",
     "get",

@@ -144,7 +144,7 @@ OPTIMIZERS: dict[str, recipes.Recipe] = recipes.REGISTRY
 #: gradient function that also returns those arguments, a warm start, a monitor).
 HOOKS: dict[str, Callable[[TrainConfig], dict[str, Any]]] = {}
 #: The recipes that keep every hidden matrix on its initial sphere.
-HYPERBALL_RECIPES = ("muonh", "muloco_normuonh")
+HYPERBALL_RECIPES = ("muonh", "muloco_normuonh", "adamh")
 
 
 def register_hooks(update_arg: str) -> Callable:

@@ -200,3 +200,23 @@ class R2:
     adam_eps = 1e-10                # log:286
     adam_wd = 0.0                   # log:286
     cooldown_frac = 0.7             # log:299 set_hparams(step, cooldown_frac=0.7)
+
+
+class R4:
+    """#4, AdamH (4875 steps): results/20260430_adamh/7533dd87-107f-4a4f-8229-acbec0fb00ac.txt
+    (the log the README links)."""
+
+    log = "results/20260430_adamh/7533dd87-107f-4a4f-8229-acbec0fb00ac.txt"
+    steps = 4875                    # log:272 train_steps
+    matrix_lr = 0.018               # log:273 matrix_lr
+    warmup_steps = 250              # log:274 h_warmup_steps
+    matrix_betas = (0.9, 0.95)      # log:301 AdamH(..., betas=(0.9, 0.95), eps=1e-8)
+    matrix_eps = 1e-8               # log:301
+    hyperball_eps = 1e-10           # log:178 scale_invariant_update_(..., eps=1e-10)
+    embed_lr = 0.3                  # log:296
+    head_lr = 1 / 320               # log:297
+    vector_lr = 0.01                # log:298
+    adam_betas = (0.8, 0.95)        # log:299
+    adam_eps = 1e-10                # log:299
+    matrix_cooldown_frac = 1.0      # log:323
+    aux_cooldown_frac = 0.4         # log:331

@@ -1,5 +1,5 @@
-"""modded-nanogpt Track 3's hyperball records: MuonH (#5), NorMuonH (#8) and MuLoCo around
-NorMuonH (#13).
+"""modded-nanogpt Track 3's hyperball records: MuonH (#5), NorMuonH (#8), MuLoCo around
+NorMuonH (#13) and AdamH (#4).
 
 MuonH: Muon's direction ``O`` (momentum 0.95, Newton-Schulz ``(2, -1.5, 0.5)`` x 12) and
 `optax_snoo.radius_steps` with ``pin="initial"``: ``W' = W - lr·‖W₀‖·O/‖O‖``, retracted to
@@ -11,12 +11,17 @@ normalisation before the retraction. MuLoCo (#13): Snoo's outer step after every
 update (``sync="end"``, 0.7, 0.5) around NorMuonH with ``pin="current"`` (#5's
 ``scale_invariant_update_`` keeps the radius the matrix has, which the outer step moves).
 
+AdamH (#4): the same hyperball step along Adam's direction ``m̂/(sqrt(v̂) + 1e-8)`` (betas
+(0.9, 0.95), bias-corrected) instead of Muon's, its lr 0.018 warmed up from 0 over 250 steps
+(``t/250``), then ``1 - t/T`` (the record's ``set_hparams``: the two pieces meet with a drop
+at step 250); the same aux AdamW.
+
 A zero-initialised matrix stays zero on the hyperball: the records initialise every hidden
 matrix non-zero (``models.GPTConfig(init="hyperball")``).
 
 References:
-  Jordan et al., `modded-nanogpt Track 3 records #5 (MuonH), #8 (NorMuonH), #13
-  (MuLoCo-NorMuonH)
+  Jordan et al., `modded-nanogpt Track 3 records #4 (AdamH), #5 (MuonH), #8 (NorMuonH),
+  #13 (MuLoCo-NorMuonH)
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026
 """
@@ -26,8 +31,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
 import optax
 
+from optax_snoo._src.adam import scale_by_adam
 from optax_snoo._src.muon import scale_by_muon
 from optax_snoo._src.muon_adam import group_labels, with_adam_groups
 from optax_snoo._src.radius import radius_steps
@@ -43,7 +50,8 @@ from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
 from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, adam_groups, patterns
 from optax_snoo._src.schedules import stable_cooldown_schedule
 
-__all__ = ["AuxAdamWHyperparameters", "MuonHHyperparameters", "aux_adamw_groups"]
+__all__ = ["AdamHHyperparameters", "AuxAdamWHyperparameters", "MuonHHyperparameters",
+           "aux_adamw_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +126,51 @@ muloco_normuonh = register(with_snoo(
     summary="Track 3 record #13 (3210 = 107 x 30 steps): MuLoCo's outer Nesterov (0.7, 0.5) "
     "after every 30th update around NorMuonH with the radius it finds"))
 muloco_normuonh.record_steps = 3210
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamHHyperparameters(AuxAdamWHyperparameters):
+    """Record #4's AdamH, at its 4875 steps."""
+
+    RECORD_STEPS = 4875
+
+    matrix_learning_rate: float = hyperparameter(0.018, "the hyperball's relative step after "
+                                                 "the warm-up, linear to 0 over the run",
+                                                 check="positive")
+    matrix_b1: float = hyperparameter(0.9, "AdamH's first-moment decay", check="unit_interval")
+    matrix_b2: float = hyperparameter(0.95, "AdamH's second-moment decay",
+                                      check="unit_interval")
+    matrix_eps: float = hyperparameter(1e-8, "AdamH's epsilon", check="positive")
+    warmup_steps: int = hyperparameter(250, "the matrices' warm-up from 0 (steps at 4875)",
+                                       check="at_least_1", steps=True)
+    pin: str = hyperparameter("initial", "the hyperball's radius: the initial norm, or the "
+                              "norm the matrix has (the same without an outer optimizer)",
+                              choices=("initial", "current"))
+    adam_cooldown_frac: float = hyperparameter(0.4, "the aux AdamW groups' cooldown fraction",
+                                               check="positive_fraction")
+
+
+def _adamh(t: AdamHHyperparameters, total_steps: int, *, labels: Any = None,
+           adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
+           shard_newton_schulz: bool = True) -> Stack:
+    del newton_schulz_plan, shard_newton_schulz  # Adam's direction: no Newton-Schulz
+    cool = stable_cooldown_schedule(t.matrix_learning_rate, total_steps, cooldown_frac=1.0)
+
+    def lr(count):  # the record's eta: t/warmup during the warm-up, then 1 - t/T
+        step = jnp.asarray(count, jnp.result_type(float))  # float64 under x64
+        warm = t.matrix_learning_rate * step / t.warmup_steps
+        return jnp.where(step < t.warmup_steps, warm, cool(count))
+    matrices = optax.chain(
+        scale_by_adam(t.matrix_b1, t.matrix_b2, t.matrix_eps),
+        radius_steps(lr, brake=None, floor=None, pin=t.pin, cautious_weight_decay=0.0))
+    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
+                              t.adam_cooldown_frac)
+    return Stack(with_adam_groups(matrices, groups, labels=labels), lr,
+                 groups=group_labels(groups, labels))
+
+
+adamh = register(Recipe(
+    "adamh", AdamHHyperparameters, _adamh, options=TRACK3_OPTIONS,
+    summary="Track 3 record #4's AdamH (4875 steps): Adam's direction on the hyperball (each "
+    "matrix kept at its initial norm), lr 0.018 warmed up over 250 steps then linear to 0, "
+    "aux AdamW"))
