@@ -51,7 +51,7 @@ class Track3AdamHyperparameters(AuxAdamWHyperparameters):
     matrix_weight_decay: float = hyperparameter(0.1, "the matrices' decoupled weight decay "
                                                 "(times the lr)", check="non_negative")
     warmup_steps: int = hyperparameter(250, "every group's linear warm-up (steps at 5625)",
-                                       check="at_least_1", steps=True)
+                                       check="at_least_0", steps=True)
     cooldown_frac: float = hyperparameter(0.7, "fraction of the run in the linear cooldown "
                                           "to 0", check="positive_fraction")
 

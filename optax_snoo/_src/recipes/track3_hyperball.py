@@ -142,7 +142,7 @@ class AdamHHyperparameters(AuxAdamWHyperparameters):
                                       check="unit_interval")
     matrix_eps: float = hyperparameter(1e-8, "AdamH's epsilon", check="positive")
     warmup_steps: int = hyperparameter(250, "the matrices' warm-up from 0 (steps at 4875)",
-                                       check="at_least_1", steps=True)
+                                       check="at_least_0", steps=True)
     pin: str = hyperparameter("initial", "the hyperball's radius: the initial norm, or the "
                               "norm the matrix has (the same without an outer optimizer)",
                               choices=("initial", "current"))
@@ -157,6 +157,8 @@ def _adamh(t: AdamHHyperparameters, total_steps: int, *, labels: Any = None,
     cool = stable_cooldown_schedule(t.matrix_learning_rate, total_steps, cooldown_frac=1.0)
 
     def lr(count):  # the record's eta: t/warmup during the warm-up, then 1 - t/T
+        if t.warmup_steps == 0:
+            return cool(count)
         step = jnp.asarray(count, jnp.result_type(float))  # float64 under x64
         warm = t.matrix_learning_rate * step / t.warmup_steps
         return jnp.where(step < t.warmup_steps, warm, cool(count))
