@@ -20,6 +20,7 @@ from optax_snoo._src.muon import MuonState, scale_by_muon
 from optax_snoo._src.muon_adam import MuonGroup, muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import MatrixPrecondition, OwnedPreconditionState
+from optax_snoo._src.muon_squared import MuonSquaredState, muon_squared_precondition
 from optax_snoo._src.newton_muon import (
     InputCovarianceState,
     input_covariance_from_stats,
@@ -90,6 +91,7 @@ __all__ = [
     "InputCovarianceState",
     "MatrixPrecondition",
     "MuonGroup",
+    "MuonSquaredState",
     "MuonState",
     "NewtonSchulzPlan",
     "OwnedPreconditionState",
@@ -120,6 +122,7 @@ __all__ = [
     "muon",
     "muon_momentum_schedule",
     "muon_momentum_warmup",
+    "muon_squared_precondition",
     "nanogpt_cosine_schedule",
     "newton_muon",
     "normuon",

@@ -54,6 +54,7 @@ from optax_snoo._src.recipes.track3_common import (
     TRACK3_TRUST_GATE_PATTERN,
 )
 from optax_snoo._src.recipes.track3_hyperball import adamh, muloco_normuonh, muonh
+from optax_snoo._src.recipes.track3_muon_variants import track3_muon_squared
 from optax_snoo._src.recipes.track3_newton_muon import (
     TRACK3_NEWTON_MUON_PATTERNS,
     track3_newton_muon,
@@ -102,6 +103,7 @@ __all__ = [
     "snoo_track3_baseline",
     "track3_adam",
     "track3_baseline",
+    "track3_muon_squared",
     "track3_newton_muon",
     "track3_record",
     "track3_soap_muon",

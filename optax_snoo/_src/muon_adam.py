@@ -21,6 +21,7 @@ from optax_snoo._src.adam import AdamGroup, adam_group
 from optax_snoo._src.labels import by_path, muon_adam_labels, partition
 from optax_snoo._src.muon import scale_by_muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
+from optax_snoo._src.muon_sharding import MatrixPrecondition
 from optax_snoo._src.newton_schulz import Coefficients
 from optax_snoo._src.utils import check_non_negative, path_to_str, value_at
 from optax_snoo._src.weight_decay import add_decoupled_weight_decay
@@ -107,6 +108,7 @@ def muon(
     matrix_axes: tuple[int, int] = (-2, -1),
     shape_scale: bool | str | None = "modded",
     beta2: float | optax.Schedule | None = None,
+    precondition: MatrixPrecondition | None = None,
     shard_newton_schulz: bool = True,
     newton_schulz_plan: NewtonSchulzPlan | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
@@ -172,6 +174,8 @@ def muon(
         see `scale_by_muon` and `normuon`.
       shard_newton_schulz: on sharded params each device orthogonalises whole matrices;
         see `scale_by_muon`.
+      precondition: a `MatrixPrecondition` of the Newton-Schulz input (SOAP's whitening,
+        Muon²'s second moment); see `scale_by_muon`.
       newton_schulz_plan: where the Muon leaves live under ``jax.jit``
         (`NewtonSchulzPlan.from_params(params)`); see `scale_by_muon`.
       mesh: the mesh for leaves of unknown sharding (default: the ``jax.set_mesh``
@@ -252,8 +256,8 @@ def muon(
             beta, coefficients=coefficients, ns_dtype=ns_dtype, nesterov=nesterov,
             bias_correction=bias_correction, matrix_axes=matrix_axes, smoothing=smoothing,
             smoothing_form=smoothing_form, shape_scale=shape_scale, beta2=beta2,
-            shard_newton_schulz=shard_newton_schulz, newton_schulz_plan=newton_schulz_plan,
-            mesh=mesh),
+            precondition=precondition, shard_newton_schulz=shard_newton_schulz,
+            newton_schulz_plan=newton_schulz_plan, mesh=mesh),
         _muon_step(learning_rate, weight_decay, muon_groups, cautious_weight_decay),
     )
     return with_adam_groups(muon_tx, adam_groups, labels=labels,

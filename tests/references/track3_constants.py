@@ -220,3 +220,22 @@ class R4:
     adam_eps = 1e-10                # log:299
     matrix_cooldown_frac = 1.0      # log:323
     aux_cooldown_frac = 0.4         # log:331
+
+
+class R7:
+    """#7, Muon² (3325 steps): results/20260501_muonsq/bb903816-ea27-4f5f-8028-c963d38c6a7f.txt
+    (its folder's train_gpt_simple_muonsq.py is the same optimizer)."""
+
+    log = "results/20260501_muonsq/bb903816-ea27-4f5f-8028-c963d38c6a7f.txt"
+    steps = 3325                    # log:272 train_steps
+    muon_lr = 0.10                  # log:285 MuonSq(..., lr=0.10, weight_decay=0.0125)
+    muon_wd = 0.0125                # log:285
+    muon_mu = 0.95                  # log:198 MuonSq(..., mu=0.95, beta2=0.95, eps=1e-10)
+    beta2 = 0.95                    # log:198
+    eps = 1e-10                     # log:198
+    embed_lr = 0.3                  # log:280
+    head_lr = 1 / 320               # log:281
+    vector_lr = 0.01                # log:282
+    adam_betas = (0.8, 0.95)        # log:283
+    adam_eps = 1e-10                # log:283
+    cooldown_frac = 0.7             # log:294 set_hparams(step, cooldown_frac=0.7)

@@ -20,6 +20,10 @@ SOAP_OPTIMIZERS = ("track3_record", "track3_soap_muon")
 #: (8 devices over 2 processes); AdamW and the hyperball keep no per-matrix state.
 FSDP8_FAMILIES = ("normuon", "skew_adam", "track3_record", "newton_muon")
 MESHES = {"fsdp8": dict(mesh_data=1, mesh_fsdp=8), "data2_fsdp4": dict(mesh_data=2, mesh_fsdp=4)}
+#: Recipes whose Newton-Schulz input does not change with the gradient's scale (Muon²
+#: divides the momentum by the gradient's RMS): the peer's scaled loss moves no rounding
+#: of a bf16 iteration, so they run a float32 one here (the sharding is the same).
+GRADIENT_SCALE_FREE = ("track3_muon_squared",)
 
 
 def _run(config, steps=3, peer=False):
@@ -41,6 +45,8 @@ def test_every_optimizer_on_the_eight_device_mesh(corpus, tmp_path, name):
     names = OPTIMIZERS[name].hyperparameters.names()
     settings = {k: v for k, v in dict(snoo_k=2, kfac_interval=1, kfac_first=1).items()
                 if k in names}
+    if name in GRADIENT_SCALE_FREE:
+        settings["ns_dtype"] = "float32"
     # The records' recipes give the head its own Adam group: untied, as in the records;
     # 12 steps, more than any recipe's fewest.
     untied = "adam_patterns" in OPTIMIZERS[name].options

@@ -1,0 +1,71 @@
+"""modded-nanogpt Track 3's Muon variants on #5's aux AdamW: Muon² (#7).
+
+Muon² (#7, 3325 steps): Muon (EMA-Nesterov momentum 0.95, Newton-Schulz ``(2, -1.5, 0.5)``
+x 12 in bfloat16 after ``X/(‖X‖_F + 1e-7)``, shape scale ``sqrt(max(1, out/in))``) on the
+momentum divided by the raw gradient's RMS (`optax_snoo.muon_squared_precondition`: β₂ 0.95,
+eps 1e-10), ``p ← p (1 - lr·0.0125) - lr·O``, lr 0.10; the aux AdamW (embedding 0.3, head
+1/320, 1-D 0.01, betas (0.8, 0.95), eps 1e-10, no decay); every lr flat for 30%, then linear
+to 0.
+
+References:
+  Liu et al., `Muon²: Boosting Muon via Adaptive Second-Moment Preconditioning
+  <https://arxiv.org/abs/2604.09967>`_, 2026; modded-nanogpt Track 3 result #7
+  (`results/20260501_muonsq
+  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_),
+  2026
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from optax_snoo._src.muon_adam import group_labels, muon
+from optax_snoo._src.muon_squared import muon_squared_precondition
+from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
+from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
+from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, patterns
+from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, aux_adamw_groups
+from optax_snoo._src.schedules import stable_cooldown_schedule
+
+__all__ = ["MuonSquaredHyperparameters"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonSquaredHyperparameters(AuxAdamWHyperparameters):
+    """Result #7's constants."""
+
+    muon_learning_rate: float = hyperparameter(0.10, "Muon²'s peak lr", check="positive")
+    muon_weight_decay: float = hyperparameter(0.0125, "Muon²'s decoupled weight decay (times "
+                                              "its lr)", check="non_negative")
+    muon_momentum: float = hyperparameter(0.95, "Muon's momentum (EMA-Nesterov form)",
+                                          check="unit_interval")
+    muon_sq_beta2: float = hyperparameter(0.95, "the raw gradient's second-moment decay "
+                                          "(before Newton-Schulz)", check="unit_interval")
+    muon_sq_eps: float = hyperparameter(1e-10, "added to the second moment's square root",
+                                        check="positive")
+    cooldown_frac: float = hyperparameter(0.7, "every lr's linear cooldown fraction",
+                                          check="positive_fraction")
+    ns_dtype: str = hyperparameter("bfloat16", "dtype of the Newton-Schulz iteration",
+                                   choices=("bfloat16", "float32", "float64"))
+
+
+def _muon_squared(t: MuonSquaredHyperparameters, total_steps: int, *, labels: Any = None,
+                  adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
+                  shard_newton_schulz: bool = True) -> Stack:
+    lr = stable_cooldown_schedule(t.muon_learning_rate, total_steps, t.cooldown_frac)
+    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
+                              t.cooldown_frac)
+    tx = muon(lr, beta=t.muon_momentum, weight_decay=t.muon_weight_decay,
+              coefficients="track3", ns_dtype=t.ns_dtype,
+              precondition=muon_squared_precondition(t.muon_sq_beta2, t.muon_sq_eps),
+              adam_groups=groups, labels=labels, newton_schulz_plan=newton_schulz_plan,
+              shard_newton_schulz=shard_newton_schulz)
+    return Stack(tx, lr, groups=group_labels(groups, labels))
+
+
+track3_muon_squared = register(Recipe(
+    "track3_muon_squared", MuonSquaredHyperparameters, _muon_squared, options=TRACK3_OPTIONS,
+    record_steps=3325,
+    summary="Track 3 result #7 (3325 steps): Muon² (the momentum over the raw gradient's RMS "
+    "before Newton-Schulz; lr 0.10, wd 0.0125), the aux AdamW"))
