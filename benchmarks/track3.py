@@ -84,6 +84,21 @@ Z_999 = statistics.NormalDist().inv_cdf(0.999)
 BENCHMARK_SIGMA, BENCHMARK_THRESHOLD, BENCHMARK_PER_100 = 0.0013, 0.004, 0.0045
 #: Fewest baseline seeds whose std is taken as sigma (two give a std of one difference).
 MIN_SIGMA_SEEDS = 3
+#: Track 3's table as far as the recipe registry has it: recipe -> (the table's row, its
+#: steps to 3.28, trainer options the row's own network needs). `--table` runs these,
+#: #36 first (the baseline); records/track_3_optimization/README.md of modded-nanogpt.
+TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "track3_baseline": ("36", 3250, ()),
+    "track3_adam": ("2", 5625, ()),
+    "adamh": ("4", 4875, ("init=hyperball",)),
+    "muonh": ("5", 3325, ("init=hyperball",)),
+    "track3_muon_squared": ("7", 3325, ()),
+    "muloco_normuonh": ("13", 3210, ("init=hyperball",)),
+    # K-FAC-style capture refuses the summed loss: the mean (Muon is scale-free).
+    "track3_newton_muon": ("15", 3275, ("loss_reduction=mean",)),
+    "track3_soap_muon": ("44", 2750, ()),
+    "track3_record": ("46", 2690, ()),
+}
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
 MISTAKE_EXIT_STATUS = 2
 
@@ -638,6 +653,34 @@ def seed_counts(items: Sequence[str], names: Sequence[str]) -> dict[str, int]:
     return out
 
 
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of two sequences (ties at their mean rank), or None
+    below three pairs."""
+    if len(a) < 3:
+        return None
+    from scipy import stats
+
+    return float(stats.spearmanr(a, b).statistic)
+
+
+def track3_table(summary: Mapping[str, Any], optimizers: Mapping[str, str]) -> dict:
+    """Track 3's rows beside the twin's figures: per label its row, Track 3's steps, the
+    twin's final loss and steps to the target, and Spearman's correlation of Track 3's
+    steps with the twin's final losses and with its result steps (a row without a result
+    counts as the run's length plus one evaluation: last)."""
+    rows = {}
+    for label, o in summary["optimizers"].items():
+        row, steps, _ = TRACK3_TABLE[optimizers[label]]
+        last = o["steps"][-1]
+        rows[label] = {"row": row, "track3_steps": steps, "final_mean": o["final_mean"],
+                       "result_step": o["result_step"],
+                       "result_or_last": o["result_step"] or last + 1}
+    t3 = [r["track3_steps"] for r in rows.values()]
+    return {"rows": rows,
+            "spearman_final_loss": spearman(t3, [r["final_mean"] for r in rows.values()]),
+            "spearman_result_step": spearman(t3, [r["result_or_last"] for r in rows.values()])}
+
+
 def _machine() -> dict:
     info = {"platform": platform.platform(), "load_average": list(os.getloadavg())}
     try:
@@ -671,6 +714,27 @@ def write_report(summary: dict, out: Path, title: str) -> None:
         lines.append(f"| {name} | {len(o['seeds'])} | {o['final_mean']:.4f}{std} | "
                      f"{o['score_at_final']:.4f} | {o['result_step'] or 'none'} | "
                      f"{o['result_mean']:.4f} |")
+    if summary.get("table"):
+        table, fmt = summary["table"], lambda x: "n/a" if x is None else f"{x:+.2f}"
+        ratios = {n: r["ratio"] for n, r in (summary.get("step_time") or {}).get(
+            "optimizers", {}).items()}
+        paired = summary.get("paired", {})
+        lines += ["", "Track 3's table on the twin (Track 3's steps to 3.28 beside the twin's "
+                  "figures; paired against the first row by seed):", "",
+                  "| # | recipe | Track 3 steps | final val loss | steps to target (protocol) "
+                  "| final loss vs baseline (p) | step time / baseline |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in table["rows"].items():
+            f = paired.get(name, {}).get("final_loss", {})
+            diff = ("-" if not f else f"{f['mean_diff']:+.4f} (p "
+                    f"{'n/a' if f.get('p') is None else format(f['p'], '.3g')})")
+            ratio = ratios.get(name.split("[")[0])
+            lines.append(f"| {r['row']} | {name} | {r['track3_steps']} | "
+                         f"{r['final_mean']:.4f} | {r['result_step'] or 'none'} | {diff} | "
+                         f"{'-' if ratio is None else format(ratio, '.2f')} |")
+        lines += ["", f"Spearman's rank correlation of Track 3's steps with the twin's final "
+                  f"losses {fmt(table['spearman_final_loss'])}, with its steps to the target "
+                  f"{fmt(table['spearman_result_step'])} (+1: the same order)."]
     lines += ["", "| old | new | compared at | pairwise score (new better) | new better? | "
               "reverse score | old better? |", "|---|---|---|---|---|---|---|"]
     for p in summary["pairs"]:
@@ -842,6 +906,11 @@ def parser() -> argparse.ArgumentParser:
     add("--seeds_for", action="append", default=[], metavar="OPTIMIZER:N",
         help="Seeds 0..N-1 for one optimizer instead of --seeds (repeatable). (default: "
              "--seeds for every optimizer)")
+    add("--table", action="store_true",
+        help="Run Track 3's table as far as the registry has it (TRACK3_TABLE: every row's "
+             "recipe with its network's options, #36 first) instead of --optimizers, and "
+             "add the table with Track 3's steps and the rank correlation of the two "
+             "orders to the report. (default: off)")
     add("--reuse_report", default=None, metavar="JSON",
         help="Take the curves of the optimizers (and seeds) that an earlier report holds "
              "instead of training them; its runs must have had the same config and data. "
@@ -983,6 +1052,15 @@ def plan(argv: Sequence[str] | None) -> Plan:
     from train.config import get_preset
 
     args = parser().parse_args(argv)
+    if args.table:
+        from optax_snoo import recipes
+
+        table = [n for n in TRACK3_TABLE if n in recipes.REGISTRY]
+        args.optimizers = ",".join(table)
+        given = {item.partition(":")[0] for item in args.set_for}
+        args.set_for = [*args.set_for, *(f"{n}:{o}" for n in table if n not in given
+                                          for o in TRACK3_TABLE[n][2])]
+        args.title = args.title or f"Track 3's table on the twin ({args.preset})"
     names = [x for x in args.optimizers.split(",") if x]
     if not names:
         raise ValueError(f"--optimizers={args.optimizers!r}: expected at least one name")
@@ -1065,6 +1143,8 @@ def execute(p: Plan) -> dict:
         summary["reused_from"] = p.reused_from
     if p.step_time:
         summary["step_time"] = p.step_time
+    if args.table:
+        summary["table"] = track3_table(summary, {run.label: run.optimizer for run in p.runs})
     write_report(summary, p.out, args.title or f"Track-3 protocol, {args.preset}")
     print(p.out.with_suffix(".md").read_text())
     print(f"report: {p.out}.{{json,md,png}}")

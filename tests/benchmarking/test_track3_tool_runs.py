@@ -427,3 +427,43 @@ def test_a_real_run_is_keyed_then_reused(tmp_path, monkeypatch):
     assert t3.main(args) == 0
     assert json.loads((tmp_path / "report.json").read_text())["wall_s"] == {
         "track3_baseline/0": None}
+
+
+# ------------------------------------------------------------------ Track 3's table
+
+
+def test_the_table_runs_every_registered_row_with_its_networks_options(trainer, tmp_path):
+    """`--table`: every recipe of TRACK3_TABLE the registry has, #36 first, the hyperball
+    rows with their records' init; the report's table holds Track 3's steps beside the
+    twin's figures and the rank correlation."""
+    from optax_snoo import recipes
+
+    status, report = tool(tmp_path, "--table", seeds=3)
+    assert status == 0
+    table = [n for n in t3.TRACK3_TABLE if n in recipes.REGISTRY]
+    labels = list(report["optimizers"])
+    assert [label.split("[")[0] for label in labels] == table and table[0] == "track3_baseline"
+    assert "adamh[init=hyperball]" in labels and "muonh[init=hyperball]" in labels
+    assert len(trainer) == 3 * len(table)
+    rows = report["table"]["rows"]
+    assert {n: r["track3_steps"] for n, r in rows.items()}["track3_record"] == 2690
+    assert report["table"]["spearman_final_loss"] is not None
+    markdown = (tmp_path / "report.md").read_text()
+    assert "Track 3's table on the twin" in markdown and "Spearman" in markdown
+
+
+def test_the_tables_rank_correlation():
+    """Spearman's rho of Track 3's steps with the twin's: +1 for the same order, -1 for the
+    reverse; a row without a result ranks last."""
+    def summary(finals, results):
+        return {"optimizers": {f"r{i}": {"final_mean": f, "result_step": r, "steps": [0, 100]}
+                               for i, (f, r) in enumerate(zip(finals, results, strict=True))}}
+    names = {"r0": "track3_record", "r1": "track3_soap_muon", "r2": "track3_baseline",
+             "r3": "track3_adam"}  # Track 3: 2690 < 2750 < 3250 < 5625
+    same = t3.track3_table(summary([1.80, 1.82, 1.88, 1.95], [60, 70, 90, None]), names)
+    assert same["spearman_final_loss"] == pytest.approx(1.0)
+    assert same["spearman_result_step"] == pytest.approx(1.0)  # None ranks last (101)
+    reverse = t3.track3_table(summary([1.95, 1.88, 1.82, 1.80], [None, 90, 70, 60]), names)
+    assert reverse["spearman_final_loss"] == pytest.approx(-1.0)
+    assert reverse["spearman_result_step"] == pytest.approx(-1.0)
+    assert t3.spearman([1, 2], [2, 1]) is None
