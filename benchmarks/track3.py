@@ -96,7 +96,8 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "muloco_normuonh": ("13", 3210, ("init=hyperball",)),
     # K-FAC-style capture refuses the summed loss: the mean (Muon is scale-free).
     "track3_newton_muon": ("15", 3275, ("loss_reduction=mean",)),
-    "track3_soap_muon": ("44", 2750, ()),
+    # #44 as it ran (`track3_soap_muon`, its SOAP-Muon part alone, is an ablation).
+    "track3_soap_muon_record": ("44", 2750, ()),
     "track3_record": ("46", 2690, ()),
 }
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).

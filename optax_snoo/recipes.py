@@ -59,7 +59,11 @@ from optax_snoo._src.recipes.track3_newton_muon import (
     TRACK3_NEWTON_MUON_PATTERNS,
     track3_newton_muon,
 )
-from optax_snoo._src.recipes.track3_soap import track3_record, track3_soap_muon
+from optax_snoo._src.recipes.track3_soap import (
+    track3_record,
+    track3_soap_muon,
+    track3_soap_muon_record,
+)
 
 __all__ = [
     "KFAC_LABEL_RULES",
@@ -107,5 +111,6 @@ __all__ = [
     "track3_newton_muon",
     "track3_record",
     "track3_soap_muon",
+    "track3_soap_muon_record",
     "with_snoo",
 ]

@@ -458,7 +458,7 @@ def test_the_tables_rank_correlation():
     def summary(finals, results):
         return {"optimizers": {f"r{i}": {"final_mean": f, "result_step": r, "steps": [0, 100]}
                                for i, (f, r) in enumerate(zip(finals, results, strict=True))}}
-    names = {"r0": "track3_record", "r1": "track3_soap_muon", "r2": "track3_baseline",
+    names = {"r0": "track3_record", "r1": "track3_soap_muon_record", "r2": "track3_baseline",
              "r3": "track3_adam"}  # Track 3: 2690 < 2750 < 3250 < 5625
     same = t3.track3_table(summary([1.80, 1.82, 1.88, 1.95], [60, 70, 90, None]), names)
     assert same["spearman_final_loss"] == pytest.approx(1.0)

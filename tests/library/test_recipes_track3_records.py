@@ -55,9 +55,9 @@ def adam46(rec):
             "head": (rec.head_lr, rec.head_c, rec.embed_head_betas[1], True)}
 
 
-def init_weights(seed=0):
+def init_weights(seed=0, scale=0.3):
     rng = np.random.default_rng(seed)
-    return {n: 0.3 * rng.standard_normal(s) + (1.0 if g == "gains" else 0.0)
+    return {n: scale * rng.standard_normal(s) + (1.0 if g == "gains" else 0.0)
             for n, (s, g) in PARAMS.items()}
 
 
@@ -129,8 +129,9 @@ def run_against(tx, ref, steps, check, **update_args):
 
 class Record46:
     """#46's training loop on float64 weights: EMA_Nesterov around (AdamW, Muon with SOAP
-    and the radius steps, Adam), the tail EMA after each step; ``full=False`` is the
-    SOAP-Muon part alone (#44's Muon without its radius steps and wrappers, ``rec=R44``)."""
+    and the radius steps, Adam), the tail EMA after each step. ``rec=R44``: #44's loop (its
+    scalar u/w floor, no decay, no tail EMA); ``full=False`` the SOAP-Muon part alone
+    (without the radius steps and EMA-Nesterov)."""
 
     def __init__(self, weights, n=N, full=True, rec=R46):
         self.p = {k: w.copy() for k, w in weights.items()}
@@ -144,11 +145,13 @@ class Record46:
         self.buf = {k: np.zeros_like(w) for k, w in weights.items()}
         self.prev = {k: w.copy() for k, w in weights.items()}
         self.ema = None
+        self.stats = {"bind": 0, "free": 0, "outward": 0, "inward": 0}  # the radius steps'
         if full:
             self.prefill = scaled(rec, rec.lookahead_prefill, n)
             self.stop = scaled(rec, rec.lookahead_stop, n)
-            self.start = scaled(rec, rec.tail_start, n)
-            self.tau = max(1.0, rec.tail_tau * n / rec.steps)
+            self.start = n if rec.tail_start is None else scaled(rec, rec.tail_start, n)
+            if rec.tail_start is not None:
+                self.tau = max(1.0, rec.tail_tau * n / rec.steps)
 
     def lr(self, lr0, c, t):  # PowerCool stretched to t_end = n
         return power_cool(lr0, c * (self.rec.steps / self.n) ** self.rec.power, self.n, t,
@@ -171,8 +174,9 @@ class Record46:
                 lr = self.lr(rec.muon_lr, rec.muon_c, t)
                 if self.full:
                     w = ref_muon_step(w, update, lr, brake=rec.brake, floor=rec.target_uw,
-                                      floor_per="fan_out", pin="first_order", cwd=rec.cwd,
-                                      stats=None)
+                                      floor_per="fan_out" if rec is R46 else "matrix",
+                                      pin="first_order", cwd=rec.cwd,
+                                      stats=self.stats)
                 else:
                     w = w - lr * update
                 self.p[k] = w.T
@@ -200,11 +204,11 @@ class Record46:
                 for k, w in self.p.items()}
 
 
-def compare_record_46(**moved):
+def compare_record_46(recipe=recipes.track3_record, rec=R46, tail=6, scale=0.3, **moved):
     """All 29 steps of the 1/100 schedule: lookahead from 3 to 20, trust-gate fade 14-16,
-    momentum cool-down from 27, the tail EMA from 24; weights and readout."""
-    ref = Record46(init_weights())
-    tx = recipes.track3_record(N, ns_dtype="float32", **moved)
+    momentum cool-down from 27, the tail EMA from 24 (#46); weights and readout."""
+    ref = Record46(init_weights(scale=scale), rec=rec)
+    tx = recipe(N, ns_dtype="float32", **moved)
     worst, seen = Worst(), {"lookahead": 0, "tail": 0}
 
     def check(params, state, t):
@@ -217,8 +221,16 @@ def compare_record_46(**moved):
         seen["tail"] += ref.ema is not None
 
     run_against(tx, ref, N, check)
-    assert seen == {"lookahead": 17, "tail": 6}  # both windows were exercised
+    assert seen == {"lookahead": 17, "tail": tail}  # both windows were exercised
+    assert all(ref.stats.values()), ref.stats  # the floor and the brake acted, and did not
     return worst
+
+
+def compare_record_44_as_it_ran(**moved):
+    """#44's loop over all 29 steps: #46's without RowFloor (its floor is per matrix), the
+    cautious decay and the tail EMA. Weights of std 0.8: the floor binds on the MLP's
+    matrices (u/w about 0.31) and not on attention's (0.44)."""
+    return compare_record_46(recipes.track3_soap_muon_record, R44, tail=0, scale=0.8, **moved)
 
 
 def soap_state(state):
@@ -393,6 +405,7 @@ def compare_record_15(steps=8, refresh=3, **moved):
 
 
 COMPARISONS = {"track3_record": compare_record_46, "track3_soap_muon": compare_record_44,
+               "track3_soap_muon_record": compare_record_44_as_it_ran,
                "muonh": compare_record_5, "muloco_normuonh": compare_record_13,
                "track3_newton_muon": compare_record_15}
 
@@ -408,6 +421,7 @@ def test_recipe_matches_its_record(name):
 CONTROLS = [
     ("track3_record", dict(brake=0.52)),
     ("track3_soap_muon", dict(soap_beta=0.91)),
+    ("track3_soap_muon_record", dict(floor=0.39)),
     ("muonh", dict(muon_learning_rate=0.0185)),
     ("muloco_normuonh", dict(snoo_learning_rate=0.72)),
     ("track3_newton_muon", dict(newton_damping=0.21)),
@@ -438,6 +452,10 @@ AUX_TABLE = lambda r: dict(embed_learning_rate=r.embed_lr, head_learning_rate=r.
                            adam_b2=r.adam_betas[1], adam_eps=r.adam_eps)
 TABLES = {
     "track3_soap_muon": (R44.steps, SOAP_TABLE(R44)),
+    "track3_soap_muon_record": (R44.steps, dict(
+        SOAP_TABLE(R44), brake=R44.brake, floor=R44.target_uw, lookahead=R44.lookahead,
+        lookahead_ema=R44.lookahead_ema, lookahead_start=R44.lookahead_prefill,
+        lookahead_stop=R44.lookahead_stop)),
     "track3_record": (R46.steps, dict(
         SOAP_TABLE(R46), brake=R46.brake, floor=R46.target_uw, cautious_weight_decay=R46.cwd,
         lookahead=R46.lookahead, lookahead_ema=R46.lookahead_ema,

@@ -138,6 +138,15 @@ class R44:
     vectors = (0.01, 0.997)         # script:776
     attn_proj_bias = (0.01, 0.9965)  # script:777
     adam_b1 = 0.8                   # script:764, 775-777
+    # #44 as it ran: its Muon.step's radius steps and the EMA-Nesterov around it.
+    target_uw = 0.3825              # script:69 TARGET_UW (= SOAP_/NONSOAP_TARGET_UW, :70-71)
+    brake = 0.5                     # script:84 RADIAL_OUTWARD_SCALE (inward 1.0, :85)
+    cwd = 0.0                       # script:468 "WD set to 0" (no decay at all)
+    lookahead = 0.3                 # script:787 lookahead_stepsize=0.3
+    lookahead_ema = 0.99            # script:789
+    lookahead_prefill = 300         # script:790 prefill_steps=300
+    lookahead_stop = 2900 - 950     # script:791 rest_steps=train_steps - 950
+    tail_start = None               # no tail EMA in #44
 
 
 class R46:

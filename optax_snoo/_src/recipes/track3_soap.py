@@ -1,5 +1,6 @@
-"""modded-nanogpt Track 3's SOAP-Muon records: #44 (SOAP whitening on every hidden matrix)
-and #46 (its whole stack: the radius controls, EMA-Nesterov and the tail-EMA readout).
+"""modded-nanogpt Track 3's SOAP-Muon records: #44 (SOAP whitening on every hidden matrix,
+with the radial brake, the u/w floor, the radius pin and EMA-Nesterov; also its SOAP-Muon
+part alone) and #46 (#44 with RowFloor, cautious decay and the tail-EMA readout).
 
 Both run at ``N`` steps with every step constant a fraction of the records' 2900
 (``FINAL_TRAIN_STEPS``): `Hyperparameters.scaled` gives ``round(x·N/2900)``, and each
@@ -46,7 +47,8 @@ from optax_snoo._src.schedules import (
 )
 from optax_snoo._src.soap_muon import soap_whitening
 
-__all__ = ["SoapMuonHyperparameters", "Track3RecordHyperparameters"]
+__all__ = ["SoapMuonHyperparameters", "SoapMuonRecordHyperparameters",
+           "Track3RecordHyperparameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +121,15 @@ class SoapMuonHyperparameters(Hyperparameters):
 
 
 @dataclasses.dataclass(frozen=True)
-class Track3RecordHyperparameters(SoapMuonHyperparameters):
-    """Record #46's stack: #44's SOAP-Muon with the radius controls and the averaging."""
+class SoapMuonRecordHyperparameters(SoapMuonHyperparameters):
+    """Record #44 as it ran: its SOAP-Muon with the radial brake, the u/w floor of each
+    matrix, the radius pin and EMA-Nesterov."""
 
     brake: float | None = hyperparameter(0.5, "the radial brake on outward steps (None = "
                                          "off)", check="fraction")
-    floor: float | None = hyperparameter(0.3825, "RowFloor's target of each output neuron's "
-                                         "relative step (None = off)", check="non_negative")
-    cautious_weight_decay: float = hyperparameter(0.025, "cautious weight decay after the "
-                                                  "radius pin (0 = off)", check="non_negative")
+    floor: float | None = hyperparameter(0.3825, "the u/w floor: each matrix's step is at "
+                                         "least this times its norm (None = off)",
+                                         check="non_negative")
     lookahead: float = hyperparameter(0.3, "EMA-Nesterov's beta0 (0 = no lookahead)",
                                       check="non_negative")
     lookahead_ema: float = hyperparameter(0.99, "EMA-Nesterov's gamma",
@@ -136,6 +138,20 @@ class Track3RecordHyperparameters(SoapMuonHyperparameters):
                                           check="at_least_0", steps=True)
     lookahead_stop: int = hyperparameter(1950, "EMA-Nesterov's last lookahead + 1 (step at "
                                          "2900)", check="at_least_0", steps=True)
+
+    def validate(self) -> None:
+        super().validate()
+        steps_in_order(self, "lookahead_start", "lookahead_stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Track3RecordHyperparameters(SoapMuonRecordHyperparameters):
+    """Record #46's stack: #44's with RowFloor, cautious decay and the tail-EMA readout."""
+
+    floor: float | None = hyperparameter(0.3825, "RowFloor's target of each output neuron's "
+                                         "relative step (None = off)", check="non_negative")
+    cautious_weight_decay: float = hyperparameter(0.025, "cautious weight decay after the "
+                                                  "radius pin (0 = off)", check="non_negative")
     tail_start: int = hyperparameter(2400, "the tail EMA's first update (step at 2900)",
                                      check="at_least_0", steps=True)
     tail_horizon: float = hyperparameter(150.0, "the tail EMA's horizon (steps at 2900; at "
@@ -203,19 +219,34 @@ def _soap_muon(t: SoapMuonHyperparameters, total_steps: int, **options: Any) -> 
     return _soap_partition(t, total_steps, _NO_RADIUS, **options)[1]
 
 
-def _track3_record(t: Track3RecordHyperparameters, total_steps: int, **options: Any) -> Stack:
-    radius = dict(brake=t.brake, floor=t.floor, floor_per="fan_out", pin="first_order",
-                  cautious_weight_decay=t.cautious_weight_decay)
+def _with_lookahead(t: SoapMuonRecordHyperparameters, total_steps: int, floor_per: str,
+                    cautious_weight_decay: float, **options: Any
+                    ) -> tuple[optax.GradientTransformationExtraArgs, Stack, dict[str, str]]:
+    """#44/#46's SOAP-Muon with the radius steps, inside EMA-Nesterov."""
+    radius = dict(brake=t.brake, floor=t.floor, floor_per=floor_per, pin="first_order",
+                  cautious_weight_decay=cautious_weight_decay)
     partition, stack, names = _soap_partition(t, total_steps, radius, **options)
     embed_lr = _power_cool(t, "embed", total_steps)
-    # The record reads the embedding group's lr ratio as set on the previous update.
+    # The records read the embedding group's lr ratio as set on the previous update.
     ratio = lambda count: embed_lr(jnp.maximum(count - 1, 0)) / t.embed_learning_rate
+    tx = ema_nesterov(partition, t.lookahead, t.lookahead_ema, prefill=t.lookahead_start,
+                      stop=t.lookahead_stop, lr_ratio=ratio)
+    return tx, stack, names
+
+
+def _soap_muon_record(t: SoapMuonRecordHyperparameters, total_steps: int,
+                      **options: Any) -> Stack:
+    # #44 has no weight decay: "u/w target replaces wd's role" (its Muon.step).
+    tx, stack, _ = _with_lookahead(t, total_steps, "matrix", 0.0, **options)
+    return dataclasses.replace(stack, tx=tx)
+
+
+def _track3_record(t: Track3RecordHyperparameters, total_steps: int, **options: Any) -> Stack:
+    tx, stack, names = _with_lookahead(t, total_steps, "fan_out", t.cautious_weight_decay,
+                                       **options)
     not_embedding = by_path([(names["embed"], False)], default=True, what="tail-EMA mask")
-    tx = optax.chain(
-        ema_nesterov(partition, t.lookahead, t.lookahead_ema, prefill=t.lookahead_start,
-                     stop=t.lookahead_stop, lr_ratio=ratio),
-        tail_ema(t.tail_start, max(1.0, t.tail_horizon), t.tail_blend, end=total_steps,
-                 mask=not_embedding))
+    tx = optax.chain(tx, tail_ema(t.tail_start, max(1.0, t.tail_horizon), t.tail_blend,
+                                  end=total_steps, mask=not_embedding))
     return dataclasses.replace(stack, tx=tx, readout=True)
 
 
@@ -226,6 +257,12 @@ track3_soap_muon = register(Recipe(
     summary="Track 3 record #44's SOAP-Muon alone (SOAP whitening of every hidden matrix's "
     "momentum, frequency 1, trust gate on attn.proj; plain W - lr O on PowerCool; five Adam "
     "groups), without #44's radius controls and EMA-Nesterov"))
+track3_soap_muon_record = register(Recipe(
+    "track3_soap_muon_record", SoapMuonRecordHyperparameters, _soap_muon_record,
+    options=_OPTIONS,
+    summary="Track 3 record #44 as it ran (2750 steps): SOAP-Muon with the radial brake, the "
+    "u/w floor of each matrix and the radius pin, no weight decay, five Adam groups on "
+    "PowerCool, EMA-Nesterov"))
 track3_record = register(Recipe(
     "track3_record", Track3RecordHyperparameters, _track3_record, options=_OPTIONS,
     summary="Track 3 record #46 (2690 steps): SOAP-Muon with the radial brake, RowFloor, the "
