@@ -53,6 +53,7 @@ from optax_snoo._src.recipes.track3_common import (
     TRACK3_RECORD_ADAM_PATTERNS,
     TRACK3_TRUST_GATE_PATTERN,
 )
+from optax_snoo._src.recipes.track3_contra import track3_contra_muon, track3_normuon_floor
 from optax_snoo._src.recipes.track3_hyperball import adamh, muloco_normuonh, muonh
 from optax_snoo._src.recipes.track3_muon_variants import track3_muon_squared
 from optax_snoo._src.recipes.track3_newton_muon import (
@@ -107,8 +108,10 @@ __all__ = [
     "snoo_track3_baseline",
     "track3_adam",
     "track3_baseline",
+    "track3_contra_muon",
     "track3_muon_squared",
     "track3_newton_muon",
+    "track3_normuon_floor",
     "track3_record",
     "track3_soap_muon",
     "track3_soap_muon_record",

@@ -69,6 +69,7 @@ from optax_snoo._src.newton_schulz import (
 )
 from optax_snoo._src.utils import (
     check_float_dtype,
+    check_non_negative,
     check_unit_interval,
     path_to_str,
     state_dtype,
@@ -141,6 +142,8 @@ def scale_by_muon(
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     precondition: MatrixPrecondition | None = None,
     ns_normalization: str = "frobenius",
+    spectral_map: str | None = None,
+    spectral_strength: float = 0.4,
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
 
@@ -151,6 +154,7 @@ def scale_by_muon(
         v = β m + (1-β) g   if nesterov else   m          # EMA form of Nesterov
         v = precondition(v, g)                            # if precondition, per matrix (below)
         O = orthogonalize(v)                              # each matrix on its own
+        O = contra(O, v)                                  # if spectral_map="contra" (below)
         O = normuon(O)                                    # if beta2 (NorMuon, below)
         S = σ S + (1-σ) O;  O = S (ema) or σ S + (1-σ) O (nesterov)   # if smoothing
         update = s(fan_in, fan_out) * O                   # shape scale
@@ -233,6 +237,12 @@ def scale_by_muon(
         none.
       ns_normalization: how the iteration's input is scaled, ``"frobenius"`` or
         ``"gram_frobenius"`` (modded-nanogpt Track 3's SOAP-Muon); see `orthogonalize`.
+      spectral_map: ``None`` or ``"contra"``: Contra-Muon (nilin,
+        https://github.com/nilin/contra-muon, 2026; Track 3 result #11):
+        ``O' = O - (c/2) v/‖v‖_op``, then ``O' ‖O‖_F/max(‖O'‖_F, 1e-10)``, before NorMuon;
+        ``‖v‖_op`` by 5 power iterations from the all-ones vector on the fan_in axis, in
+        float32, norms clamped at 1e-10, as the record computes it.
+      spectral_strength: ``c`` of the spectral map (the record's ``CONTRA_MUON=0.4``).
 
     Returns:
       An ``optax.GradientTransformation`` with state `MuonState`.
@@ -268,6 +278,9 @@ def scale_by_muon(
       <https://arxiv.org/abs/2510.05491>`_, 2025
     """
     triples = _resolve_coefficients(coefficients)
+    if spectral_map not in (None, "contra"):
+        raise ValueError(f"spectral_map must be None or 'contra', got {spectral_map!r}.")
+    check_non_negative("spectral_strength", spectral_strength)
     check_float_dtype("ns_dtype", ns_dtype)
     check_unit_interval("beta", beta)
     check_unit_interval("beta2", beta2, allow_none=True)
@@ -347,6 +360,9 @@ def scale_by_muon(
             mesh=spread_mesh, split=shard_newton_schulz, **owned)
         if per_matrix:
             pre_state = OwnedPreconditionState(treedef.unflatten(leaf_states), owned_states)
+        if spectral_map == "contra":
+            ortho = [_contra(o, v, spectral_strength, a)
+                     for o, v, a in zip(ortho, inputs, leaf_axes, strict=True)]
         nu = state.nu
         if beta2 is not None:
             beta2_t = value_at(beta2, count)
@@ -384,6 +400,30 @@ def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nester
     else:
         v = beta * m + (1 - beta) * g32 if nesterov else m
     return v, m.astype(mu_dtype)
+
+
+def _contra(o: jax.Array, v: jax.Array, strength: float, axes: tuple[int, int]) -> jax.Array:
+    """Contra-Muon's map of one leaf: ``O' = O - (c/2) v/‖v‖_op`` rescaled to ``‖O‖_F``.
+
+    ``‖v‖_op`` by the record's 5 power iterations from the all-ones vector on the fan_in
+    axis (each norm clamped at 1e-10), in float32 (float64 for float64 inputs).
+    """
+    fan_in, fan_out = axes
+    dtype = jnp.promote_types(v.dtype, jnp.float32)
+    x = jnp.moveaxis(v.astype(dtype), (fan_out, fan_in), (-2, -1))  # (..., out, in)
+
+    def unit(y):
+        return y / jnp.maximum(jnp.linalg.norm(y, axis=-1, keepdims=True), 1e-10)
+
+    r = unit(jnp.ones(x.shape[:-2] + x.shape[-1:], dtype))
+    for _ in range(5):
+        r = unit(jnp.einsum("...ij,...i->...j", x, unit(jnp.einsum("...ij,...j->...i", x, r))))
+    op = jnp.maximum(jnp.linalg.norm(jnp.einsum("...ij,...j->...i", x, r), axis=-1), 1e-10)
+    op = jnp.expand_dims(op, (min(axes), max(axes)))
+    c = o - (strength / 2) * (v.astype(dtype) / op).astype(o.dtype)
+    norm = jnp.sqrt(jnp.sum(jnp.square(o), axis=axes, keepdims=True))
+    return c * (norm / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(c), axis=axes, keepdims=True)),
+                                   1e-10))
 
 
 def _reduced_axis(shape: tuple[int, ...], axes: tuple[int, int]) -> int:

@@ -248,3 +248,41 @@ class R7:
     adam_betas = (0.8, 0.95)        # log:283
     adam_eps = 1e-10                # log:283
     cooldown_frac = 0.7             # log:294 set_hparams(step, cooldown_frac=0.7)
+
+
+class R9:
+    """#9, NorMuon-lite + u/w floor (Skylight-001, 3250 steps):
+    results/20260501_skylight001/1cd721e0-add6-4613-a57e-5e32723efb07.txt."""
+
+    log = "results/20260501_skylight001/1cd721e0-add6-4613-a57e-5e32723efb07.txt"
+    steps = 3250                    # log:301 train_steps
+    muon_lr = 0.0375                # log:315 Muon(..., lr=0.0375, weight_decay=0.025) (wd unread)
+    muon_mu = 0.95                  # log:195 muon_update(..., mu=0.95, beta2=0.95, ...)
+    beta2 = 0.95                    # log:195
+    target_uw = 0.35                # log:243 TARGET_UW
+    embed_lr = 0.3                  # log:309
+    head_lr = 1 / 320               # log:310
+    vector_lr = 0.01                # log:311
+    adam_betas = (0.8, 0.95)        # log:312
+    adam_eps = 1e-10                # log:312
+    cooldown_frac = 0.7             # log:324 set_hparams(step, cooldown_frac=0.7)
+
+
+class R11(R9):
+    """#11, Contra-Muon on #9 (3225 steps):
+    results/20260501_contra_muon/08cd60f9-99e2-4e28-b1ac-19136dd42a05.txt."""
+
+    log = "results/20260501_contra_muon/08cd60f9-99e2-4e28-b1ac-19136dd42a05.txt"
+    steps = 3225                    # log:345 train_steps
+    contra_muon = 0.4               # log:36 CONTRA_MUON
+    muon_mu = 0.95                  # log:37 MU
+    muon_lr = 0.0375                # log:38 MUON_LR
+    target_uw = 0.35                # log:40 TARGET_UW
+    power_iterations = 5            # log:210 scale_to_unit_operator_norm
+    power_eps = 1e-10               # log:207
+    embed_lr = 0.3                  # log:355
+    head_lr = 1 / 320               # log:356
+    vector_lr = 0.01                # log:357
+    adam_betas = (0.8, 0.95)        # log:358
+    adam_eps = 1e-10                # log:358
+    cooldown_frac = 0.7             # log:370 set_hparams(step, cooldown_frac=0.7)

@@ -19,6 +19,7 @@ from optax_snoo._src.recipes import (  # noqa: F401  (each module registers its 
     stacks,
     track3_adam,
     track3_baseline,
+    track3_contra,
     track3_hyperball,
     track3_muon_variants,
     track3_newton_muon,
