@@ -98,6 +98,7 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "track3_newton_muon": ("15", 3275, ("loss_reduction=mean",)),
     "track3_soap_muon": ("44", 2750, ()),
     "track3_record": ("46", 2690, ()),
+    "track3_spectral_descent": ("22", 8225, ()),
 }
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
 MISTAKE_EXIT_STATUS = 2

@@ -54,7 +54,10 @@ from optax_snoo._src.recipes.track3_common import (
     TRACK3_TRUST_GATE_PATTERN,
 )
 from optax_snoo._src.recipes.track3_hyperball import adamh, muloco_normuonh, muonh
-from optax_snoo._src.recipes.track3_muon_variants import track3_muon_squared
+from optax_snoo._src.recipes.track3_muon_variants import (
+    track3_muon_squared,
+    track3_spectral_descent,
+)
 from optax_snoo._src.recipes.track3_newton_muon import (
     TRACK3_NEWTON_MUON_PATTERNS,
     track3_newton_muon,
@@ -107,5 +110,6 @@ __all__ = [
     "track3_newton_muon",
     "track3_record",
     "track3_soap_muon",
+    "track3_spectral_descent",
     "with_snoo",
 ]
