@@ -101,6 +101,7 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     # #44 as it ran (`track3_soap_muon`, its SOAP-Muon part alone, is an ablation).
     "track3_soap_muon_record": ("44", 2750, ()),
     "track3_record": ("46", 2690, ()),
+    "track3_spectral_descent": ("22", 8225, ()),
 }
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
 MISTAKE_EXIT_STATUS = 2

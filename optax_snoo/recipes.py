@@ -55,7 +55,10 @@ from optax_snoo._src.recipes.track3_common import (
 )
 from optax_snoo._src.recipes.track3_contra import track3_contra_muon, track3_normuon_floor
 from optax_snoo._src.recipes.track3_hyperball import adamh, muloco_normuonh, muonh
-from optax_snoo._src.recipes.track3_muon_variants import track3_muon_squared
+from optax_snoo._src.recipes.track3_muon_variants import (
+    track3_muon_squared,
+    track3_spectral_descent,
+)
 from optax_snoo._src.recipes.track3_newton_muon import (
     TRACK3_NEWTON_MUON_PATTERNS,
     track3_newton_muon,
@@ -115,5 +118,6 @@ __all__ = [
     "track3_record",
     "track3_soap_muon",
     "track3_soap_muon_record",
+    "track3_spectral_descent",
     "with_snoo",
 ]

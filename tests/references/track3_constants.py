@@ -286,3 +286,21 @@ class R11(R9):
     adam_betas = (0.8, 0.95)        # log:358
     adam_eps = 1e-10                # log:358
     cooldown_frac = 0.7             # log:370 set_hparams(step, cooldown_frac=0.7)
+
+
+class R22:
+    """#22, SpectralDescent = Muon with mu 0 (8225 of 8500 steps):
+    results/20260517_ortho/d5098d67-7c1b-47b4-8833-80960d633d33.txt."""
+
+    log = "results/20260517_ortho/d5098d67-7c1b-47b4-8833-80960d633d33.txt"
+    steps = 8500                    # log:266 train_steps (the schedule's length)
+    record_step = 8225              # log:461 step:8225/8500 val_loss:3.27744 (the readout)
+    muon_lr = 0.03                  # log:291 Muon(..., lr=0.03, weight_decay=0.015, mu=0)
+    muon_wd = 0.015                 # log:291
+    muon_mu = 0.0                   # log:291
+    embed_lr = 0.3                  # log:286
+    head_lr = 1 / 320               # log:287
+    vector_lr = 0.01                # log:288
+    adam_betas = (0.8, 0.95)        # log:289
+    adam_eps = 1e-10                # log:289
+    cooldown_frac = 0.7             # log:300 set_hparams(step, cooldown_frac=0.7)

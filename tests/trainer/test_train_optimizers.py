@@ -82,7 +82,8 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_adam": "matrix_learning_rate", "adamh": "matrix_learning_rate",
            "track3_muon_squared": "muon_learning_rate",
            "track3_soap_muon_record": "muon_learning_rate",
-           "track3_normuon_floor": "muon_learning_rate", "track3_contra_muon": "muon_learning_rate"}
+           "track3_normuon_floor": "muon_learning_rate", "track3_contra_muon": "muon_learning_rate",
+           "track3_spectral_descent": "muon_learning_rate"}
 #: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
 #: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step.
 NOT_LINEAR_IN_LR = ("muonh", "muloco_normuonh", "track3_record", "adamh",

@@ -1,4 +1,4 @@
-"""modded-nanogpt Track 3's Muon variants on #5's aux AdamW: Muon² (#7).
+"""modded-nanogpt Track 3's Muon variants on #5's aux AdamW: Muon² (#7), SpectralDescent (#22).
 
 Muon² (#7, 3325 steps): Muon (EMA-Nesterov momentum 0.95, Newton-Schulz ``(2, -1.5, 0.5)``
 x 12 in bfloat16 after ``X/(‖X‖_F + 1e-7)``, shape scale ``sqrt(max(1, out/in))``) on the
@@ -7,12 +7,19 @@ eps 1e-10), ``p ← p (1 - lr·0.0125) - lr·O``, lr 0.10; the aux AdamW (embedd
 1/320, 1-D 0.01, betas (0.8, 0.95), eps 1e-10, no decay); every lr flat for 30%, then linear
 to 0.
 
+SpectralDescent (#22: an 8500-step schedule, its loss below 3.28 at step 8225): Muon with
+momentum 0 (so the Newton-Schulz iteration runs on the raw gradient, ``O ≈ U Vᵀ`` of
+``G = U S Vᵀ``), the same Newton-Schulz and shape scale, ``p ← p (1 - lr·0.015) - lr·O``,
+lr 0.03; the same aux AdamW and schedule. The record's
+table writes it also as Shampoo with betas (0, 0), frequency 1, power -1/4:
+``(G Gᵀ)^{-1/4} G (Gᵀ G)^{-1/4} = U Vᵀ``.
+
 References:
   Liu et al., `Muon²: Boosting Muon via Adaptive Second-Moment Preconditioning
   <https://arxiv.org/abs/2604.09967>`_, 2026; modded-nanogpt Track 3 result #7
   (`results/20260501_muonsq
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_),
-  2026
+  2026; modded-nanogpt Track 3 result #22 (`results/20260517_ortho`), 2026
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, patterns
 from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, aux_adamw_groups
 from optax_snoo._src.schedules import stable_cooldown_schedule
 
-__all__ = ["MuonSquaredHyperparameters"]
+__all__ = ["MuonSquaredHyperparameters", "SpectralDescentHyperparameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,3 +76,36 @@ track3_muon_squared = register(Recipe(
     record_steps=3325,
     summary="Track 3 result #7 (3325 steps): Muon² (the momentum over the raw gradient's RMS "
     "before Newton-Schulz; lr 0.10, wd 0.0125), the aux AdamW"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpectralDescentHyperparameters(AuxAdamWHyperparameters):
+    """Result #22's constants (Muon's momentum is 0: no momentum hyperparameter)."""
+
+    muon_learning_rate: float = hyperparameter(0.03, "the spectral step's peak lr",
+                                               check="positive")
+    muon_weight_decay: float = hyperparameter(0.015, "decoupled weight decay (times its lr)",
+                                              check="non_negative")
+    cooldown_frac: float = hyperparameter(0.7, "every lr's linear cooldown fraction",
+                                          check="positive_fraction")
+    ns_dtype: str = hyperparameter("bfloat16", "dtype of the Newton-Schulz iteration",
+                                   choices=("bfloat16", "float32", "float64"))
+
+
+def _spectral_descent(t: SpectralDescentHyperparameters, total_steps: int, *,
+                      labels: Any = None, adam_patterns: dict[str, str] | None = None,
+                      newton_schulz_plan: Any = None, shard_newton_schulz: bool = True) -> Stack:
+    lr = stable_cooldown_schedule(t.muon_learning_rate, total_steps, t.cooldown_frac)
+    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
+                              t.cooldown_frac)
+    tx = muon(lr, beta=0.0, weight_decay=t.muon_weight_decay, coefficients="track3",
+              ns_dtype=t.ns_dtype, adam_groups=groups, labels=labels,
+              newton_schulz_plan=newton_schulz_plan, shard_newton_schulz=shard_newton_schulz)
+    return Stack(tx, lr, groups=group_labels(groups, labels))
+
+
+track3_spectral_descent = register(Recipe(
+    "track3_spectral_descent", SpectralDescentHyperparameters, _spectral_descent,
+    options=TRACK3_OPTIONS, record_steps=8500,
+    summary="Track 3 result #22 (8500-step schedule, 3.28 crossed at 8225): SpectralDescent, "
+    "Muon with momentum 0 (lr 0.03, wd 0.015), the aux AdamW"))
