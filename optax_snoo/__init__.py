@@ -34,6 +34,13 @@ from optax_snoo._src.newton_schulz import (
     orthogonalize,
 )
 from optax_snoo._src.normuon import normuon, scale_by_normuon
+from optax_snoo._src.psgd import (
+    PSGDKronState,
+    psgd_kron,
+    psgd_probes,
+    psgd_spectral_norm,
+    scale_by_psgd_kron,
+)
 from optax_snoo._src.qk_clip import QKHeads, qk_clip_heads, qk_clip_scales, scale_by_qk_clip
 from optax_snoo._src.radius import RadiusStepsState, radius_steps
 from optax_snoo._src.recipes.gpt2_medium import modded_nanogpt
@@ -95,6 +102,7 @@ __all__ = [
     "MuonState",
     "NewtonSchulzPlan",
     "OwnedPreconditionState",
+    "PSGDKronState",
     "QKHeads",
     "RadiusStepsState",
     "RolePolicy",
@@ -131,6 +139,9 @@ __all__ = [
     "power_cool",
     "power_cool_scaled",
     "precondition_by_input_covariance",
+    "psgd_kron",
+    "psgd_probes",
+    "psgd_spectral_norm",
     "qk_clip_heads",
     "qk_clip_scales",
     "radius_steps",
@@ -139,6 +150,7 @@ __all__ = [
     "scale_by_adam",
     "scale_by_muon",
     "scale_by_normuon",
+    "scale_by_psgd_kron",
     "scale_by_qk_clip",
     "scale_by_second_moment",
     "scale_by_skew_adam",

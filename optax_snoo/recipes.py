@@ -63,6 +63,7 @@ from optax_snoo._src.recipes.track3_newton_muon import (
     TRACK3_NEWTON_MUON_PATTERNS,
     track3_newton_muon,
 )
+from optax_snoo._src.recipes.track3_psgd import track3_psgd
 from optax_snoo._src.recipes.track3_soap import (
     track3_record,
     track3_soap_muon,
@@ -115,6 +116,7 @@ __all__ = [
     "track3_muon_squared",
     "track3_newton_muon",
     "track3_normuon_floor",
+    "track3_psgd",
     "track3_record",
     "track3_soap_muon",
     "track3_soap_muon_record",

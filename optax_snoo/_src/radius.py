@@ -65,6 +65,7 @@ def radius_steps(
     pin: str | None = "first_order",
     cautious_weight_decay: ScalarOrSchedule = 0.025,
     matrix_axes: tuple[int, int] = (-2, -1),
+    hyperball_eps: str = "clamp",
 ) -> optax.GradientTransformation:
     r"""The step ``W ← W - lr·O`` of a hidden matrix, with Track 3's radius controls.
 
@@ -116,6 +117,8 @@ def radius_steps(
       cautious_weight_decay: ``λ`` of the post-pin decay, a float >= 0 or a schedule of
         the update count (0: none).
       matrix_axes: ``(fan_in axis, fan_out axis)`` of every leaf, as in `scale_by_muon`.
+      hyperball_eps: how the hyperball pins guard ``‖O‖`` and ``‖W'‖``: ``"clamp"``,
+        ``max(·, 1e-10)`` (#4, #5, #8), or ``"add"``, ``· + 1e-10`` (#33's PSGD).
 
     Returns:
       An ``optax.GradientTransformation`` with state `RadiusStepsState`; ``update`` needs
@@ -158,6 +161,9 @@ def radius_steps(
     if pin not in ("first_order", "initial", "current", None):
         raise ValueError(f"radius_steps: pin must be 'first_order', 'initial', 'current' or "
                          f"None, got {pin!r}")
+    if hyperball_eps not in ("clamp", "add"):
+        raise ValueError(f"radius_steps: hyperball_eps must be 'clamp' or 'add', got "
+                         f"{hyperball_eps!r}")
     if pin in ("initial", "current") and floor is not None:
         raise ValueError(
             f"radius_steps: floor={floor!r} has no effect with pin={pin!r} (the hyperball's "
@@ -202,8 +208,10 @@ def radius_steps(
             of = of + (jnp.where(c < 0, brake, 1.0) - 1.0) * c * wf
         if pin in ("initial", "current"):
             r0 = w_norm if pin == "current" else r0
-            new = wf - lr * r0 * of / jnp.maximum(norm(of), _HYPERBALL_EPS)
-            new = new * (r0 / jnp.maximum(norm(new), _HYPERBALL_EPS))
+            guard = ((lambda n: n + _HYPERBALL_EPS) if hyperball_eps == "add"
+                     else (lambda n: jnp.maximum(n, _HYPERBALL_EPS)))
+            new = wf - lr * r0 * of / guard(norm(of))
+            new = new * (r0 / guard(norm(new)))
         else:
             w_c = jnp.maximum(w_norm, _NORM_EPS)
             if floor is not None:

@@ -304,3 +304,26 @@ class R22:
     adam_betas = (0.8, 0.95)        # log:289
     adam_eps = 1e-10                # log:289
     cooldown_frac = 0.7             # log:300 set_hparams(step, cooldown_frac=0.7)
+
+
+class R33:
+    """#33, PSGD (3400 steps): results/20260527_psgd/train_psgd.py (the folder's logs run
+    it)."""
+
+    log = "results/20260527_psgd/train_psgd.py"
+    steps = 3400                    # log:332 train_steps
+    psgd_lr = 0.025                 # log:331 psgd_steady_lr
+    cooldown_frac = 1.0             # log:333 (get_psgd_lr, log:344-349: linear to 0)
+    precond_lr = 1.0                # log:334
+    b1 = 0.95                       # log:341 PSGDKron(..., beta1=0.95)
+    damping = 2.0**-23              # log:247 torch.finfo(torch.float32).eps
+    init_floor = 1e-24              # log:168 .clamp(min=1e-24)
+    init_power = -1 / 32            # log:168 .pow(-1/32)
+    norm_eps = 1e-10                # log:260, 262 (u_norm + 1e-10), (new_p_norm + 1e-10)
+    embed_lr = 0.3                  # log:336 adam_base_lrs
+    head_lr = 1 / 320               # log:336
+    vector_lr = 0.01                # log:336
+    adam_betas = (0.8, 0.95)        # log:340
+    adam_eps = 1e-10                # log:340
+    adam_cooldown_frac = 0.5        # log:352 int(train_steps * (1 - 0.5))
+    adam_final_scale = 0.1          # log:356 1.0 - t * 0.9
