@@ -53,7 +53,11 @@ from optax_snoo._src.recipes.track3_common import (
     TRACK3_RECORD_ADAM_PATTERNS,
     TRACK3_TRUST_GATE_PATTERN,
 )
-from optax_snoo._src.recipes.track3_contra import track3_contra_muon, track3_normuon_floor
+from optax_snoo._src.recipes.track3_contra import (
+    track3_aurora,
+    track3_contra_muon,
+    track3_normuon_floor,
+)
 from optax_snoo._src.recipes.track3_hyperball import adamh, muloco_normuonh, muonh
 from optax_snoo._src.recipes.track3_muon_variants import (
     track3_muon_squared,
@@ -111,6 +115,7 @@ __all__ = [
     "snoo_skew_adam",
     "snoo_track3_baseline",
     "track3_adam",
+    "track3_aurora",
     "track3_baseline",
     "track3_contra_muon",
     "track3_muon_squared",

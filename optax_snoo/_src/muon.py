@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_snoo._src.muon_plan import NewtonSchulzPlan, place_leaves
@@ -66,11 +67,13 @@ from optax_snoo._src.newton_schulz import (
     _newton_schulz,
     _normalized_axes,
     _resolve_coefficients,
+    leverage_balanced,
 )
 from optax_snoo._src.utils import (
     check_float_dtype,
     check_non_negative,
     check_unit_interval,
+    concrete_real,
     path_to_str,
     state_dtype,
     value_at,
@@ -144,6 +147,8 @@ def scale_by_muon(
     ns_normalization: str = "frobenius",
     spectral_map: str | None = None,
     spectral_strength: float = 0.4,
+    aurora_iterations: int | None = None,
+    aurora_beta: float = 0.5,
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
 
@@ -154,6 +159,7 @@ def scale_by_muon(
         v = β m + (1-β) g   if nesterov else   m          # EMA form of Nesterov
         v = precondition(v, g)                            # if precondition, per matrix (below)
         O = orthogonalize(v)                              # each matrix on its own
+                                       # (Aurora's polar(D v) if aurora_iterations, below)
         O = contra(O, v)                                  # if spectral_map="contra" (below)
         O = normuon(O)                                    # if beta2 (NorMuon, below)
         S = σ S + (1-σ) O;  O = S (ema) or σ S + (1-σ) O (nesterov)   # if smoothing
@@ -243,6 +249,17 @@ def scale_by_muon(
         ``‖v‖_op`` by 5 power iterations from the all-ones vector on the fan_in axis, in
         float32, norms clamped at 1e-10, as the record computes it.
       spectral_strength: ``c`` of the spectral map (the record's ``CONTRA_MUON=0.4``).
+      aurora_iterations: ``None`` (plain polar) or ``k >= 1``: Aurora's leverage-uniform
+        polar (Tilde Research, https://github.com/tilde-research/aurora-release, 2026;
+        Track 3 result #17) in place of ``orthogonalize(v)``: ``U = orthogonalize(D v)``
+        with ``D`` a positive diagonal on the longer matrix axis, ``D = 1/‖v_i‖`` first,
+        then ``k - 1`` damped fixed-point updates ``D ← D ((n/m)/‖U_i‖²)^aurora_beta`` so
+        ``U``'s lines have the uniform squared norm ``n/m`` (``n <= m`` the matrix's
+        sides); square matrices get the plain polar. ``1`` is "Muon EQ" (each line
+        normalised, then the polar); the record runs 2. ``D`` is computed from the
+        float32 ``v``, so under the sharded plan the matrices travel to their owners and
+        back in float32 (twice a bfloat16 iteration's transfer bytes).
+      aurora_beta: the damping exponent in (0, 1] (the record's ``pp_beta=0.5``).
 
     Returns:
       An ``optax.GradientTransformation`` with state `MuonState`.
@@ -250,7 +267,8 @@ def scale_by_muon(
     Raises:
       ValueError: for bad coefficients, ``beta``, ``beta2`` or ``smoothing`` outside
         [0, 1), bad ``matrix_axes``, ``shape_scale``, ``smoothing_form``,
-        ``ns_normalization`` or ``precondition``; at init/trace
+        ``ns_normalization``, ``precondition``, ``aurora_iterations`` or
+        ``aurora_beta``; at init/trace
         time for 0-D/1-D leaves (those belong to Adam) and axes that do not fit a leaf.
 
     Example:
@@ -281,6 +299,17 @@ def scale_by_muon(
     if spectral_map not in (None, "contra"):
         raise ValueError(f"spectral_map must be None or 'contra', got {spectral_map!r}.")
     check_non_negative("spectral_strength", spectral_strength)
+    if isinstance(aurora_iterations, jax.Array):  # what inject_hyperparams makes of an int
+        raise ValueError(f"aurora_iterations (a number of Newton-Schulz rounds) must be a "
+                         f"Python int, got an array {aurora_iterations!r}: under "
+                         f"optax.inject_hyperparams pass static_args=('aurora_iterations',).")
+    if aurora_iterations is not None and (isinstance(aurora_iterations, bool) or not isinstance(
+            aurora_iterations, int | np.integer) or aurora_iterations < 1):
+        raise ValueError(f"aurora_iterations must be None or an integer >= 1, "
+                         f"got {aurora_iterations!r}.")
+    beta_now = concrete_real(aurora_beta)
+    if beta_now is not None and not 0 < beta_now <= 1:
+        raise ValueError(f"aurora_beta must be in (0, 1], got {aurora_beta!r}.")
     check_float_dtype("ns_dtype", ns_dtype)
     check_unit_interval("beta", beta)
     check_unit_interval("beta2", beta2, allow_none=True)
@@ -306,6 +335,13 @@ def scale_by_muon(
     ns_dt = jnp.dtype(ns_dtype)
     newton_schulz = functools.partial(_newton_schulz, triples=triples, ns_dtype=ns_dt, eps=1e-7,
                                       normalization=ns_normalization)
+    transfer_dtype = ns_dt
+    if aurora_iterations is not None:
+        newton_schulz = functools.partial(leverage_balanced, newton_schulz=newton_schulz,
+                                          iterations=aurora_iterations, beta=aurora_beta)
+        # D comes from the float32 momentum (as the record): rounding it to bf16 first
+        # moves a sharded update by ~2% (Newton-Schulz amplifies the double rounding).
+        transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
 
     def init_fn(params: optax.Params) -> MuonState:
         for path, p in jax.tree_util.tree_leaves_with_path(params):
@@ -356,7 +392,7 @@ def scale_by_muon(
                          leaf_states=treedef.flatten_up_to(pre_state.leaves),
                          owned=pre_state.owned, flags=flags_of(paths, treedef))
         ortho, leaf_states, owned_states = orthogonalize_leaves(
-            inputs, leaf_axes, placements, newton_schulz=newton_schulz, ns_dtype=ns_dt,
+            inputs, leaf_axes, placements, newton_schulz=newton_schulz, ns_dtype=transfer_dtype,
             mesh=spread_mesh, split=shard_newton_schulz, **owned)
         if per_matrix:
             pre_state = OwnedPreconditionState(treedef.unflatten(leaf_states), owned_states)

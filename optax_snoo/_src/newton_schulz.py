@@ -1,9 +1,9 @@
 """Newton-Schulz orthogonalisation: the coefficient presets and the iteration.
 
 `orthogonalize` (public) and `_newton_schulz` (its jitted body, what `scale_by_muon` runs),
-the coefficient presets (``"keller"``, ``"modded"``, ``"polar_express"``), the Gram-norm
-normalisation of modded-nanogpt Track 3 and the checks of ``matrix_axes`` shared by Muon's
-transforms.
+Aurora's leverage-balanced polar around it (`leverage_balanced`), the coefficient presets
+(``"keller"``, ``"modded"``, ``"polar_express"``), the Gram-norm normalisation of
+modded-nanogpt Track 3 and the checks of ``matrix_axes`` shared by Muon's transforms.
 
 References:
   Jordan et al., `Muon: An optimizer for hidden layers in neural networks
@@ -11,12 +11,15 @@ References:
 
   Amsel et al., `The Polar Express: Optimal Matrix Sign Methods and Their Application to
   the Muon Algorithm <https://arxiv.org/abs/2505.16932>`_, 2025
+
+  Tilde Research, `Aurora <https://github.com/tilde-research/aurora-release>`_, 2026;
+  modded-nanogpt Track 3 result #17 (``results/20260505_aurora``), 2026
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -265,3 +268,30 @@ def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
     X = up(X)
     return jnp.swapaxes(X, -1, -2) if transposed else X
 
+
+
+def leverage_balanced(x: jax.Array, newton_schulz: Callable[[jax.Array], jax.Array],
+                      iterations: int, beta: float, eps: float = 1e-7) -> jax.Array:
+    """Aurora's leverage-uniform polar of the last two axes: ``polar(D·X)``.
+
+    With ``m`` the longer matrix axis and ``n`` the shorter (tall: ``D`` scales rows; wide:
+    columns), ``D = 1/max(‖X_i‖, eps)`` per line of the longer axis (norm over the shorter
+    one), then ``iterations`` rounds of ``U = newton_schulz(D·X)``, between rounds
+    ``D ← D ((n/m) / max(‖U_i‖², eps²))^beta``: ``U``'s lines of the longer axis get the
+    uniform squared norm ``n/m``. A square matrix has no such freedom: plain
+    ``newton_schulz(X)``. ``D`` in float32 (float64 for float64 input), as the record.
+    """
+    rows, cols = x.shape[-2], x.shape[-1]
+    if rows == cols:
+        return newton_schulz(x)
+    short = -1 if rows > cols else -2  # the axis each line's norm runs over
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    x = x.astype(dtype)
+    target = min(rows, cols) / max(rows, cols)
+    d = 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x), axis=short, keepdims=True)), eps)
+    for k in range(iterations):
+        u = newton_schulz(d * x)
+        if k < iterations - 1:
+            line_sq = jnp.sum(jnp.square(u.astype(dtype)), axis=short, keepdims=True)
+            d = d * (target / jnp.maximum(line_sq, eps * eps)) ** beta
+    return u

@@ -11,6 +11,7 @@ step by step.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -787,3 +788,74 @@ def test_matrix_new_options(tmp_path):
     m.check_multisteps(tx, MIXED, float64=tx64)
     m.check_sharded_state(tx, MIXED, float64=tx64)
     m.check_orbax_roundtrip(tx, MIXED, tmp_path)
+
+
+# ---------------------------------------------------------------- Aurora's polar (#17)
+
+def _aurora_update(v, **kw):
+    """One `scale_by_muon` update of gradient ``v`` (momentum 0: the update is polar(v)
+    or Aurora's), without the shape scale, in float64."""
+    def update(v):
+        tx = scale_by_muon(0.0, nesterov=False, coefficients="track3", ns_dtype="float64",
+                           shape_scale=None, **kw)
+        return tx.update(v, tx.init(v))[0]
+    return np.asarray(run_in_float64(update, v))
+
+
+def _uneven(shape, seed=0):
+    """A matrix whose lines along the longer axis have norms over two decades."""
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal(shape)
+    long_axis = 0 if shape[0] > shape[1] else 1
+    scales = np.logspace(-1, 1, shape[long_axis])
+    return g * (scales[:, None] if long_axis == 0 else scales[None, :])
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48)])
+def test_aurora_makes_the_longer_axis_lines_uniform(shape):
+    """D's damped fixed-point update converges: polar(D v)'s lines along the longer axis
+    approach the squared norm n/m with each round (plain polar: off by up to 2x here)."""
+    g = _uneven(shape)
+    short_axis = 1 if shape[0] > shape[1] else 0
+    target = min(shape) / max(shape)
+
+    def spread(u):
+        return np.max(np.abs(np.sum(u * u, axis=short_axis) / target - 1))
+
+    spreads = [spread(_aurora_update(g, aurora_iterations=k)) for k in (1, 2, 3, 4, 10)]
+    assert spread(_aurora_update(g)) > 1.5 > 0.75 > spreads[0], spreads
+    assert all(a > 1.5 * b for a, b in itertools.pairwise(spreads[:-1])), spreads
+    assert spreads[-1] < 0.005, spreads
+
+
+def test_aurora_of_a_square_matrix_is_the_plain_polar_and_one_round_is_muon_eq():
+    sq = _uneven((24, 24))
+    np.testing.assert_array_equal(_aurora_update(sq, aurora_iterations=2), _aurora_update(sq))
+    g = _uneven((48, 16))
+    eq = g / np.linalg.norm(g, axis=1, keepdims=True)  # each row normalised, then the polar
+    np.testing.assert_allclose(_aurora_update(g, aurora_iterations=1), _aurora_update(eq),
+                               rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(aurora_iterations=0), "aurora_iterations must be None or an integer >= 1, got 0"),
+    (dict(aurora_iterations=1.5), "aurora_iterations must be None or an integer >= 1"),
+    (dict(aurora_iterations=2, aurora_beta=0.0), r"aurora_beta must be in \(0, 1\], got 0.0")])
+def test_aurora_refuses_bad_settings(kw, message):
+    with pytest.raises(ValueError, match=message):
+        scale_by_muon(**kw)
+
+
+def test_aurora_under_inject_hyperparams():
+    """aurora_beta may be injected (a traced number); aurora_iterations, a count of
+    rounds, is named as static, and the injected run equals the plain one."""
+    p = {"w": jnp.asarray(_uneven((24, 8)), jnp.float32)}
+    with pytest.raises(ValueError, match=r"static_args=\('aurora_iterations',\)"):
+        optax.inject_hyperparams(scale_by_muon, static_args=("ns_dtype",))(
+            aurora_iterations=2).init(p)
+    inj = optax.inject_hyperparams(scale_by_muon, static_args=("aurora_iterations", "ns_dtype"))(
+        0.9, aurora_iterations=2, aurora_beta=0.5)
+    plain = scale_by_muon(0.9, aurora_iterations=2, aurora_beta=0.5)
+    a = jax.jit(inj.update)(p, inj.init(p))[0]["w"]
+    b = jax.jit(plain.update)(p, plain.init(p))[0]["w"]
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,9 +1,10 @@
-"""`recipes.track3_normuon_floor` (#9) and `recipes.track3_contra_muon` (#11) against a
-float64 numpy transcription of their logs' optimizer (`zeropower_via_newtonschulz5`,
+"""`recipes.track3_normuon_floor` (#9), `recipes.track3_contra_muon` (#11) and
+`recipes.track3_aurora` (#17) against a float64 numpy transcription of their logs'
+optimizer (`zeropower_via_newtonschulz5`, #17's `aurora_orthogonalize`,
 `scale_to_unit_operator_norm`, `muon_update`, `Muon.step`'s u/w floor, the aux AdamW,
 `set_hparams`), on PyTorch's (out, in) layout, over a run that crosses the cooldown.
-Constants from `references.track3_constants.R9`/`R11`; controls (one constant moved) must
-fail the comparison."""
+Constants from `references.track3_constants.R9`/`R11`/`R17`; controls (one constant
+moved) must fail the comparison."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from optax_snoo import recipes
 from references.error import run_in_float64
 from references.track3 import flatten, nest
-from references.track3_constants import NS_COEFFICIENTS, NS_EPS, R9, R11
+from references.track3_constants import NS_COEFFICIENTS, NS_EPS, R9, R11, R17
 
 T = 20
 
@@ -29,6 +30,23 @@ def zeropower(G):
         A = X @ X.T
         X = a * X + (b * A + c * A @ A) @ X
     return X.T if G.shape[-2] > G.shape[-1] else X
+
+
+def aurora(G, iterations, beta, eps=R17.aurora_eps):
+    """`aurora_orthogonalize` (#17 log:186-212): polar(D G) of the tall orientation."""
+    m, n = G.shape
+    if m == n:
+        return zeropower(G)
+    transposed = m < n
+    if transposed:
+        G, m, n = G.T, n, m
+    D = 1.0 / np.maximum(np.linalg.norm(G, axis=-1, keepdims=True), eps)
+    for k in range(iterations):
+        U = zeropower(D * G)
+        if k < iterations - 1:
+            row_sq = np.maximum((U * U).sum(axis=-1, keepdims=True), eps * eps)
+            D = D * (n / m / row_sq) ** beta
+    return U.T if transposed else U
 
 
 def unit_operator_norm(G, iterations=R11.power_iterations, eps=R11.power_eps):
@@ -49,7 +67,8 @@ class Record:
     R: type = R9
     contra: float | None = None
     muon_lr: float = R9.muon_lr
-    beta2: float = R9.beta2
+    beta2: float | None = R9.beta2
+    aurora: tuple[int, float] | None = None  # (pp_iterations, pp_beta) of #17
     target_uw: float = R9.target_uw
     iterations: int = R11.power_iterations
     cooldown_frac: float = R9.cooldown_frac
@@ -76,19 +95,21 @@ class Record:
                     a += (1 - mu) * (g - a)
                     update = g + mu * (a - g)
                     normalized = unit_operator_norm(update, self.iterations)
-                    update = zeropower(update)
+                    update = (zeropower(update) if self.aurora is None
+                              else aurora(update, *self.aurora))
                     if self.contra is not None:
                         fro = np.linalg.norm(update)
                         update = update - self.contra / 2 * normalized
                         update = update * fro / max(np.linalg.norm(update), 1e-10)
                     update = update * max(1, g.shape[-2] / g.shape[-1]) ** 0.5
-                    axis = -1 if update.shape[-2] >= update.shape[-1] else -2
-                    var = (update * update).mean(axis=axis, keepdims=True)
-                    b *= self.beta2
-                    b += (1 - self.beta2) * var
-                    vnorm = np.linalg.norm(update)
-                    update = update / np.sqrt(np.maximum(b, 1e-10))
-                    update = update * (vnorm / max(np.linalg.norm(update), 1e-10))
+                    if self.beta2 is not None:
+                        axis = -1 if update.shape[-2] >= update.shape[-1] else -2
+                        var = (update * update).mean(axis=axis, keepdims=True)
+                        b *= self.beta2
+                        b += (1 - self.beta2) * var
+                        vnorm = np.linalg.norm(update)
+                        update = update / np.sqrt(np.maximum(b, 1e-10))
+                        update = update * (vnorm / max(np.linalg.norm(update), 1e-10))
                     p_fro = max(np.linalg.norm(w[n]), 1e-8)
                     u_fro = max(np.linalg.norm(update), 1e-8)
                     if u_fro / p_fro < self.target_uw:
@@ -151,8 +172,12 @@ def worst(a_steps, b_steps):
                for a, b in zip(a_steps, b_steps, strict=True) for n in b)
 
 
+R17_REF = dict(R=R17, contra=R17.contra_muon, muon_lr=R17.muon_lr, beta2=R17.beta2,
+               target_uw=R17.target_uw, iterations=R17.power_iterations,
+               cooldown_frac=R17.cooldown_frac, aurora=(R17.pp_iterations, R17.pp_beta))
 CASES = [(recipes.track3_normuon_floor, dict()),
-         (recipes.track3_contra_muon, dict(R=R11, contra=R11.contra_muon))]
+         (recipes.track3_contra_muon, dict(R=R11, contra=R11.contra_muon)),
+         (recipes.track3_aurora, R17_REF)]
 
 
 @pytest.mark.parametrize("scale", [0.1, 3.0])  # the u/w floor inactive / active
@@ -170,6 +195,27 @@ def test_a_moved_constant_fails_the_comparison(control):
     ref = dict(R=R11, contra=R11.contra_muon) | control
     assert worst(ours(recipes.track3_contra_muon, weights, grads),
                  reference(weights, grads, **ref)) > 1e-6
+
+
+@pytest.mark.parametrize("control", [
+    dict(aurora=None), dict(aurora=(1, R17.pp_beta)), dict(aurora=(3, R17.pp_beta)),
+    dict(aurora=(2, 0.45)), dict(beta2=0.95), dict(contra=0.41), dict(target_uw=0.36)])
+def test_a_moved_constant_fails_the_aurora_comparison(control):
+    weights, grads = problem(scale=3.0)
+    assert worst(ours(recipes.track3_aurora, weights, grads),
+                 reference(weights, grads, **(R17_REF | control))) > 1e-6
+
+
+def test_aurora_defaults_are_the_records():
+    t = recipes.track3_aurora.defaults
+    assert (t.aurora_iterations, t.aurora_beta, t.muon_beta2, t.contra_muon, t.uw_floor,
+            t.muon_learning_rate, t.muon_momentum, t.cooldown_frac) == (
+        R17.pp_iterations, R17.pp_beta, R17.beta2, R17.contra_muon, R17.target_uw,
+        R17.muon_lr, R17.muon_mu, R17.cooldown_frac)
+    assert (t.embed_learning_rate, t.head_learning_rate, t.vector_learning_rate,
+            (t.adam_b1, t.adam_b2), t.adam_eps) == (
+        R17.embed_lr, R17.head_lr, R17.vector_lr, R17.adam_betas, R17.adam_eps)
+    assert recipes.track3_aurora.record_steps == R17.steps
 
 
 def test_the_defaults_are_the_records():

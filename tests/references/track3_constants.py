@@ -288,6 +288,30 @@ class R11(R9):
     cooldown_frac = 0.7             # log:370 set_hparams(step, cooldown_frac=0.7)
 
 
+class R17(R11):
+    """#17, Aurora + Contra-Muon + u/w floor (3175 of 3200 steps):
+    results/20260505_aurora/298f02bc-dbb4-4661-9ad8-f6429d532873.txt (no NorMuon-lite)."""
+
+    log = "results/20260505_aurora/298f02bc-dbb4-4661-9ad8-f6429d532873.txt"
+    steps = 3200                    # log:338 train_steps
+    contra_muon = 0.4               # log:164 CONTRA_MUON
+    target_uw = 0.35                # log:165 TARGET_UW
+    muon_lr = 0.0375                # log:363 Muon(..., lr=0.0375, weight_decay=0,
+    pp_iterations = 2               # log:364 pp_iterations=2,
+    pp_beta = 0.5                   # log:364 pp_beta=0.5)
+    aurora_eps = 1e-7               # log:187 aurora_orthogonalize(..., eps=1e-7)
+    beta2 = None                    # log:228-238 muon_update: no NorMuon-lite step
+    muon_mu = 0.95                  # log:250 Muon(..., mu=0.95) (not passed: the default)
+    power_iterations = 5            # log:219 scale_to_unit_operator_norm
+    power_eps = 1e-10               # log:214
+    embed_lr = 0.3                  # log:358
+    head_lr = 1 / 320               # log:359
+    vector_lr = 0.01                # log:360
+    adam_betas = (0.8, 0.95)        # log:361
+    adam_eps = 1e-10                # log:361
+    cooldown_frac = 0.7             # log:373 set_hparams(step, cooldown_frac=0.7)
+
+
 class R22:
     """#22, SpectralDescent = Muon with mu 0 (8225 of 8500 steps):
     results/20260517_ortho/d5098d67-7c1b-47b4-8833-80960d633d33.txt."""
