@@ -46,6 +46,7 @@ from optax_snoo._src.radius import RadiusStepsState, radius_steps
 from optax_snoo._src.recipes.gpt2_medium import modded_nanogpt
 from optax_snoo._src.rounding import RoundingState, dithered_rounding, stochastic_rounding
 from optax_snoo._src.schedules import (
+    logistic_schedule,
     muon_momentum_schedule,
     muon_momentum_warmup,
     nanogpt_cosine_schedule,
@@ -125,6 +126,7 @@ __all__ = [
     "input_covariance_refresh_due",
     "kfac",
     "labels",
+    "logistic_schedule",
     "memory",
     "modded_nanogpt",
     "muon",

@@ -60,6 +60,7 @@ from optax_snoo._src.recipes.track3_contra import (
 )
 from optax_snoo._src.recipes.track3_hyperball import adamh, muloco_normuonh, muonh
 from optax_snoo._src.recipes.track3_muon_variants import (
+    track3_dynmuon,
     track3_muon_squared,
     track3_spectral_descent,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "track3_aurora",
     "track3_baseline",
     "track3_contra_muon",
+    "track3_dynmuon",
     "track3_muon_squared",
     "track3_newton_muon",
     "track3_normuon_floor",

@@ -72,6 +72,7 @@ from optax_snoo._src.newton_schulz import (
 from optax_snoo._src.utils import (
     check_float_dtype,
     check_non_negative,
+    check_positive,
     check_unit_interval,
     concrete_real,
     path_to_str,
@@ -80,6 +81,7 @@ from optax_snoo._src.utils import (
 )
 
 SMOOTHING_FORMS = ("ema", "nesterov")
+SPECTRAL_MAPS = (None, "contra", "power")
 SHAPE_SCALES = ("modded", "consistent_rms")
 
 
@@ -146,7 +148,8 @@ def scale_by_muon(
     precondition: MatrixPrecondition | None = None,
     ns_normalization: str = "frobenius",
     spectral_map: str | None = None,
-    spectral_strength: float = 0.4,
+    spectral_strength: float | optax.Schedule = 0.4,
+    spectral_input_scale: float = 1.0,
     aurora_iterations: int | None = None,
     aurora_beta: float = 0.5,
 ) -> optax.GradientTransformation:
@@ -161,6 +164,7 @@ def scale_by_muon(
         O = orthogonalize(v)                              # each matrix on its own
                                        # (Aurora's polar(D v) if aurora_iterations, below)
         O = contra(O, v)                                  # if spectral_map="contra" (below)
+        O = power(O, v)                                   # if spectral_map="power" (below)
         O = normuon(O)                                    # if beta2 (NorMuon, below)
         S = σ S + (1-σ) O;  O = S (ema) or σ S + (1-σ) O (nesterov)   # if smoothing
         update = s(fan_in, fan_out) * O                   # shape scale
@@ -243,12 +247,27 @@ def scale_by_muon(
         none.
       ns_normalization: how the iteration's input is scaled, ``"frobenius"`` or
         ``"gram_frobenius"`` (modded-nanogpt Track 3's SOAP-Muon); see `orthogonalize`.
-      spectral_map: ``None`` or ``"contra"``: Contra-Muon (nilin,
+      spectral_map: ``None``, ``"contra"`` or ``"power"``. ``"contra"``: Contra-Muon (nilin,
         https://github.com/nilin/contra-muon, 2026; Track 3 result #11):
         ``O' = O - (c/2) v/‖v‖_op``, then ``O' ‖O‖_F/max(‖O'‖_F, 1e-10)``, before NorMuon;
         ``‖v‖_op`` by 5 power iterations from the all-ones vector on the fan_in axis, in
         float32, norms clamped at 1e-10, as the record computes it.
-      spectral_strength: ``c`` of the spectral map (the record's ``CONTRA_MUON=0.4``).
+
+        ``"power"``: DynMuon (modded-nanogpt Track 3 result #28, 2026), an update whose
+        singular values are close to ``σᵢ^p`` of ``X = spectral_input_scale · v`` instead
+        of 1 (near them while ``Xn``'s are near 1, the series' expansion point):
+        ``s = ‖X‖_F + 1e-7``, ``Xn = X/s``, ``O = orthogonalize(Xn)``, with ``E = Xn Xnᵀ - I``
+        on the shorter side (``fan_out`` for a square matrix, PyTorch's rows),
+        ``δ = p/2`` and ``C = I + δE + ½δ(δ-1)E²`` (the second-order series of
+        ``(Xn Xnᵀ)^δ``): ``O' = C O s^p``, in float32. Not scale-free (``s^p``): the
+        record's ``X`` is the summed (not EMA) Nesterov momentum of the mean-loss
+        gradient, ``spectral_input_scale = (1/524288)/(1-β)`` of this ``v`` for its
+        summed loss over 524288 tokens.
+      spectral_strength: ``c`` of ``"contra"`` (the record's ``CONTRA_MUON=0.4``), or ``p``
+        of ``"power"``; a number or a schedule of the update count (`logistic_schedule`
+        is DynMuon's).
+      spectral_input_scale: ``"power"``'s factor on ``v`` (above); refused with another
+        map.
       aurora_iterations: ``None`` (plain polar) or ``k >= 1``: Aurora's leverage-uniform
         polar (Tilde Research, https://github.com/tilde-research/aurora-release, 2026;
         Track 3 result #17) in place of ``orthogonalize(v)``: ``U = orthogonalize(D v)``
@@ -296,9 +315,18 @@ def scale_by_muon(
       <https://arxiv.org/abs/2510.05491>`_, 2025
     """
     triples = _resolve_coefficients(coefficients)
-    if spectral_map not in (None, "contra"):
-        raise ValueError(f"spectral_map must be None or 'contra', got {spectral_map!r}.")
-    check_non_negative("spectral_strength", spectral_strength)
+    if spectral_map not in SPECTRAL_MAPS:
+        raise ValueError(f"spectral_map must be one of {SPECTRAL_MAPS}, got {spectral_map!r}.")
+    if spectral_map == "contra":
+        check_non_negative("spectral_strength", spectral_strength)
+    check_positive("spectral_input_scale", spectral_input_scale)
+    input_scale_now = concrete_real(spectral_input_scale)  # None while inject traces it
+    if spectral_map != "power" and input_scale_now not in (None, 1.0):
+        raise ValueError(f"spectral_input_scale={spectral_input_scale!r} is read only by "
+                         f"spectral_map='power', got spectral_map={spectral_map!r}.")
+    if spectral_map == "power" and (precondition is not None or aurora_iterations is not None):
+        raise ValueError("spectral_map='power' orthogonalises its own normalised input: it "
+                         "does not combine with precondition or aurora_iterations.")
     if isinstance(aurora_iterations, jax.Array):  # what inject_hyperparams makes of an int
         raise ValueError(f"aurora_iterations (a number of Newton-Schulz rounds) must be a "
                          f"Python int, got an array {aurora_iterations!r}: under "
@@ -384,6 +412,11 @@ def scale_by_muon(
                              bias_correction=bias_correction)
                    for g, m in zip(grads, mus, strict=True)]
         inputs = [v for v, _ in moments]
+        ns_inputs = inputs
+        if spectral_map == "power":
+            normalized = [_power_input(v, spectral_input_scale, a)
+                          for v, a in zip(inputs, leaf_axes, strict=True)]
+            ns_inputs = [xn for xn, _ in normalized]
         pre_state = state.precondition
         placements = place_leaves(plan, paths, list(zip(grads, mus, strict=True)))
         owned = {}
@@ -392,13 +425,17 @@ def scale_by_muon(
                          leaf_states=treedef.flatten_up_to(pre_state.leaves),
                          owned=pre_state.owned, flags=flags_of(paths, treedef))
         ortho, leaf_states, owned_states = orthogonalize_leaves(
-            inputs, leaf_axes, placements, newton_schulz=newton_schulz, ns_dtype=transfer_dtype,
+            ns_inputs, leaf_axes, placements, newton_schulz=newton_schulz, ns_dtype=transfer_dtype,
             mesh=spread_mesh, split=shard_newton_schulz, **owned)
         if per_matrix:
             pre_state = OwnedPreconditionState(treedef.unflatten(leaf_states), owned_states)
         if spectral_map == "contra":
-            ortho = [_contra(o, v, spectral_strength, a)
-                     for o, v, a in zip(ortho, inputs, leaf_axes, strict=True)]
+            c = value_at(spectral_strength, count)
+            ortho = [_contra(o, v, c, a) for o, v, a in zip(ortho, inputs, leaf_axes, strict=True)]
+        elif spectral_map == "power":
+            p = value_at(spectral_strength, count)
+            ortho = [_power(o, xn, s, p, a)
+                     for o, (xn, s), a in zip(ortho, normalized, leaf_axes, strict=True)]
         nu = state.nu
         if beta2 is not None:
             beta2_t = value_at(beta2, count)
@@ -460,6 +497,36 @@ def _contra(o: jax.Array, v: jax.Array, strength: float, axes: tuple[int, int]) 
     norm = jnp.sqrt(jnp.sum(jnp.square(o), axis=axes, keepdims=True))
     return c * (norm / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(c), axis=axes, keepdims=True)),
                                    1e-10))
+
+
+def _gram_sides(shape: tuple[int, ...], axes: tuple[int, int]) -> tuple[int, int]:
+    """(short, long) matrix axes of DynMuon's Gram: PyTorch's rows (``fan_out``) unless
+    they are the longer side (its ``fast_spectral`` transposes only tall matrices)."""
+    fan_in, fan_out = axes
+    return (fan_in, fan_out) if shape[fan_out] > shape[fan_in] else (fan_out, fan_in)
+
+
+def _power_input(v: jax.Array, scale: float, axes: tuple[int, int]
+                 ) -> tuple[jax.Array, jax.Array]:
+    """DynMuon's ``(Xn, s)`` of one leaf: ``X = scale·v``, ``s = ‖X‖_F + 1e-7``, ``Xn = X/s``."""
+    x = v.astype(jnp.promote_types(v.dtype, jnp.float32)) * scale
+    s = jnp.sqrt(jnp.sum(jnp.square(x), axis=axes, keepdims=True)) + 1e-7
+    return x / s, s
+
+
+def _power(o: jax.Array, xn: jax.Array, s: jax.Array, p: Any, axes: tuple[int, int]
+           ) -> jax.Array:
+    """DynMuon's map of one leaf: ``C O s^p`` with ``C = I + δE + ½δ(δ-1)E²``,
+    ``E = Xn Xnᵀ - I`` on the shorter side, ``δ = p/2`` (float32, or float64)."""
+    short, long = _gram_sides(xn.shape, axes)
+    x = jnp.moveaxis(xn, (short, long), (-2, -1))
+    y = jnp.moveaxis(o.astype(xn.dtype), (short, long), (-2, -1))
+    dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+    e = dot("...ik,...jk->...ij", x, x) - jnp.eye(x.shape[-2], dtype=x.dtype)
+    delta = p / 2
+    c = delta * e + (0.5 * delta * (delta - 1)) * dot("...ik,...kj->...ij", e, e)
+    u = y + dot("...ik,...kj->...ij", c, y)  # (I + δE + ½δ(δ-1)E²) O
+    return jnp.moveaxis(u, (-2, -1), (short, long)) * s ** p
 
 
 def _reduced_axis(shape: tuple[int, ...], axes: tuple[int, int]) -> int:

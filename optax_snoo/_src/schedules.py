@@ -22,9 +22,9 @@ import optax
 
 from optax_snoo._src.utils import check_int_at_least, check_positive, check_unit_interval
 
-__all__ = ["muon_momentum_schedule", "muon_momentum_warmup", "nanogpt_cosine_schedule",
-           "power_cool", "power_cool_scaled", "stable_cooldown_schedule", "trust_gate_cap",
-           "trust_gate_floor"]
+__all__ = ["logistic_schedule", "muon_momentum_schedule", "muon_momentum_warmup",
+           "nanogpt_cosine_schedule", "power_cool", "power_cool_scaled",
+           "stable_cooldown_schedule", "trust_gate_cap", "trust_gate_floor"]
 
 
 def power_cool(
@@ -257,6 +257,43 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
         cooling = (1 - x) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale
         lr = peak_value * jnp.where(x < 1 - cooldown_frac, 1.0, cooling)
         return lr if warmup_steps == 0 else lr * jnp.minimum(1.0, (t + 1) / warmup_steps)
+
+    return schedule
+
+
+def logistic_schedule(init_value: float, end_value: float, total_steps: int, *,
+                      midpoint_frac: float = 0.04, width_frac: float = 0.04) -> optax.Schedule:
+    """A logistic step from ``init_value`` to ``end_value``, centred at a fraction of the run.
+
+    ``v(t) = end + (init - end) / (1 + exp((t/T - midpoint_frac) / width_frac))``, ``t`` the
+    update count and ``T`` ``total_steps``: DynMuon's spectral power ``p_t`` (modded-nanogpt
+    Track 3 result #28's ``get_dynmuon_p``: 0.25 to -0.25 with midpoint and width 0.04, so
+    ``v(0) = end + 0.731 (init - end)``, about 0.116 there).
+
+    Args:
+      init_value: the value long before the midpoint.
+      end_value: the value long after it.
+      total_steps: ``T`` (>= 1).
+      midpoint_frac: where the value is half-way, as a fraction of ``T``.
+      width_frac: the logistic's width as a fraction of ``T`` (> 0).
+
+    Returns:
+      A schedule ``step -> value``.
+
+    Example:
+      >>> from optax_snoo import logistic_schedule
+      >>> p = logistic_schedule(0.25, -0.25, 3200)
+      >>> round(float(p(0)), 4), round(float(p(128)), 4), round(float(p(3200)), 4)
+      (0.1155, 0.0, -0.25)
+    """
+    check_int_at_least("total_steps", total_steps, 1)
+    if not width_frac > 0:
+        raise ValueError(f"width_frac must be > 0, got {width_frac!r}")
+
+    def schedule(count):
+        t = jnp.asarray(count, jnp.result_type(float))  # float64 under x64
+        return end_value + (init_value - end_value) / (
+            1 + jnp.exp((t / total_steps - midpoint_frac) / width_frac))
 
     return schedule
 

@@ -859,3 +859,38 @@ def test_aurora_under_inject_hyperparams():
     a = jax.jit(inj.update)(p, inj.init(p))[0]["w"]
     b = jax.jit(plain.update)(p, plain.init(p))[0]["w"]
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------- DynMuon's power map (#28)
+
+@pytest.mark.parametrize("p", [0.25, -0.25])
+def test_power_map_scales_as_the_input_to_the_power_p(p):
+    """Not scale-free, by design: v -> λv gives λ^p times the update (‖v‖_F ~ 3e6 here, so
+    the 1e-7 added to the norms moves nothing at float64's rounding)."""
+    g = 1e5 * _uneven((24, 8))
+    base = _aurora_update(g, spectral_map="power", spectral_strength=p)
+    for lam in (4.0, 0.25):
+        np.testing.assert_allclose(
+            _aurora_update(lam * g, spectral_map="power", spectral_strength=p),
+            lam**p * base, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        _aurora_update(g, spectral_map="power", spectral_strength=p, spectral_input_scale=4.0),
+        4.0**p * base, rtol=1e-9, atol=1e-12)
+
+
+def test_power_map_at_p_0_is_the_polar_of_the_normalised_input():
+    g = _uneven((24, 8))
+    n = g / (np.linalg.norm(g) + 1e-7)
+    np.testing.assert_allclose(_aurora_update(g, spectral_map="power", spectral_strength=0.0),
+                               _aurora_update(n), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(spectral_map="contra", spectral_input_scale=2.0),
+     "spectral_input_scale=2.0 is read only by spectral_map='power'"),
+    (dict(spectral_input_scale=0.0), "spectral_input_scale must be > 0"),
+    (dict(spectral_map="power", aurora_iterations=2), "does not combine with precondition"),
+    (dict(spectral_map="dyn"), "spectral_map must be one of")])
+def test_power_map_refuses_bad_settings(kw, message):
+    with pytest.raises(ValueError, match=message):
+        scale_by_muon(**kw)

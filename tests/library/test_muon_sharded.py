@@ -647,3 +647,17 @@ def test_aurora_sharded_bfloat16_within_bfloat16_rounding():
     for t in range(2):
         for k in SHAPES:
             assert relative_error(dist[t][k], single[t][k]) <= 2.0 ** -8, (t, k)
+
+
+def test_power_map_sharded_equals_single_device():
+    """DynMuon's map runs on the leaves after the owners' iteration (its Gram and products
+    partitioned as the leaves lie): the single-device updates within their own float32
+    error."""
+    mesh = mesh_of((2, 4, 1))
+    params = tree(SHAPES)
+    sharded = place(params, mesh, SPECS)
+    kw = dict(spectral_map="power", spectral_strength=0.25)
+    make = lambda p: scale_by_muon(0.9, ns_dtype=F32, **kw, **planned(p))
+    single, _ = run(make(params), params, 2)
+    dist, _ = run(make(sharded), sharded, 2)
+    assert_as_accurate(dist, single, float64_run(params, 2, **kw)[0])

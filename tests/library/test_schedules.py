@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from optax_snoo import (
+    logistic_schedule,
     muon_momentum_schedule,
     muon_momentum_warmup,
     nanogpt_cosine_schedule,
@@ -238,3 +239,23 @@ def test_nanogpt_cosine_without_a_cosine_is_warmup_then_floor():
     got = values(nanogpt_cosine_schedule(1e-3, warmup_steps=10, decay_steps=10), steps)
     want = np.array([1e-3 * (t + 1) / 11 if t < 10 else 1e-4 for t in steps])
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_logistic_schedule_is_dynmuons_power_at_every_step():
+    """Track 3 #28's `get_dynmuon_p(step, total_steps, 0.25, -0.25, 0.04, 0.04)`, written
+    out (train_gpt_simple_dynmuon.py:468-472)."""
+    p = jax.jit(logistic_schedule(0.25, -0.25, 3200))
+    for step in (0, 1, 64, 127, 128, 129, 500, 3199):
+        u = (step / 3200 - 0.04) / 0.04
+        expected = -0.25 + 0.5 * (1.0 / (1.0 + math.exp(u)))
+        assert abs(float(p(step)) - expected) <= 4e-8, step  # float32 of a value < 0.25
+    other = logistic_schedule(1.0, 0.0, 100, midpoint_frac=0.5, width_frac=0.1)
+    assert float(other(50)) == 0.5 and float(other(100)) < 0.01 < 0.99 < float(other(0))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(total_steps=0), "total_steps must be an int >= 1"),
+    (dict(width_frac=0.0), "width_frac must be > 0, got 0.0")])
+def test_logistic_schedule_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        logistic_schedule(0.25, -0.25, **({"total_steps": 10} | kwargs))

@@ -330,6 +330,30 @@ class R22:
     cooldown_frac = 0.7             # log:300 set_hparams(step, cooldown_frac=0.7)
 
 
+class R28:
+    """#28, DynMuon (3175 of 3200 steps): results/20260519_dynmuon/train_gpt_simple_dynmuon.py
+    (its log, 50172610-...txt, runs the same script)."""
+
+    script = "results/20260519_dynmuon/train_gpt_simple_dynmuon.py"
+    steps = 3200                    # script:427 train_steps
+    gradient_scale = 1 / (8 * 64 * 1024)  # script:280 grad = grad / (8 * 64 * 1024)
+    muon_mu = 0.95                  # script:322 DynMuon(..., mu=0.95) (the default)
+    muon_lr = 0.02                  # script:455
+    muon_wd = 0.025                 # script:456
+    spectral_eps = 1e-7             # script:229 fast_spectral(..., epsilon=1e-7)
+    order = 2                       # script:287 fast_spectral(update, p=p, order=2)
+    p_max = 0.25                    # script:468 get_dynmuon_p(..., p_max=0.25,
+    p_min = -0.25                   # script:468 p_min=-0.25,
+    tau_ratio = 0.04                # script:468 tau_ratio=0.04,
+    width_ratio = 0.04              # script:468 width_ratio=0.04)
+    embed_lr = 0.3                  # script:448
+    head_lr = 1 / 320               # script:449
+    vector_lr = 0.01                # script:450
+    adam_betas = (0.8, 0.95)        # script:451
+    adam_eps = 1e-10                # script:451
+    cooldown_frac = 0.7             # script:475 set_hparams(step, cooldown_frac=0.7)
+
+
 class R33:
     """#33, PSGD (3400 steps): results/20260527_psgd/train_psgd.py (the folder's logs run
     it)."""

@@ -1,4 +1,5 @@
-"""modded-nanogpt Track 3's Muon variants on #5's aux AdamW: Muon² (#7), SpectralDescent (#22).
+"""modded-nanogpt Track 3's Muon variants on #5's aux AdamW: Muon² (#7), SpectralDescent (#22),
+DynMuon (#28).
 
 Muon² (#7, 3325 steps): Muon (EMA-Nesterov momentum 0.95, Newton-Schulz ``(2, -1.5, 0.5)``
 x 12 in bfloat16 after ``X/(‖X‖_F + 1e-7)``, shape scale ``sqrt(max(1, out/in))``) on the
@@ -14,12 +15,23 @@ lr 0.03; the same aux AdamW and schedule. The record's
 table writes it also as Shampoo with betas (0, 0), frequency 1, power -1/4:
 ``(G Gᵀ)^{-1/4} G (Gᵀ G)^{-1/4} = U Vᵀ``.
 
+DynMuon (#28: a 3200-step schedule, 3.28 crossed at 3175): the gradient divided by the
+batch's 8·64·1024 tokens (the mean loss's), summed Nesterov momentum 0.95
+(``m ← 0.95 m + g``, ``v = 0.95 m + g``), then the power map of `optax_snoo.scale_by_muon`'s
+``spectral_map="power"``: Newton-Schulz on ``v/(‖v‖_F + 1e-7)``, times the second-order
+series of its Gram to the power ``p/2`` and ``(‖v‖_F + 1e-7)^p``, the singular values near
+``σᵢ^p``; ``p`` logistic from 0.25 to -0.25 around 4% of the run (`logistic_schedule`),
+``p ← p (1 - lr·0.025) - lr·U``, lr 0.02; the same aux AdamW and schedule. Our EMA momentum
+is ``(1-β)`` times the summed one, so the recipe's ``spectral_input_scale`` is
+``gradient_scale/(1-β)``.
+
 References:
   Liu et al., `Muon²: Boosting Muon via Adaptive Second-Moment Preconditioning
   <https://arxiv.org/abs/2604.09967>`_, 2026; modded-nanogpt Track 3 result #7
   (`results/20260501_muonsq
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_),
-  2026; modded-nanogpt Track 3 result #22 (`results/20260517_ortho`), 2026
+  2026; modded-nanogpt Track 3 result #22 (`results/20260517_ortho`), 2026; modded-nanogpt
+  Track 3 result #28 (`results/20260519_dynmuon`), 2026
 """
 
 from __future__ import annotations
@@ -27,15 +39,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from optax_snoo._src.muon_adam import group_labels, muon
+import optax
+
+from optax_snoo._src.muon import scale_by_muon
+from optax_snoo._src.muon_adam import group_labels, muon, with_adam_groups
 from optax_snoo._src.muon_squared import muon_squared_precondition
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
 from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, patterns
 from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, aux_adamw_groups
-from optax_snoo._src.schedules import stable_cooldown_schedule
+from optax_snoo._src.schedules import logistic_schedule, stable_cooldown_schedule
+from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
-__all__ = ["MuonSquaredHyperparameters", "SpectralDescentHyperparameters"]
+__all__ = ["DynMuonHyperparameters", "MuonSquaredHyperparameters",
+           "SpectralDescentHyperparameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,3 +126,56 @@ track3_spectral_descent = register(Recipe(
     options=TRACK3_OPTIONS, record_steps=8500,
     summary="Track 3 result #22 (8500-step schedule, 3.28 crossed at 8225): SpectralDescent, "
     "Muon with momentum 0 (lr 0.03, wd 0.015), the aux AdamW"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DynMuonHyperparameters(AuxAdamWHyperparameters):
+    """Result #28's constants."""
+
+    muon_learning_rate: float = hyperparameter(0.02, "DynMuon's peak lr", check="positive")
+    muon_weight_decay: float = hyperparameter(0.025, "decoupled weight decay (times its lr)",
+                                              check="non_negative")
+    muon_momentum: float = hyperparameter(0.95, "the summed Nesterov momentum's decay",
+                                          check="unit_interval")
+    power_start: float = hyperparameter(0.25, "the spectral power p before the switch (p_max)")
+    power_end: float = hyperparameter(-0.25, "the spectral power p after it (p_min)")
+    power_midpoint_frac: float = hyperparameter(
+        0.04, "where p is half-way, as a fraction of the run (tau_ratio)", check="fraction")
+    power_width_frac: float = hyperparameter(
+        0.04, "the logistic's width as a fraction of the run (width_ratio)", check="positive")
+    gradient_scale: float = hyperparameter(
+        1 / (8 * 64 * 1024), "factor on the gradient before the momentum (the record's "
+        "1/(8*64*1024): its summed loss's gradient as the mean token's)", check="positive")
+    cooldown_frac: float = hyperparameter(0.7, "every lr's linear cooldown fraction",
+                                          check="positive_fraction")
+    ns_dtype: str = hyperparameter("bfloat16", "dtype of the Newton-Schulz iteration",
+                                   choices=("bfloat16", "float32", "float64"))
+
+
+def _dynmuon(t: DynMuonHyperparameters, total_steps: int, *, labels: Any = None,
+             adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
+             shard_newton_schulz: bool = True) -> Stack:
+    lr = stable_cooldown_schedule(t.muon_learning_rate, total_steps, t.cooldown_frac)
+    power = logistic_schedule(t.power_start, t.power_end, total_steps,
+                              midpoint_frac=t.power_midpoint_frac,
+                              width_frac=t.power_width_frac)
+    # the EMA momentum is (1-β) times the record's summed one: the map sees the summed one
+    input_scale = t.gradient_scale / (1 - t.muon_momentum)
+    muon_tx = optax.chain(
+        scale_by_muon(t.muon_momentum, coefficients="track3", ns_dtype=t.ns_dtype,
+                      spectral_map="power", spectral_strength=power,
+                      spectral_input_scale=input_scale, newton_schulz_plan=newton_schulz_plan,
+                      shard_newton_schulz=shard_newton_schulz),
+        add_decoupled_weight_decay(t.muon_weight_decay),
+        optax.scale_by_learning_rate(lr))
+    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
+                              t.cooldown_frac)
+    return Stack(with_adam_groups(muon_tx, groups, labels=labels), lr,
+                 groups=group_labels(groups, labels))
+
+
+track3_dynmuon = register(Recipe(
+    "track3_dynmuon", DynMuonHyperparameters, _dynmuon, options=TRACK3_OPTIONS,
+    record_steps=3200,
+    summary="Track 3 result #28 (3200-step schedule, 3.28 at 3175): DynMuon, singular values "
+    "near sigma^p with p logistic from 0.25 to -0.25 (lr 0.02, wd 0.025), the aux AdamW"))
