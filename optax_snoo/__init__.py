@@ -79,6 +79,7 @@ from optax_snoo._src.snoo import (
     snoo_is_sync_step,
 )
 from optax_snoo._src.soap_muon import SoapMatrixState, soap_muon, soap_whitening
+from optax_snoo._src.trajectory import PullToInitState, pull_to_init
 from optax_snoo._src.weight_decay import (
     DecoupledWeightDecayState,
     add_decoupled_weight_decay,
@@ -104,6 +105,7 @@ __all__ = [
     "NewtonSchulzPlan",
     "OwnedPreconditionState",
     "PSGDKronState",
+    "PullToInitState",
     "QKHeads",
     "RadiusStepsState",
     "RolePolicy",
@@ -144,6 +146,7 @@ __all__ = [
     "psgd_kron",
     "psgd_probes",
     "psgd_spectral_norm",
+    "pull_to_init",
     "qk_clip_heads",
     "qk_clip_scales",
     "radius_steps",

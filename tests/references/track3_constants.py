@@ -375,3 +375,17 @@ class R33:
     adam_eps = 1e-10                # log:340
     adam_cooldown_frac = 0.5        # log:352 int(train_steps * (1 - 0.5))
     adam_final_scale = 0.1          # log:356 1.0 - t * 0.9
+
+
+class R32:
+    """#32, SODA fade (3000 of 3040 steps): the script of
+    results/20260518_soda_fade_3000_n9/code_logs/0fdbe617-...txt (the nine logs hold the
+    same script), on #20's stack (its Muon group: the hidden matrices)."""
+
+    log = "results/20260518_soda_fade_3000_n9/code_logs/0fdbe617-37dd-470d-b033-b6ec24fc13fc.txt"
+    steps = 3040                    # log:81 FINAL_TRAIN_STEPS (claim: 3000, README)
+    strength = 1.0                  # log:64 SODA_LAMBDA_SCALE
+    fade_start = 2000               # log:65 SODA_FADE_START_STEP
+    fade_end = 2750                 # log:66 SODA_FADE_END_STEP
+    fade_shape = "cosine"           # log:67, 77: 0.5 * (1 + cos(pi * x))
+    offset = 2                      # log:649 lam = min(max(soda_scale / (step_count + 2), 0), 1)
