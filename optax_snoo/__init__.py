@@ -79,7 +79,12 @@ from optax_snoo._src.snoo import (
     snoo_is_sync_step,
 )
 from optax_snoo._src.soap_muon import SoapMatrixState, soap_muon, soap_whitening
-from optax_snoo._src.trajectory import PullToInitState, pull_to_init
+from optax_snoo._src.trajectory import (
+    PullToInitState,
+    RreExtrapolationState,
+    pull_to_init,
+    rre_extrapolation,
+)
 from optax_snoo._src.weight_decay import (
     DecoupledWeightDecayState,
     add_decoupled_weight_decay,
@@ -110,6 +115,7 @@ __all__ = [
     "RadiusStepsState",
     "RolePolicy",
     "RoundingState",
+    "RreExtrapolationState",
     "ScaleBySecondMomentState",
     "ScaleBySkewAdamState",
     "SnooState",
@@ -152,6 +158,7 @@ __all__ = [
     "radius_steps",
     "recipes",
     "rounding",
+    "rre_extrapolation",
     "scale_by_adam",
     "scale_by_muon",
     "scale_by_normuon",

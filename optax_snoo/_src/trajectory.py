@@ -1,6 +1,7 @@
-"""Moves of the training weights after each step: the SODA pull toward the initial weights.
+"""Moves of the training weights after each step: the SODA pull toward the initial weights
+and capped RRE extrapolation.
 
-These are pass-through transformations placed last in a chain (or in the chain of one
+Both are pass-through transformations placed last in a chain (or in the chain of one
 `optax.partition` group, or under `optax.masked`): they see the params ``p`` and the update
 ``u`` the rest of the chain computed from ``p``, and return ``u`` plus a move of the
 post-step weights. Unlike the readouts of `optax_snoo.averaging` (`tail_ema`), which only
@@ -8,12 +9,20 @@ change the weights a trainer evaluates, these move the weights training continue
 as the records' code does; `optax_snoo.eval_params` returns the params unchanged for them.
 
 `pull_to_init` (modded-nanogpt Track 3 result #32) mixes the weights toward their initial
-values with weight ``λ_t = s(t)/(t+2)``.
+values with weight ``λ_t = s(t)/(t+2)``. `rre_extrapolation` (result #34) keeps the last
+few post-step weights late in training and, every few steps, moves the weights by a damped
+reduced-rank-extrapolation step computed from them, capped relative to the weights' norm.
 
 References:
   wakamex, `modded-nanogpt Track 3 result #32: SODA fade (results/20260518_soda_fade_3000_n9)
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026.
+  tomoqt, `modded-nanogpt Track 3 result #34: capped RRE extrapolation
+  (results/20260520_rre_extrapolation_pr300_2925)
+  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  2026.
+  Sidi, Ford and Smith, `Acceleration of convergence of vector sequences
+  <https://doi.org/10.1137/0723013>`_, SIAM J. Numer. Anal. 23(1), 1986 (RRE).
 """
 
 from __future__ import annotations
@@ -26,9 +35,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.utils import check_non_negative, state_dtype, value_at
+from optax_snoo._src.utils import (
+    check_non_negative,
+    concrete_real,
+    is_integer,
+    state_dtype,
+    value_at,
+)
 
-__all__ = ["PullToInitState", "pull_to_init"]
+__all__ = ["PullToInitState", "RreExtrapolationState", "pull_to_init", "rre_extrapolation"]
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
@@ -148,5 +163,216 @@ def pull_to_init(strength: ScalarOrSchedule = 1.0) -> optax.GradientTransformati
 
         new = jax.tree.map(leaf, state.anchor, params, updates, is_leaf=_skipped)
         return new, PullToInitState(count=optax.safe_increment(t), anchor=state.anchor)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class RreExtrapolationState(NamedTuple):
+    """State of `rre_extrapolation`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      filled: how many of ``iterates`` are kept weights (int32, 0 to ``history``): the last
+        ``filled``, oldest first.
+      iterates: ``history`` trees like the params (float32, float64 for float64 params;
+        ``optax.MaskedNode`` on leaves under ``optax.masked``'s mask): the last post-step
+        weights, the newest last.
+    """
+
+    count: jax.Array
+    filled: jax.Array
+    iterates: tuple
+
+
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    if not is_integer(value) or value < minimum:
+        raise ValueError(f"rre_extrapolation: {name} must be an integer >= {minimum}, "
+                         f"got {value!r}")
+
+
+def rre_extrapolation(
+    start: int,
+    stop: int | None = None,
+    every: int = 5,
+    history: int = 4,
+    damping: float = 0.875,
+    max_relative: float = 1e-3,
+    regularization: float = 1e-6,
+) -> optax.GradientTransformation:
+    r"""Every few steps late in training, jump to a damped, capped RRE extrapolation of the
+    last weights (modded-nanogpt Track 3 result #34).
+
+    A pass-through placed last in a chain: with ``t`` the number of updates including this
+    one and ``w = p + u`` the post-step weights, while ``start <= t <= stop`` it keeps
+    ``w`` among the last ``history`` weights; when ``t`` is a multiple of ``every`` and
+    ``history`` weights ``x_0, ..., x_k`` (``k = history - 1``, the newest last) are kept,
+    it moves the weights to
+
+    .. math::
+
+        U_i = x_{i+1} - x_i,\quad G = U U^\top + \rho I,\quad
+        \rho = r\,\max(\operatorname{tr} G, 0)/k + 10^{-10},\quad
+        c = G^{-1}\mathbf 1 / \mathbf 1^\top G^{-1}\mathbf 1,\\
+        \gamma_i = \textstyle\sum_{j \ge i} c_j,\qquad
+        \delta = -d\,\textstyle\sum_i \gamma_i U_i,\qquad
+        \delta \leftarrow \delta\,\min\bigl(1,\ m\,\max(\lVert x_k\rVert, 10^{-12})
+        / \lVert\delta\rVert\bigr),
+
+    ``x_k + δ``, and keeps only that point (the next extrapolation needs ``history - 1``
+    more steps). All the leaves the transform sees are one vector (#34 extrapolates its
+    whole Muon group, the hidden matrices, at once): ``G``, the norms and the cap are over
+    all of them. A non-finite extrapolation (or ``|Σ G^{-1}1| < 1e-12``) leaves the
+    weights where they are, as the record does. Elsewhere the update passes unchanged.
+    This moves the training weights (not a readout: `eval_params` returns the params);
+    the inner optimizer's momentum is kept (#34: ``extrap_reset_momentum = False``).
+
+    The move is the record's ``rre_extrapolate`` as written. Since ``Σ_i γ_i U_i =
+    Σ_j c_j (x_{j+1} - x_0)``, its point ``x_k - Σ_i γ_i U_i`` is ``x_0 + x_k - s'`` with
+    ``s' = Σ_j c_j x_{j+1}``, Sidi's reduced-rank extrapolation of the limit (up to the
+    residual ``Σ_j c_j U_j`` that ``c`` minimises), so ``δ = d (x_0 - s')`` points from
+    that limit back toward the oldest kept weights: on weights converging geometrically
+    to ``s`` the undamped point is ``x_0 + x_k - s``, behind ``x_0``; on weights drifting
+    at a constant velocity ``v`` it is ``x_k - 2v`` (textbook RRE's point too). Kept as
+    the record has it, the result's own code. With #34's cap ``m = 10^{-3}`` each move is
+    at most 0.1% of the weights' norm; the cap binds at #34's first moves (its log's
+    ``extrap_rel`` is 1.000e-03 up to step 2870, then falls to 6.7e-04 at 2925).
+
+    #34 (on #30's stack, hidden matrices only): ``rre_extrapolation(start=2820,
+    stop=2925, every=5, history=4, damping=0.875, max_relative=1e-3)``: 21 moves, at
+    updates 2825, 2830, ..., 2925, the claim step.
+
+    Differences from the record: the record solves ``G c = 1`` with ``torch.linalg.solve``
+    and falls back to the unmoved weights if it raises; here a singular ``G`` (only
+    possible with ``regularization = 0``) gives non-finite coefficients and the same
+    fallback. The sums are over the leaves in the tree's order, not one concatenated
+    vector: equal up to float32 rounding.
+
+    Args:
+      start: the first update count (>= 1) whose weights are kept.
+      stop: the last update count that keeps weights and may extrapolate (``None``: no
+        end).
+      every: extrapolate at update counts that are multiples of ``every`` (>= 1).
+      history: how many weights an extrapolation uses (>= 3).
+      damping: ``d`` > 0, the fraction of the extrapolation taken (#34: 0.875).
+      max_relative: ``m`` >= 0, the cap on ``‖δ‖/‖x_k‖`` (0: no cap).
+      regularization: ``r`` >= 0, the ridge on ``G`` relative to its mean diagonal.
+
+    Returns:
+      An ``optax.GradientTransformation`` with state `RreExtrapolationState`
+      (``history`` float32 copies of the params); ``update`` needs ``params``. To
+      extrapolate only some leaves, wrap it in ``optax.masked`` or put it in one group of
+      ``optax.partition``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"w": jnp.zeros(2)}
+      >>> tx = optax.chain(optax.sgd(1.0), optax_snoo.rre_extrapolation(
+      ...     start=1, every=4, history=4, damping=1.0, max_relative=0.0))
+      >>> state = tx.init(params)
+      >>> for _ in range(4):  # w: -1, -1.5, -1.75, -1.875, halving steps toward -2
+      ...     g = {"w": jnp.ones(2) * 0.5 ** (state[1].count.astype(jnp.float32))}
+      ...     updates, state = tx.update(g, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> # the record's move: x_0 + x_3 - (limit) = -1 - 1.875 + 2
+      >>> [round(x, 3) for x in params["w"].tolist()]
+      [-0.875, -0.875]
+
+    References:
+      tomoqt, `modded-nanogpt Track 3 result #34, capped RRE extrapolation
+      (results/20260520_rre_extrapolation_pr300_2925: rre_extrapolate,
+      Muon._maybe_extrapolate)
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026.
+      Sidi, Ford and Smith, `Acceleration of convergence of vector sequences
+      <https://doi.org/10.1137/0723013>`_, SIAM J. Numer. Anal. 23(1), 1986.
+    """
+    _check_count("start", start, 1)
+    if stop is not None:
+        _check_count("stop", stop, start)
+    _check_count("every", every, 1)
+    _check_count("history", history, 3)
+    # a value known now is checked; an array of inject_hyperparams' state passes
+    for name, value, positive in (("damping", damping, True),
+                                  ("max_relative", max_relative, False),
+                                  ("regularization", regularization, False)):
+        known = concrete_real(value)
+        if callable(value) or (known is not None and (known <= 0 if positive else known < 0)):
+            raise ValueError(f"rre_extrapolation: {name} must be a number "
+                             f"{'> 0' if positive else '>= 0'}, got {value!r}")
+    k = history - 1
+
+    def init_fn(params):
+        zeros = jax.tree.map(
+            lambda p: p if _skipped(p) else jnp.zeros_like(p, dtype=state_dtype(None, p)),
+            params, is_leaf=_skipped)
+        return RreExtrapolationState(count=jnp.zeros([], jnp.int32),
+                                     filled=jnp.zeros([], jnp.int32),
+                                     iterates=(zeros,) * history)
+
+    def leaves(tree):
+        return jax.tree.leaves(tree, is_leaf=_skipped)
+
+    def move(iterates):
+        """δ per leaf from the kept weights (all ``history`` of them)."""
+        dtype = _scalar_dtype(iterates[-1])
+        xs = [[x.astype(dtype) for x in leaves(it) if not _skipped(x)] for it in iterates]
+        diffs = [[b - a for a, b in zip(xs[i], xs[i + 1], strict=True)] for i in range(k)]
+        dot = lambda a, b: sum((jnp.vdot(x, y) for x, y in zip(a, b, strict=True)),
+                               jnp.zeros([], dtype))
+        gram = jnp.stack([jnp.stack([dot(diffs[i], diffs[j]) for j in range(k)])
+                          for i in range(k)])
+        rho = regularization * jnp.maximum(jnp.trace(gram), 0.0) / k + 1e-10
+        coeffs = jnp.linalg.solve(gram + rho * jnp.eye(k, dtype=dtype), jnp.ones(k, dtype))
+        total = jnp.sum(coeffs)
+        ok = jnp.isfinite(total) & (jnp.abs(total) >= 1e-12)
+        gamma = jnp.cumsum((coeffs / total)[::-1])[::-1]
+        delta = [-damping * sum(gamma[i] * diffs[i][j] for i in range(k))
+                 for j in range(len(xs[-1]))]
+        ok &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(d)) for d in delta]))
+        norm = lambda v: jnp.sqrt(dot(v, v))
+        rel = norm(delta) / jnp.maximum(norm(xs[-1]), 1e-12)
+        cap = jnp.asarray(max_relative, dtype)
+        scale = jnp.where((cap > 0) & (rel > cap), cap / jnp.maximum(rel, 1e-12), 1.0)
+        scale = jnp.where(ok, scale, 0.0).astype(dtype)
+        it = iter(delta)
+        return jax.tree.map(lambda x: x if _skipped(x) else scale * next(it),
+                            iterates[-1], is_leaf=_skipped)
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("rre_extrapolation: update needs params (it keeps the "
+                             "post-step weights params + updates)")
+        t = optax.safe_increment(state.count)
+        active = t >= start if stop is None else (t >= start) & (t <= stop)
+        # The weights after this step, as optax.apply_updates leaves them.
+        post = jax.tree.map(
+            lambda p, u, x: x if _skipped(x) else
+            jnp.asarray(p + u).astype(p.dtype).astype(x.dtype),
+            params, updates, state.iterates[0], is_leaf=_skipped)
+
+        def keep(iterates, filled):
+            return (*iterates[1:], post), jnp.minimum(filled + 1, history)
+
+        iterates, filled = jax.lax.cond(active, keep, lambda i, f: (i, f),
+                                        state.iterates, state.filled)
+        due = active & (t % every == 0) & (filled == history)
+
+        def jump(iterates, filled):
+            delta = move(iterates)
+            moved = jax.tree.map(lambda x, d: x if _skipped(x) else x + d.astype(x.dtype),
+                                 iterates[-1], delta, is_leaf=_skipped)
+            return delta, (*iterates[:-1], moved), jnp.ones_like(filled)
+
+        def stay(iterates, filled):
+            zero = jax.tree.map(lambda x: x if _skipped(x) else jnp.zeros_like(x),
+                                iterates[-1], is_leaf=_skipped)
+            return zero, iterates, filled
+
+        delta, iterates, filled = jax.lax.cond(due, jump, stay, iterates, filled)
+        new = jax.tree.map(
+            lambda u, d: u if _skipped(d) else
+            (u.astype(_compute_dtype(u, d)) + d).astype(u.dtype),
+            updates, delta, is_leaf=_skipped)
+        return new, RreExtrapolationState(count=t, filled=filled, iterates=iterates)
 
     return optax.GradientTransformation(init_fn, update_fn)

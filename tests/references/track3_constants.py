@@ -389,3 +389,29 @@ class R32:
     fade_end = 2750                 # log:66 SODA_FADE_END_STEP
     fade_shape = "cosine"           # log:67, 77: 0.5 * (1 + cos(pi * x))
     offset = 2                      # log:649 lam = min(max(soda_scale / (step_count + 2), 0), 1)
+
+
+class R34:
+    """#34, capped RRE extrapolation (2925 of 3020 steps):
+    results/20260520_rre_extrapolation_pr300_2925/train_gpt_simple_rre_pr300_2925.py (the
+    folder's eight logs run a longer script whose extra options the environment leaves off:
+    each prints ``vector_extrapolation=rre every=5 start_step=2820 checkpoints=4
+    regularization=1e-06 damping=0.875 reset_momentum=False stop_step=2925
+    after_stop_every=0 param_filter=all``, and its ``rre_extrapolate`` is the same), on #30's
+    stack (its Muon group: the hidden matrices)."""
+
+    script = ("results/20260520_rre_extrapolation_pr300_2925/"
+              "train_gpt_simple_rre_pr300_2925.py")
+    steps = 3020                    # script:66 FINAL_TRAIN_STEPS (claim: 2925, README)
+    every = 5                       # script:118 EXTRAPOLATION_EVERY
+    start = 2820                    # script:119 EXTRAPOLATION_START_STEP
+    history = 4                     # script:120 EXTRAPOLATION_NUM_CHECKPOINTS
+    regularization = 1e-6           # script:121 EXTRAPOLATION_REGULARIZATION
+    damping = 0.875                 # script:122 EXTRAPOLATION_DAMPING
+    max_rel = 0.001                 # script:123 EXTRAPOLATION_MAX_REL
+    reset_momentum = False          # script:127 EXTRAPOLATION_RESET_MOMENTUM
+    stop = 2925                     # script:128 EXTRAPOLATION_STOP_STEP
+    after_stop_every = 0            # script:129 EXTRAPOLATION_AFTER_STOP_EVERY
+    ridge_floor = 1e-10             # script:670 reg = regularization * trace(G) / k + 1e-10
+    coefficient_floor = 1e-12       # script:677 coeff_sum.abs() < 1e-12
+    norm_floor = 1e-12              # script:1164 current_f32.norm().clamp_min(1e-12)
