@@ -39,6 +39,9 @@ TRANSFORMS = {
     "soap per matrix": lambda: muon(precondition=optax_snoo.soap_whitening()),
     "ema_nesterov": lambda: optax_snoo.ema_nesterov(optax.sgd(0.1), prefill=0, stop=10),
     "tail_ema": lambda: optax.chain(optax.sgd(0.1), optax_snoo.tail_ema(start=1)),
+    "pull_to_init": lambda: optax.chain(optax.sgd(0.1), optax_snoo.pull_to_init(1.0)),
+    "rre_extrapolation": lambda: optax.chain(optax.sgd(0.1), optax_snoo.rre_extrapolation(
+        start=1, every=2, history=3)),
     "radius_steps (hyperball)": lambda: optax.chain(muon(), optax_snoo.radius_steps(
         optax_snoo.power_cool(0.02, t_end=10, c=1e-4), brake=None, floor=None, pin="initial",
         cautious_weight_decay=0.0)),
