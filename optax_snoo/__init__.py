@@ -34,6 +34,7 @@ from optax_snoo._src.newton_schulz import (
     orthogonalize,
 )
 from optax_snoo._src.normuon import normuon, scale_by_normuon
+from optax_snoo._src.pmuon import PMuonState, pmuon_precondition
 from optax_snoo._src.psgd import (
     PSGDKronState,
     psgd_kron,
@@ -109,6 +110,7 @@ __all__ = [
     "MuonState",
     "NewtonSchulzPlan",
     "OwnedPreconditionState",
+    "PMuonState",
     "PSGDKronState",
     "PullToInitState",
     "QKHeads",
@@ -146,6 +148,7 @@ __all__ = [
     "normuon",
     "orthogonalize",
     "over_replicas",
+    "pmuon_precondition",
     "power_cool",
     "power_cool_scaled",
     "precondition_by_input_covariance",

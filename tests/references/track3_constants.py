@@ -312,6 +312,29 @@ class R17(R11):
     cooldown_frac = 0.7             # log:373 set_hparams(step, cooldown_frac=0.7)
 
 
+class R18:
+    """#18, PMuon (3225 of 3250 steps):
+    results/20260507_pmuon/54fc0541-7a62-4772-a8f8-d3a46ad10dba.txt (the log the Track 3
+    table links; the folder's other eight logs hold the same script)."""
+
+    log = "results/20260507_pmuon/54fc0541-7a62-4772-a8f8-d3a46ad10dba.txt"
+    steps = 3250                    # log:312 train_steps
+    muon_lr = 0.035                 # log:336-337 Muon(..., lr=0.035, weight_decay=0.025)
+    muon_wd = 0.025                 # log:337
+    muon_mu = 0.95                  # log:218 Muon(..., mu=0.95, (the default)
+    gamma = 0.3                     # log:219 gamma=0.3, beta=0.95) (the defaults)
+    beta = 0.95                     # log:219
+    damping = 1e-6                  # log:204 eps = 1e-6 (C_reg.diagonal().add_(eps), 208, 213)
+    eps = 1e-6                      # log:183 _streaming_cov_power(..., eps=1e-6) (192, 195)
+    embed_lr = 0.3                  # log:332
+    head_lr = 1 / 320               # log:333
+    vector_lr = 0.01                # log:334
+    adam_betas = (0.8, 0.95)        # log:335
+    adam_eps = 1e-10                # log:335
+    adam_wd = 0.0                   # log:335
+    cooldown_frac = 0.7             # log:346 set_hparams(step, cooldown_frac=0.7)
+
+
 class R22:
     """#22, SpectralDescent = Muon with mu 0 (8225 of 8500 steps):
     results/20260517_ortho/d5098d67-7c1b-47b4-8833-80960d633d33.txt."""

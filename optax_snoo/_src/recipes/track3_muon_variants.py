@@ -1,5 +1,5 @@
-"""modded-nanogpt Track 3's Muon variants on #5's aux AdamW: Muon² (#7), SpectralDescent (#22),
-DynMuon (#28).
+"""modded-nanogpt Track 3's Muon variants on #5's aux AdamW: Muon² (#7), PMuon (#18),
+SpectralDescent (#22), DynMuon (#28).
 
 Muon² (#7, 3325 steps): Muon (EMA-Nesterov momentum 0.95, Newton-Schulz ``(2, -1.5, 0.5)``
 x 12 in bfloat16 after ``X/(‖X‖_F + 1e-7)``, shape scale ``sqrt(max(1, out/in))``) on the
@@ -7,6 +7,13 @@ momentum divided by the raw gradient's RMS (`optax_snoo.muon_squared_preconditio
 eps 1e-10), ``p ← p (1 - lr·0.0125) - lr·O``, lr 0.10; the aux AdamW (embedding 0.3, head
 1/320, 1-D 0.01, betas (0.8, 0.95), eps 1e-10, no decay); every lr flat for 30%, then linear
 to 0.
+
+PMuon (#18: a 3250-step schedule, 3.28 crossed at 3225): Muon as in #7 on
+``P_L U P_R`` instead of the Nesterov momentum ``U`` (`optax_snoo.pmuon_precondition`: ``P``
+the streaming powers ``^-0.3`` of the decayed sums (β 0.95) of ``U Uᵀ`` and ``Uᵀ U``, one
+orthogonal iteration a step, damping and eps 1e-6), ``p ← p (1 - lr·0.025) - lr·O``,
+lr 0.035; the same aux AdamW and schedule. Its epsilons are in the units of the record's
+gradient, the summed loss over 524288 tokens (the trainer's Track 3 default).
 
 SpectralDescent (#22: an 8500-step schedule, its loss below 3.28 at step 8225): Muon with
 momentum 0 (so the Newton-Schulz iteration runs on the raw gradient, ``O ≈ U Vᵀ`` of
@@ -30,6 +37,7 @@ References:
   <https://arxiv.org/abs/2604.09967>`_, 2026; modded-nanogpt Track 3 result #7
   (`results/20260501_muonsq
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_),
+  2026; modded-nanogpt Track 3 result #18 (`results/20260507_pmuon`, PR #285 by zzp1012),
   2026; modded-nanogpt Track 3 result #22 (`results/20260517_ortho`), 2026; modded-nanogpt
   Track 3 result #28 (`results/20260519_dynmuon`), 2026
 """
@@ -44,6 +52,7 @@ import optax
 from optax_snoo._src.muon import scale_by_muon
 from optax_snoo._src.muon_adam import group_labels, muon, with_adam_groups
 from optax_snoo._src.muon_squared import muon_squared_precondition
+from optax_snoo._src.pmuon import pmuon_precondition
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
 from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, patterns
@@ -51,7 +60,7 @@ from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, au
 from optax_snoo._src.schedules import logistic_schedule, stable_cooldown_schedule
 from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
-__all__ = ["DynMuonHyperparameters", "MuonSquaredHyperparameters",
+__all__ = ["DynMuonHyperparameters", "MuonSquaredHyperparameters", "PMuonHyperparameters",
            "SpectralDescentHyperparameters"]
 
 
@@ -93,6 +102,51 @@ track3_muon_squared = register(Recipe(
     record_steps=3325,
     summary="Track 3 result #7 (3325 steps): Muon² (the momentum over the raw gradient's RMS "
     "before Newton-Schulz; lr 0.10, wd 0.0125), the aux AdamW"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PMuonHyperparameters(AuxAdamWHyperparameters):
+    """Result #18's constants."""
+
+    muon_learning_rate: float = hyperparameter(0.035, "PMuon's peak lr", check="positive")
+    muon_weight_decay: float = hyperparameter(0.025, "decoupled weight decay (times its lr)",
+                                              check="non_negative")
+    muon_momentum: float = hyperparameter(0.95, "Muon's momentum (EMA-Nesterov form)",
+                                          check="unit_interval")
+    covariance_beta: float = hyperparameter(0.95, "decay of the sums of U Uᵀ and Uᵀ U",
+                                            check="unit_interval")
+    covariance_power: float = hyperparameter(0.3, "gamma: the covariances' power is -gamma",
+                                             check="non_negative")
+    covariance_damping: float = hyperparameter(1e-6, "added to the covariances' diagonal",
+                                               check="positive")
+    covariance_eps: float = hyperparameter(1e-6, "floor of the Rayleigh quotients, added to "
+                                           "the norm of their powers", check="positive")
+    cooldown_frac: float = hyperparameter(0.7, "every lr's linear cooldown fraction",
+                                          check="positive_fraction")
+    ns_dtype: str = hyperparameter("bfloat16", "dtype of the Newton-Schulz iteration",
+                                   choices=("bfloat16", "float32", "float64"))
+
+
+def _pmuon(t: PMuonHyperparameters, total_steps: int, *, labels: Any = None,
+           adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
+           shard_newton_schulz: bool = True) -> Stack:
+    lr = stable_cooldown_schedule(t.muon_learning_rate, total_steps, t.cooldown_frac)
+    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
+                              t.cooldown_frac)
+    precondition = pmuon_precondition(t.covariance_beta, t.covariance_power,
+                                      damping=t.covariance_damping, eps=t.covariance_eps)
+    tx = muon(lr, beta=t.muon_momentum, weight_decay=t.muon_weight_decay,
+              coefficients="track3", ns_dtype=t.ns_dtype, precondition=precondition,
+              adam_groups=groups, labels=labels, newton_schulz_plan=newton_schulz_plan,
+              shard_newton_schulz=shard_newton_schulz)
+    return Stack(tx, lr, groups=group_labels(groups, labels))
+
+
+track3_pmuon = register(Recipe(
+    "track3_pmuon", PMuonHyperparameters, _pmuon, options=TRACK3_OPTIONS, record_steps=3250,
+    summary="Track 3 result #18 (3250-step schedule, 3.28 at 3225): PMuon, the momentum "
+    "between streaming covariance powers L^-0.3 U R^-0.3 before Newton-Schulz (lr 0.035, "
+    "wd 0.025), the aux AdamW"))
 
 
 @dataclasses.dataclass(frozen=True)
