@@ -57,6 +57,13 @@ from optax_snoo._src.schedules import (
     trust_gate_cap,
     trust_gate_floor,
 )
+from optax_snoo._src.sinksoap import (
+    GramSinkhornState,
+    gram_sinkhorn,
+    scale_by_sinksoap,
+    sinkhorn_balance,
+    sinksoap,
+)
 from optax_snoo._src.skew_adam import (
     DEFAULT_POLICIES,
     DEFAULT_ROLE_RULES,
@@ -103,6 +110,7 @@ __all__ = [
     "AdamGroup",
     "DecoupledWeightDecayState",
     "EmaNesterovState",
+    "GramSinkhornState",
     "InputCovarianceState",
     "MatrixPrecondition",
     "MuonGroup",
@@ -132,6 +140,7 @@ __all__ = [
     "dithered_rounding",
     "ema_nesterov",
     "eval_params",
+    "gram_sinkhorn",
     "input_covariance_from_stats",
     "input_covariance_refresh_due",
     "kfac",
@@ -168,7 +177,10 @@ __all__ = [
     "scale_by_psgd_kron",
     "scale_by_qk_clip",
     "scale_by_second_moment",
+    "scale_by_sinksoap",
     "scale_by_skew_adam",
+    "sinkhorn_balance",
+    "sinksoap",
     "skew_adam",
     "skew_adam_roles",
     "skip_update",

@@ -63,6 +63,7 @@ from optax_snoo._src.recipes.track3_muon_variants import (
     track3_dynmuon,
     track3_muon_squared,
     track3_pmuon,
+    track3_sinksoap,
     track3_spectral_descent,
 )
 from optax_snoo._src.recipes.track3_newton_muon import (
@@ -127,6 +128,7 @@ __all__ = [
     "track3_pmuon",
     "track3_psgd",
     "track3_record",
+    "track3_sinksoap",
     "track3_soap_muon",
     "track3_soap_muon_record",
     "track3_spectral_descent",

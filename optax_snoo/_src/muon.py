@@ -152,6 +152,8 @@ def scale_by_muon(
     spectral_input_scale: float = 1.0,
     aurora_iterations: int | None = None,
     aurora_beta: float = 0.5,
+    orthogonalize: bool = True,
+    normuon_square: bool = True,
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
 
@@ -162,6 +164,7 @@ def scale_by_muon(
         v = β m + (1-β) g   if nesterov else   m          # EMA form of Nesterov
         v = precondition(v, g)                            # if precondition, per matrix (below)
         O = orthogonalize(v)                              # each matrix on its own
+                                       # (O = v with orthogonalize=False, below)
                                        # (Aurora's polar(D v) if aurora_iterations, below)
         O = contra(O, v)                                  # if spectral_map="contra" (below)
         O = power(O, v)                                   # if spectral_map="power" (below)
@@ -279,6 +282,15 @@ def scale_by_muon(
         float32 ``v``, so under the sharded plan the matrices travel to their owners and
         back in float32 (twice a bfloat16 iteration's transfer bytes).
       aurora_beta: the damping exponent in (0, 1] (the record's ``pp_beta=0.5``).
+      orthogonalize: ``False``: no Newton-Schulz and no normalisation, ``O = v``: the
+        direction is the precondition's output as it is (SinkSOAP's `gram_sinkhorn`
+        balances the momentum in its Gram eigenbasis and gives it the polar factor's
+        Frobenius norm instead; modded-nanogpt Track 3 result #26). The matrices then
+        travel to their owners in ``ns_dtype`` widened to float32 (``ns_dtype=float64``
+        keeps a float64 run's); ``coefficients`` and ``ns_normalization`` are unused. Refused
+        with ``spectral_map`` or ``aurora_iterations``, which read the polar factor.
+      normuon_square: ``False``: NorMuon (``beta2``) skips square matrices, their
+        update and ``ν`` left as they are (result #26 normalises only ``m != n``).
 
     Returns:
       An ``optax.GradientTransformation`` with state `MuonState`.
@@ -287,7 +299,7 @@ def scale_by_muon(
       ValueError: for bad coefficients, ``beta``, ``beta2`` or ``smoothing`` outside
         [0, 1), bad ``matrix_axes``, ``shape_scale``, ``smoothing_form``,
         ``ns_normalization``, ``precondition``, ``aurora_iterations`` or
-        ``aurora_beta``; at init/trace
+        ``aurora_beta``, ``orthogonalize=False`` with a spectral map or Aurora; at init/trace
         time for 0-D/1-D leaves (those belong to Adam) and axes that do not fit a leaf.
 
     Example:
@@ -327,6 +339,10 @@ def scale_by_muon(
     if spectral_map == "power" and (precondition is not None or aurora_iterations is not None):
         raise ValueError("spectral_map='power' orthogonalises its own normalised input: it "
                          "does not combine with precondition or aurora_iterations.")
+    if not orthogonalize and (spectral_map is not None or aurora_iterations is not None):
+        raise ValueError(f"orthogonalize=False (no Newton-Schulz) does not combine with "
+                         f"spectral_map={spectral_map!r} or aurora_iterations="
+                         f"{aurora_iterations!r}: both read the polar factor.")
     if isinstance(aurora_iterations, jax.Array):  # what inject_hyperparams makes of an int
         raise ValueError(f"aurora_iterations (a number of Newton-Schulz rounds) must be a "
                          f"Python int, got an array {aurora_iterations!r}: under "
@@ -369,6 +385,9 @@ def scale_by_muon(
                                           iterations=aurora_iterations, beta=aurora_beta)
         # D comes from the float32 momentum (as the record): rounding it to bf16 first
         # moves a sharded update by ~2% (Newton-Schulz amplifies the double rounding).
+        transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
+    if not orthogonalize:
+        newton_schulz = _as_given
         transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
 
     def init_fn(params: optax.Params) -> MuonState:
@@ -439,7 +458,8 @@ def scale_by_muon(
         nu = state.nu
         if beta2 is not None:
             beta2_t = value_at(beta2, count)
-            normed = [_normuon(o, v, beta2_t, a)
+            normed = [(o, v) if not normuon_square and o.shape[a[0]] == o.shape[a[1]]
+                      else _normuon(o, v, beta2_t, a)
                       for o, v, a in zip(ortho, treedef.flatten_up_to(nu), leaf_axes, strict=True)]
             ortho, nu = [o for o, _ in normed], treedef.unflatten([v for _, v in normed])
         smooth = state.smooth
@@ -455,6 +475,11 @@ def scale_by_muon(
             smooth=smooth, nu=nu, precondition=pre_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _as_given(x: jax.Array) -> jax.Array:
+    """``orthogonalize=False``'s stand-in for the iteration: the matrices unchanged."""
+    return x
 
 
 def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nesterov: bool,

@@ -894,3 +894,32 @@ def test_power_map_at_p_0_is_the_polar_of_the_normalised_input():
 def test_power_map_refuses_bad_settings(kw, message):
     with pytest.raises(ValueError, match=message):
         scale_by_muon(**kw)
+
+
+# ------------------------------------------ no orthogonalisation, NorMuon off on square (#26)
+
+def test_without_orthogonalize_the_direction_is_the_input_itself():
+    """``orthogonalize=False``: no Newton-Schulz and no normalisation, so (momentum 0, no
+    precondition) the update is the gradient times the shape scale."""
+    g = _uneven((8, 24))  # (fan_in, fan_out) = (8, 24): shape factor sqrt(3)
+    np.testing.assert_array_equal(_aurora_update(g, orthogonalize=False), g)
+
+    def scaled(v):
+        tx = scale_by_muon(0.0, nesterov=False, orthogonalize=False)
+        return tx.update(v, tx.init(v))[0]
+    np.testing.assert_allclose(np.asarray(run_in_float64(scaled, g)), 3**0.5 * g, rtol=1e-15)
+
+
+def test_normuon_square_false_skips_square_matrices_only():
+    """``normuon_square=False``: a square matrix's update and ``ν`` are those without
+    NorMuon; a non-square one is normalised as with ``normuon_square=True``."""
+    params = {"sq": jnp.asarray(_uneven((8, 8))), "wide": jnp.asarray(_uneven((8, 16), 1))}
+    run = lambda **kw: scale_by_muon(0.0, beta2=0.9, ns_dtype=jnp.float32, **kw).update(
+        params, scale_by_muon(0.0, beta2=0.9, **kw).init(params))
+    (skip, s_skip), (both, _) = run(normuon_square=False), run()
+    plain, _ = scale_by_muon(0.0, ns_dtype=jnp.float32).update(
+        params, scale_by_muon(0.0).init(params))
+    np.testing.assert_array_equal(np.asarray(skip["sq"]), np.asarray(plain["sq"]))
+    np.testing.assert_array_equal(np.asarray(s_skip.nu["sq"]), 0.0)
+    np.testing.assert_array_equal(np.asarray(skip["wide"]), np.asarray(both["wide"]))
+    assert not np.allclose(np.asarray(both["sq"]), np.asarray(plain["sq"]))

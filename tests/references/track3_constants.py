@@ -353,6 +353,30 @@ class R22:
     cooldown_frac = 0.7             # log:300 set_hparams(step, cooldown_frac=0.7)
 
 
+class R26:
+    """#26, SinkSOAP (3090 of 3125 steps, mean of 10 runs):
+    results/20260514_sinksoap/d0155dd0-f77d-48a9-8eb4-453f894b9476.txt."""
+
+    log = "results/20260514_sinksoap/d0155dd0-f77d-48a9-8eb4-453f894b9476.txt"
+    steps = 3125                    # log:629 train_steps (the schedule's length)
+    record_step = 3090              # log:691 the extra val at 3090; README row 26: 3090
+    muon_lr = 0.04                  # log:654 SinkSOAP(..., lr=0.04, weight_decay=0.025)
+    muon_wd = 0.025                 # log:654
+    muon_mu = 0.95                  # log:459 mu=0.95 (the default)
+    gram_beta = 0.95                # log:460 gram_beta=0.95
+    normuon_beta = 0.95             # log:461 normuon_beta=0.95
+    sinkhorn_steps = 10             # log:462 sinkhorn_steps=10
+    eps = 1e-8                      # log:464 eps=1e-8 (Grams' diagonal, Sinkhorn, norm floor)
+    normuon_eps = 1e-10             # log:465 normuon_eps=1e-10
+    normuon_square = False          # log:428 `if apply_normuon and (m != n)`
+    embed_lr = 0.3                  # log:649
+    head_lr = 1 / 320               # log:650
+    vector_lr = 0.01                # log:651
+    adam_betas = (0.8, 0.95)        # log:652
+    adam_eps = 1e-10                # log:652
+    cooldown_frac = 0.7             # log:663 set_hparams(step, cooldown_frac=0.7)
+
+
 class R28:
     """#28, DynMuon (3175 of 3200 steps): results/20260519_dynmuon/train_gpt_simple_dynmuon.py
     (its log, 50172610-...txt, runs the same script)."""

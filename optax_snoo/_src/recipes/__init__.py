@@ -4,7 +4,8 @@ Importing this package registers the recipes of its modules in `REGISTRY`:
 `stacks` (AdamW, Muon, NorMuon, SkewAdam, Adafactor, K-FAC, Newton-Muon and their Snoo
 twins), `gpt2_medium` (modded-nanogpt's GPT-2 Medium record), and Track 3's by record:
 `track3_baseline` (#36), `track3_soap` (#44, #46), `track3_hyperball` (#5, #8, #13),
-`track3_newton_muon` (#15), `track3_adam` (#2), `track3_muon_variants` (#7, #18, #22, #28),
+`track3_newton_muon` (#15), `track3_adam` (#2), `track3_muon_variants` (#7, #18, #22, #26,
+#28),
 `track3_contra` (#9, #11, #17), `track3_psgd` (#33).
 """
 

@@ -1,5 +1,5 @@
 """modded-nanogpt Track 3's Muon variants on #5's aux AdamW: Muon² (#7), PMuon (#18),
-SpectralDescent (#22), DynMuon (#28).
+SinkSOAP (#26), SpectralDescent (#22), DynMuon (#28).
 
 Muon² (#7, 3325 steps): Muon (EMA-Nesterov momentum 0.95, Newton-Schulz ``(2, -1.5, 0.5)``
 x 12 in bfloat16 after ``X/(‖X‖_F + 1e-7)``, shape scale ``sqrt(max(1, out/in))``) on the
@@ -14,6 +14,14 @@ the streaming powers ``^-0.3`` of the decayed sums (β 0.95) of ``U Uᵀ`` and `
 orthogonal iteration a step, damping and eps 1e-6), ``p ← p (1 - lr·0.025) - lr·O``,
 lr 0.035; the same aux AdamW and schedule. Its epsilons are in the units of the record's
 gradient, the summed loss over 524288 tokens (the trainer's Track 3 default).
+
+SinkSOAP (#26: a 3125-step schedule, 3.28 crossed at 3090): Muon's EMA-Nesterov momentum 0.95
+balanced in the eigenbasis of its gradient's Gram EMAs (β 0.95) by 10 Sinkhorn steps on its
+squared entries (eps 1e-8) in place of Newton-Schulz, at a semi-orthogonal matrix's Frobenius
+norm (`optax_snoo.gram_sinkhorn`), NorMuon (β₂ 0.95) on the non-square matrices only, the shape
+scale, ``p ← p (1 - lr·0.025) - lr·O``, lr 0.04; the same aux AdamW and schedule (no
+PowerCool). The eps is not scale-free: it is sized for the record's summed loss over 524288
+tokens (a mean loss's gradients need ``sinkhorn_eps = 1e-8/524288²`` for the same balancing).
 
 SpectralDescent (#22: an 8500-step schedule, its loss below 3.28 at step 8225): Muon with
 momentum 0 (so the Newton-Schulz iteration runs on the raw gradient, ``O ≈ U Vᵀ`` of
@@ -38,8 +46,10 @@ References:
   (`results/20260501_muonsq
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_),
   2026; modded-nanogpt Track 3 result #18 (`results/20260507_pmuon`, PR #285 by zzp1012),
-  2026; modded-nanogpt Track 3 result #22 (`results/20260517_ortho`), 2026; modded-nanogpt
-  Track 3 result #28 (`results/20260519_dynmuon`), 2026
+  2026; modded-nanogpt Track 3 result #26, SinkSOAP, by L. Liu and Z. Xu
+  (`results/20260514_sinksoap`, PR #298), 2026; modded-nanogpt Track 3 result #22
+  (`results/20260517_ortho`), 2026; modded-nanogpt Track 3 result #28
+  (`results/20260519_dynmuon`), 2026
 """
 
 from __future__ import annotations
@@ -58,10 +68,11 @@ from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
 from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, patterns
 from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, aux_adamw_groups
 from optax_snoo._src.schedules import logistic_schedule, stable_cooldown_schedule
+from optax_snoo._src.sinksoap import scale_by_sinksoap
 from optax_snoo._src.weight_decay import add_decoupled_weight_decay
 
 __all__ = ["DynMuonHyperparameters", "MuonSquaredHyperparameters", "PMuonHyperparameters",
-           "SpectralDescentHyperparameters"]
+           "SinkSOAPHyperparameters", "SpectralDescentHyperparameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +158,54 @@ track3_pmuon = register(Recipe(
     summary="Track 3 result #18 (3250-step schedule, 3.28 at 3225): PMuon, the momentum "
     "between streaming covariance powers L^-0.3 U R^-0.3 before Newton-Schulz (lr 0.035, "
     "wd 0.025), the aux AdamW"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkSOAPHyperparameters(AuxAdamWHyperparameters):
+    """Result #26's constants."""
+
+    muon_learning_rate: float = hyperparameter(0.04, "SinkSOAP's peak lr", check="positive")
+    muon_weight_decay: float = hyperparameter(0.025, "decoupled weight decay (times its lr)",
+                                              check="non_negative")
+    muon_momentum: float = hyperparameter(0.95, "Muon's momentum (EMA-Nesterov form)",
+                                          check="unit_interval")
+    gram_beta: float = hyperparameter(0.95, "decay of the gradient's Gram EMAs",
+                                      check="unit_interval")
+    normuon_beta: float = hyperparameter(0.95, "NorMuon's second-moment decay (non-square "
+                                         "matrices)", check="unit_interval")
+    sinkhorn_steps: int = hyperparameter(10, "Sinkhorn iterations in the Gram eigenbasis",
+                                         check="at_least_1")
+    sinkhorn_eps: float = hyperparameter(1e-8, "the balancing's eps (Grams' diagonal, "
+                                         "squared entries, denominators, norm floor), sized "
+                                         "for the summed loss's gradients (mean loss: "
+                                         "1e-8/524288**2)", check="positive")
+    cooldown_frac: float = hyperparameter(0.7, "every lr's linear cooldown fraction",
+                                          check="positive_fraction")
+
+
+def _sinksoap(t: SinkSOAPHyperparameters, total_steps: int, *, labels: Any = None,
+              adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
+              shard_newton_schulz: bool = True) -> Stack:
+    lr = stable_cooldown_schedule(t.muon_learning_rate, total_steps, t.cooldown_frac)
+    muon_tx = optax.chain(
+        scale_by_sinksoap(t.muon_momentum, gram_beta=t.gram_beta, normuon_beta=t.normuon_beta,
+                          sinkhorn_steps=t.sinkhorn_steps, eps=t.sinkhorn_eps,
+                          newton_schulz_plan=newton_schulz_plan,
+                          shard_newton_schulz=shard_newton_schulz),
+        add_decoupled_weight_decay(t.muon_weight_decay),
+        optax.scale_by_learning_rate(lr))
+    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
+                              t.cooldown_frac)
+    return Stack(with_adam_groups(muon_tx, groups, labels=labels), lr,
+                 groups=group_labels(groups, labels))
+
+
+track3_sinksoap = register(Recipe(
+    "track3_sinksoap", SinkSOAPHyperparameters, _sinksoap, options=TRACK3_OPTIONS,
+    record_steps=3125,
+    summary="Track 3 result #26 (3125-step schedule, 3.28 at 3090): SinkSOAP, the momentum "
+    "Sinkhorn-balanced in its gradient's Gram eigenbasis instead of Newton-Schulz, NorMuon on "
+    "non-square matrices (lr 0.04, wd 0.025), the aux AdamW"))
 
 
 @dataclasses.dataclass(frozen=True)
