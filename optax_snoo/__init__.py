@@ -56,6 +56,12 @@ from optax_snoo._src.schedules import (
     trust_gate_cap,
     trust_gate_floor,
 )
+from optax_snoo._src.shampoo import (
+    ShampooState,
+    scale_by_shampoo,
+    shampoo,
+    shampoo_inverse_root,
+)
 from optax_snoo._src.skew_adam import (
     DEFAULT_POLICIES,
     DEFAULT_ROLE_RULES,
@@ -110,6 +116,7 @@ __all__ = [
     "RoundingState",
     "ScaleBySecondMomentState",
     "ScaleBySkewAdamState",
+    "ShampooState",
     "SnooState",
     "SoapMatrixState",
     "TailEmaState",
@@ -155,7 +162,10 @@ __all__ = [
     "scale_by_psgd_kron",
     "scale_by_qk_clip",
     "scale_by_second_moment",
+    "scale_by_shampoo",
     "scale_by_skew_adam",
+    "shampoo",
+    "shampoo_inverse_root",
     "skew_adam",
     "skew_adam_roles",
     "skip_update",
