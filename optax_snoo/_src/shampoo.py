@@ -26,8 +26,10 @@ The roots are refreshed (under ``lax.cond``) at update ``t = start`` and at ever
 the update is Adam's direction alone (with ``grafting=None``: the filtered gradient
 ``M̂``). ``start`` defaults to ``frequency``. With ``use_bias_correction=False`` neither
 ``M`` nor the factors are bias-corrected (Adam's graft always is). A root that comes out
-non-finite keeps the previous one (the library retries in double precision and, failing
-that, keeps the previous root).
+non-finite keeps the previous one: JAX's ``eigh`` reports a failure with NaNs, where the
+library's raises, is retried in float64 and, failing again, keeps the previous root (the
+library stops the run on non-finite factors; here the factors and the update then carry
+the NaNs on).
 
 This is Meta's ``DistributedShampoo`` as modded-nanogpt Track 3 results #21 and #35 run it
 (``RootInvShampooPreconditionerConfig`` with the default eigendecomposition root, and
@@ -322,7 +324,21 @@ def shampoo(
 
     Track 3 #21: ``shampoo(0.0015 · schedule, weight_decay=0.2)`` (the defaults); #35:
     ``shampoo(0.01 · schedule, b2=0.9, weight_decay=0.1, epsilon=0.0, frequency=1,
-    pseudo_inverse=True, graft_b2=0.9, graft_eps=1e-15)``. See `scale_by_shampoo`.
+    pseudo_inverse=True, graft_b2=0.9, graft_eps=1e-15)``.
+
+    Args:
+      learning_rate: the step size ``lr``, or a schedule of the update count (from 0).
+      weight_decay: the decoupled decay ``wd`` (>= 0), multiplied by ``lr``.
+      b1, b2, epsilon, frequency, start, root_exponent, pseudo_inverse, rank_rtol,
+        grafting, graft_b2, graft_eps, use_bias_correction, matrix_axes: as
+        `scale_by_shampoo`.
+
+    Returns:
+      ``optax.chain(scale_by_shampoo(...), add_decoupled_weight_decay(weight_decay),
+      optax.scale_by_learning_rate(learning_rate))``.
+
+    Raises:
+      ValueError: a negative ``weight_decay``, or as `scale_by_shampoo`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
