@@ -57,6 +57,12 @@ from optax_snoo._src.schedules import (
     trust_gate_cap,
     trust_gate_floor,
 )
+from optax_snoo._src.shampoo import (
+    ShampooState,
+    scale_by_shampoo,
+    shampoo,
+    shampoo_inverse_root,
+)
 from optax_snoo._src.sinksoap import (
     GramSinkhornState,
     gram_sinkhorn,
@@ -128,6 +134,7 @@ __all__ = [
     "RreExtrapolationState",
     "ScaleBySecondMomentState",
     "ScaleBySkewAdamState",
+    "ShampooState",
     "SnooState",
     "SoapMatrixState",
     "TailEmaState",
@@ -177,8 +184,11 @@ __all__ = [
     "scale_by_psgd_kron",
     "scale_by_qk_clip",
     "scale_by_second_moment",
+    "scale_by_shampoo",
     "scale_by_sinksoap",
     "scale_by_skew_adam",
+    "shampoo",
+    "shampoo_inverse_root",
     "sinkhorn_balance",
     "sinksoap",
     "skew_adam",

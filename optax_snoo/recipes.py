@@ -71,6 +71,7 @@ from optax_snoo._src.recipes.track3_newton_muon import (
     track3_newton_muon,
 )
 from optax_snoo._src.recipes.track3_psgd import track3_psgd
+from optax_snoo._src.recipes.track3_shampoo import track3_shampoo, track3_shampoo_pinv
 from optax_snoo._src.recipes.track3_soap import (
     track3_record,
     track3_soap_muon,
@@ -128,6 +129,8 @@ __all__ = [
     "track3_pmuon",
     "track3_psgd",
     "track3_record",
+    "track3_shampoo",
+    "track3_shampoo_pinv",
     "track3_sinksoap",
     "track3_soap_muon",
     "track3_soap_muon_record",

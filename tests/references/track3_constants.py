@@ -462,3 +462,48 @@ class R34:
     ridge_floor = 1e-10             # script:670 reg = regularization * trace(G) / k + 1e-10
     coefficient_floor = 1e-12       # script:677 coeff_sum.abs() < 1e-12
     norm_floor = 1e-12              # script:1164 current_f32.norm().clamp_min(1e-12)
+class R21:
+    """#21, Shampoo (a 4150-step schedule, 3.28 crossed at 4100):
+    results/20260513_shampoo_1_4_power/503575c5-6dde-425a-b461-2df4d99db974.txt (its script,
+    the folder's train_gpt_shampoo.py, imports the folder's ``distributed_shampoo/`` copy:
+    "pkg:" lines are in that package)."""
+
+    log = "results/20260513_shampoo_1_4_power/503575c5-6dde-425a-b461-2df4d99db974.txt"
+    steps = 4150                    # log:232 train_steps
+    lr = 0.0015                     # log:259 lr=0.0015
+    betas = (0.9, 0.95)             # log:256, 260 betas=(0.9, shampoo_beta2)
+    epsilon = 1e-12                 # pkg: distributed_shampoo.py:356 (the default; log sets none)
+    weight_decay = 0.2              # log:261-262 weight_decay=0.2, DECOUPLED
+    frequency = 5                   # log:264-265 precondition_frequency=5, start -1 (= 5)
+    pseudo_inverse = False          # log:257 (default RootInvShampooPreconditionerConfig)
+    root = 4                        # pkg: preconditioner/shampoo_preconditioner_list.py:1567
+    #                                 1 / (2 * order): L^(-1/4), R^(-1/4)
+    graft_b2 = 0.95                 # log:266-267 AdamPreconditionerConfig(beta2=shampoo_beta2
+    graft_eps = 1e-10               # log:268 epsilon=1e-10)
+    graft_norm_eps = 1e-16          # pkg: distributed_shampoo.py:1009
+    cooldown_frac = 0.7             # log:280 set_hparams(step, cooldown_frac=0.7)
+    embed_lr = 0.3                  # log:252
+    head_lr = 1 / 320               # log:253
+    vector_lr = 0.01                # log:254
+    adam_betas = (0.8, 0.95)        # log:255
+    adam_eps = 1e-10                # log:255
+
+
+class R35(R21):
+    """#35, Shampoo with a pseudo-inverse root (3375 steps):
+    results/sh-origpinv-s3375-lr1em2-wd010-b9em1-ge15-pf1-near1-record-130563a2-b40b-43c1-8fb4-
+    b7a3bbfa5969.txt (lines of its script; the package: #21's copy, the only one in the
+    record). Its aux AdamW and schedule are #21's (log:255-258, 289)."""
+
+    log = ("results/sh-origpinv-s3375-lr1em2-wd010-b9em1-ge15-pf1-near1-record-"
+           "130563a2-b40b-43c1-8fb4-b7a3bbfa5969.txt")
+    steps = 3375                    # log:235 train_steps
+    lr = 1e-2                       # log:262
+    betas = (0.9, 0.9)              # log:259, 263 shampoo_beta2 = 9e-1
+    epsilon = 0.0                   # log:264
+    weight_decay = 0.1              # log:265
+    frequency = 1                   # log:268-269 precondition_frequency=1, start -1 (= 1)
+    pseudo_inverse = True           # log:270-274 EigenConfig(PseudoInverseConfig()):
+    #                                 pkg: matrix_functions_types.py:61-62 atol 0, rtol 0
+    graft_b2 = 0.9                  # log:275-276
+    graft_eps = 1e-15               # log:277

@@ -87,7 +87,9 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_pmuon": "muon_learning_rate",
            "track3_sinksoap": "muon_learning_rate",
            "track3_spectral_descent": "muon_learning_rate",
-           "track3_psgd": "psgd_learning_rate"}
+           "track3_psgd": "psgd_learning_rate",
+           "track3_shampoo": "shampoo_learning_rate",
+           "track3_shampoo_pinv": "shampoo_learning_rate"}
 #: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
 #: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step.
 NOT_LINEAR_IN_LR = ("muonh", "muloco_normuonh", "track3_record", "adamh",

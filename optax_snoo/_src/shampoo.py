@@ -1,0 +1,360 @@
+"""Shampoo: Kronecker-factored root-inverse preconditioning, grafted onto Adam's step size.
+
+`scale_by_shampoo` keeps, per matrix ``G`` of shape ``(a, b)`` (the leaf's ``matrix_axes``;
+other axes are a batch), the two Kronecker factors, their inverse roots, a filtered
+gradient and (for Adam grafting) Adam's second moment, and returns, at update ``t`` (from 1)::
+
+    L ← β₂ L + (1 - β₂) G Gᵀ,   R ← β₂ R + (1 - β₂) Gᵀ G            (every update)
+    every refresh:  L⁻ = root(L / (1 - β₂ᵗ)),  R⁻ = root(R / (1 - β₂ᵗ))  (else kept)
+    M ← β₁ M + (1 - β₁) G,   M̂ = M / (1 - β₁ᵗ)
+    P = L⁻ M̂ R⁻                                                      (Shampoo)
+    V ← β_g V + (1 - β_g) G²,   A = M̂ / (sqrt(V / (1 - β_gᵗ)) + ε_g)  (Adam graft)
+    out = A                                  while t < start
+          P · ‖A‖_F / (‖P‖_F + 1e-16)        after
+
+``root(X)`` is ``X^(-e)`` (``e = root_exponent``, 1/4 per factor of a matrix: ``1/(2·order)``)
+through an eigendecomposition ``X + εI = Q diag(λ) Qᵀ`` and ``Q diag(f(λ)) Qᵀ``:
+
+- damped (``pseudo_inverse=False``, ``ε > 0``): if ``min λ < ε`` the spectrum is shifted to
+  ``λ - min λ + ε``; ``f(λ) = λ^(-e)``;
+- pseudo-inverse (``pseudo_inverse=True``, ``ε = 0``): ``f(λ) = 0`` where
+  ``λ <= rank_rtol · max(max λ, 0)`` (0 by default: only the non-positive eigenvalues are
+  dropped), else ``λ^(-e)``.
+
+The roots are refreshed (under ``lax.cond``) at update ``t = start`` and at every later
+``t`` divisible by ``frequency``; before ``start`` the roots are still the identity and
+the update is Adam's direction alone (with ``grafting=None``: the filtered gradient
+``M̂``). ``start`` defaults to ``frequency``. With ``use_bias_correction=False`` neither
+``M`` nor the factors are bias-corrected (Adam's graft always is). A root that comes out
+non-finite keeps the previous one: JAX's ``eigh`` reports a failure with NaNs, where the
+library's raises, is retried in float64 and, failing again, keeps the previous root (the
+library stops the run on non-finite factors; here the factors and the update then carry
+the NaNs on).
+
+This is Meta's ``DistributedShampoo`` as modded-nanogpt Track 3 results #21 and #35 run it
+(``RootInvShampooPreconditionerConfig`` with the default eigendecomposition root, and
+``PseudoInverseConfig`` for #35; ``AdamPreconditionerConfig`` grafting; ``beta3 = beta1``,
+no Nesterov, no iterate averaging). Not ported: its blocking of dimensions above
+``max_preconditioner_dim`` (the records' 8192 exceeds every dimension of the model) and its
+merging of small dimensions (a parameter with fewer than 8192 entries is flattened to one
+dimension there; here every leaf is treated as a matrix), its other configurations
+(eigenvalue-corrected, KL-Shampoo, coupled Newton roots, trace scaling). Grafting is
+inside this transform rather than `optax_snoo.kfac.graft` because Meta's graft divides the
+*filtered* gradient by the second moment of the *raw* gradient, and replaces Shampoo's
+direction outright before the first root. The arithmetic is float32 (float64 for float64
+params), as the library's default float32 factor matrices.
+
+Put the learning rate and the decoupled weight decay after it (``-lr·(out + wd·W)``, the
+library's ``WeightDecayType.DECOUPLED``): `shampoo` is that chain.
+
+References:
+  Gupta, Koren, Singer, `Shampoo: Preconditioned Stochastic Tensor Optimization
+  <https://arxiv.org/abs/1802.09568>`_, 2018; Anil et al., `Scalable Second Order
+  Optimization for Deep Learning <https://arxiv.org/abs/2002.09018>`_, 2020 (grafting,
+  preconditioning frequency); Shi et al., `A Distributed Data-Parallel PyTorch
+  Implementation of the Distributed Shampoo Optimizer
+  <https://arxiv.org/abs/2309.06497>`_, 2023; modded-nanogpt Track 3 results #21
+  (`results/20260513_shampoo_1_4_power
+  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  whose ``distributed_shampoo/`` copy is the code that ran) and #35
+  (``results/sh-origpinv-s3375-...-130563a2-b40b-43c1-8fb4-b7a3bbfa5969.txt``), 2026
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_snoo._src.utils import (
+    check_int_at_least,
+    check_non_negative,
+    check_positive,
+    check_unit_interval,
+    concrete_real,
+    state_dtype,
+)
+from optax_snoo._src.weight_decay import add_decoupled_weight_decay
+
+__all__ = ["ShampooState", "scale_by_shampoo", "shampoo", "shampoo_inverse_root"]
+
+#: Added to ‖P‖ before grafting's division (the library's ``1e-16``).
+GRAFT_NORM_EPS = 1e-16
+GRAFTINGS = ("adam", None)
+
+
+class ShampooState(NamedTuple):
+    """The update count and, per leaf: the filtered gradient ``mu``, Adam's second moment
+    ``nu`` (``None`` without grafting), the factors ``left`` (over ``matrix_axes[0]``) and
+    ``right`` (over ``matrix_axes[1]``), and their inverse roots (batch axes first)."""
+
+    count: jax.Array
+    mu: Any
+    nu: Any
+    left: Any
+    right: Any
+    left_root: Any
+    right_root: Any
+
+
+def shampoo_inverse_root(x: jax.Array, exponent: Any, epsilon: Any = 0.0, *,
+                         pseudo_inverse: bool = False, rank_rtol: Any = 0.0) -> jax.Array:
+    """``X^(-exponent)`` of symmetric PSD matrices ``x`` (``(..., n, n)``) by ``eigh`` as
+    Meta's ``matrix_inverse_root`` (see the module): ``X + εI = Q diag(λ) Qᵀ``; damped:
+    ``λ ← λ - min λ + ε`` where ``min λ < ε``; pseudo-inverse: ``λ^(-e)`` set to 0 where
+    ``λ <= rank_rtol·max(max λ, 0)``."""
+    eye = jnp.eye(x.shape[-1], dtype=x.dtype)
+    lam, q = jnp.linalg.eigh(x + epsilon * eye, symmetrize_input=False)
+    exponent = jnp.asarray(exponent, x.dtype)
+    if pseudo_inverse:
+        cutoff = rank_rtol * jnp.maximum(jnp.max(lam, axis=-1, keepdims=True), 0.0)
+        keep = lam > cutoff
+        inv = jnp.where(keep, jnp.where(keep, lam, 1.0) ** -exponent, 0.0)
+    else:
+        lam_min = jnp.min(lam, axis=-1, keepdims=True)
+        lam = jnp.where(lam_min < epsilon, (lam - lam_min) + epsilon, lam)
+        inv = lam ** -exponent
+    return (q * inv[..., None, :]) @ jnp.swapaxes(q, -1, -2)
+
+
+def scale_by_shampoo(
+    b1: Any = 0.9,
+    b2: Any = 0.95,
+    *,
+    epsilon: Any = 1e-12,
+    frequency: int = 5,
+    start: int | None = None,
+    root_exponent: Any = 0.25,
+    pseudo_inverse: bool = False,
+    rank_rtol: Any = 0.0,
+    grafting: str | None = "adam",
+    graft_b2: Any = 0.95,
+    graft_eps: Any = 1e-10,
+    use_bias_correction: bool = True,
+    matrix_axes: tuple[int, int] = (-2, -1),
+) -> optax.GradientTransformation:
+    """Shampoo's direction ``L⁻ M̂ R⁻``, grafted onto Adam's norm (see the module).
+
+    The defaults are Track 3 result #21's; #35's: ``b2=0.9, epsilon=0.0, frequency=1,
+    pseudo_inverse=True, graft_b2=0.9, graft_eps=1e-15``.
+
+    Args:
+      b1: the filtered gradient's decay ``β₁`` (the library's ``betas[0]``), in [0, 1).
+      b2: the factors' decay ``β₂`` (``betas[1]``), in [0, 1] (1: sums, no bias correction).
+      epsilon: ``ε`` added to each factor before its root, >= 0; must be 0 with
+        ``pseudo_inverse`` and > 0 without it.
+      frequency: refresh the roots every ``frequency`` updates (int >= 1).
+      start: the first update (from 1) using Shampoo's direction (``None``: ``frequency``);
+        >= ``frequency``.
+      root_exponent: ``e`` in each factor's ``X^(-e)`` (1/4: ``U = L^(-1/4) M R^(-1/4)``),
+        > 0.
+      pseudo_inverse: drop the eigenvalues at or below the rank cutoff instead of damping.
+      rank_rtol: the pseudo-inverse's cutoff relative to the largest eigenvalue, >= 0.
+      grafting: ``"adam"`` (the output has Adam's norm per matrix) or ``None``.
+      graft_b2: Adam's second-moment decay for the graft, in [0, 1).
+      graft_eps: Adam's epsilon for the graft, >= 0.
+      use_bias_correction: bias-correct the filtered gradient and the factors.
+      matrix_axes: the two axes of each leaf that form the matrix (other axes: a batch).
+
+    Returns:
+      An ``optax.GradientTransformation`` with state `ShampooState`; every leaf needs at
+      least two axes; ``optax.MaskedNode`` leaves pass through.
+
+    Raises:
+      ValueError: for a hyperparameter outside its range, ``epsilon`` not 0 with
+        ``pseudo_inverse`` (or 0 without it), ``start < frequency``, an unknown
+        ``grafting``, bad ``matrix_axes``; at ``init`` for a leaf with fewer than two axes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optax_snoo import scale_by_shampoo
+      >>> tx = scale_by_shampoo(frequency=1)
+      >>> p = {"w": jnp.ones((4, 3))}
+      >>> u, _ = tx.update(p, tx.init(p))
+      >>> u["w"].shape
+      (4, 3)
+    """
+    check_unit_interval("b1", b1)
+    b2_value = concrete_real(b2)
+    if b2_value is not None and not 0.0 <= b2_value <= 1.0:
+        raise ValueError(f"b2 must be in [0, 1], got {b2!r}.")
+    check_non_negative("epsilon", epsilon)
+    eps_value = concrete_real(epsilon)
+    if eps_value is not None and pseudo_inverse and eps_value != 0.0:
+        raise ValueError(f"epsilon must be 0.0 with pseudo_inverse=True (the pseudo-inverse "
+                         f"drops small eigenvalues instead of damping them), got {epsilon!r}.")
+    if eps_value is not None and not pseudo_inverse and eps_value <= 0.0:
+        raise ValueError(f"epsilon must be > 0 without pseudo_inverse (a rank-deficient "
+                         f"factor has no inverse root), got {epsilon!r}.")
+    check_int_at_least("frequency", frequency, 1)
+    start = frequency if start is None else start
+    check_int_at_least("start", start, frequency)
+    check_positive("root_exponent", root_exponent)
+    check_non_negative("rank_rtol", rank_rtol)
+    if grafting not in GRAFTINGS:
+        raise ValueError(f"grafting must be one of {GRAFTINGS}, got {grafting!r}.")
+    check_unit_interval("graft_b2", graft_b2)
+    check_non_negative("graft_eps", graft_eps)
+    if (len(matrix_axes) != 2 or not all(isinstance(a, int) for a in matrix_axes)
+            or matrix_axes[0] == matrix_axes[1]):
+        raise ValueError(f"matrix_axes must be two different integer axes, got {matrix_axes!r}")
+
+    masked = lambda x: isinstance(x, optax.MaskedNode)
+    mT = lambda x: jnp.swapaxes(x, -1, -2)
+
+    def to_mat(x):
+        return jnp.moveaxis(x, matrix_axes, (-2, -1))
+
+    def from_mat(x):
+        return jnp.moveaxis(x, (-2, -1), matrix_axes)
+
+    def init_fn(params):
+        def check(path, p):
+            if not masked(p) and jnp.ndim(p) < 2:
+                raise ValueError(f"scale_by_shampoo needs leaves with at least two axes; "
+                                 f"{jax.tree_util.keystr(path)} has shape {jnp.shape(p)}")
+        jax.tree_util.tree_map_with_path(check, params, is_leaf=masked)
+
+        def square(p, axis, make):
+            if masked(p):
+                return p
+            m = to_mat(jnp.zeros(jnp.shape(p)))
+            n = m.shape[axis]
+            return jnp.broadcast_to(make(n, dtype=state_dtype(None, p)), (*m.shape[:-2], n, n))
+        zeros = lambda n, dtype: jnp.zeros((n, n), dtype)
+        like = lambda p: p if masked(p) else jnp.zeros_like(  # keeps p's sharding
+            p, dtype=state_dtype(None, p))
+        mirror = lambda: jax.tree.map(like, params, is_leaf=masked)
+        factor = lambda axis, make: jax.tree.map(lambda p: square(p, axis, make), params,
+                                                 is_leaf=masked)
+        return ShampooState(jnp.zeros([], jnp.int32), mirror(),
+                            mirror() if grafting == "adam" else None,
+                            factor(-2, zeros), factor(-1, zeros),
+                            factor(-2, jnp.eye), factor(-1, jnp.eye))
+
+    def update_fn(updates, state, params=None):
+        del params
+        t = state.count + 1
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=masked)
+        flat = lambda tree: treedef.flatten_up_to(tree)
+        mus, lefts, rights = flat(state.mu), flat(state.left), flat(state.right)
+        l_roots, r_roots = flat(state.left_root), flat(state.right_root)
+        nus = flat(state.nu) if grafting == "adam" else [None] * len(leaves)
+        live = [i for i, g in enumerate(leaves) if not masked(g)]
+
+        # Factors: every update, from the raw gradient.
+        new_l, new_r = list(lefts), list(rights)
+        for i in live:
+            dt = mus[i].dtype
+            g, beta2 = to_mat(leaves[i].astype(dt)), jnp.asarray(b2, dt)
+            weight = jnp.where(beta2 == 1.0, 1.0, 1.0 - beta2).astype(dt)  # β₂ = 1: sums
+            new_l[i] = beta2 * lefts[i] + weight * (g @ mT(g))
+            new_r[i] = beta2 * rights[i] + weight * (mT(g) @ g)
+
+        # Roots: only at a refresh, from the bias-corrected factors.
+        refresh = ((t % frequency == 0) & (t > start)) | (t == start)
+
+        def roots():
+            out_l, out_r = list(l_roots), list(r_roots)
+            for i in live:
+                dt, beta2 = mus[i].dtype, jnp.asarray(b2, mus[i].dtype)
+                bc2 = (jnp.where(beta2 < 1.0, 1.0 - beta2 ** t.astype(dt), 1.0)
+                       if use_bias_correction else jnp.ones([], dt)).astype(dt)
+                for out, factor, old in ((out_l, new_l[i], l_roots[i]),
+                                         (out_r, new_r[i], r_roots[i])):
+                    root = shampoo_inverse_root(
+                        factor / bc2, root_exponent, jnp.asarray(epsilon, dt),
+                        pseudo_inverse=pseudo_inverse, rank_rtol=jnp.asarray(rank_rtol, dt))
+                    ok = jnp.all(jnp.isfinite(root), axis=(-2, -1), keepdims=True)
+                    out[i] = jnp.where(ok, root, old)  # as the library: keep the old root
+            return out_l, out_r
+
+        new_lr, new_rr = jax.lax.cond(refresh, roots, lambda: (list(l_roots), list(r_roots)))
+
+        out, new_mu, new_nu = list(leaves), list(mus), list(nus)
+        for i in live:
+            dt = mus[i].dtype
+            g32 = leaves[i].astype(dt)
+            b1_ = jnp.asarray(b1, dt)
+            mu = mus[i] + (1 - b1_) * (g32 - mus[i])  # the library's lerp_(G, 1 - β₁)
+            m_hat = mu / (1 - b1_ ** t.astype(dt)) if use_bias_correction else mu
+            p = new_lr[i] @ to_mat(m_hat) @ new_rr[i]
+            if grafting == "adam":
+                gb2 = jnp.asarray(graft_b2, dt)
+                nu = gb2 * nus[i] + (1 - gb2) * g32 * g32
+                adam = to_mat(m_hat / (jnp.sqrt(nu / (1 - gb2 ** t.astype(dt)))
+                                       + jnp.asarray(graft_eps, dt)))
+                norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
+                grafted = p * (norm(adam) / (norm(p) + GRAFT_NORM_EPS))
+                p = jnp.where(t < start, adam, grafted)
+                new_nu[i] = nu
+            out[i] = from_mat(p).astype(leaves[i].dtype)
+            new_mu[i] = mu
+        unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+        return unflat(out), ShampooState(
+            t, unflat(new_mu), unflat(new_nu) if grafting == "adam" else None,
+            unflat(new_l), unflat(new_r), unflat(new_lr), unflat(new_rr))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def shampoo(
+    learning_rate: float | optax.Schedule,
+    b1: Any = 0.9,
+    b2: Any = 0.95,
+    *,
+    weight_decay: Any = 0.0,
+    epsilon: Any = 1e-12,
+    frequency: int = 5,
+    start: int | None = None,
+    root_exponent: Any = 0.25,
+    pseudo_inverse: bool = False,
+    rank_rtol: Any = 0.0,
+    grafting: str | None = "adam",
+    graft_b2: Any = 0.95,
+    graft_eps: Any = 1e-10,
+    use_bias_correction: bool = True,
+    matrix_axes: tuple[int, int] = (-2, -1),
+) -> optax.GradientTransformation:
+    """Shampoo as an optimizer: `scale_by_shampoo`, then decoupled weight decay and the
+    learning rate, ``W ← W - lr·(out + weight_decay·W)`` (the library's
+    ``WeightDecayType.DECOUPLED``: the decay is multiplied by the scheduled lr).
+
+    Track 3 #21: ``shampoo(0.0015 · schedule, weight_decay=0.2)`` (the defaults); #35:
+    ``shampoo(0.01 · schedule, b2=0.9, weight_decay=0.1, epsilon=0.0, frequency=1,
+    pseudo_inverse=True, graft_b2=0.9, graft_eps=1e-15)``.
+
+    Args:
+      learning_rate: the step size ``lr``, or a schedule of the update count (from 0).
+      weight_decay: the decoupled decay ``wd`` (>= 0), multiplied by ``lr``.
+      b1, b2, epsilon, frequency, start, root_exponent, pseudo_inverse, rank_rtol,
+        grafting, graft_b2, graft_eps, use_bias_correction, matrix_axes: as
+        `scale_by_shampoo`.
+
+    Returns:
+      ``optax.chain(scale_by_shampoo(...), add_decoupled_weight_decay(weight_decay),
+      optax.scale_by_learning_rate(learning_rate))``.
+
+    Raises:
+      ValueError: a negative ``weight_decay``, or as `scale_by_shampoo`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from optax_snoo import shampoo
+      >>> tx = shampoo(1e-3, weight_decay=0.1, frequency=1)
+      >>> params = {"w": jnp.ones((4, 3))}
+      >>> updates, _ = tx.update(params, tx.init(params), params)
+      >>> optax.apply_updates(params, updates)["w"].shape
+      (4, 3)
+    """
+    check_non_negative("weight_decay", weight_decay)
+    return optax.chain(
+        scale_by_shampoo(b1, b2, epsilon=epsilon, frequency=frequency, start=start,
+                         root_exponent=root_exponent, pseudo_inverse=pseudo_inverse,
+                         rank_rtol=rank_rtol, grafting=grafting, graft_b2=graft_b2,
+                         graft_eps=graft_eps, use_bias_correction=use_bias_correction,
+                         matrix_axes=matrix_axes),
+        add_decoupled_weight_decay(weight_decay),
+        optax.scale_by_learning_rate(learning_rate))
