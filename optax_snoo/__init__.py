@@ -10,9 +10,11 @@ from optax_snoo import kfac, labels, memory, recipes, rounding
 from optax_snoo._src.adam import AdamGroup, adam_group, scale_by_adam
 from optax_snoo._src.averaging import (
     EmaNesterovState,
+    ReferenceInterpolationState,
     TailEmaState,
     ema_nesterov,
     eval_params,
+    reference_interpolation,
     tail_ema,
 )
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
@@ -106,6 +108,7 @@ __all__ = [
     "PSGDKronState",
     "QKHeads",
     "RadiusStepsState",
+    "ReferenceInterpolationState",
     "RolePolicy",
     "RoundingState",
     "ScaleBySecondMomentState",
@@ -148,6 +151,7 @@ __all__ = [
     "qk_clip_scales",
     "radius_steps",
     "recipes",
+    "reference_interpolation",
     "rounding",
     "scale_by_adam",
     "scale_by_muon",

@@ -1,15 +1,17 @@
-"""Weight averaging around an optimizer: EMA-Nesterov and the tail-EMA readout.
+"""Weight averaging around an optimizer: EMA-Nesterov and the late-training readouts.
 
 `ema_nesterov` (modded-nanogpt Track 3 records #39, #40) adds an EMA of the weights'
 displacement, scaled by a lookahead coefficient, to the weights the gradient is taken
 at. `tail_ema` (records #45, #46) keeps an EMA of the weights over the end of training,
-blended into the weights only for evaluation. Both keep in their state what the
-weights to *evaluate* are; `eval_params(params, opt_state)` finds every such state
-anywhere in an optimizer state and returns those weights.
+blended into the weights only for evaluation; `reference_interpolation` (records #38,
+#42) evaluates the weights moved toward (or away from) a copy taken at a fixed step.
+All keep in their state what the weights to *evaluate* are;
+`eval_params(params, opt_state)` finds every such state anywhere in an optimizer state
+and returns those weights.
 
 References:
-  Jordan et al., `modded-nanogpt Track 3 (optimization) records #39, #40, #45, #46
-  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  Jordan et al., `modded-nanogpt Track 3 (optimization) records #38, #39, #40, #42, #45,
+  #46 <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026.
 """
 
@@ -35,7 +37,8 @@ from optax_snoo._src.utils import (
     value_at,
 )
 
-__all__ = ["EmaNesterovState", "TailEmaState", "ema_nesterov", "eval_params", "tail_ema"]
+__all__ = ["EmaNesterovState", "ReferenceInterpolationState", "TailEmaState", "ema_nesterov",
+           "eval_params", "reference_interpolation", "tail_ema"]
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
@@ -74,8 +77,44 @@ class TailEmaState(NamedTuple):
     ema: Any
 
 
+class ReferenceInterpolationState(NamedTuple):
+    """State of `reference_interpolation`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      gamma: the coefficient ``γ`` of the weights' distance from the reference in the
+        weights to evaluate (float32 scalar, float64 for float64 params; 0 until the
+        readout starts).
+      reference: the weights after update ``capture`` (zeros before), float32 (float64
+        for float64 params; ``optax.MaskedNode`` on leaves not interpolated).
+    """
+
+    count: jax.Array
+    gamma: jax.Array
+    reference: Any
+
+
 def _skipped(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _leaf_mask(mask: Any, params: Any) -> Any:
+    """``optax.masked``'s mask (a tree or prefix of bools, a callable, None: all) as one
+    bool per params leaf."""
+    m = mask(params) if callable(mask) else mask
+    if m is None:
+        return jax.tree.map(lambda _: True, params, is_leaf=_skipped)
+    return jax.tree.map(lambda b, sub: jax.tree.map(lambda _: b, sub, is_leaf=_skipped),
+                        m, params, is_leaf=lambda x: isinstance(x, bool))
+
+
+def _copy_buffers(params: Any, mask: Any) -> Any:
+    """A zero float32 (float64 for float64 params) buffer per masked-in leaf, an
+    ``optax.MaskedNode`` for the others."""
+    return jax.tree.map(
+        lambda p, keep: p if _skipped(p) else (
+            jnp.zeros_like(p, dtype=state_dtype(None, p)) if keep else optax.MaskedNode()),
+        params, _leaf_mask(mask, params), is_leaf=_skipped)
 
 
 def _compute_dtype(*arrays: Any) -> Any:
@@ -264,21 +303,10 @@ def tail_ema(
         raise ValueError(f"tail_ema: horizon must be a number >= 1, got {horizon!r}")
     rate = 1.0 / horizon
 
-    def leaf_mask(params):
-        m = mask(params) if callable(mask) else mask
-        if m is None:
-            return jax.tree.map(lambda _: True, params, is_leaf=_skipped)
-        return jax.tree.map(lambda b, sub: jax.tree.map(lambda _: b, sub, is_leaf=_skipped),
-                            m, params, is_leaf=lambda x: isinstance(x, bool))
-
     def init_fn(params):
-        ema = jax.tree.map(
-            lambda p, keep: p if _skipped(p) else (
-                jnp.zeros_like(p, dtype=state_dtype(None, p)) if keep
-                else optax.MaskedNode()),
-            params, leaf_mask(params), is_leaf=_skipped)
         return TailEmaState(count=jnp.zeros([], jnp.int32),
-                            blend=jnp.zeros([], _scalar_dtype(params)), ema=ema)
+                            blend=jnp.zeros([], _scalar_dtype(params)),
+                            ema=_copy_buffers(params, mask))
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -300,7 +328,107 @@ def tail_ema(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-_READOUTS = (EmaNesterovState, TailEmaState)
+def reference_interpolation(
+    capture: int,
+    start: int,
+    gamma: float = -0.075,
+    *,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+) -> optax.GradientTransformation:
+    r"""Copy the weights at update ``capture``; evaluate ``w + γ(w - w_capture)`` later.
+
+    A pass-through transformation (the update is unchanged) placed last in a chain: it
+    sees the post-step weights ``w = params + update``. After update number ``capture``
+    it keeps a copy ``ref = w``. From update ``start`` on, the weights to evaluate
+    (`eval_params`) are ``w + γ·(w - ref)`` on the interpolated leaves: ``γ < 0`` moves
+    them back toward the reference (``-γ`` of the way), ``γ > 0`` extrapolates past
+    ``w`` away from it. Before ``start``, and on the other leaves, they are ``w``.
+    Training never sees the reference: this changes what is evaluated and saved, not the
+    training weights. (The records add ``γ(w - ref)`` to the weights in place for each
+    validation and subtract it again after, which leaves them moved by the rounding of
+    that sum, in the param dtype; ours leaves them untouched.)
+
+    #42 (on #40's Aurora/EMA-Nesterov stack, claim at 2860 of a 2900-step schedule):
+    ``reference_interpolation(2375, 2850, -0.075)`` on every parameter; #38 (claim at
+    2900): ``reference_interpolation(2375, 2900, -0.075)``, evaluated after #38's tail
+    velocity (`tail_velocity`, before this in the chain: `eval_params` applies readouts
+    in the state's order). Inside `ema_nesterov`'s inner chain it sees (and evaluates)
+    the weights without the lookahead, as the records' copy after ``EMA_Nesterov.step``;
+    outside it, the lookahead point (the same in #42, where the lookahead ends at 1950).
+
+    The reference is float32 (float64 for float64 params; one copy of the interpolated
+    params in the state) and the readout is computed in it, then cast to the param's
+    dtype; the records keep the copy and compute the readout in the param's dtype
+    (bfloat16 for the token embedding).
+
+    Args:
+      capture: the update count (>= 1) after which the weights are copied.
+      start: the update count (>= ``capture``) from which the interpolation is evaluated.
+      gamma: ``γ``, a real number (#38, #42: -0.075, i.e. ``0.925 w + 0.075 ref``).
+      mask: which leaves to interpolate, as ``optax.masked``'s mask: a tree of bools with
+        the params' structure (or a prefix), or a callable ``params -> tree``; ``None``:
+        all (the records: every parameter).
+
+    Returns:
+      An ``optax.GradientTransformation`` with state `ReferenceInterpolationState`;
+      ``update`` needs ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"w": jnp.zeros(2)}
+      >>> tx = optax.chain(optax.sgd(1.0),
+      ...                  optax_snoo.reference_interpolation(capture=1, start=3, gamma=-0.5))
+      >>> state = tx.init(params)
+      >>> for _ in range(3):  # w: 0 -> -1 (copied) -> -2 -> -3
+      ...     updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> optax_snoo.eval_params(params, state)["w"].tolist()  # -3 + (-0.5)(-3 - (-1))
+      [-2.0, -2.0]
+
+    References:
+      Jordan et al., `modded-nanogpt Track 3 records #38 (results/20260520_tail_refinterp_2900,
+      apply_ref_extrap_weights) and #42 (results/20260525_aurora_ema_ref, fixed reference
+      interpolation)
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026.
+    """
+    check_int_at_least("reference_interpolation: capture", capture, 1)
+    check_int_at_least("reference_interpolation: start", start, capture)
+    known = concrete_real(gamma)
+    if callable(gamma) or (known is not None and not np.isfinite(known)):
+        raise ValueError(f"reference_interpolation: gamma must be a finite number, got "
+                         f"{gamma!r}")
+
+    def init_fn(params):
+        return ReferenceInterpolationState(count=jnp.zeros([], jnp.int32),
+                                           gamma=jnp.zeros([], _scalar_dtype(params)),
+                                           reference=_copy_buffers(params, mask))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("reference_interpolation: update needs params (the reference "
+                             "is params + updates)")
+        count = optax.safe_increment(state.count)
+
+        def leaf(r, p, u):
+            if _skipped(r):
+                return r
+            return jnp.where(count == capture, p.astype(r.dtype) + u.astype(r.dtype), r)
+
+        reference = jax.tree.map(leaf, state.reference, params, updates, is_leaf=_skipped)
+        weight = jnp.where(count >= start, gamma, 0.0).astype(state.gamma.dtype)
+        return updates, ReferenceInterpolationState(count=count, gamma=weight,
+                                                    reference=reference)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+_READOUTS = (EmaNesterovState, TailEmaState, ReferenceInterpolationState)
+# Each readout state's scalar fields (boxed by an nnx.Optimizer) and its tree of buffers.
+_SCALARS = {EmaNesterovState: ("count", "lookahead"), TailEmaState: ("count", "blend"),
+            ReferenceInterpolationState: ("count", "gamma")}
+_BUFFERS = {EmaNesterovState: "displacement", TailEmaState: "ema",
+            ReferenceInterpolationState: "reference"}
 
 
 def _holds_value(x: Any) -> bool:
@@ -332,8 +460,7 @@ def _as_readout(x: Any) -> Any:
         if kind is None:
             return None
         fields = dict(x)
-    scalars = ("count", "lookahead") if kind is EmaNesterovState else ("count", "blend")
-    return kind(**{k: _unbox(v) if k in scalars else v for k, v in fields.items()})
+    return kind(**{k: _unbox(v) if k in _SCALARS[kind] else v for k, v in fields.items()})
 
 
 def _by_path(tree: Any) -> list[tuple[tuple, Any]]:
@@ -352,7 +479,7 @@ def _broadcast(scalar: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _apply(params: Any, state: Any) -> Any:
-    tree = state.displacement if isinstance(state, EmaNesterovState) else state.ema
+    tree = getattr(state, _BUFFERS[type(state)])
     extras = {path: e for path, e in _by_path(tree) if not _skipped(e)}
     entries = [(path, p) for path, p in _by_path(params) if not _skipped(p)]
     name = type(state).__name__
@@ -375,8 +502,10 @@ def _apply(params: Any, state: Any) -> Any:
         pf = p.astype(_compute_dtype(p, extra))
         if isinstance(state, EmaNesterovState):
             out = pf - _broadcast(state.lookahead, pf) * extra.astype(pf.dtype)
-        else:
+        elif isinstance(state, TailEmaState):
             out = pf + _broadcast(state.blend, pf) * (extra - pf)
+        else:
+            out = pf + _broadcast(state.gamma, pf) * (pf - extra)
         return out.astype(p.dtype)
 
     # the params' own tree (a box's one array is its only leaf), so the caller's types return
@@ -390,11 +519,13 @@ def _apply(params: Any, state: Any) -> Any:
 def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
     """The weights to evaluate: `params` with every readout in `opt_state` applied.
 
-    Finds every `EmaNesterovState` and `TailEmaState` in ``opt_state`` (inside a chain,
-    a partition, ``optax.MultiSteps``, ``optax.inject_hyperparams``, `snoo`, ...) in
-    depth-first order (an outer wrapper before what it wraps) and applies each: the
-    EMA-Nesterov lookahead is removed (``W = Y - β·b``), the tail EMA blended in
-    (``(1 - λ)·w + λ·ema``). Leaves a state does not cover (another partition group,
+    Finds every `EmaNesterovState`, `TailEmaState` and `ReferenceInterpolationState` in
+    ``opt_state`` (inside a chain, a partition, ``optax.MultiSteps``,
+    ``optax.inject_hyperparams``, `snoo`, ...) in depth-first order (an outer wrapper
+    before what it wraps, a chain's transforms in order) and applies each to the result
+    of the ones before: the EMA-Nesterov lookahead is removed (``W = Y - β·b``), the tail
+    EMA blended in (``(1 - λ)·w + λ·ema``), the reference interpolated
+    (``w + γ(w - ref)``). Leaves a state does not cover (another partition group,
     a masked leaf) are returned as they are. With no such state it returns ``params``,
     so a trainer can always evaluate and checkpoint ``eval_params(params, opt_state)``.
     jit-compatible; the params are not modified.
@@ -428,7 +559,7 @@ def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
       [1.0, 1.0]
 
     References:
-      Jordan et al., `modded-nanogpt Track 3 records #40 and #46
+      Jordan et al., `modded-nanogpt Track 3 records #38, #40, #42 and #46
       <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
       2026.
     """
@@ -436,6 +567,6 @@ def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
         state = _as_readout(node)
         if isinstance(state, EmaNesterovState):
             params = eval_params(_apply(params, state), state.inner_state)
-        elif isinstance(state, TailEmaState):
+        elif state is not None:
             params = _apply(params, state)
     return params

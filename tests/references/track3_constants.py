@@ -375,3 +375,27 @@ class R33:
     adam_eps = 1e-10                # log:340
     adam_cooldown_frac = 0.5        # log:352 int(train_steps * (1 - 0.5))
     adam_final_scale = 0.1          # log:356 1.0 - t * 0.9
+
+
+class R42:
+    """#42, fixed reference interpolation on #40's Aurora/EMA-Nesterov stack (2900-step
+    schedule, loss claimed at 2860): results/20260525_aurora_ema_ref/
+    train_gpt_simple_aurora_ema_ref.py (its logs run it, ``--seed`` only)."""
+
+    script = "results/20260525_aurora_ema_ref/train_gpt_simple_aurora_ema_ref.py"
+    steps = 2900                    # script:45 TRAIN_STEPS
+    claim = 2860                    # script:46 RUN_STOP_STEP
+    schedule_steps = 2980           # script:47 SCHEDULE_STEPS (PowerCool's t_end, :690)
+    power = 1.2                     # script:48 LR_POWER
+    embed_c = 4.976805410800738e-05   # script:53 ADAM_EMBED_POWER_C
+    embed_lr = 0.3                  # script:661 (the group EMA_Nesterov reads its lr ratio
+                                    # from, :524)
+    ref_capture = 2375              # script:49 REF_CAPTURE_STEP (after update step + 1, :843)
+    ref_start = 2850                # script:50 REF_APPLY_START_STEP (step >= it, :741)
+    ref_gamma = -0.075              # script:51 REF_GAMMA (p + (p - ref) * gamma, :755)
+    val_every = 125                 # script:639 val_regular_interval
+    val_extra = (2850, 2860)        # script:640 extra_val_steps
+    lookahead = 0.3                 # script:80 EMA_NESTEROV_STEPSIZE
+    lookahead_ema = 0.99            # script:81
+    lookahead_prefill = 300         # script:82
+    lookahead_stop = 2900 - 950     # script:83 EMA_NESTEROV_REST_STEP

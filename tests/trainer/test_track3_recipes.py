@@ -6,6 +6,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import optax_snoo
@@ -41,6 +42,18 @@ def test_readout_is_zero_cost_without_a_wrapper():
     params = {"w": jnp.ones((2, 2))}
     state = types.SimpleNamespace(params=params, opt_state=optax_snoo.muon(0.1).init(params))
     assert make_readout(state.opt_state)(state) is state.params
+
+
+def test_readout_of_a_reference_interpolation():
+    """A reference interpolation alone is a readout: evaluated, not the params."""
+    params = {"w": jnp.zeros((2, 2))}
+    tx = optax.chain(optax.sgd(1.0), optax_snoo.reference_interpolation(1, 2, -0.5))
+    opt_state = tx.init(params)
+    for _ in range(2):
+        updates, opt_state = tx.update({"w": jnp.ones((2, 2))}, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    state = types.SimpleNamespace(params=params, opt_state=opt_state)
+    np.testing.assert_array_equal(make_readout(opt_state)(state)["w"], -1.5)
 
 
 def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkeypatch):
