@@ -12,10 +12,12 @@ from optax_snoo._src.averaging import (
     EmaNesterovState,
     ReferenceInterpolationState,
     TailEmaState,
+    TailVelocityState,
     ema_nesterov,
     eval_params,
     reference_interpolation,
     tail_ema,
+    tail_velocity,
 )
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
 from optax_snoo._src.muon import MuonState, scale_by_muon
@@ -116,6 +118,7 @@ __all__ = [
     "SnooState",
     "SoapMatrixState",
     "TailEmaState",
+    "TailVelocityState",
     "adam_group",
     "add_decoupled_weight_decay",
     "assign_roles",
@@ -172,6 +175,7 @@ __all__ = [
     "state_bytes_by_group",
     "stochastic_rounding",
     "tail_ema",
+    "tail_velocity",
     "trust_gate_cap",
     "trust_gate_floor",
 ]
