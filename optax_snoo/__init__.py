@@ -10,10 +10,14 @@ from optax_snoo import kfac, labels, memory, recipes, rounding
 from optax_snoo._src.adam import AdamGroup, adam_group, scale_by_adam
 from optax_snoo._src.averaging import (
     EmaNesterovState,
+    ReferenceInterpolationState,
     TailEmaState,
+    TailVelocityState,
     ema_nesterov,
     eval_params,
+    reference_interpolation,
     tail_ema,
+    tail_velocity,
 )
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
 from optax_snoo._src.muon import MuonState, scale_by_muon
@@ -129,6 +133,7 @@ __all__ = [
     "PullToInitState",
     "QKHeads",
     "RadiusStepsState",
+    "ReferenceInterpolationState",
     "RolePolicy",
     "RoundingState",
     "RreExtrapolationState",
@@ -138,6 +143,7 @@ __all__ = [
     "SnooState",
     "SoapMatrixState",
     "TailEmaState",
+    "TailVelocityState",
     "adam_group",
     "add_decoupled_weight_decay",
     "assign_roles",
@@ -176,6 +182,7 @@ __all__ = [
     "qk_clip_scales",
     "radius_steps",
     "recipes",
+    "reference_interpolation",
     "rounding",
     "rre_extrapolation",
     "scale_by_adam",
@@ -203,6 +210,7 @@ __all__ = [
     "state_bytes_by_group",
     "stochastic_rounding",
     "tail_ema",
+    "tail_velocity",
     "trust_gate_cap",
     "trust_gate_floor",
 ]

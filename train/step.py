@@ -358,10 +358,11 @@ class TrainStep:
 
 def make_readout(opt_state: Any) -> Callable[[TrainState], Any]:
     """``state -> the params to evaluate``: `optax_snoo.eval_params` of the state when the
-    optimizer keeps a readout in it (EMA-Nesterov's lookahead, a tail EMA: Track 3's
-    recipes), else the params themselves (decided once, from the state's structure: no
-    work for other optimizers). Evaluation, sampling and `train.evaluate` use it; a
-    checkpoint holds the optimizer state, so its readout is computed at restore.
+    optimizer keeps a readout in it (EMA-Nesterov's lookahead, a tail EMA, a reference
+    interpolation, a tail velocity: Track 3's readouts), else the params themselves
+    (decided once, from the state's structure: no work for other optimizers).
+    Evaluation, sampling and `train.evaluate` use it; a checkpoint holds the optimizer
+    state, so its readout is computed at restore.
 
     Args:
       opt_state: the optimizer state (or its abstract shapes).
@@ -369,7 +370,9 @@ def make_readout(opt_state: Any) -> Callable[[TrainState], Any]:
     Returns:
       A function of the train state (jitted where there is a readout).
     """
-    is_readout = lambda x: isinstance(x, optax_snoo.EmaNesterovState | optax_snoo.TailEmaState)
+    is_readout = lambda x: isinstance(x, optax_snoo.EmaNesterovState | optax_snoo.TailEmaState
+                                      | optax_snoo.ReferenceInterpolationState
+                                      | optax_snoo.TailVelocityState)
     if not any(is_readout(x) for x in jax.tree.leaves(opt_state, is_leaf=is_readout)):
         return lambda state: state.params
     readout = jax.jit(optax_snoo.eval_params)

@@ -1,15 +1,18 @@
-"""Weight averaging around an optimizer: EMA-Nesterov and the tail-EMA readout.
+"""Weight averaging around an optimizer: EMA-Nesterov and the late-training readouts.
 
 `ema_nesterov` (modded-nanogpt Track 3 records #39, #40) adds an EMA of the weights'
 displacement, scaled by a lookahead coefficient, to the weights the gradient is taken
 at. `tail_ema` (records #45, #46) keeps an EMA of the weights over the end of training,
-blended into the weights only for evaluation. Both keep in their state what the
-weights to *evaluate* are; `eval_params(params, opt_state)` finds every such state
-anywhere in an optimizer state and returns those weights.
+blended into the weights only for evaluation; `reference_interpolation` (records #38,
+#42) evaluates the weights moved toward (or away from) a copy taken at a fixed step;
+`tail_velocity` (record #38) evaluates them moved along an EMA of their late updates.
+All keep in their state what the weights to *evaluate* are;
+`eval_params(params, opt_state)` finds every such state anywhere in an optimizer state
+and returns those weights.
 
 References:
-  Jordan et al., `modded-nanogpt Track 3 (optimization) records #39, #40, #45, #46
-  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  Jordan et al., `modded-nanogpt Track 3 (optimization) records #38, #39, #40, #42, #45,
+  #46 <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026.
 """
 
@@ -35,7 +38,9 @@ from optax_snoo._src.utils import (
     value_at,
 )
 
-__all__ = ["EmaNesterovState", "TailEmaState", "ema_nesterov", "eval_params", "tail_ema"]
+__all__ = ["EmaNesterovState", "ReferenceInterpolationState", "TailEmaState",
+           "TailVelocityState", "ema_nesterov", "eval_params", "reference_interpolation",
+           "tail_ema", "tail_velocity"]
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
@@ -74,8 +79,62 @@ class TailEmaState(NamedTuple):
     ema: Any
 
 
+class ReferenceInterpolationState(NamedTuple):
+    """State of `reference_interpolation`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      gamma: the coefficient ``γ`` of the weights' distance from the reference in the
+        weights to evaluate (float32 scalar, float64 for float64 params; 0 until the
+        readout starts).
+      reference: the weights after update ``capture`` (zeros before), float32 (float64
+        for float64 params; ``optax.MaskedNode`` on leaves not interpolated).
+    """
+
+    count: jax.Array
+    gamma: jax.Array
+    reference: Any
+
+
+class TailVelocityState(NamedTuple):
+    """State of `tail_velocity`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      gamma: the step ``γ`` along the velocity in the weights to evaluate (float32
+        scalar, float64 for float64 params; 0 until the readout starts).
+      max_ratio: the largest ``‖step‖/‖w‖`` of the evaluated step, per leaf (same dtype).
+      velocity: the EMA of the weights' displacement per update since ``start``, float32
+        (float64 for float64 params; ``optax.MaskedNode`` on leaves not moved).
+    """
+
+    count: jax.Array
+    gamma: jax.Array
+    max_ratio: jax.Array
+    velocity: Any
+
+
 def _skipped(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _leaf_mask(mask: Any, params: Any) -> Any:
+    """``optax.masked``'s mask (a tree or prefix of bools, a callable, None: all) as one
+    bool per params leaf."""
+    m = mask(params) if callable(mask) else mask
+    if m is None:
+        return jax.tree.map(lambda _: True, params, is_leaf=_skipped)
+    return jax.tree.map(lambda b, sub: jax.tree.map(lambda _: b, sub, is_leaf=_skipped),
+                        m, params, is_leaf=lambda x: isinstance(x, bool))
+
+
+def _copy_buffers(params: Any, mask: Any) -> Any:
+    """A zero float32 (float64 for float64 params) buffer per masked-in leaf, an
+    ``optax.MaskedNode`` for the others."""
+    return jax.tree.map(
+        lambda p, keep: p if _skipped(p) else (
+            jnp.zeros_like(p, dtype=state_dtype(None, p)) if keep else optax.MaskedNode()),
+        params, _leaf_mask(mask, params), is_leaf=_skipped)
 
 
 def _compute_dtype(*arrays: Any) -> Any:
@@ -264,21 +323,10 @@ def tail_ema(
         raise ValueError(f"tail_ema: horizon must be a number >= 1, got {horizon!r}")
     rate = 1.0 / horizon
 
-    def leaf_mask(params):
-        m = mask(params) if callable(mask) else mask
-        if m is None:
-            return jax.tree.map(lambda _: True, params, is_leaf=_skipped)
-        return jax.tree.map(lambda b, sub: jax.tree.map(lambda _: b, sub, is_leaf=_skipped),
-                            m, params, is_leaf=lambda x: isinstance(x, bool))
-
     def init_fn(params):
-        ema = jax.tree.map(
-            lambda p, keep: p if _skipped(p) else (
-                jnp.zeros_like(p, dtype=state_dtype(None, p)) if keep
-                else optax.MaskedNode()),
-            params, leaf_mask(params), is_leaf=_skipped)
         return TailEmaState(count=jnp.zeros([], jnp.int32),
-                            blend=jnp.zeros([], _scalar_dtype(params)), ema=ema)
+                            blend=jnp.zeros([], _scalar_dtype(params)),
+                            ema=_copy_buffers(params, mask))
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -300,7 +348,216 @@ def tail_ema(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-_READOUTS = (EmaNesterovState, TailEmaState)
+def reference_interpolation(
+    capture: int,
+    start: int,
+    gamma: float = -0.075,
+    *,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+) -> optax.GradientTransformation:
+    r"""Copy the weights at update ``capture``; evaluate ``w + γ(w - w_capture)`` later.
+
+    A pass-through transformation (the update is unchanged) placed last in a chain: it
+    sees the post-step weights ``w = params + update``. After update number ``capture``
+    it keeps a copy ``ref = w``. From update ``start`` on, the weights to evaluate
+    (`eval_params`) are ``w + γ·(w - ref)`` on the interpolated leaves: ``γ < 0`` moves
+    them back toward the reference (``-γ`` of the way), ``γ > 0`` extrapolates past
+    ``w`` away from it. Before ``start``, and on the other leaves, they are ``w``.
+    Training never sees the reference: this changes what is evaluated and saved, not the
+    training weights. (The records add ``γ(w - ref)`` to the weights in place for each
+    validation and subtract it again after, which leaves them moved by the rounding of
+    that sum, in the param dtype; ours leaves them untouched.)
+
+    #42 (on #40's Aurora/EMA-Nesterov stack, claim at 2860 of a 2900-step schedule):
+    ``reference_interpolation(2375, 2850, -0.075)`` on every parameter; #38 (claim at
+    2900): ``reference_interpolation(2375, 2900, -0.075)``, evaluated after #38's tail
+    velocity (`tail_velocity`, before this in the chain: `eval_params` applies readouts
+    in the state's order). Inside `ema_nesterov`'s inner chain it sees (and evaluates)
+    the weights without the lookahead, as the records' copy after ``EMA_Nesterov.step``;
+    outside it, the lookahead point (the same in #42, where the lookahead ends at 1950).
+
+    The reference is float32 (float64 for float64 params; one copy of the interpolated
+    params in the state) and the readout is computed in it, then cast to the param's
+    dtype; the records keep the copy and compute the readout in the param's dtype
+    (bfloat16 for the token embedding).
+
+    Args:
+      capture: the update count (>= 1) after which the weights are copied.
+      start: the update count (>= ``capture``) from which the interpolation is evaluated.
+      gamma: ``γ``, a real number (#38, #42: -0.075, i.e. ``0.925 w + 0.075 ref``).
+      mask: which leaves to interpolate, as ``optax.masked``'s mask: a tree of bools with
+        the params' structure (or a prefix), or a callable ``params -> tree``; ``None``:
+        all (the records: every parameter).
+
+    Returns:
+      An ``optax.GradientTransformation`` with state `ReferenceInterpolationState`;
+      ``update`` needs ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"w": jnp.zeros(2)}
+      >>> tx = optax.chain(optax.sgd(1.0),
+      ...                  optax_snoo.reference_interpolation(capture=1, start=3, gamma=-0.5))
+      >>> state = tx.init(params)
+      >>> for _ in range(3):  # w: 0 -> -1 (copied) -> -2 -> -3
+      ...     updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> optax_snoo.eval_params(params, state)["w"].tolist()  # -3 + (-0.5)(-3 - (-1))
+      [-2.0, -2.0]
+
+    References:
+      Jordan et al., `modded-nanogpt Track 3 records #38 (results/20260520_tail_refinterp_2900,
+      apply_ref_extrap_weights) and #42 (results/20260525_aurora_ema_ref, fixed reference
+      interpolation)
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026.
+    """
+    check_int_at_least("reference_interpolation: capture", capture, 1)
+    check_int_at_least("reference_interpolation: start", start, capture)
+    known = concrete_real(gamma)
+    if callable(gamma) or (known is not None and not np.isfinite(known)):
+        raise ValueError(f"reference_interpolation: gamma must be a finite number, got "
+                         f"{gamma!r}")
+
+    def init_fn(params):
+        return ReferenceInterpolationState(count=jnp.zeros([], jnp.int32),
+                                           gamma=jnp.zeros([], _scalar_dtype(params)),
+                                           reference=_copy_buffers(params, mask))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("reference_interpolation: update needs params (the reference "
+                             "is params + updates)")
+        count = optax.safe_increment(state.count)
+
+        def leaf(r, p, u):
+            if _skipped(r):
+                return r
+            return jnp.where(count == capture, p.astype(r.dtype) + u.astype(r.dtype), r)
+
+        reference = jax.tree.map(leaf, state.reference, params, updates, is_leaf=_skipped)
+        weight = jnp.where(count >= start, gamma, 0.0).astype(state.gamma.dtype)
+        return updates, ReferenceInterpolationState(count=count, gamma=weight,
+                                                    reference=reference)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def tail_velocity(
+    start: int,
+    beta: float = 0.9,
+    gamma: float = -6.0,
+    max_ratio: float = 0.01,
+    *,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+) -> optax.GradientTransformation:
+    r"""Keep an EMA of the weights' late updates; evaluate a step along it.
+
+    A pass-through transformation (the update is unchanged) placed last in a chain: it
+    sees the weights' displacement ``d_t = w_t - w_{t-1}`` of each update (``params +
+    update`` rounded to the param's dtype, as ``optax.apply_updates`` stores it, minus
+    ``params``). From update ``start`` on it keeps the velocity ``v`` (0 after update
+    ``start``, then ``v ← β v + (1-β) d_t`` after each later update), and the weights to
+    evaluate (`eval_params`) are, per leaf,
+
+    ``w + γ·min(1, max_ratio·max(‖w‖, 1e-12)/max(‖v‖, 1e-12))·v``
+
+    (Frobenius norms of the whole leaf): a step along the recent direction of travel
+    (``γ < 0``: back along it), the velocity clipped to ``max_ratio`` of the weights'
+    norm before ``γ`` scales it. Before
+    ``start``, and on the other leaves, they are ``w``. Training never sees it: this
+    changes what is evaluated and saved, not the training weights. (The record adds the
+    step to the weights in place for each validation and subtracts it after, leaving
+    them moved by that sum's rounding; ours leaves them untouched.)
+
+    #38 (claim at 2900): ``tail_velocity(2500, 0.9, -6.0, 0.01, mask=<the hidden
+    matrices>)``, then ``reference_interpolation(2375, 2900, -0.075)`` of the result on
+    every parameter: put this one before it in the chain (`eval_params` applies readouts
+    in the state's order, as the record applies the velocity, then the interpolation).
+
+    The velocity is float32 (float64 for float64 params; one copy of the moved params
+    in the state, where the record keeps two: the previous weights and the velocity) and
+    the readout is computed in it, then cast to the param's dtype.
+
+    Args:
+      start: the update count (>= 1) after which the velocity starts (at 0).
+      beta: ``β`` in [0, 1), the velocity's EMA factor.
+      gamma: ``γ``, a real number: the step along ``v`` (#38: -6).
+      max_ratio: the clip (> 0): ``v`` is scaled down to at most ``max_ratio·‖w‖``
+        before ``γ`` multiplies it (#38: 0.01, so the step is at most 6% of ``‖w‖``).
+      mask: which leaves to move, as ``optax.masked``'s mask: a tree of bools with the
+        params' structure (or a prefix), or a callable ``params -> tree``; ``None``: all.
+
+    Returns:
+      An ``optax.GradientTransformation`` with state `TailVelocityState`; ``update``
+      needs ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"w": jnp.full(4, 10.0)}
+      >>> tx = optax.chain(optax.sgd(1.0), optax_snoo.tail_velocity(
+      ...     start=1, beta=0.5, gamma=-1.0, max_ratio=1.0))
+      >>> state = tx.init(params)
+      >>> for _ in range(3):  # w: 10 -> 9 -> 8 -> 7; v: 0 -> -0.5 -> -0.75
+      ...     updates, state = tx.update({"w": jnp.ones(4)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> optax_snoo.eval_params(params, state)["w"].tolist()  # 7 - (-0.75)
+      [7.75, 7.75, 7.75, 7.75]
+
+    References:
+      Jordan et al., `modded-nanogpt Track 3 record #38 (results/20260520_tail_refinterp_2900,
+      update_tail_velocity, apply_tail_velocity_weights)
+      <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+      2026.
+    """
+    check_int_at_least("tail_velocity: start", start, 1)
+    check_unit_interval("tail_velocity: beta", beta)
+    known = concrete_real(gamma)
+    if callable(gamma) or (known is not None and not np.isfinite(known)):
+        raise ValueError(f"tail_velocity: gamma must be a finite number, got {gamma!r}")
+    known = concrete_real(max_ratio)
+    if callable(max_ratio) or (known is not None and not (np.isfinite(known) and known > 0)):
+        raise ValueError(f"tail_velocity: max_ratio must be a finite number > 0, got "
+                         f"{max_ratio!r}")
+
+    def init_fn(params):
+        dtype = _scalar_dtype(params)
+        return TailVelocityState(count=jnp.zeros([], jnp.int32), gamma=jnp.zeros([], dtype),
+                                 max_ratio=jnp.asarray(max_ratio, dtype),
+                                 velocity=_copy_buffers(params, mask))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("tail_velocity: update needs params (the velocity is of "
+                             "params + updates - params)")
+        count = optax.safe_increment(state.count)
+        moving = count > start
+
+        def leaf(v, p, u):
+            if _skipped(v):
+                return v
+            moved = (p + u).astype(p.dtype)  # the weights as apply_updates stores them
+            d = moved.astype(v.dtype) - p.astype(v.dtype)
+            return jnp.where(moving, beta * v + (1.0 - beta) * d, v)
+
+        velocity = jax.tree.map(leaf, state.velocity, params, updates, is_leaf=_skipped)
+        weight = jnp.where(count >= start, gamma, 0.0).astype(state.gamma.dtype)
+        return updates, TailVelocityState(
+            count=count, gamma=weight,
+            max_ratio=jnp.asarray(max_ratio, state.max_ratio.dtype), velocity=velocity)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+_READOUTS = (EmaNesterovState, TailEmaState, ReferenceInterpolationState, TailVelocityState)
+# #38's clamp of both norms in the velocity's clip.
+_CLIP_EPS = 1e-12
+# Each readout state's scalar fields (boxed by an nnx.Optimizer) and its tree of buffers.
+_SCALARS = {EmaNesterovState: ("count", "lookahead"), TailEmaState: ("count", "blend"),
+            ReferenceInterpolationState: ("count", "gamma"),
+            TailVelocityState: ("count", "gamma", "max_ratio")}
+_BUFFERS = {EmaNesterovState: "displacement", TailEmaState: "ema",
+            ReferenceInterpolationState: "reference", TailVelocityState: "velocity"}
 
 
 def _holds_value(x: Any) -> bool:
@@ -332,8 +589,7 @@ def _as_readout(x: Any) -> Any:
         if kind is None:
             return None
         fields = dict(x)
-    scalars = ("count", "lookahead") if kind is EmaNesterovState else ("count", "blend")
-    return kind(**{k: _unbox(v) if k in scalars else v for k, v in fields.items()})
+    return kind(**{k: _unbox(v) if k in _SCALARS[kind] else v for k, v in fields.items()})
 
 
 def _by_path(tree: Any) -> list[tuple[tuple, Any]]:
@@ -352,7 +608,7 @@ def _broadcast(scalar: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _apply(params: Any, state: Any) -> Any:
-    tree = state.displacement if isinstance(state, EmaNesterovState) else state.ema
+    tree = getattr(state, _BUFFERS[type(state)])
     extras = {path: e for path, e in _by_path(tree) if not _skipped(e)}
     entries = [(path, p) for path, p in _by_path(params) if not _skipped(p)]
     name = type(state).__name__
@@ -375,8 +631,19 @@ def _apply(params: Any, state: Any) -> Any:
         pf = p.astype(_compute_dtype(p, extra))
         if isinstance(state, EmaNesterovState):
             out = pf - _broadcast(state.lookahead, pf) * extra.astype(pf.dtype)
-        else:
+        elif isinstance(state, TailEmaState):
             out = pf + _broadcast(state.blend, pf) * (extra - pf)
+        elif isinstance(state, TailVelocityState):
+            v = extra.astype(pf.dtype)
+            # the leaf's own norms (under over_replicas: each replica's)
+            axes = tuple(range(jnp.ndim(state.gamma), jnp.ndim(pf)))
+            norm = lambda x: jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x), axis=axes,
+                                                          keepdims=True)), _CLIP_EPS)
+            ratio = _broadcast(state.max_ratio, pf).astype(pf.dtype)
+            clip = jnp.minimum(ratio * norm(pf) / norm(v), 1.0)
+            out = pf + _broadcast(state.gamma, pf) * clip * v
+        else:
+            out = pf + _broadcast(state.gamma, pf) * (pf - extra)
         return out.astype(p.dtype)
 
     # the params' own tree (a box's one array is its only leaf), so the caller's types return
@@ -390,12 +657,15 @@ def _apply(params: Any, state: Any) -> Any:
 def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
     """The weights to evaluate: `params` with every readout in `opt_state` applied.
 
-    Finds every `EmaNesterovState` and `TailEmaState` in ``opt_state`` (inside a chain,
-    a partition, ``optax.MultiSteps``, ``optax.inject_hyperparams``, `snoo`, ...) in
-    depth-first order (an outer wrapper before what it wraps) and applies each: the
-    EMA-Nesterov lookahead is removed (``W = Y - β·b``), the tail EMA blended in
-    (``(1 - λ)·w + λ·ema``). Leaves a state does not cover (another partition group,
-    a masked leaf) are returned as they are. With no such state it returns ``params``,
+    Finds every `EmaNesterovState`, `TailEmaState`, `TailVelocityState` and
+    `ReferenceInterpolationState` in ``opt_state`` (inside a chain, a partition,
+    ``optax.MultiSteps``, ``optax.inject_hyperparams``, `snoo`, ...) in depth-first
+    order (an outer wrapper before what it wraps, a chain's transforms in order) and
+    applies each to the result of the ones before: the EMA-Nesterov lookahead is removed
+    (``W = Y - β·b``), the tail EMA blended in (``(1 - λ)·w + λ·ema``), the tail
+    velocity stepped along (``w + γ·clip·v``), the reference interpolated
+    (``w + γ(w - ref)``). Leaves a state does not cover (another partition group, a
+    masked leaf) are returned as they are. With no such state it returns ``params``,
     so a trainer can always evaluate and checkpoint ``eval_params(params, opt_state)``.
     jit-compatible; the params are not modified.
 
@@ -428,7 +698,7 @@ def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
       [1.0, 1.0]
 
     References:
-      Jordan et al., `modded-nanogpt Track 3 records #40 and #46
+      Jordan et al., `modded-nanogpt Track 3 records #38, #40, #42 and #46
       <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
       2026.
     """
@@ -436,6 +706,6 @@ def eval_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
         state = _as_readout(node)
         if isinstance(state, EmaNesterovState):
             params = eval_params(_apply(params, state), state.inner_state)
-        elif isinstance(state, TailEmaState):
+        elif state is not None:
             params = _apply(params, state)
     return params

@@ -69,6 +69,7 @@ from optax_snoo._src.newton_schulz import (
     _resolve_coefficients,
     leverage_balanced,
 )
+from optax_snoo._src.newton_schulz import tempered_polar as tempered
 from optax_snoo._src.utils import (
     check_float_dtype,
     check_non_negative,
@@ -154,6 +155,8 @@ def scale_by_muon(
     aurora_beta: float = 0.5,
     orthogonalize: bool = True,
     normuon_square: bool = True,
+    tempered_polar: float | optax.Schedule | None = None,
+    tempered_polar_max: float = 0.25,
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
 
@@ -166,6 +169,7 @@ def scale_by_muon(
         O = orthogonalize(v)                              # each matrix on its own
                                        # (O = v with orthogonalize=False, below)
                                        # (Aurora's polar(D v) if aurora_iterations, below)
+        O = temper(O, v)                                  # if tempered_polar (below)
         O = contra(O, v)                                  # if spectral_map="contra" (below)
         O = power(O, v)                                   # if spectral_map="power" (below)
         O = normuon(O)                                    # if beta2 (NorMuon, below)
@@ -291,6 +295,18 @@ def scale_by_muon(
         with ``spectral_map`` or ``aurora_iterations``, which read the polar factor.
       normuon_square: ``False``: NorMuon (``beta2``) skips square matrices, their
         update and ``ν`` left as they are (result #26 normalises only ``m != n``).
+      tempered_polar: ``None`` (off) or ``ρ`` >= 0, a number or a schedule of the update
+        count: Tempered Polar (modded-nanogpt Track 3 result #38, J. Clark, 2026), the
+        polar moved toward its own normalised input (`newton_schulz.tempered_polar`):
+        with ``‖·‖`` the Gram-Frobenius norm ``(Σσ⁴)^{1/4}`` (clamped at 1e-10),
+        ``R = v/‖v‖ - O`` and ``O ← O + ρ·min(1, tempered_polar_max·‖O‖/‖R‖)·R``,
+        rescaled to the polar's ``‖O‖``; after Aurora, before the spectral maps and
+        NorMuon, on the matrix the iteration received (after ``precondition``). #38:
+        ``optax.linear_schedule(0.0, 0.05, 200, 2600)``, ``tempered_polar_max=0.25``.
+        In float32 (float64 for float64 input), rounded to ``ns_dtype`` as the record
+        rounds it to its bfloat16 polar; the matrices travel to their owners in float32
+        under the sharded plan (``v`` is read at full precision, as the record).
+      tempered_polar_max: the clip (> 0) of ``‖R‖`` relative to ``‖O‖`` (#38: 0.25).
 
     Returns:
       An ``optax.GradientTransformation`` with state `MuonState`.
@@ -336,13 +352,22 @@ def scale_by_muon(
     if spectral_map != "power" and input_scale_now not in (None, 1.0):
         raise ValueError(f"spectral_input_scale={spectral_input_scale!r} is read only by "
                          f"spectral_map='power', got spectral_map={spectral_map!r}.")
-    if spectral_map == "power" and (precondition is not None or aurora_iterations is not None):
+    if spectral_map == "power" and (precondition is not None or aurora_iterations is not None
+                                    or tempered_polar is not None):
         raise ValueError("spectral_map='power' orthogonalises its own normalised input: it "
-                         "does not combine with precondition or aurora_iterations.")
-    if not orthogonalize and (spectral_map is not None or aurora_iterations is not None):
+                         "does not combine with precondition, aurora_iterations or "
+                         "tempered_polar.")
+    if not orthogonalize and (spectral_map is not None or aurora_iterations is not None
+                              or tempered_polar is not None):
         raise ValueError(f"orthogonalize=False (no Newton-Schulz) does not combine with "
-                         f"spectral_map={spectral_map!r} or aurora_iterations="
-                         f"{aurora_iterations!r}: both read the polar factor.")
+                         f"spectral_map={spectral_map!r}, aurora_iterations="
+                         f"{aurora_iterations!r} or tempered_polar={tempered_polar!r}: they "
+                         f"read the polar factor.")
+    check_non_negative("tempered_polar", tempered_polar, allow_none=True)
+    max_now = concrete_real(tempered_polar_max)
+    if callable(tempered_polar_max) or (max_now is not None and not max_now > 0):
+        raise ValueError(f"tempered_polar_max must be a number > 0, got "
+                         f"{tempered_polar_max!r}.")
     if isinstance(aurora_iterations, jax.Array):  # what inject_hyperparams makes of an int
         raise ValueError(f"aurora_iterations (a number of Newton-Schulz rounds) must be a "
                          f"Python int, got an array {aurora_iterations!r}: under "
@@ -388,6 +413,9 @@ def scale_by_muon(
         transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
     if not orthogonalize:
         newton_schulz = _as_given
+        transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
+    if tempered_polar is not None:
+        # the residual reads v itself (the record's float32 momentum), not its bf16 copy
         transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
 
     def init_fn(params: optax.Params) -> MuonState:
@@ -443,8 +471,13 @@ def scale_by_muon(
             owned = dict(precondition=precondition, grads=grads, count=count,
                          leaf_states=treedef.flatten_up_to(pre_state.leaves),
                          owned=pre_state.owned, flags=flags_of(paths, treedef))
+        polar = newton_schulz
+        if tempered_polar is not None:
+            polar = functools.partial(tempered, newton_schulz=newton_schulz,
+                                      rho=value_at(tempered_polar, count),
+                                      max_delta=tempered_polar_max, round_dtype=ns_dt)
         ortho, leaf_states, owned_states = orthogonalize_leaves(
-            ns_inputs, leaf_axes, placements, newton_schulz=newton_schulz, ns_dtype=transfer_dtype,
+            ns_inputs, leaf_axes, placements, newton_schulz=polar, ns_dtype=transfer_dtype,
             mesh=spread_mesh, split=shard_newton_schulz, **owned)
         if per_matrix:
             pre_state = OwnedPreconditionState(treedef.unflatten(leaf_states), owned_states)

@@ -1,7 +1,8 @@
 """Newton-Schulz orthogonalisation: the coefficient presets and the iteration.
 
 `orthogonalize` (public) and `_newton_schulz` (its jitted body, what `scale_by_muon` runs),
-Aurora's leverage-balanced polar around it (`leverage_balanced`), the coefficient presets
+Aurora's leverage-balanced polar and #38's tempered polar around it (`leverage_balanced`,
+`tempered_polar`), the coefficient presets
 (``"keller"``, ``"modded"``, ``"polar_express"``), the Gram-norm normalisation of
 modded-nanogpt Track 3 and the checks of ``matrix_axes`` shared by Muon's transforms.
 
@@ -14,6 +15,9 @@ References:
 
   Tilde Research, `Aurora <https://github.com/tilde-research/aurora-release>`_, 2026;
   modded-nanogpt Track 3 result #17 (``results/20260505_aurora``), 2026
+
+  Clark, modded-nanogpt Track 3 result #38 (``results/20260520_tail_refinterp_2900``,
+  ``apply_tempered_polar``), 2026
 """
 
 from __future__ import annotations
@@ -295,3 +299,35 @@ def leverage_balanced(x: jax.Array, newton_schulz: Callable[[jax.Array], jax.Arr
             line_sq = jnp.sum(jnp.square(u.astype(dtype)), axis=short, keepdims=True)
             d = d * (target / jnp.maximum(line_sq, eps * eps)) ** beta
     return u
+
+
+# #38's clamp of the three norms in its tempered polar.
+_TEMPER_EPS = 1e-10
+
+
+def tempered_polar(x: jax.Array, newton_schulz: Callable[[jax.Array], jax.Array],
+                   rho: jax.typing.ArrayLike, max_delta: float,
+                   round_dtype: Any = None) -> jax.Array:
+    """Tempered polar of the last two axes: ``U = newton_schulz(X)`` moved toward ``X``.
+
+    With ``‖·‖`` the Gram-Frobenius norm (`gram_frobenius_norm`, ``(Σσ⁴)^{1/4}``, clamped
+    at 1e-10), ``P = X/‖X‖`` and ``R = P - U``:
+    ``M = U + ρ·min(1, max_delta·‖U‖/‖R‖)·R``, rescaled to ``‖U‖``: a little of the
+    input's spectrum (its large singular values larger) comes back into the polar, the
+    step's size unchanged. ``ρ = 0`` returns ``U``. Computed in float32 (float64 for
+    float64 input) and rounded to ``round_dtype`` where that is narrower, as the record
+    casts the result back to its bfloat16 polar.
+    """
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    u = newton_schulz(x)
+    uf, xf = u.astype(dtype), x.astype(dtype)
+    norm = gram_frobenius_norm(uf, _TEMPER_EPS)
+    residual = xf / gram_frobenius_norm(xf, _TEMPER_EPS) - uf
+    clip = jnp.minimum(max_delta * norm / gram_frobenius_norm(residual, _TEMPER_EPS), 1.0)
+    rho = jnp.asarray(rho, dtype)
+    mixed = uf + rho * residual * clip
+    mixed = mixed * (norm / gram_frobenius_norm(mixed, _TEMPER_EPS))
+    if round_dtype is not None and jnp.finfo(round_dtype).bits < jnp.finfo(dtype).bits:
+        info = jnp.finfo(round_dtype)
+        mixed = jax.lax.reduce_precision(mixed, info.nexp, info.nmant)
+    return jnp.where(rho == 0, uf, mixed).astype(u.dtype)

@@ -1,15 +1,16 @@
 """Radius steps: the learning-rate step of modded-nanogpt Track 3's hidden matrices.
 
-Records #5 (MuonH), #9 (u/w floor), #29 (radial brake and radius pin) and #46 (RowFloor,
-cautious weight decay after the pin) of modded-nanogpt's optimization track act on the
-*radius* ``‖W‖`` of each hidden matrix. None of them is additive in the learning rate
-(the pin rescales the post-step weight, the hyperball's step is relative to ``‖W‖``), so
+Records #5 (MuonH), #9 (u/w floor), #29 (radial brake and radius pin; #38 ramps the brake
+and floor late) and #46 (RowFloor, cautious weight decay after the pin) of
+modded-nanogpt's optimization track act on the *radius* ``‖W‖`` of each hidden matrix.
+None of them is additive in the learning rate (the pin rescales the post-step weight,
+the hyperball's step is relative to ``‖W‖``), so
 they are one transform, `radius_steps`, that takes the learning rate and produces the
 final update. It stands where ``optax.scale_by_learning_rate`` would:
 ``chain(scale_by_muon(...), radius_steps(lr, ...))``.
 
 References:
-  Jordan et al., `modded-nanogpt Track 3 (optimization) records #5, #9, #29, #46
+  Jordan et al., `modded-nanogpt Track 3 (optimization) records #5, #9, #29, #38, #46
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026.
 """
@@ -59,8 +60,8 @@ def _skipped(x: Any) -> bool:
 def radius_steps(
     learning_rate: ScalarOrSchedule,
     *,
-    brake: float | None = 0.5,
-    floor: float | None = 0.3825,
+    brake: ScalarOrSchedule | None = 0.5,
+    floor: ScalarOrSchedule | None = 0.3825,
     floor_per: str = "fan_out",
     pin: str | None = "first_order",
     cautious_weight_decay: ScalarOrSchedule = 0.025,
@@ -106,11 +107,17 @@ def radius_steps(
     #46's Muon group is ``radius_steps(lr)`` (the defaults); #29's is
     ``radius_steps(lr, floor_per="matrix", cautious_weight_decay=0.0)``; MuonH's is
     ``radius_steps(lr, brake=None, floor=None, pin="initial", cautious_weight_decay=0.0)``.
+    #38 ramps the brake and the floor late in training (schedules of the update count):
+    ``radius_steps(lr, brake=optax.linear_schedule(0.5, 0.4, 500, 2400),
+    floor=optax.linear_schedule(0.3825, 0.4, 400, 2400), floor_per="matrix",
+    cautious_weight_decay=0.0)``.
 
     Args:
       learning_rate: ``lr``, a float >= 0 or a schedule of the update count.
-      brake: factor on the outward radial component (``None``: no brake; 1.0 is the same).
-      floor: the floor target ``t`` on ``‖O‖/‖W‖`` (``None``: no floor).
+      brake: factor on the outward radial component, a float >= 0 or a schedule of the
+        update count (``None``: no brake; 1.0 is the same).
+      floor: the floor target ``t`` on ``‖O‖/‖W‖``, a float >= 0 or a schedule of the
+        update count (``None``: no floor).
       floor_per: ``"matrix"`` (the scalar floor of #9) or ``"fan_out"`` (RowFloor, #46).
       pin: ``"first_order"``, ``"initial"`` (the hyperball), ``"current"`` (the hyperball
         at the present radius) or ``None``.
@@ -146,7 +153,8 @@ def radius_steps(
 
     References:
       Jordan et al., `modded-nanogpt Track 3 records #5 (MuonH), #9 (u/w floor), #29
-      (radial brake, radius pin), #46 (RowFloor, post-pin cautious weight decay)
+      (radial brake, radius pin), #38 (the brake and floor ramped late), #46 (RowFloor,
+      post-pin cautious weight decay)
       <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
       2026.
       Chen et al., `Cautious Weight Decay <https://arxiv.org/abs/2510.12402>`_, 2025.
@@ -188,12 +196,15 @@ def radius_steps(
                    else optax.EmptyState())
         return RadiusStepsState(count=jnp.zeros([], jnp.int32), initial_radius=initial)
 
-    def step(o: jax.Array, w: jax.Array, r0: Any, lr: jax.Array, wd: jax.Array) -> jax.Array:
+    def step(o: jax.Array, w: jax.Array, r0: Any, lr: jax.Array, wd: jax.Array,
+             brake: Any, floor: Any) -> jax.Array:
         ax = leaf_axes(w)
         dt = jnp.promote_types(state_dtype(None, o), state_dtype(None, w))
         of, wf = o.astype(dt), w.astype(dt)
         # the schedules' values in the leaf's arithmetic (float64 ones are not rounded)
         lr, wd = jnp.asarray(lr, dt), jnp.asarray(wd, dt)
+        brake = None if brake is None else jnp.asarray(brake, dt)
+        floor = None if floor is None else jnp.asarray(floor, dt)
 
         def inner(x, y):
             return jnp.sum(x * y, axis=ax, keepdims=True)
@@ -234,8 +245,11 @@ def radius_steps(
         count = state.count
         lr = jnp.asarray(value_at(learning_rate, count))
         wd = jnp.asarray(value_at(cautious_weight_decay, count))
+        brake_t = None if brake is None else jnp.asarray(value_at(brake, count))
+        floor_t = None if floor is None else jnp.asarray(value_at(floor, count))
+
         def leaf(o, w, r0=None):
-            return o if _skipped(o) else step(o, w, r0, lr, wd)
+            return o if _skipped(o) else step(o, w, r0, lr, wd, brake_t, floor_t)
 
         if pin == "initial":
             new = jax.tree.map(leaf, updates, params, state.initial_radius, is_leaf=_skipped)

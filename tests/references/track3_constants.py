@@ -507,3 +507,57 @@ class R35(R21):
     #                                 pkg: matrix_functions_types.py:61-62 atol 0, rtol 0
     graft_b2 = 0.9                  # log:275-276
     graft_eps = 1e-15               # log:277
+class R42:
+    """#42, fixed reference interpolation on #40's Aurora/EMA-Nesterov stack (2900-step
+    schedule, loss claimed at 2860): results/20260525_aurora_ema_ref/
+    train_gpt_simple_aurora_ema_ref.py (its logs run it, ``--seed`` only)."""
+
+    script = "results/20260525_aurora_ema_ref/train_gpt_simple_aurora_ema_ref.py"
+    steps = 2900                    # script:45 TRAIN_STEPS
+    claim = 2860                    # script:46 RUN_STOP_STEP
+    schedule_steps = 2980           # script:47 SCHEDULE_STEPS (PowerCool's t_end, :690)
+    power = 1.2                     # script:48 LR_POWER
+    embed_c = 4.976805410800738e-05   # script:53 ADAM_EMBED_POWER_C
+    embed_lr = 0.3                  # script:661 (the group EMA_Nesterov reads its lr ratio
+                                    # from, :524)
+    ref_capture = 2375              # script:49 REF_CAPTURE_STEP (after update step + 1, :843)
+    ref_start = 2850                # script:50 REF_APPLY_START_STEP (step >= it, :741)
+    ref_gamma = -0.075              # script:51 REF_GAMMA (p + (p - ref) * gamma, :755)
+    val_every = 125                 # script:639 val_regular_interval
+    val_extra = (2850, 2860)        # script:640 extra_val_steps
+    lookahead = 0.3                 # script:80 EMA_NESTEROV_STEPSIZE
+    lookahead_ema = 0.99            # script:81
+    lookahead_prefill = 300         # script:82
+    lookahead_stop = 2900 - 950     # script:83 EMA_NESTEROV_REST_STEP
+
+
+class R38:
+    """#38, tail reference interpolation at 2900 on PR #300's Aurora-on-mlp.proj stack
+    (3020-step schedule, loss claimed at 2900): results/20260520_tail_refinterp_2900/
+    train_gpt_tail_refinterp_2900.py (its run.sh sets these same values)."""
+
+    script = "results/20260520_tail_refinterp_2900/train_gpt_tail_refinterp_2900.py"
+    steps = 2900                    # script:67 FINAL_TRAIN_STEPS
+    schedule_steps = 3020           # script:68 FINAL_SCHEDULE_STEPS
+    power = 1.2                     # script:69 FINAL_LR_POWER
+    muon_c = 3.3169534699576625e-06   # script:73 MUON_POWER_C
+    muon_lr = 0.0375                # script:87 MUON_LR
+    vel_start = 2500                # script:192 TAIL_VEL_START_STEP (update_tail_velocity
+                                    # after update step + 1, :1736; applied at step >= it)
+    vel_beta = 0.90                 # script:193 TAIL_VEL_BETA
+    vel_gamma = -6.0                # script:194 TAIL_VEL_GAMMA
+    vel_max_ratio = 0.01            # script:195 TAIL_VEL_MAX_DELTA_RATIO
+    vel_norm_eps = 1e-12            # script:1366-1367 clamp_min(1e-12)
+    ref_capture = 2375              # script:211 REF_EXTRAP_CAPTURE_STEP (:1737)
+    ref_gamma = -0.075              # script:212 REF_EXTRAP_GAMMA
+    ref_start = 2900                # script:213 REF_EXTRAP_APPLY_START_STEP
+    tempered_rho = 0.05             # script:155 TEMPERED_POLAR_RHO
+    tempered_max_delta = 0.25       # script:156 TEMPERED_POLAR_MAX_DELTA
+    tempered_ramp = (2600, 2800)    # script:160-161 TEMPERED_POLAR_RAMP_{START,END}_STEP
+    tempered_eps = 1e-10            # script:920, 922 clamp_min(1e-10)
+    brake = 0.5                     # script:137 RADIAL_OUTWARD_SCALE
+    brake_late = 0.4                # script:139 RADIAL_OUTWARD_SCALE_LATE
+    brake_ramp = (2400, 2900)       # script:140-141 RADIAL_DECAY_{START,END}_STEP
+    floor = 0.3825                  # script:95 TARGET_UW
+    floor_late = 0.400              # script:96 TARGET_UW_LATE
+    floor_ramp = (2400, 2800)       # script:97-98 TARGET_UW_RAMP_{START,END}_STEP

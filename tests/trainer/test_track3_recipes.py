@@ -6,6 +6,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import optax_snoo
@@ -41,6 +42,24 @@ def test_readout_is_zero_cost_without_a_wrapper():
     params = {"w": jnp.ones((2, 2))}
     state = types.SimpleNamespace(params=params, opt_state=optax_snoo.muon(0.1).init(params))
     assert make_readout(state.opt_state)(state) is state.params
+
+
+@pytest.mark.parametrize("readout", ["reference_interpolation", "tail_velocity"])
+def test_readout_of_each_late_readout(readout):
+    """A reference interpolation or a tail velocity alone is a readout: evaluated, not
+    the params (w: 0 -> -1 -> -2; -2 - 0.5 (-2 + 1) and -2 - 0.5 (-0.5))."""
+    params = {"w": jnp.zeros((2, 2))}
+    last = {"reference_interpolation": optax_snoo.reference_interpolation(1, 2, -0.5),
+            "tail_velocity": optax_snoo.tail_velocity(1, 0.5, -0.5, 1.0)}[readout]
+    tx = optax.chain(optax.sgd(1.0), last)
+    opt_state = tx.init(params)
+    for _ in range(2):
+        updates, opt_state = tx.update({"w": jnp.ones((2, 2))}, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    state = types.SimpleNamespace(params=params, opt_state=opt_state)
+    np.testing.assert_array_equal(make_readout(opt_state)(state)["w"],
+                                  {"reference_interpolation": -1.5,
+                                   "tail_velocity": -1.75}[readout])
 
 
 def test_run_evaluates_samples_and_restores_the_readout(corpus, tmp_path, monkeypatch):
