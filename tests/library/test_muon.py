@@ -910,6 +910,16 @@ def test_without_orthogonalize_the_direction_is_the_input_itself():
     np.testing.assert_allclose(np.asarray(run_in_float64(scaled, g)), 3**0.5 * g, rtol=1e-15)
 
 
+@pytest.mark.parametrize("kw", [dict(spectral_map="contra"), dict(aurora_iterations=2),
+                                dict(tempered_polar=0.05)])
+def test_without_orthogonalize_what_reads_the_polar_is_refused(kw):
+    """Contra, Aurora and Tempered-Polar each read the polar factor ``orthogonalize=False``
+    does not compute: refused at construction, naming the setting."""
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"orthogonalize=False .*{name}={kw[name]!r}"):
+        scale_by_muon(orthogonalize=False, **kw)
+
+
 def test_normuon_square_false_skips_square_matrices_only():
     """``normuon_square=False``: a square matrix's update and ``ν`` are those without
     NorMuon; a non-square one is normalised as with ``normuon_square=True``."""
