@@ -78,6 +78,7 @@ from optax_snoo._src.snoo import (
     snoo,
     snoo_is_sync_step,
 )
+from optax_snoo._src.soap import SoapState, scale_by_soap, soap
 from optax_snoo._src.soap_muon import SoapMatrixState, soap_muon, soap_whitening
 from optax_snoo._src.weight_decay import (
     DecoupledWeightDecayState,
@@ -112,6 +113,7 @@ __all__ = [
     "ScaleBySkewAdamState",
     "SnooState",
     "SoapMatrixState",
+    "SoapState",
     "TailEmaState",
     "adam_group",
     "add_decoupled_weight_decay",
@@ -156,11 +158,13 @@ __all__ = [
     "scale_by_qk_clip",
     "scale_by_second_moment",
     "scale_by_skew_adam",
+    "scale_by_soap",
     "skew_adam",
     "skew_adam_roles",
     "skip_update",
     "snoo",
     "snoo_is_sync_step",
+    "soap",
     "soap_muon",
     "soap_whitening",
     "stable_cooldown_schedule",

@@ -74,6 +74,7 @@ from optax_snoo._src.recipes.track3_soap import (
     track3_soap_muon,
     track3_soap_muon_record,
 )
+from optax_snoo._src.recipes.track3_soaph import track3_soaph
 
 __all__ = [
     "KFAC_LABEL_RULES",
@@ -127,6 +128,7 @@ __all__ = [
     "track3_record",
     "track3_soap_muon",
     "track3_soap_muon_record",
+    "track3_soaph",
     "track3_spectral_descent",
     "with_snoo",
 ]

@@ -375,3 +375,26 @@ class R33:
     adam_eps = 1e-10                # log:340
     adam_cooldown_frac = 0.5        # log:352 int(train_steps * (1 - 0.5))
     adam_final_scale = 0.1          # log:356 1.0 - t * 0.9
+
+
+class R27:
+    """#27, SOAP-H (3125 steps): results/20260518_soaph/train_gpt_simple_soaph.py (the
+    script of its logs SOAPH_run1..6.txt, equal to it up to their first ``====`` line)."""
+
+    log = "results/20260518_soaph/train_gpt_simple_soaph.py"
+    steps = 3125                    # log:456 train_steps
+    lr_steps = 3200                 # log:457 lr_steps (the matrices' schedule_steps, :509)
+    lr = 0.018                      # log:458
+    lr_power = 1.25                 # log:459 (the matrices' lr_power, :510; _eta :520-525)
+    lr_floor = 0.0                  # log:460
+    momentum = 0.95                 # log:243 SOAPH(momentum=0.95): lerp_(grad, 1 - momentum)
+    ema_beta = 0.9                  # log:242: L, R (:205-217) and the square buffer (:224-228)
+    eps = 1e-8                      # log:245; :231 sqrt(V).add(eps)
+    q_freq = 1                      # log:244; :355 step % q_freq == 0 (step from 1, :339)
+    hyperball_eps = 1e-10           # log:246; :167-168 torch.clamp(norm, min=eps)
+    embed_lr = 0.3                  # log:490
+    head_lr = 1 / 320               # log:491
+    vector_lr = 0.01                # log:492
+    adam_betas = (0.8, 0.95)        # log:493
+    adam_eps = 1e-10                # log:493
+    adam_cooldown_frac = 0.4        # log:514 (schedule_steps train_steps, power 1, floor 0)
