@@ -240,5 +240,7 @@ def test_the_defaults_are_result_27s():
     assert (t.embed_learning_rate, t.head_learning_rate, t.vector_learning_rate,
             (t.adam_b1, t.adam_b2), t.adam_eps) == (
         R27.embed_lr, R27.head_lr, R27.vector_lr, R27.adam_betas, R27.adam_eps)
+    assert (t.factor_update, t.adam_lr_steps, t.adam_lr_power, t.adam_lr_floor) == (
+        "gram", R27.steps, R27.adam_lr_power, R27.adam_lr_floor)
     assert recipes.track3_soaph.record_steps == R27.steps
     assert recipes.track3_soaph.defaults.scaled(T).soap_lr_steps == LR_STEPS

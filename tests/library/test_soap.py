@@ -22,12 +22,13 @@ PARAMS = {"a": 0.5 * jax.random.normal(jax.random.key(3), (6, 6)),
           "b": 0.3 * jax.random.normal(jax.random.key(7), (2, 5, 5))}
 
 
-def test_optax_matrix(tmp_path):
+@pytest.mark.parametrize("factor_update", ["gram", "kl"])
+def test_optax_matrix(tmp_path, factor_update):
     # At the first update the bases are the gradient's singular vectors, so Q_Lᵀ G Q_R is
     # diagonal up to rounding and the other entries of U are that rounding over
     # sqrt(V) + eps: float32 and float64 runs agree only where eps is far above float32's
     # rounding of G (the log's 1e-8 is not; see scale_by_soap).
-    tx = soap(optax.linear_schedule(0.05, 0.01, 10), eps=1e-3)
+    tx = soap(optax.linear_schedule(0.05, 0.01, 10), eps=1e-3, factor_update=factor_update)
     f64 = dict(float64=tx)  # the state follows the params' dtype: float64 params, float64 run
     m.check_jit_matches_eager(tx, PARAMS, steps=4, **f64)
     m.check_state_stable(tx, PARAMS, steps=3)
@@ -115,10 +116,32 @@ def test_properties():
     assert float(jnp.sum(u[-1]["w"] * g["w"])) > 0
 
 
+def test_kl_first_update_builds_statistics_only():
+    """KL-SOAP's first update returns zeros and leaves the moments out; its factors are
+    the first gradient's Grams over the other side's size, its inverse roots 0.1^-1/2."""
+    g = {"w": jnp.asarray(np.random.default_rng(2).standard_normal((6, 4)), jnp.float32)}
+    tx = scale_by_soap(factor_update="kl")
+    state = tx.init(g)
+    assert state.kl_inverse_roots["w"][0].shape == (4,)
+    u, state = tx.update(g, state)
+    np.testing.assert_array_equal(np.asarray(u["w"]), 0.0)
+    np.testing.assert_array_equal(np.asarray(state.mu["w"]), 0.0)
+    G = g["w"].T  # the record's (out, in) view
+    np.testing.assert_allclose(state.matrices["w"].gram_out, G @ G.T / 6, rtol=1e-5)
+    np.testing.assert_allclose(state.matrices["w"].gram_in, G.T @ G / 4, rtol=1e-5)
+    for r in state.kl_inverse_roots["w"]:
+        np.testing.assert_allclose(r, 0.1 ** -0.5, rtol=1e-6)
+    u, state = tx.update(g, state)
+    assert float(jnp.sum(u["w"] * g["w"])) > 0
+    assert isinstance(scale_by_soap().init(g).kl_inverse_roots, optax.EmptyState)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(b1=1.0), "b1 must be in"), (dict(b2=-0.1), "b2 must be in"),
     (dict(shampoo_beta=1.5), "shampoo_beta must be in"), (dict(eps=0.0), "eps must be > 0"),
     (dict(precondition_frequency=0), "precondition_frequency must be an int >= 1"),
+    (dict(factor_update="shampoo"), r"factor_update must be one of \('gram', 'kl'\), got "
+                                    "'shampoo'"),
     (dict(matrix_axes=(1, 1)), "matrix_axes must be two distinct ints")])
 def test_bad_hyperparameters_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
