@@ -109,6 +109,9 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "track3_psgd": ("33", 3400, ("init=hyperball",)),
     "track3_shampoo": ("21", 4100, ()),
     "track3_shampoo_pinv": ("35", 3375, ()),
+    "track3_soaph": ("27", 3125, ("init=hyperball",)),
+    "track3_klsoap": ("19", 3125, ("init=hyperball",)),
+    "track3_klsoap_power_decay": ("25", 3040, ("init=hyperball",)),
 }
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
 MISTAKE_EXIT_STATUS = 2

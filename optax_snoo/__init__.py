@@ -96,6 +96,7 @@ from optax_snoo._src.snoo import (
     snoo,
     snoo_is_sync_step,
 )
+from optax_snoo._src.soap import SoapState, scale_by_soap, soap
 from optax_snoo._src.soap_muon import SoapMatrixState, soap_muon, soap_whitening
 from optax_snoo._src.trajectory import (
     PullToInitState,
@@ -142,6 +143,7 @@ __all__ = [
     "ShampooState",
     "SnooState",
     "SoapMatrixState",
+    "SoapState",
     "TailEmaState",
     "TailVelocityState",
     "adam_group",
@@ -194,6 +196,7 @@ __all__ = [
     "scale_by_shampoo",
     "scale_by_sinksoap",
     "scale_by_skew_adam",
+    "scale_by_soap",
     "shampoo",
     "shampoo_inverse_root",
     "sinkhorn_balance",
@@ -203,6 +206,7 @@ __all__ = [
     "skip_update",
     "snoo",
     "snoo_is_sync_step",
+    "soap",
     "soap_muon",
     "soap_whitening",
     "stable_cooldown_schedule",

@@ -77,6 +77,11 @@ from optax_snoo._src.recipes.track3_soap import (
     track3_soap_muon,
     track3_soap_muon_record,
 )
+from optax_snoo._src.recipes.track3_soaph import (
+    track3_klsoap,
+    track3_klsoap_power_decay,
+    track3_soaph,
+)
 
 __all__ = [
     "KFAC_LABEL_RULES",
@@ -123,6 +128,8 @@ __all__ = [
     "track3_baseline",
     "track3_contra_muon",
     "track3_dynmuon",
+    "track3_klsoap",
+    "track3_klsoap_power_decay",
     "track3_muon_squared",
     "track3_newton_muon",
     "track3_normuon_floor",
@@ -134,6 +141,7 @@ __all__ = [
     "track3_sinksoap",
     "track3_soap_muon",
     "track3_soap_muon_record",
+    "track3_soaph",
     "track3_spectral_descent",
     "with_snoo",
 ]

@@ -217,13 +217,16 @@ def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,
 
 
 def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac: float = 0.7,
-                             final_lr_scale: float = 0.0, *, warmup_steps: int = 0
-                             ) -> optax.Schedule:
-    """Constant, then a linear cooldown over the last `cooldown_frac` of training.
+                             final_lr_scale: float = 0.0, *, warmup_steps: int = 0,
+                             power: float = 1.0) -> optax.Schedule:
+    """Constant, then a linear (or power-law) cooldown over the last `cooldown_frac`.
 
     The multiplier at step `t` of `T` is 1 while `t/T < 1 - cooldown_frac`, then
     `(1 - t/T) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale`; with a warm-up,
-    times `min(1, (t + 1) / warmup_steps)` (Track 3 #2's `set_hparams`).
+    times `min(1, (t + 1) / warmup_steps)` (Track 3 #2's `set_hparams`). With
+    `power != 1` the cooldown is `f + (1 - f)·max(0, (1 - t/T)/cooldown_frac)^power`
+    (`f = final_lr_scale`; Track 3 #27's `_eta`: 1.25 over 3200 steps of a 3125-step run;
+    #25's: 1.5 with floors 0.017 and 0.04), which stays at `f` after `T`.
 
     Args:
       peak_value: the learning rate before the cooldown.
@@ -231,6 +234,7 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
       cooldown_frac: fraction of `T` spent cooling down, in (0, 1].
       final_lr_scale: multiplier reached at `t = T` (record: 0 in PR #128, 0.01 later).
       warmup_steps: length of a linear warm-up from `peak/warmup_steps` (0: none).
+      power: the cooldown's exponent (> 0; 1: linear).
 
     Returns:
       A schedule `step -> learning rate`.
@@ -250,11 +254,16 @@ def stable_cooldown_schedule(peak_value: float, total_steps: int, cooldown_frac:
         raise ValueError(f"cooldown_frac must be in (0, 1], got {cooldown_frac!r}")
     if not 0 <= final_lr_scale <= 1:
         raise ValueError(f"final_lr_scale must be in [0, 1], got {final_lr_scale!r}")
+    check_positive("power", power)
 
     def schedule(count):
         t = jnp.asarray(count, jnp.result_type(float))  # float64 under x64
         x = t / total_steps
-        cooling = (1 - x) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale
+        if power == 1.0:
+            cooling = (1 - x) / cooldown_frac * (1 - final_lr_scale) + final_lr_scale
+        else:  # clamped: a fractional power of a negative base is NaN
+            base = jnp.maximum((1 - x) / cooldown_frac, 0.0)
+            cooling = final_lr_scale + (1 - final_lr_scale) * base ** power
         lr = peak_value * jnp.where(x < 1 - cooldown_frac, 1.0, cooling)
         return lr if warmup_steps == 0 else lr * jnp.minimum(1.0, (t + 1) / warmup_steps)
 

@@ -77,6 +77,12 @@ def _sorted_power_qr(gram: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.
     return q, order
 
 
+def _power_qr(gram: jax.Array, basis: jax.Array) -> jax.Array:
+    """One refresh of a basis in its columns' order: ``qr(L Q).Q`` (SOAP's refresh as
+    Track 3 #19, #25, #27 write it: no sort, so no permutation of the second moment)."""
+    return jnp.linalg.qr(_mm("...ij,...jk->...ik", gram, basis))[0]
+
+
 class SoapMatrixState(NamedTuple):
     """State of `soap_whitening` for a batch of matrices ``(..., out, in)``: the record's
     layout, ``out`` our fan_out axis and ``in`` our fan_in axis; the batch is the leaf's

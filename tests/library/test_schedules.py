@@ -201,7 +201,29 @@ def test_stable_cooldown_matches_the_records(cooldown_frac, final):
         pytest.approx(0.03 * final, abs=1e-9))
 
 
+def record_eta(progress, cooldown_frac, power, floor):
+    """Track 3 #27's ``_eta`` (train_gpt_simple_soaph.py:520-525) = #25's ``set_hparams``
+    (train_gpt_simple_klsoap_h_lr_power_decay.py:422-433), in float64."""
+    if progress < 1.0 - cooldown_frac:
+        return 1.0
+    x = max(0.0, (1.0 - progress) / cooldown_frac)
+    return floor + (1.0 - floor) * x ** power
+
+
+@pytest.mark.parametrize("total, cooldown_frac, power, floor", [
+    (3200, 1.0, 1.25, 0.0), (3125, 1.0, 1.5, 0.017), (3125, 0.4, 1.5, 0.04)])
+def test_stable_cooldown_power_matches_the_records_eta(total, cooldown_frac, power, floor):
+    # #27 trains 3125 steps on a 3200-step schedule, #25 3040 on 3125: past the end too.
+    steps = np.concatenate([np.arange(0, total + 1, 7), [total - 1, total, total + 40]])
+    sched = stable_cooldown_schedule(0.018, total, cooldown_frac, floor, power=power)
+    got = values(sched, steps)
+    want = np.array([0.018 * record_eta(t / total, cooldown_frac, power, floor)
+                     for t in steps])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    ({"power": 0.0}, "power must be > 0"),
     ({"total_steps": 0}, "total_steps must be an int >= 1, got 0"),
     ({"total_steps": True}, "total_steps must be an int >= 1, got True"),
     ({"cooldown_frac": 0.0}, r"cooldown_frac must be in \(0, 1\]"),

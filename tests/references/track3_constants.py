@@ -561,3 +561,68 @@ class R38:
     floor = 0.3825                  # script:95 TARGET_UW
     floor_late = 0.400              # script:96 TARGET_UW_LATE
     floor_ramp = (2400, 2800)       # script:97-98 TARGET_UW_RAMP_{START,END}_STEP
+class R27:
+    """#27, SOAP-H (3125 steps): results/20260518_soaph/train_gpt_simple_soaph.py (the
+    script of its logs SOAPH_run1..6.txt, equal to it up to their first ``====`` line)."""
+
+    log = "results/20260518_soaph/train_gpt_simple_soaph.py"
+    steps = 3125                    # log:456 train_steps
+    lr_steps = 3200                 # log:457 lr_steps (the matrices' schedule_steps, :509)
+    lr = 0.018                      # log:458
+    lr_power = 1.25                 # log:459 (the matrices' lr_power, :510; _eta :520-525)
+    lr_floor = 0.0                  # log:460
+    momentum = 0.95                 # log:243 SOAPH(momentum=0.95): lerp_(grad, 1 - momentum)
+    ema_beta = 0.9                  # log:242: L, R (:205-217) and the square buffer (:224-228)
+    eps = 1e-8                      # log:245; :231 sqrt(V).add(eps)
+    q_freq = 1                      # log:244; :355 step % q_freq == 0 (step from 1, :339)
+    hyperball_eps = 1e-10           # log:246; :167-168 torch.clamp(norm, min=eps)
+    embed_lr = 0.3                  # log:490
+    head_lr = 1 / 320               # log:491
+    vector_lr = 0.01                # log:492
+    adam_betas = (0.8, 0.95)        # log:493
+    adam_eps = 1e-10                # log:493
+    adam_cooldown_frac = 0.4        # log:514 (schedule_steps train_steps, :515)
+    adam_lr_power = 1.0             # log:516
+    adam_lr_floor = 0.0             # log:517
+
+
+class R19:
+    """#19, KL-SOAP-H (3125 steps): results/20260508_klsoap_h_clean_tuple_sweep/b1095_sh090/
+    klsoap-h-b1095_sh090-K3125-seed-1.full.txt (the README's log; seeds 2-6 run the same
+    script)."""
+
+    log = ("results/20260508_klsoap_h_clean_tuple_sweep/b1095_sh090/"
+           "klsoap-h-b1095_sh090-K3125-seed-1.full.txt")
+    steps = 3125                    # log:362 train_steps
+    lr = 0.018                      # log:271, :396 KLSOAPH(..., lr=0.018)
+    beta1 = 0.95                    # log:271
+    beta2 = 0.9                     # log:271
+    shampoo_beta = 0.9              # log:272
+    eps = 1e-8                      # log:272
+    precondition_frequency = 1      # log:272; :297-300 step += 1, step % freq == 0
+    init_factor = 0.1               # log:294 init_factor=0.1; :208 inv = init_factor ** -0.5
+    eigen_floor = 1e-30             # log:222 clamp_min(1e-30)
+    max_inverse_root = 4000.0       # log:222 clamp(max=4000.0)
+    cooldown_frac = 1.0             # log:410 (set_hparams :414-424: linear over train_steps)
+    hyperball_eps = 1e-10           # log:164-168 scale_invariant_update_ eps
+    embed_lr = 0.3                  # log:392
+    head_lr = 1 / 320               # log:393
+    vector_lr = 0.01                # log:394
+    adam_betas = (0.8, 0.95)        # log:395
+    adam_eps = 1e-10                # log:395
+    adam_cooldown_frac = 0.4        # log:412
+
+
+class R25(R19):
+    """#25, KL-SOAP-H with a power decay and lr floors (3040 steps):
+    results/20260511_klsoap_h_lr_power_decay/train_gpt_simple_klsoap_h_lr_power_decay.py
+    (its logs ran the environment-configured version of it and print the same values, e.g.
+    01906576-8b3d-4bd2-a73f-23997f602ec1.txt:539-552); the optimizer code is #19's."""
+
+    log = ("results/20260511_klsoap_h_lr_power_decay/"
+           "train_gpt_simple_klsoap_h_lr_power_decay.py")
+    steps = 3040                    # log:362 train_steps
+    schedule_steps = 3125           # log:363 (progress = step / schedule_steps, :423)
+    lr_power = 1.5                  # log:364 (every group, :432)
+    adam_lr_floor = 0.04            # log:365, :420
+    klsoap_lr_floor = 0.017         # log:366, :417

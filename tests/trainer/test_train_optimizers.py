@@ -87,13 +87,18 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_pmuon": "muon_learning_rate",
            "track3_sinksoap": "muon_learning_rate",
            "track3_spectral_descent": "muon_learning_rate",
-           "track3_psgd": "psgd_learning_rate",
+           "track3_psgd": "psgd_learning_rate", "track3_soaph": "soap_learning_rate",
+           "track3_klsoap": "soap_learning_rate",
+           "track3_klsoap_power_decay": "soap_learning_rate",
            "track3_shampoo": "shampoo_learning_rate",
            "track3_shampoo_pinv": "shampoo_learning_rate"}
 #: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
 #: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step.
 NOT_LINEAR_IN_LR = ("muonh", "muloco_normuonh", "track3_record", "adamh",
-                    "track3_soap_muon_record", "track3_psgd")
+                    "track3_soap_muon_record", "track3_psgd", "track3_soaph",
+                    "track3_klsoap", "track3_klsoap_power_decay")
+#: KL-SOAP's first update only builds its statistics (a zero update): their second is read.
+FIRST_UPDATE_BUILDS = ("track3_klsoap", "track3_klsoap_power_decay")
 #: Flat lr at update 0 and no decay, where the recipe has these settings.
 FLAT_START = dict(schedule="stable_cooldown", learning_rate=1e-3, muon_weight_decay=0.0,
                   weight_decay=0.0, adam_weight_decay=0.0, qkv_weight_decay=0.0,
@@ -116,7 +121,10 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
         assert float(spec.learning_rate(0)) == pytest.approx(peak), name  # flat: lr(0) = peak
         extra = ({"curvature": _curvature(PARAMS), "input_covariance": None}
                  if spec.takes_curvature else {})
-        updates, _ = spec.tx.update(grads, spec.tx.init(PARAMS), PARAMS,
+        state = spec.tx.init(PARAMS)
+        if name in FIRST_UPDATE_BUILDS:
+            _, state = spec.tx.update(grads, state, PARAMS, **spec.update_kwargs(0), **extra)
+        updates, _ = spec.tx.update(grads, state, PARAMS,
                                     **spec.update_kwargs(1), **extra)  # no Snoo sync at 1
         kernel_updates.append(_get(updates, KERNEL))
     assert float(jnp.abs(kernel_updates[0]).max()) > 0, name
