@@ -15,6 +15,7 @@ from optax_snoo._src.averaging import (
     eval_params,
     tail_ema,
 )
+from optax_snoo._src.circuit import OVHeads, circuit_ov_heads, scale_by_circuit_ov
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
 from optax_snoo._src.muon import MuonState, scale_by_muon
 from optax_snoo._src.muon_adam import MuonGroup, muon
@@ -109,6 +110,7 @@ __all__ = [
     "MuonSquaredState",
     "MuonState",
     "NewtonSchulzPlan",
+    "OVHeads",
     "OwnedPreconditionState",
     "PMuonState",
     "PSGDKronState",
@@ -128,6 +130,7 @@ __all__ = [
     "assign_roles",
     "cast_to_param_dtype",
     "cautious_mask",
+    "circuit_ov_heads",
     "diloco",
     "dithered_rounding",
     "ema_nesterov",
@@ -163,6 +166,7 @@ __all__ = [
     "rounding",
     "rre_extrapolation",
     "scale_by_adam",
+    "scale_by_circuit_ov",
     "scale_by_muon",
     "scale_by_normuon",
     "scale_by_psgd_kron",

@@ -438,3 +438,17 @@ class R34:
     ridge_floor = 1e-10             # script:670 reg = regularization * trace(G) / k + 1e-10
     coefficient_floor = 1e-12       # script:677 coeff_sum.abs() < 1e-12
     norm_floor = 1e-12              # script:1164 current_f32.norm().clamp_min(1e-12)
+
+
+class R41:
+    """#41, Circuit-Muon on #40's stack (2875 of 2900 steps): its log
+    results/20260523_circuit_muon/616cccc8-affa-46b1-b36d-a832685d8d3c.txt (the script
+    before the first ``====`` line; ``log:N`` is its line N)."""
+
+    log = "results/20260523_circuit_muon/616cccc8-affa-46b1-b36d-a832685d8d3c.txt"
+    steps = 2900                    # log:47 FINAL_TRAIN_STEPS (claim: 2875, README)
+    head_dim = 128                  # log:103 HEAD_DIM
+    damping = 1e-3                  # log:104 CIRCUIT_OV_DAMPING
+    guard = 1e-12                   # log:617-628 clamp_min(1e-12) on scalars, norms, x
+    value_pattern = ".attn.v.weight"     # log:652 n.endswith(".attn.v.weight")
+    output_pattern = ".attn.proj.weight"  # log:653 ... + ".attn.proj.weight"
