@@ -35,6 +35,7 @@ from optax_snoo._src.newton_schulz import (
     orthogonalize,
 )
 from optax_snoo._src.normuon import normuon, scale_by_normuon
+from optax_snoo._src.phase_readout import PhaseReadoutState, phase_readout
 from optax_snoo._src.pmuon import PMuonState, pmuon_precondition
 from optax_snoo._src.psgd import (
     PSGDKronState,
@@ -82,8 +83,10 @@ from optax_snoo._src.snoo import (
 )
 from optax_snoo._src.soap_muon import SoapMatrixState, soap_muon, soap_whitening
 from optax_snoo._src.trajectory import (
+    DeltaPulsesState,
     PullToInitState,
     RreExtrapolationState,
+    delta_pulses,
     pull_to_init,
     rre_extrapolation,
 )
@@ -103,6 +106,7 @@ __all__ = [
     "POLICY_PRESETS",
     "AdamGroup",
     "DecoupledWeightDecayState",
+    "DeltaPulsesState",
     "EmaNesterovState",
     "InputCovarianceState",
     "MatrixPrecondition",
@@ -114,6 +118,7 @@ __all__ = [
     "OwnedPreconditionState",
     "PMuonState",
     "PSGDKronState",
+    "PhaseReadoutState",
     "PullToInitState",
     "QKHeads",
     "RadiusStepsState",
@@ -131,6 +136,7 @@ __all__ = [
     "cast_to_param_dtype",
     "cautious_mask",
     "circuit_ov_heads",
+    "delta_pulses",
     "diloco",
     "dithered_rounding",
     "ema_nesterov",
@@ -151,6 +157,7 @@ __all__ = [
     "normuon",
     "orthogonalize",
     "over_replicas",
+    "phase_readout",
     "pmuon_precondition",
     "power_cool",
     "power_cool_scaled",
