@@ -49,18 +49,20 @@ _TINY = 1e-12
 
 
 class OVHeads(NamedTuple):
-    """How one 2-D parameter leaf holds the value or output heads of an attention layer.
+    """How one parameter leaf holds the value or output heads of an attention layer.
 
-    Head ``h`` occupies entries ``[h * hd, (h + 1) * hd)`` of ``axis``,
-    ``hd = shape[axis] // num_heads``; its block is those entries times the whole other
-    axis. A Flax value kernel ``(D, N*hd)`` has ``axis=-1``, an output kernel ``(N*hd, D)``
-    ``axis=0`` (PyTorch's ``(out, in)`` weights: 0 and -1).
+    The leaf is a matrix, or a stack of matrices over leading axes (a scanned model's
+    layers, each its own circuit). Head ``h`` occupies entries ``[h * hd, (h + 1) * hd)``
+    of ``axis``, one of the last two, ``hd = shape[axis] // num_heads``; its block is
+    those entries times the whole other matrix axis. A Flax value kernel ``(D, N*hd)``
+    has ``axis=-1``, an output kernel ``(N*hd, D)`` ``axis=-2`` (PyTorch's ``(out, in)``
+    weights: -2 and -1).
 
     Attributes:
       layer: the attention layer's name; a layer's value and output leaves share it.
       role: ``"value"`` or ``"output"``.
       num_heads: heads stored in this leaf.
-      axis: the axis holding the heads.
+      axis: the axis holding the heads (one of the last two).
     """
 
     layer: str
@@ -87,12 +89,12 @@ def _pairs(marked: list[tuple[str, OVHeads | None, tuple[int, ...]]]
             raise ValueError(f"OVHeads of {path!r}: role must be one of {_ROLES}, got "
                              f"{h.role!r}.")
         check_int_at_least(f"OVHeads.num_heads of {path!r}", h.num_heads, 1)
-        if len(shape) != 2:
-            raise ValueError(f"OVHeads of {path!r}: the leaf must be a matrix, got shape "
-                             f"{shape}.")
-        if not -2 <= h.axis < 2:
-            raise ValueError(f"OVHeads of {path!r}: axis={h.axis} is out of range for a "
-                             f"matrix.")
+        if len(shape) < 2:
+            raise ValueError(f"OVHeads of {path!r}: the leaf must be a matrix (or a stack "
+                             f"of matrices), got shape {shape}.")
+        if not -len(shape) <= h.axis < len(shape) or h.axis % len(shape) < len(shape) - 2:
+            raise ValueError(f"OVHeads of {path!r}: axis={h.axis} must be one of the last "
+                             f"two axes of a parameter of shape {shape}.")
         if shape[h.axis] % h.num_heads:
             raise ValueError(f"OVHeads of {path!r}: num_heads={h.num_heads} does not divide "
                              f"axis {h.axis} of size {shape[h.axis]} (shape {shape}).")
@@ -106,6 +108,9 @@ def _pairs(marked: list[tuple[str, OVHeads | None, tuple[int, ...]]]
                                  f"leaf per layer.")
         (v,), (o,) = by_role["value"], by_role["output"]
         (pv, hv, sv), (po, ho, so) = marked[v], marked[o]
+        if sv[:-2] != so[:-2]:
+            raise ValueError(f"Circuit OV layer {layer!r}: the value leaf {pv!r} {sv} and "
+                             f"the output leaf {po!r} {so} stack different leading axes.")
         if hv.num_heads != ho.num_heads or sv[hv.axis] != so[ho.axis]:
             raise ValueError(f"Circuit OV layer {layer!r}: the value leaf {pv!r} holds "
                              f"{hv.num_heads} heads in {sv[hv.axis]} entries and the output "
@@ -115,15 +120,20 @@ def _pairs(marked: list[tuple[str, OVHeads | None, tuple[int, ...]]]
     return pairs
 
 
+def _heads_last(h: OVHeads, ndim: int) -> bool:
+    return h.axis % ndim == ndim - 1
+
+
 def _by_head(x: jax.Array, h: OVHeads) -> jax.Array:
-    """``(H, hd, D)``: head ``n``'s block at ``[n]``."""
-    axis = h.axis % 2
-    return jnp.moveaxis(x, axis, 0).reshape(h.num_heads, -1, x.shape[1 - axis])
+    """``(..., H, hd, D)``: head ``n``'s block at ``[..., n, :, :]``."""
+    if _heads_last(h, x.ndim):
+        x = jnp.swapaxes(x, -1, -2)
+    return x.reshape(*x.shape[:-2], h.num_heads, -1, x.shape[-1])
 
 
 def _from_heads(x: jax.Array, h: OVHeads, shape: tuple[int, ...]) -> jax.Array:
-    axis = h.axis % 2
-    return jnp.moveaxis(x.reshape(shape[axis], shape[1 - axis]), 0, axis)
+    x = x.reshape(*x.shape[:-3], -1, x.shape[-1])
+    return jnp.swapaxes(x, -1, -2) if _heads_last(h, len(shape)) else x
 
 
 def circuit_ov_update(u_v: jax.Array, u_o: jax.Array, w_v: jax.Array, w_o: jax.Array,
@@ -134,17 +144,20 @@ def circuit_ov_update(u_v: jax.Array, u_o: jax.Array, w_v: jax.Array, w_o: jax.A
     dt = jnp.promote_types(state_dtype(None, w_v), state_dtype(None, u_v))
     wv, wo = _by_head(w_v.astype(dt), heads_v), _by_head(w_o.astype(dt), heads_o)
     uv, uo = _by_head(u_v.astype(dt), heads_v), _by_head(u_o.astype(dt), heads_o)
-    hd = wv.shape[1]
+    hd = wv.shape[-2]
     lam = jnp.asarray(damping, dt)
-    sq_v, sq_o = jnp.sum(wv * wv, axis=(1, 2)), jnp.sum(wo * wo, axis=(1, 2))
+    per_head = lambda a, b: jnp.sum(a * b, axis=(-2, -1), keepdims=True)  # (..., H, 1, 1)
+    # each layer's norm over all its heads
+    norm = lambda a: jnp.sqrt(jnp.sum(a * a, axis=(-3, -2, -1), keepdims=True))
+    sq_v, sq_o = per_head(wv, wv), per_head(wo, wo)
     s_v = jax.lax.rsqrt(jnp.maximum(sq_v / hd + lam, _TINY))
     s_o = jax.lax.rsqrt(jnp.maximum(sq_o / hd + lam, _TINY))
-    n_v, n_o = jnp.linalg.norm(uv), jnp.linalg.norm(uo)
-    uv, uo = uv * s_o[:, None, None], uo * s_v[:, None, None]  # each leg by its partner's
-    uv = uv * (n_v / jnp.maximum(jnp.linalg.norm(uv), _TINY))
-    uo = uo * (n_o / jnp.maximum(jnp.linalg.norm(uo), _TINY))
-    x = ((jnp.sum(wv * uv, axis=(1, 2)) - jnp.sum(wo * uo, axis=(1, 2)))
-         / jnp.maximum(sq_v + sq_o + 2.0 * hd * lam, _TINY))[:, None, None]
+    n_v, n_o = norm(uv), norm(uo)
+    uv, uo = uv * s_o, uo * s_v  # each leg by its partner's scalar
+    uv = uv * (n_v / jnp.maximum(norm(uv), _TINY))
+    uo = uo * (n_o / jnp.maximum(norm(uo), _TINY))
+    x = ((per_head(wv, uv) - per_head(wo, uo))
+         / jnp.maximum(sq_v + sq_o + 2.0 * hd * lam, _TINY))
     uv, uo = uv - x * wv, uo + x * wo
     return (_from_heads(uv, heads_v, w_v.shape).astype(u_v.dtype),
             _from_heads(uo, heads_o, w_o.shape).astype(u_o.dtype))
@@ -178,7 +191,8 @@ def scale_by_circuit_ov(
       heads: a tree with the params' structure whose leaves are `OVHeads` (a leaf holding
         one layer's value or output heads) or ``None`` (left alone), or a function
         ``params -> tree`` such as `circuit_ov_heads`. Each marked layer needs exactly one
-        value and one output matrix, with the same heads of the same width (grouped-query
+        value and one output matrix (or two stacks over the same leading axes, each
+        matrix its own circuit), with the same heads of the same width (grouped-query
         value projections, with fewer value than output heads, are not supported).
       damping: ``lam`` >= 0, the floor on each head's ``||W_h||^2 / hd`` (record #41:
         1e-3, its ``CIRCUIT_OV_DAMPING``); bounds the partner scalars at a zero-initialised
@@ -189,7 +203,9 @@ def scale_by_circuit_ov(
 
     Raises:
       ValueError: at construction for ``damping < 0``; at ``init``/trace time for a heads
-        tree that does not match the params, a marked leaf that is not a matrix, a layer
+        tree that does not match the params, a marked leaf with fewer than two axes or
+        its heads outside the last two, value and output stacks of different leading
+        axes, a layer
         without exactly one value and one output leaf, ``num_heads`` not dividing the
         heads' axis, or value and output heads of different counts or widths; at
         ``update`` without ``params``.
@@ -266,7 +282,7 @@ def circuit_ov_heads(
     value: str = r"attn/c_v/kernel$",
     output: str = r"attn/c_proj/kernel$",
     value_axis: int = -1,
-    output_axis: int = 0,
+    output_axis: int = -2,
 ) -> Callable[[optax.Params], HeadsTree]:
     """The `OVHeads` tree of a model whose value and output kernels are found by path.
 
@@ -275,8 +291,9 @@ def circuit_ov_heads(
     searched in it, and a leaf's layer is the part of its path before the match, so a
     layer's two leaves pair when their prefixes agree (record #41 paired ``<block>.attn.v``
     with ``<block>.attn.proj`` the same way). The defaults fit this repository's models
-    (Flax kernels ``(D, N*hd)`` and ``(N*hd, D)``); for PyTorch-layout ``(out, in)``
-    weights use ``value_axis=0, output_axis=-1``.
+    (Flax kernels ``(D, N*hd)`` and ``(N*hd, D)``, or their stacks over a scanned model's
+    layers); for PyTorch-layout ``(out, in)`` weights use ``value_axis=-2,
+    output_axis=-1``.
 
     Args:
       num_heads: heads of every matched layer (value and output alike).
@@ -297,7 +314,7 @@ def circuit_ov_heads(
       >>> params = {"attn": {"c_v": {"kernel": jnp.zeros((8, 8))},
       ...                    "c_proj": {"kernel": jnp.zeros((8, 8))}}}
       >>> circuit_ov_heads(2)(params)["attn"]["c_proj"]["kernel"]
-      OVHeads(layer='', role='output', num_heads=2, axis=0)
+      OVHeads(layer='', role='output', num_heads=2, axis=-2)
 
     References:
       liyang2019, `modded-nanogpt Track 3 result #41, Circuit-Muon

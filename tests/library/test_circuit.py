@@ -149,6 +149,24 @@ def test_flax_layout_by_path_rules_matches_the_record():
             np.testing.assert_array_equal(got[str(i)]["mlp"]["c_proj"]["kernel"], 2 * mlp)
 
 
+def test_stacked_layers_are_each_their_own_circuit():
+    """A scanned model's ``(L, D, N*hd)`` / ``(L, N*hd, D)`` kernels: each layer's slice
+    is coupled as the record couples that layer alone."""
+    with in_float64():
+        layers = [inputs(s) for s in (2, 5, 6)]
+        stack = lambda i: np.stack([layer[i] for layer in layers])
+        params = {"attn": {"c_v": {"kernel": stack(0).swapaxes(1, 2)},
+                           "c_proj": {"kernel": stack(1).swapaxes(1, 2)}}}
+        updates = {"attn": {"c_v": {"kernel": stack(2).swapaxes(1, 2)},
+                            "c_proj": {"kernel": stack(3).swapaxes(1, 2)}}}
+        tx = scale_by_circuit_ov(circuit_ov_heads(H), R41.damping)
+        got = tx.update(updates, tx.init(params), params)[0]["attn"]
+        for i, (WV, WO, uV, uO, _) in enumerate(layers):
+            rv, ro = record_circuit_muon(uV, uO, WV, WO, HD, R41.damping)
+            assert relative_error(np.asarray(got["c_v"]["kernel"][i]).T, rv) < 1e-12
+            assert relative_error(np.asarray(got["c_proj"]["kernel"][i]).T, ro) < 1e-12
+
+
 def test_float32_is_as_accurate_as_the_records_formula_in_float32():
     """Ours in float32 misses the float64 record by no more than the record's own formula
     computed in float32 (numpy) does, up to `references.error`'s factor."""
@@ -257,7 +275,12 @@ def test_inject_hyperparams_and_nnx():
     (lambda: scale_by_circuit_ov({"v": OVHeads("a", "query", 2), "o": None}),
      {"v": jnp.ones((4, 8)), "o": jnp.ones((8, 4))}, "role must be one of"),
     (lambda: scale_by_circuit_ov({"v": OVHeads("a", "value", 2), "o": OVHeads("a", "output", 2)}),
-     {"v": jnp.ones((2, 4, 8)), "o": jnp.ones((8, 4))}, "must be a matrix"),
+     {"v": jnp.ones((2, 4, 8)), "o": jnp.ones((8, 4))}, "stack different leading axes"),
+    (lambda: scale_by_circuit_ov({"v": OVHeads("a", "value", 2, axis=0),
+                                  "o": OVHeads("a", "output", 2)}),
+     {"v": jnp.ones((2, 4, 8)), "o": jnp.ones((2, 8, 4))}, "one of the last two axes"),
+    (lambda: scale_by_circuit_ov({"v": OVHeads("a", "value", 2), "o": OVHeads("a", "output", 2)}),
+     {"v": jnp.ones((8,)), "o": jnp.ones((8, 4))}, "must be a matrix"),
     (lambda: scale_by_circuit_ov({"v": OVHeads("a", "value", 2)}),
      {"v": jnp.ones((4, 8)), "o": jnp.ones((8, 4))}, "params' structure"),
 ])
