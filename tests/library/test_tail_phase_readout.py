@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import optax_matrix as m
+import optax_snoo
 from optax_snoo import delta_pulses, eval_params, phase_readout
 from references.error import in_float64, relative_error
 from references.track3_constants import R43
@@ -108,7 +109,7 @@ def record_run(s: Schedule = RECORD):
         g = gradient(params, step)
         params = {k: p - LR * g[k] for k, p in params.items()}
         t = step + 1
-        # maybe_apply_trail_delta_step (script:1655-1740)
+        # maybe_apply_trail_delta_step (script:1657-1774)
         if s.trail_start <= t <= s.trail_stop:
             scoped = [k for k, p in params.items() if nonembed(k, p)]
             if trail_state is None:
@@ -134,13 +135,13 @@ def record_run(s: Schedule = RECORD):
         if t == s.broad_capture and broad_state is None:
             broad_state = {k: p.copy() for k, p in params.items()
                            if SCOPES[s.broad_scope](k, p)}
-        # maybe_capture_phase_readout_anchor (script:1446-1470)
+        # maybe_capture_phase_readout_anchor (script:1448-1470)
         if t == s.t0 and phase0 is None:
             phase0 = {k: p.copy() for k, p in params.items() if muon_other(k, p)}
         if t == s.t1 and phase1 is None:
             phase1 = {k: p.copy() for k, p in params.items() if muon_other(k, p)}
         history.append({k: p.copy() for k, p in params.items()})
-    # maybe_apply_phase_readout at the final validation (script:1473-1568)
+    # maybe_apply_phase_readout at the final validation (script:1472-1568)
     evaluated = dict(params)
     for k in phase0:
         d_prev = phase1[k] - phase0[k]
@@ -177,9 +178,9 @@ def our_tx(s: Schedule):
     return optax.chain(optax.sgd(LR), *(parts[name] for name in s.order.split(",")))
 
 
-def our_run(s: Schedule):
+def our_run(s: Schedule, final=None):
     with in_float64():
-        tx = our_tx(s)
+        tx = our_tx(s) if final is None else optax.chain(our_tx(s), final)
         params = {k: jnp.asarray(v) for k, v in init_params().items()}
         state = tx.init(params)
         update = jax.jit(tx.update)
@@ -235,6 +236,39 @@ def test_matches_the_record_in_float64_and_controls_fail():
         c_train, c_readout, _, _ = distance(dataclasses.replace(RECORD, **kw), ref_history,
                                             ref_eval)
         assert max(c_train, c_readout) > 1e3 * tol, (name, c_train, c_readout)
+
+
+ANCHOR = 16  # #43's final-readout anchor, 2400 scaled: after update 16, BroadDelta's pulse
+
+
+def record_final_readout(history, evaluated, anchor=ANCHOR, alpha=R43.anchor_alpha):
+    """apply_final_readout_alpha (script:1416-1438) after the phase readout, toward the
+    non-embedding weights copied after update ``anchor`` (after its hooks)."""
+    out = dict(evaluated)
+    for k, a in history[anchor - 1].items():
+        if nonembed(k, a):
+            out[k] = evaluated[k] + (a - evaluated[k]) * alpha
+    return out
+
+
+def test_with_the_final_readout():
+    """#43's whole tail: its final readout toward the step-2400 anchor is #42's reference
+    interpolation with gamma = -alpha, last in the chain (it runs once that readout is in
+    the library)."""
+    interpolation = getattr(optax_snoo, "reference_interpolation", None)
+    if interpolation is None:
+        pytest.skip("reference_interpolation (#42's readout) is not in this tree")
+    history, evaluated = record_run()
+    ref = record_final_readout(history, evaluated)
+    mask = lambda params: {k: nonembed(k, p) for k, p in params.items()}
+
+    def final_distance(anchor, gamma):
+        evals = our_run(RECORD, interpolation(anchor, RECORD.steps, gamma, mask=mask))[1]
+        return worst(evals[-1], ref)
+
+    assert final_distance(ANCHOR, -R43.anchor_alpha) <= 1e-13
+    assert final_distance(ANCHOR, -R43.anchor_alpha * 1.05) > 1e-10  # control: alpha
+    assert final_distance(ANCHOR - 1, -R43.anchor_alpha) > 1e-10  # control: before the pulse
 
 
 def test_record_pulse_steps():
