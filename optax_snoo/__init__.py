@@ -19,6 +19,7 @@ from optax_snoo._src.averaging import (
     tail_ema,
     tail_velocity,
 )
+from optax_snoo._src.circuit import OVHeads, circuit_ov_heads, scale_by_circuit_ov
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
 from optax_snoo._src.muon import MuonState, scale_by_muon
 from optax_snoo._src.muon_adam import MuonGroup, muon
@@ -38,6 +39,7 @@ from optax_snoo._src.newton_schulz import (
     orthogonalize,
 )
 from optax_snoo._src.normuon import normuon, scale_by_normuon
+from optax_snoo._src.phase_readout import PhaseReadoutState, phase_readout
 from optax_snoo._src.pmuon import PMuonState, pmuon_precondition
 from optax_snoo._src.psgd import (
     PSGDKronState,
@@ -99,8 +101,10 @@ from optax_snoo._src.snoo import (
 from optax_snoo._src.soap import SoapState, scale_by_soap, soap
 from optax_snoo._src.soap_muon import SoapMatrixState, soap_muon, soap_whitening
 from optax_snoo._src.trajectory import (
+    DeltaPulsesState,
     PullToInitState,
     RreExtrapolationState,
+    delta_pulses,
     pull_to_init,
     rre_extrapolation,
 )
@@ -120,6 +124,7 @@ __all__ = [
     "POLICY_PRESETS",
     "AdamGroup",
     "DecoupledWeightDecayState",
+    "DeltaPulsesState",
     "EmaNesterovState",
     "GramSinkhornState",
     "InputCovarianceState",
@@ -128,9 +133,11 @@ __all__ = [
     "MuonSquaredState",
     "MuonState",
     "NewtonSchulzPlan",
+    "OVHeads",
     "OwnedPreconditionState",
     "PMuonState",
     "PSGDKronState",
+    "PhaseReadoutState",
     "PullToInitState",
     "QKHeads",
     "RadiusStepsState",
@@ -151,6 +158,8 @@ __all__ = [
     "assign_roles",
     "cast_to_param_dtype",
     "cautious_mask",
+    "circuit_ov_heads",
+    "delta_pulses",
     "diloco",
     "dithered_rounding",
     "ema_nesterov",
@@ -172,6 +181,7 @@ __all__ = [
     "normuon",
     "orthogonalize",
     "over_replicas",
+    "phase_readout",
     "pmuon_precondition",
     "power_cool",
     "power_cool_scaled",
@@ -188,6 +198,7 @@ __all__ = [
     "rounding",
     "rre_extrapolation",
     "scale_by_adam",
+    "scale_by_circuit_ov",
     "scale_by_muon",
     "scale_by_normuon",
     "scale_by_psgd_kron",

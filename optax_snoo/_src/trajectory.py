@@ -1,7 +1,7 @@
-"""Moves of the training weights after each step: the SODA pull toward the initial weights
-and capped RRE extrapolation.
+"""Moves of the training weights after each step: the SODA pull toward the initial weights,
+capped RRE extrapolation and delta pulses.
 
-Both are pass-through transformations placed last in a chain (or in the chain of one
+They are pass-through transformations placed last in a chain (or in the chain of one
 `optax.partition` group, or under `optax.masked`): they see the params ``p`` and the update
 ``u`` the rest of the chain computed from ``p``, and return ``u`` plus a move of the
 post-step weights. Unlike the readouts of `optax_snoo.averaging` (`tail_ema`), which only
@@ -12,6 +12,8 @@ as the records' code does; `optax_snoo.eval_params` returns the params unchanged
 values with weight ``λ_t = s(t)/(t+2)``. `rre_extrapolation` (result #34) keeps the last
 few post-step weights late in training and, every few steps, moves the weights by a damped
 reduced-rank-extrapolation step computed from them, capped relative to the weights' norm.
+`delta_pulses` (result #43's BroadDelta and TrailDelta) moves the weights every few steps
+by a multiple of their change since the last pulse.
 
 References:
   wakamex, `modded-nanogpt Track 3 result #32: SODA fade (results/20260518_soda_fade_3000_n9)
@@ -20,6 +22,9 @@ References:
   tomoqt, `modded-nanogpt Track 3 result #34: capped RRE extrapolation
   (results/20260520_rre_extrapolation_pr300_2925)
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  2026.
+  Jesse Clark (jn2clark), `modded-nanogpt Track 3 result #43: tail phase readout
+  (results/20260529_tail_phase_readout_2850) <https://github.com/KellerJordan/modded-nanogpt/pull/318>`_,
   2026.
   Sidi, Ford and Smith, `Acceleration of convergence of vector sequences
   <https://doi.org/10.1137/0723013>`_, SIAM J. Numer. Anal. 23(1), 1986 (RRE).
@@ -43,7 +48,8 @@ from optax_snoo._src.utils import (
     value_at,
 )
 
-__all__ = ["PullToInitState", "RreExtrapolationState", "pull_to_init", "rre_extrapolation"]
+__all__ = ["DeltaPulsesState", "PullToInitState", "RreExtrapolationState", "delta_pulses",
+           "pull_to_init", "rre_extrapolation"]
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
@@ -376,3 +382,158 @@ def rre_extrapolation(
         return new, RreExtrapolationState(count=t, filled=filled, iterates=iterates)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+class DeltaPulsesState(NamedTuple):
+    """State of `delta_pulses`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      reference: the weights after update ``start`` or after the last pulse, moved
+        (float32, float64 for float64 params; zeros before ``start``; ``optax.MaskedNode``
+        on leaves under ``optax.masked``'s mask).
+      momentum: the last pulse's ``Δ`` (same dtypes), or ``None`` when ``momentum`` was 0
+        at ``init``.
+    """
+
+    count: jax.Array
+    reference: Any
+    momentum: Any
+
+
+def delta_pulses(
+    start: int,
+    every: int,
+    gammas: float | tuple[float, ...],
+    stop: int | None = None,
+    momentum: float = 0.0,
+) -> optax.GradientTransformation:
+    r"""Every ``every`` updates from ``start``, move the weights by ``γ_k`` times their change
+    since the previous pulse (modded-nanogpt Track 3 result #43's TrailDelta and BroadDelta).
+
+    A pass-through placed last in a chain: with ``t`` the number of updates including this
+    one and ``w = p + u`` the post-step weights, after update ``start`` it keeps
+    ``r = w``; after each update ``t = start + k·every`` (``k = 1, 2, …``, ``t <= stop``)
+    it moves the weights by
+
+    .. math::
+
+        \Delta_k = (w - r) + \beta\,\Delta_{k-1},\qquad
+        w \leftarrow w + \gamma_k \Delta_k,\qquad r \leftarrow w
+        \quad(\Delta_0 = 0),
+
+    with ``γ_k`` the ``k``-th of ``gammas`` (the last one repeated). ``γ < 0`` pulls the
+    weights back along their recent path. Each leaf moves by its own ``Δ`` (no norms
+    across leaves). This moves the training weights (not a readout: `eval_params`
+    returns the params); the inner optimizer's state is left as it is, as the record's
+    pulses leave its Adam and Muon moments and its EMA-Nesterov buffers.
+
+    #43 (on #41's stack): TrailDelta on every parameter but the token embedding,
+    ``delta_pulses(2650, 100, (-0.04, -0.12), stop=2850, momentum=1.0)``: pulses after
+    updates 2750 and 2850 (the last, so the second moves the final weights); BroadDelta
+    on the hidden matrices other than attention's V and O, ``delta_pulses(2000, 400,
+    -0.005, stop=2400)``: one pulse after update 2400 by ``-0.005 (w_2400 - w_2000)``.
+    In a chain the order is the record's: TrailDelta, then BroadDelta, then anything
+    that copies the weights at the same update (#43's phase readout, its final readout's
+    anchor).
+
+    Differences from the record: its references and momenta are copies in the param
+    dtype (bfloat16 for the token embedding, outside #43's scopes) and it moves ``p`` in
+    place; here they are float32 (float64 for float64 params) and the move is added to
+    the update, rounded once when applied. The record's optional cap on a pulse's size
+    (``TRAIL_DELTA_MAX_MOVE_RATIO``, 0 in #43) is left out.
+
+    Args:
+      start: the update count (>= 1) after which the weights are first copied.
+      every: updates between pulses (>= 1); the first pulse follows update
+        ``start + every``.
+      gammas: ``γ_k``, a number or a tuple of numbers (the last repeated): #43's
+        TrailDelta ``(-0.04, -0.12)``, BroadDelta ``-0.005``.
+      stop: the last update count that may pulse (``None``: no end).
+      momentum: ``β`` >= 0, the previous ``Δ``'s weight in the next (#43's TrailDelta:
+        1.0; 0 keeps no buffer).
+
+    Returns:
+      An ``optax.GradientTransformation`` with state `DeltaPulsesState`; ``update`` needs
+      ``params``. To move only some leaves, wrap it in ``optax.masked`` (or put it in one
+      group of ``optax.partition``).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_snoo
+      >>> params = {"w": jnp.zeros(2)}
+      >>> tx = optax.chain(optax.sgd(1.0), optax_snoo.delta_pulses(start=1, every=2,
+      ...                                                          gammas=-0.5))
+      >>> state = tx.init(params)
+      >>> for _ in range(3):  # w: -1 (copied), -2, -3 -> pulse: -3 - 0.5 (-3 - (-1))
+      ...     updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> params["w"].tolist()
+      [-2.0, -2.0]
+
+    References:
+      Jesse Clark (jn2clark), `modded-nanogpt Track 3 result #43, tail phase readout
+      (results/20260529_tail_phase_readout_2850: maybe_apply_trail_delta_step,
+      maybe_capture_broad_delta, maybe_apply_broad_delta)
+      <https://github.com/KellerJordan/modded-nanogpt/pull/318>`_, 2026.
+    """
+    _check_pulses_count("start", start, 1)
+    _check_pulses_count("every", every, 1)
+    if stop is not None:
+        _check_pulses_count("stop", stop, start)
+    gamma_list = gammas if isinstance(gammas, tuple | list) else (gammas,)
+    if not gamma_list or any(callable(g) or (concrete_real(g) is None and not isinstance(
+            g, jax.Array)) for g in gamma_list):
+        raise ValueError(f"delta_pulses: gammas must be a number or a non-empty tuple of "
+                         f"numbers, got {gammas!r}")
+    known = concrete_real(momentum)
+    if callable(momentum) or (known is not None and not known >= 0):
+        raise ValueError(f"delta_pulses: momentum must be a number >= 0, got {momentum!r}")
+
+    def init_fn(params):
+        zeros = jax.tree.map(
+            lambda p: p if _skipped(p) else jnp.zeros_like(p, dtype=state_dtype(None, p)),
+            params, is_leaf=_skipped)
+        # a known 0 keeps no buffer; an array (inject_hyperparams) keeps one
+        return DeltaPulsesState(count=jnp.zeros([], jnp.int32), reference=zeros,
+                                momentum=None if known == 0 else zeros)
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("delta_pulses: update needs params (it copies and moves the "
+                             "post-step weights params + updates)")
+        t = optax.safe_increment(state.count)
+        dtype = _scalar_dtype(state.reference)
+        since = t - start
+        due = (since > 0) & (since % every == 0)
+        if stop is not None:
+            due &= t <= stop
+        k = jnp.clip(since // every - 1, 0, len(gamma_list) - 1)
+        gamma = jnp.stack([jnp.asarray(g, dtype) for g in gamma_list])[k]
+        beta = jnp.asarray(momentum, dtype)
+
+        refs, treedef = jax.tree.flatten(state.reference, is_leaf=_skipped)
+        moms = ([None] * len(refs) if state.momentum is None
+                else treedef.flatten_up_to(state.momentum))
+        new_u, new_r, new_m = [], [], []
+        for r, m, p, u in zip(refs, moms, treedef.flatten_up_to(params),
+                              treedef.flatten_up_to(updates), strict=True):
+            if _skipped(r):
+                new_u.append(u), new_r.append(r), new_m.append(m)
+                continue
+            w = p.astype(r.dtype) + u.astype(r.dtype)
+            delta = w - r if m is None else w - r + beta * m
+            move = jnp.where(due, gamma * delta, 0.0).astype(r.dtype)
+            new_u.append((u.astype(_compute_dtype(u, r)) + move).astype(u.dtype))
+            new_r.append(jnp.where((t == start) | due, w + move, r))
+            new_m.append(None if m is None else jnp.where(due, delta, m))
+        tree = lambda leaves: jax.tree.unflatten(treedef, leaves)
+        momenta = None if state.momentum is None else tree(new_m)
+        return tree(new_u), DeltaPulsesState(count=t, reference=tree(new_r), momentum=momenta)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_pulses_count(name: str, value: Any, minimum: int) -> None:
+    if not is_integer(value) or value < minimum:
+        raise ValueError(f"delta_pulses: {name} must be an integer >= {minimum}, "
+                         f"got {value!r}")

@@ -42,6 +42,9 @@ TRANSFORMS = {
     "pull_to_init": lambda: optax.chain(optax.sgd(0.1), optax_snoo.pull_to_init(1.0)),
     "rre_extrapolation": lambda: optax.chain(optax.sgd(0.1), optax_snoo.rre_extrapolation(
         start=1, every=2, history=3)),
+    "delta_pulses": lambda: optax.chain(optax.sgd(0.1), optax_snoo.delta_pulses(
+        1, 1, -0.1, momentum=0.5)),
+    "phase_readout": lambda: optax.chain(optax.sgd(0.1), optax_snoo.phase_readout(1, 2, 3)),
     "radius_steps (hyperball)": lambda: optax.chain(muon(), optax_snoo.radius_steps(
         optax_snoo.power_cool(0.02, t_end=10, c=1e-4), brake=None, floor=None, pin="initial",
         cautious_weight_decay=0.0)),

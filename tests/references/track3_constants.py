@@ -626,3 +626,48 @@ class R25(R19):
     lr_power = 1.5                  # log:364 (every group, :432)
     adam_lr_floor = 0.04            # log:365, :420
     klsoap_lr_floor = 0.017         # log:366, :417
+
+
+class R41:
+    """#41, Circuit-Muon on #40's stack (2875 of 2900 steps): its log
+    results/20260523_circuit_muon/616cccc8-affa-46b1-b36d-a832685d8d3c.txt (the script
+    before the first ``====`` line; ``log:N`` is its line N)."""
+
+    log = "results/20260523_circuit_muon/616cccc8-affa-46b1-b36d-a832685d8d3c.txt"
+    steps = 2900                    # log:47 FINAL_TRAIN_STEPS (claim: 2875, README)
+    head_dim = 128                  # log:103 HEAD_DIM
+    damping = 1e-3                  # log:104 CIRCUIT_OV_DAMPING
+    guard = 1e-12                   # log:617-628 clamp_min(1e-12) on scalars, norms, x
+    value_pattern = ".attn.v.weight"     # log:652 n.endswith(".attn.v.weight")
+    output_pattern = ".attn.proj.weight"  # log:653 ... + ".attn.proj.weight"
+
+
+class R43:
+    """#43, tail phase readout on #41's stack (2850 steps): its trainer
+    results/20260529_tail_phase_readout_2850/train_gpt_tail_phase_readout_2850.py
+    (``script:N``), run with run.sh's environment, which its log
+    tail_phase_readout_2850_seed0.txt prints (``log:N``; the log's script is the trainer)."""
+
+    log = "results/20260529_tail_phase_readout_2850/tail_phase_readout_2850_seed0.txt"
+    steps = 2850                    # run.sh TRAIN_STEPS; log:2464 step:2850/2850
+    trail_start = 2650              # log:2386 trail_delta_start_step
+    trail_stop = 2850               # log:2387 trail_delta_end_step
+    trail_every = 100               # log:2388 trail_delta_interval
+    trail_gammas = (-0.04, -0.12)   # log:2390-2391 gamma_first, gamma_final (script:1682)
+    trail_momentum = 1.0            # log:2395 trail_delta_momentum_beta
+    trail_scope = "nonembed"        # log:2393 (script:1275 name != "embed.weight")
+    broad_capture = 2000            # log:2426 broad_delta_capture_step
+    broad_apply = 2400              # log:2427 broad_delta_apply_step
+    broad_gamma = -0.005            # log:2428 broad_delta_gamma
+    broad_scope = "muon_other"      # log:2429 (script:1349-1353)
+    anchor_step = 2400              # log:2413 final_readout_anchor_step
+    anchor_alpha = 0.08             # log:2414 final_readout_alpha
+    phase_t0 = 2650                 # log:2417 phase_readout_t0_step
+    phase_t1 = 2750                 # log:2418 phase_readout_t1_step
+    phase_velocity = 0.0            # log:2419 phase_readout_gamma
+    phase_kappa = 0.01              # log:2420 phase_readout_kappa
+    phase_mode = "orthogonal"       # log:2421
+    phase_scope = "muon_other"      # log:2422
+    phase_normalize = True          # log:2425
+    phase_velocity_sq_floor = 1e-20  # script:1497 eps
+    phase_norm_eps = 1e-12          # script:1521 (phase_norm + 1e-12)
