@@ -16,7 +16,7 @@ from optax_snoo._src.averaging import (
     tail_ema,
 )
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
-from optax_snoo._src.muon import MuonState, scale_by_muon
+from optax_snoo._src.muon import SOFT_MUON_SERIES, MuonState, scale_by_muon
 from optax_snoo._src.muon_adam import MuonGroup, muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import MatrixPrecondition, OwnedPreconditionState
@@ -93,6 +93,7 @@ __all__ = [
     "DEFAULT_ROLE_RULES",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLICY_PRESETS",
+    "SOFT_MUON_SERIES",
     "AdamGroup",
     "DecoupledWeightDecayState",
     "EmaNesterovState",
