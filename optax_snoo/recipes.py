@@ -74,6 +74,11 @@ from optax_snoo._src.recipes.track3_soap import (
     track3_soap_muon,
     track3_soap_muon_record,
 )
+from optax_snoo._src.recipes.track3_soft_muon import (
+    TRACK3_SOAP_MLP_PATTERN,
+    TRACK3_SOAP_V_PATTERN,
+    track3_contra_soft_muon,
+)
 
 __all__ = [
     "KFAC_LABEL_RULES",
@@ -84,6 +89,8 @@ __all__ = [
     "TRACK3_ADAM_PATTERNS",
     "TRACK3_NEWTON_MUON_PATTERNS",
     "TRACK3_RECORD_ADAM_PATTERNS",
+    "TRACK3_SOAP_MLP_PATTERN",
+    "TRACK3_SOAP_V_PATTERN",
     "TRACK3_TRUST_GATE_PATTERN",
     "Groups",
     "Hyperparameters",
@@ -119,6 +126,7 @@ __all__ = [
     "track3_aurora",
     "track3_baseline",
     "track3_contra_muon",
+    "track3_contra_soft_muon",
     "track3_dynmuon",
     "track3_muon_squared",
     "track3_newton_muon",

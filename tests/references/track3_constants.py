@@ -375,3 +375,47 @@ class R33:
     adam_eps = 1e-10                # log:340
     adam_cooldown_frac = 0.5        # log:352 int(train_steps * (1 - 0.5))
     adam_final_scale = 0.1          # log:356 1.0 - t * 0.9
+
+
+class R20:
+    """#20, Contra-Muon to Soft-Muon with SOAP on MLP+V, NorMuon-lite, the u/w floor and
+    PowerCool (claim 3030 of 3040 steps): results/20260509_contra_soft_muon/
+    03c36e81-e2e5-4916-bf16-0141999b1dbb.txt (the README's 30 logs share one script)."""
+
+    log = "results/20260509_contra_soft_muon/03c36e81-e2e5-4916-bf16-0141999b1dbb.txt"
+    steps = 3040                    # log:64 FINAL_TRAIN_STEPS
+    claim = 3030                    # README: the step 3030 mean 3.27901
+    t_end = 3105                    # log:65 FINAL_SCHEDULE_STEPS
+    power = 1.2                     # log:66 FINAL_LR_POWER
+    embed_c = 4.976805410800738e-05   # log:67 ADAM_EMBED_POWER_C
+    head_c = 5.184172302917436e-07    # log:68 ADAM_PROJ_POWER_C
+    vector_c = 1.6589351369335795e-06  # log:69 ADAM_OTHER_POWER_C
+    muon_c = 3.3169534699576625e-06   # log:70 MUON_POWER_C
+    contra_coeff = -0.2             # log:74 CONTRA_MUON_COEFF (= -CONTRA_MUON/2)
+    soft_p = 0.1                    # log:75 SOFT_MUON_P
+    soft_ceil = 0.8                 # log:78 SOFT_MUON_CEIL
+    contra_hold_end = 0             # log:79 CONTRA_HOLD_END_STEP
+    contra_end = 2000               # log:80 CONTRA_TO_NORMAL_END_STEP
+    soft_start = 2500               # log:81 NORMAL_TO_SOFT_START_STEP
+    soft_end = 3010                 # log:82 NORMAL_TO_SOFT_END_STEP
+    muon_mu = 0.95                  # log:83 MU
+    muon_lr = 0.0375                # log:84 MUON_LR
+    target_uw = 0.3825              # log:86 TARGET_UW (SOAP and non-SOAP alike, :87-88)
+    beta2 = 0.95                    # log:89 NOR_BETA2
+    soap_beta = 0.9                 # log:90 SOAP_BETA2 (Grams and V)
+    soap_frequency = 10             # log:91 SOAP_PRECONDITION_FREQUENCY
+    soap_denom_power = 0.5          # log:92 SOAP_DENOM_POWER
+    soap_eps = 1e-8                 # log:471 soap_precondition_momentum(..., eps=1e-8)
+    v_denom_floor = 0.55            # log:96 ATTN_SOAP_DENOM_FLOOR (attn.v is an attn SOAP param)
+    v_blend = 0.95                  # log:98 V_SOAP_BLEND
+    gram_eps = 1e-10                # log:260 gram_frobenius_norm_estimate(..., eps=1e-10)
+    ns_eps = 1e-7                   # log:273, :302 (eps=1e-7)
+    soft_weights = (0.1091613623, 0.07085664498, 0.05210528973, 0.05457295795,  # log:289
+                    0.05011334061, 0.03334622198, 0.05022104481, 0.1053727358,
+                    0.1187323776, 0.1185061091, 0.1185059576, 0.1185059576)
+    soft_constant = 0.0             # log:289 (the weight of the last iterate)
+    embed_lr = 0.3                  # log:737
+    head_lr = 1 / 320               # log:738
+    vector_lr = 0.01                # log:739
+    adam_betas = (0.8, 0.95)        # log:740
+    adam_eps = 1e-10                # log:740 (weight_decay=0)

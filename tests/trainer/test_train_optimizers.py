@@ -84,6 +84,7 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_soap_muon_record": "muon_learning_rate",
            "track3_normuon_floor": "muon_learning_rate", "track3_contra_muon": "muon_learning_rate",
            "track3_aurora": "muon_learning_rate", "track3_dynmuon": "muon_learning_rate",
+           "track3_contra_soft_muon": "muon_learning_rate",
            "track3_spectral_descent": "muon_learning_rate",
            "track3_psgd": "psgd_learning_rate"}
 #: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
