@@ -21,6 +21,7 @@ from optax_snoo._src.muon_adam import MuonGroup, muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import MatrixPrecondition, OwnedPreconditionState
 from optax_snoo._src.muon_squared import MuonSquaredState, muon_squared_precondition
+from optax_snoo._src.muown import MuownState, muown
 from optax_snoo._src.newton_muon import (
     InputCovarianceState,
     input_covariance_from_stats,
@@ -102,6 +103,7 @@ __all__ = [
     "MuonGroup",
     "MuonSquaredState",
     "MuonState",
+    "MuownState",
     "NewtonSchulzPlan",
     "OwnedPreconditionState",
     "PSGDKronState",
@@ -134,6 +136,7 @@ __all__ = [
     "muon_momentum_schedule",
     "muon_momentum_warmup",
     "muon_squared_precondition",
+    "muown",
     "nanogpt_cosine_schedule",
     "newton_muon",
     "normuon",
