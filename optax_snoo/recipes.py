@@ -64,6 +64,11 @@ from optax_snoo._src.recipes.track3_muon_variants import (
     track3_muon_squared,
     track3_spectral_descent,
 )
+from optax_snoo._src.recipes.track3_muown import (
+    MUOWN_POLAR_EXPRESS,
+    TRACK3_MLP_PROJ_PATTERN,
+    track3_muown,
+)
 from optax_snoo._src.recipes.track3_newton_muon import (
     TRACK3_NEWTON_MUON_PATTERNS,
     track3_newton_muon,
@@ -82,11 +87,13 @@ from optax_snoo._src.recipes.track3_soft_muon import (
 
 __all__ = [
     "KFAC_LABEL_RULES",
+    "MUOWN_POLAR_EXPRESS",
     "NEWTON_MUON_SHARED_INPUTS",
     "RECORD_ADAM_PATTERNS",
     "RECORD_MLP_PATTERN",
     "REGISTRY",
     "TRACK3_ADAM_PATTERNS",
+    "TRACK3_MLP_PROJ_PATTERN",
     "TRACK3_NEWTON_MUON_PATTERNS",
     "TRACK3_RECORD_ADAM_PATTERNS",
     "TRACK3_SOAP_MLP_PATTERN",
@@ -129,6 +136,7 @@ __all__ = [
     "track3_contra_soft_muon",
     "track3_dynmuon",
     "track3_muon_squared",
+    "track3_muown",
     "track3_newton_muon",
     "track3_normuon_floor",
     "track3_psgd",

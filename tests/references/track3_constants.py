@@ -419,3 +419,34 @@ class R20:
     vector_lr = 0.01                # log:739
     adam_betas = (0.8, 0.95)        # log:740
     adam_eps = 1e-10                # log:740 (weight_decay=0)
+
+
+class R23:
+    """#23, Muown (3.28 at 3125 of 3200 steps):
+    results/20260508_muown/97782bd6-1339-430f-b870-0c7309fa5004.txt (its two logs share
+    one script)."""
+
+    log = "results/20260508_muown/97782bd6-1339-430f-b870-0c7309fa5004.txt"
+    steps = 3200                    # log:410 train_steps
+    claim = 3125                    # README: first significant step
+    polar_express = ((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184),  # log:170-179
+                     (3.9096, -2.8234, 0.5250), (3.2856, -2.4153, 0.4853),
+                     (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+                     (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750))
+    ns_steps = 12                   # log:477 ns_steps=12 (the last triple repeats, log:188)
+    ns_eps = 1e-7                   # log:182 eps=1e-7, X / (‖X‖_F + eps) (log:187)
+    muown_lr = 0.0035               # log:396 LR_MUOWN
+    momentum = 0.95                 # log:476 momentum=0.95 (summed: m.mul_(μ).add_(g))
+    direction_scale = 0.2           # log:479 direction_scale=0.2
+    gain_betas = (0.9, 0.95)        # log:239 betas (Adam on the gains)
+    gain_eps = 1e-8                 # log:240 adam_eps
+    v_norm_eps = 1e-12              # log:244 v_norm_eps
+    zero_row_norm = 0.33**0.5       # log:276
+    v_norm_target = 2.688           # log:399 V_NORM_TARGET_SCALE
+    mlp_proj_mult = 3.33333333333   # log:406 V_NORM_FAMILY_MULT["mlp.proj.weight"]
+    embed_lr = 0.9                  # log:393 LR_EMBED
+    head_lr = 0.009375              # log:394 LR_HEAD
+    vector_lr = 0.03                # log:395 LR_1D
+    adam_betas = (0.8, 0.95)        # log:472
+    adam_eps = 1e-10                # log:472
+    cooldown_frac = 0.7             # log:397-398 LR_COOLDOWN_FRAC_ADAM, _MUOWN
