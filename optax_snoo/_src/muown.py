@@ -63,6 +63,7 @@ def muown(
     *,
     radius_target: float | Callable[[str], float] = 2.688,
     radius_steps: int = 3200,
+    radius_power: float | None = None,
     gain_b1: float = 0.9,
     gain_b2: float = 0.95,
     gain_eps: float = 1e-8,
@@ -78,7 +79,8 @@ def muown(
     projections, whose rows then get that norm at the first update). With ``t`` the update
     count, ``η`` the learning rate and ``G`` the gradient::
 
-        u = W / g;   r = r₀ + (R - r₀) s(clip((t-1)/(T-1), 0, 1))   # s(p) = p²(3 - 2p)
+        u = W / g;   r = r₀ + (R - r₀) s(clip((t-1)/(T-1), 0, 1))   # s(p) = p²(3 - 2p),
+                                                                 # or p^q (radius_power)
         v = r u                                         # the direction at radius r
         G_g = Σ_in G ⊙ u;   G_v = (g/r) (G - u G_g)      # the gradients of g and of v
         O = direction(G_v)                              # e.g. Muon (Polar Express), scaled
@@ -100,6 +102,8 @@ def muown(
       radius_target: ``R``, a float or a function of the leaf's path string
         (``"blocks/0/mlp/c_proj/kernel"``) giving it (#23: 2.688, times 10/3 on mlp.proj).
       radius_steps: ``T`` (#23: its 3200 training steps).
+      radius_power: ``None``: the smoothstep ``s(p) = p²(3 - 2p)`` (#23); a number ``q > 0``:
+        ``s(p) = p^q`` (#31: 0.9 over 3005 of its 3000 steps).
       gain_b1: Adam's first-moment decay for the gains (#23: 0.9).
       gain_b2: Adam's second-moment decay (#23: 0.95).
       gain_eps: Adam's epsilon (#23: 1e-8).
@@ -115,8 +119,8 @@ def muown(
     Raises:
       ValueError: for a negative learning rate, betas outside [0, 1), a non-positive
         ``gain_eps``, ``zero_row_gain``, ``norm_eps`` or ``radius_target``,
-        ``radius_steps < 1``, bad ``matrix_axes``; at init, a leaf with fewer than two
-        axes; at update, no params.
+        ``radius_steps < 1``, a non-positive ``radius_power``, bad ``matrix_axes``; at
+        init, a leaf with fewer than two axes; at update, no params.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -142,6 +146,8 @@ def muown(
     check_positive("zero_row_gain", zero_row_gain)
     check_positive("norm_eps", norm_eps)
     check_int_at_least("radius_steps", radius_steps, 1)
+    if radius_power is not None:
+        check_positive("radius_power", radius_power)
     if not callable(radius_target):
         check_positive("radius_target", radius_target)
     if not isinstance(direction, optax.GradientTransformation):
@@ -180,7 +186,7 @@ def muown(
         t = count.astype(jnp.result_type(float))
         p = jnp.clip((t - 1) / max(radius_steps - 1, 1), 0.0, 1.0) if radius_steps > 1 \
             else jnp.ones_like(t)
-        progress = p * p * (3.0 - 2.0 * p)
+        progress = p * p * (3.0 - 2.0 * p) if radius_power is None else p**radius_power
         lr = value_at(learning_rate, count)
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_skipped)
         paths = [path_to_str(k) for k, _ in with_paths]

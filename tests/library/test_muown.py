@@ -104,7 +104,8 @@ def test_the_radius_target_is_per_path_and_slows_the_directions():
 @pytest.mark.parametrize("kw,message", [
     (dict(learning_rate=-1.0), "learning_rate"), (dict(gain_b1=1.0), "gain_b1"),
     (dict(gain_eps=0.0), "gain_eps"), (dict(radius_steps=0), "radius_steps"),
-    (dict(radius_target=-1.0), "radius_target"), (dict(direction=lambda g: g), "direction"),
+    (dict(radius_target=-1.0), "radius_target"), (dict(radius_power=0.0), "radius_power"),
+    (dict(direction=lambda g: g), "direction"),
     (dict(matrix_axes=(1, 1)), "matrix_axes")])
 def test_refuses_bad_settings(kw, message):
     args = dict(direction=scale_by_muon(), learning_rate=0.01) | kw
@@ -118,3 +119,36 @@ def test_refuses_vectors_and_a_missing_params():
         tx.init({"b": jnp.ones(4)})
     with pytest.raises(ValueError, match="needs params"):
         tx.update(PARAMS, tx.init(PARAMS))
+
+
+@pytest.mark.parametrize("power", [None, 0.9])
+def test_the_radius_schedule(power):
+    """The radius at update t is ``r = r₀ + (R - r₀) s(clip((t-1)/(T-1), 0, 1))``, ``s``
+    the smoothstep or ``p^q``, read back from the rows' rotations: with the identity as
+    direction and a unit gradient tangent to every row (its gain's gradient 0), a row
+    turns by ``atan(η g/r²)`` (``G_v = (g/r) G``, ``v = r u``)."""
+    r0 = np.array([0.5, 1.0, 1.5, 2.0, 2.5])
+    w = np.eye(6, 5) * r0  # output neuron j: r0_j e_j over the 6 inputs
+    T, R, lr = 5, 3.0, 0.01
+
+    def run(w):
+        tx = muown(optax.identity(), lr, radius_target=R, radius_steps=T, radius_power=power)
+        params, state, angles = {"w": w}, tx.init({"w": w}), []
+        for _ in range(T + 2):
+            u = params["w"] / jnp.linalg.norm(params["w"], axis=0)
+            e5 = jnp.zeros(6).at[5].set(1.0)[:, None]
+            tangent = e5 - u * jnp.sum(e5 * u, axis=0)
+            g = tangent / jnp.linalg.norm(tangent, axis=0)
+            upd, state = tx.update({"w": g}, state, params)
+            new = params["w"] + upd["w"]
+            cos = jnp.sum(new * params["w"], axis=0) / (
+                jnp.linalg.norm(new, axis=0) * jnp.linalg.norm(params["w"], axis=0))
+            angles.append(jnp.arccos(jnp.clip(cos, -1.0, 1.0)))
+            params = {"w": new}
+        return jnp.stack(angles)
+
+    angles = run_in_float64(run, w)
+    for t, a in enumerate(angles):
+        p = min(max(t - 1, 0) / (T - 1), 1.0)
+        r = r0 + (R - r0) * (p * p * (3 - 2 * p) if power is None else p**power)
+        np.testing.assert_allclose(np.tan(a), lr * r0 / r**2, rtol=1e-9, err_msg=f"t={t}")
