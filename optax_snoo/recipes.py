@@ -67,6 +67,7 @@ from optax_snoo._src.recipes.track3_muon_variants import (
 from optax_snoo._src.recipes.track3_muown import (
     MUOWN_POLAR_EXPRESS,
     TRACK3_MLP_PROJ_PATTERN,
+    track3_contra_normuown,
     track3_muown,
 )
 from optax_snoo._src.recipes.track3_newton_muon import (
@@ -133,6 +134,7 @@ __all__ = [
     "track3_aurora",
     "track3_baseline",
     "track3_contra_muon",
+    "track3_contra_normuown",
     "track3_contra_soft_muon",
     "track3_dynmuon",
     "track3_muon_squared",

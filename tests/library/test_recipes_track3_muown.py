@@ -1,11 +1,13 @@
-"""`recipes.track3_muown` against a float64 numpy transcription of modded-nanogpt Track 3
-result #23's optimizer (its log's `zeropower_via_polar_express_long`, `_wn_pre_ns`,
-`_wn_recompose`, `_smoothstep_v_norm`, `MuownDP._init_state_2d` and `MuownDP.step`, the
-aux AdamW, `lr_eta`/`set_hparams`) on PyTorch's (out, in) layout, over a run that crosses
-the cooldown and the whole V-norm smoothstep, with zero-initialised projections (their
-rows get the record's gain sqrt(0.33) at the first update). Constants from
-`references.track3_constants.R23`; controls (one constant moved) must fail the
-comparison."""
+"""`recipes.track3_muown` (#23) and `recipes.track3_contra_normuown` (#31) against a
+float64 numpy transcription of modded-nanogpt Track 3 results #23's and #31's optimizers
+(their logs' `zeropower_via_polar_express_long`, `_wn_pre_ns`, `_wn_recompose`,
+`_smoothstep_v_norm` / `_power_v_norm`, #31's `scale_to_unit_operator_norm`,
+`contra_coeff_schedule` and `_normuon_renorm`, `MuownDP._init_state_2d` and
+`MuownDP.step`, the aux AdamW, `lr_eta`/`set_hparams`) on PyTorch's (out, in) layout, over
+a run that crosses the cooldown, the whole V-norm schedule and #31's Contra-Muon fade,
+with zero-initialised projections (their rows get the records' gain sqrt(0.33) at the
+first update). Constants from `references.track3_constants.R23`/`R31`; controls (one
+constant moved) must fail the comparison."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import pytest
 from optax_snoo import recipes
 from references.error import run_in_float64
 from references.track3 import flatten, nest
-from references.track3_constants import R23
+from references.track3_constants import R23, R31
 
 T = 20
 
@@ -36,37 +38,84 @@ def polar_express(G, coeffs=R23.polar_express, steps=R23.ns_steps):
     return X.T if G.shape[0] > G.shape[1] else X
 
 
+def unit_operator_norm(G, iterations=R31.power_iterations, eps=R31.power_eps):
+    """#31's `scale_to_unit_operator_norm` (log:190-200)."""
+    v = np.ones(G.shape[-1])
+    v = v / max(np.linalg.norm(v), eps)
+    for _ in range(iterations):
+        u = G @ v
+        u = u / max(np.linalg.norm(u), eps)
+        v = G.T @ u
+        v = v / max(np.linalg.norm(v), eps)
+    return G / max(np.linalg.norm(G @ v), eps)
+
+
+def scaled(steps, record_steps):
+    """A step constant of a record at a run of T of its steps."""
+    return round(steps * T / record_steps)
+
+
 @dataclasses.dataclass
 class Record:
-    """#23's `MuownDP` and `AdamW` at T steps (the V-norm schedule over the run, as the
-    log's ``v_norm_schedule_steps=train_steps``)."""
+    """#23's (by default) or #31's `MuownDP` and `AdamW` at T steps: #23's V-norm schedule
+    runs over the run (``v_norm_schedule_steps=train_steps``), #31's step constants are
+    scaled from its 3000 steps."""
 
+    R: type = R23
     lr: float = R23.muown_lr
     momentum: float = R23.momentum
     direction_scale: float = R23.direction_scale
     gain_betas: tuple = R23.gain_betas
     target: float = R23.v_norm_target
-    mlp_proj_mult: float = R23.mlp_proj_mult
+    mults: tuple = (("mlp/c_proj", R23.mlp_proj_mult),)  # V_NORM_FAMILY_MULT by path
     zero_row_norm: float = R23.zero_row_norm
     coeffs: tuple = R23.polar_express
     cooldown_frac: float = R23.cooldown_frac
+    lr_steps: int = T               # #31: LR_SCHEDULE_STEPS
+    lr_power: float = 1.0           # #31: LR_POWER
     schedule_steps: int = T
+    radius_power: float | None = None  # None: #23's smoothstep; #31: p^0.9
+    contra: tuple | None = None     # #31: (CONTRA_MUON, CONTRA_TO_NORMAL_END_STEP)
+    normuon_beta2: float | None = None  # #31: NOR_MUON_BETA2
 
     def eta(self, step):
-        """`lr_eta` (log:489-494)."""
-        progress = step / T
-        return 1.0 if progress < 1 - self.cooldown_frac else (1 - progress) / self.cooldown_frac
+        """`lr_eta` (#23 log:489-494; #31 log:566-571)."""
+        progress = step / self.lr_steps
+        if progress < 1 - self.cooldown_frac:
+            return 1.0
+        return ((1 - progress) / self.cooldown_frac) ** self.lr_power
+
+    def direction(self, st, update_pre_ns, step):
+        """Polar Express, then #31's Contra-Muon and NorMuon-lite (log:377-395)."""
+        update = polar_express(update_pre_ns, self.coeffs)
+        if self.contra is not None:
+            c, end = self.contra
+            coeff = (c / 2) * (1.0 - min(1.0, max(0.0, step / end)))  # log:202-209
+            if coeff != 0.0:
+                fro = max(np.linalg.norm(update), 1e-10)
+                update = update - coeff * unit_operator_norm(update_pre_ns)
+                update = update * (fro / max(np.linalg.norm(update), 1e-10))
+        if self.normuon_beta2 is not None:  # _normuon_renorm, log:240-253
+            axis = -1 if update.shape[-2] >= update.shape[-1] else -2
+            var = (update * update).mean(axis=axis, keepdims=True)
+            st["sm"] = st["sm"] + (1 - self.normuon_beta2) * (var - st["sm"])
+            vnorm = np.linalg.norm(update)
+            update = update / np.sqrt(np.maximum(st["sm"], 1e-10))
+            update = update * (vnorm / max(np.linalg.norm(update), 1e-10))
+        return update
 
     def init_matrix(self, W):
         """`MuownDP._init_state_2d` (log:271-284)."""
         raw = np.linalg.norm(W, axis=1, keepdims=True)
         norm = np.where(raw <= R23.v_norm_eps, self.zero_row_norm,
                         np.maximum(raw, R23.v_norm_eps))
+        tall = W.shape[0] >= W.shape[1]
         return dict(g=norm.copy(), v_norm=norm.copy(), v_norm_init=norm.copy(),
                     m_v=np.zeros_like(W), m_g=np.zeros_like(norm), v_g=np.zeros_like(norm),
+                    sm=np.zeros((W.shape[0], 1)) if tall else np.zeros((1, W.shape[1])),
                     step=0)
 
-    def step_matrix(self, name, W, grad, st, lr):
+    def step_matrix(self, name, W, grad, st, lr, global_step):
         """`MuownDP.step` (log:286-363) for one matrix."""
         st["step"] += 1
         step, g, v_norm = st["step"], st["g"], st["v_norm"]
@@ -75,7 +124,7 @@ class Record:
         grad_g = (grad * u).sum(axis=1, keepdims=True)
         grad_v = (g / v_norm) * (grad - u * grad_g)
         st["m_v"] = self.momentum * st["m_v"] + grad_v
-        update = polar_express(grad_v + self.momentum * st["m_v"], self.coeffs)
+        update = self.direction(st, grad_v + self.momentum * st["m_v"], global_step)
         scale = self.direction_scale * max(update.shape) ** 0.5
         v_new = v - lr * scale * update
         b1, b2 = self.gain_betas
@@ -85,9 +134,9 @@ class Record:
         st["g"] = g - lr * (st["m_g"] / bc1) / (np.sqrt(st["v_g"] / bc2) + R23.gain_eps)
         W = st["g"] * (v_new / np.maximum(np.linalg.norm(v_new, axis=1, keepdims=True),
                                           R23.v_norm_eps))         # _wn_recompose, log:208
-        target = self.target * (self.mlp_proj_mult if "mlp/c_proj" in name else 1.0)
-        p = min(max(step - 1, 0) / (self.schedule_steps - 1), 1.0)  # log:213-220
-        progress = p * p * (3.0 - 2.0 * p)
+        target = self.target * dict(self.mults).get(name.split("/", 2)[2][:-7], 1.0)
+        p = min(max(step - 1, 0) / (self.schedule_steps - 1), 1.0)  # #23 log:213, #31 :255
+        progress = p * p * (3.0 - 2.0 * p) if self.radius_power is None else p**self.radius_power
         st["v_norm"] = st["v_norm_init"] + (target - st["v_norm_init"]) * progress
         return W
 
@@ -101,27 +150,28 @@ class Record:
             for n, g in grads.items():
                 group, st = PARAMS[n][1], state[n]
                 if group == "muown":
-                    w[n] = self.step_matrix(n, w[n], g, st, self.lr * eta)
+                    w[n] = self.step_matrix(n, w[n], g, st, self.lr * eta, step)
                 else:
-                    (b1, b2), t, lr = R23.adam_betas, step + 1, group * eta
+                    lr0 = getattr(self.R, f"{group}_lr")
+                    (b1, b2), t, lr = self.R.adam_betas, step + 1, lr0 * eta
                     st["m"] = b1 * st["m"] + (1 - b1) * g
                     st["v"] = b2 * st["v"] + (1 - b2) * g * g
-                    denom = np.sqrt(st["v"]) / np.sqrt(1 - b2**t) + R23.adam_eps
+                    denom = np.sqrt(st["v"]) / np.sqrt(1 - b2**t) + self.R.adam_eps
                     w[n] = w[n] - lr / (1 - b1**t) * st["m"] / denom
             out.append(dict(w))
         return out
 
 
 PARAMS = {  # our (in, out) layout
-    "wte/embedding": ((32, 16), R23.embed_lr),
-    "blocks/0/ln_1/scale": ((16,), R23.vector_lr),
+    "wte/embedding": ((32, 16), "embed"),
+    "blocks/0/ln_1/scale": ((16,), "vector"),
     "blocks/0/attn/c_q/kernel": ((16, 16), "muown"),
-    "blocks/0/attn/c_q/bias": ((16,), R23.vector_lr),
+    "blocks/0/attn/c_q/bias": ((16,), "vector"),
     "blocks/0/attn/c_proj/kernel": ((16, 16), "muown"),
     "blocks/0/mlp/c_fc/kernel": ((16, 48), "muown"),
     "blocks/0/mlp/c_proj/kernel": ((48, 16), "muown"),
-    "lm_head/kernel": ((16, 32), R23.head_lr),
-    "lm_head/bias": ((32,), R23.vector_lr),
+    "lm_head/kernel": ((16, 32), "head"),
+    "lm_head/bias": ((32,), "vector"),
 }
 MATRICES = [n for n, (_, g) in PARAMS.items() if g == "muown"]
 
@@ -146,9 +196,9 @@ def problem(seed=0):
     return weights, grads
 
 
-def ours(weights, grads, **hyperparameters):
+def ours(weights, grads, recipe=recipes.track3_muown, **hyperparameters):
     def run(w, gs):
-        tx = recipes.track3_muown(T, ns_dtype="float64", **hyperparameters)
+        tx = recipe(T, ns_dtype="float64", **hyperparameters)
         params = nest(w, dtype=None)
         state, out, update = tx.init(params), [], jax.jit(tx.update)
         for g in gs:
@@ -180,7 +230,7 @@ def test_matches_its_record_in_float64(run):
 @pytest.mark.parametrize("control", [
     dict(lr=R23.muown_lr * 1.03), dict(momentum=0.94), dict(direction_scale=0.21),
     dict(gain_betas=(0.91, 0.95)), dict(gain_betas=(0.9, 0.96)), dict(target=2.75),
-    dict(mlp_proj_mult=3.0), dict(zero_row_norm=0.6), dict(schedule_steps=T + 2),
+    dict(mults=(("mlp/c_proj", 3.0),)), dict(zero_row_norm=0.6), dict(schedule_steps=T + 2),
     dict(coeffs=(*R23.polar_express[:-1], (1.9, -1.25, 0.375))), dict(cooldown_frac=0.68)])
 def test_a_moved_constant_fails_the_comparison(run, control):
     assert worst(run, reference(*problem(), **control)) > 1e-6
@@ -199,3 +249,53 @@ def test_the_defaults_are_the_records():
     pe = recipes.MUOWN_POLAR_EXPRESS
     assert len(pe) == R23.ns_steps and pe[:8] == R23.polar_express
     assert set(pe[7:]) == {R23.polar_express[-1]}
+
+
+# ---- #31: Contra-Muon and NorMuon-lite on Muown's directions, powered schedules
+
+R31_REF = dict(
+    R=R31, lr=R31.muown_lr, momentum=R31.momentum, gain_betas=R31.gain_betas,
+    target=R31.v_norm_target, mults=(("attn/c_proj", R31.attn_proj_mult),
+                                     ("mlp/c_fc", R31.mlp_fc_mult),
+                                     ("mlp/c_proj", R31.mlp_proj_mult)),
+    lr_steps=scaled(R31.lr_schedule_steps, R31.steps), lr_power=R31.lr_power,
+    cooldown_frac=R31.cooldown_frac, schedule_steps=scaled(R31.v_norm_steps, R31.steps),
+    radius_power=R31.v_norm_power, contra=(R31.contra_muon, scaled(R31.contra_end, R31.steps)),
+    normuon_beta2=R31.normuon_beta2)
+
+
+@pytest.fixture(scope="module")
+def run31():
+    return ours(*problem(), recipe=recipes.track3_contra_normuown)
+
+
+def test_contra_normuown_matches_its_record_in_float64(run31):
+    assert worst(run31, reference(*problem(), **R31_REF)) < 1e-10
+
+
+@pytest.mark.parametrize("control", [
+    dict(contra=(0.67, scaled(R31.contra_end, R31.steps))),
+    dict(contra=(R31.contra_muon, scaled(R31.contra_end, R31.steps) + 2)), dict(contra=None),
+    dict(normuon_beta2=0.82), dict(normuon_beta2=None), dict(radius_power=0.95),
+    dict(radius_power=None), dict(schedule_steps=R31_REF["schedule_steps"] + 2),
+    dict(lr_power=0.95), dict(lr_steps=R31_REF["lr_steps"] + 2), dict(momentum=0.95),
+    dict(target=2.55), dict(mults=(("mlp/c_proj", R31.mlp_proj_mult),))])
+def test_a_moved_constant_fails_the_contra_normuown_comparison(run31, control):
+    assert worst(run31, reference(*problem(), **(R31_REF | control))) > 1e-6
+
+
+def test_contra_normuowns_defaults_are_the_records():
+    t = recipes.track3_contra_normuown.defaults
+    assert recipes.track3_contra_normuown.record_steps == R31.steps
+    assert (t.muon_learning_rate, t.muon_momentum, t.contra_muon, t.contra_end, t.muon_beta2,
+            t.radius_target, t.attn_proj_radius_mult, t.mlp_fc_radius_mult,
+            t.mlp_proj_radius_mult, t.radius_steps, t.radius_power, (t.gain_b1, t.gain_b2),
+            t.gain_eps) == (
+        R31.muown_lr, R31.momentum, R31.contra_muon, R31.contra_end, R31.normuon_beta2,
+        R31.v_norm_target, R31.attn_proj_mult, R31.mlp_fc_mult, R31.mlp_proj_mult,
+        R31.v_norm_steps, R31.v_norm_power, R31.gain_betas, R31.gain_eps)
+    assert (t.schedule_steps, t.cooldown_frac, t.cooldown_power) == (
+        R31.lr_schedule_steps, R31.cooldown_frac, R31.lr_power)
+    assert (t.embed_learning_rate, t.head_learning_rate, t.vector_learning_rate,
+            (t.adam_b1, t.adam_b2), t.adam_eps) == (
+        R31.embed_lr, R31.head_lr, R31.vector_lr, R31.adam_betas, R31.adam_eps)

@@ -450,3 +450,36 @@ class R23:
     adam_betas = (0.8, 0.95)        # log:472
     adam_eps = 1e-10                # log:472
     cooldown_frac = 0.7             # log:397-398 LR_COOLDOWN_FRAC_ADAM, _MUOWN
+
+
+class R31:
+    """#31, Muown with Contra-Muon and NorMuon-lite (2995 of 3000 steps):
+    results/20260515_contranormuown/0f117ad6-2342-40f0-9e00-20cec55f6021.txt (its 20 logs
+    share one script but for SEED)."""
+
+    log = "results/20260515_contranormuown/0f117ad6-2342-40f0-9e00-20cec55f6021.txt"
+    steps = 3000                    # log:483 train_steps
+    claim = 2995                    # README
+    muown_lr = 0.0045               # log:458 LR_MUOWN
+    cooldown_frac = 0.7             # log:459 LR_COOLDOWN_FRAC
+    lr_power = 0.9                  # log:460 LR_POWER
+    lr_schedule_steps = 3045        # log:461 LR_SCHEDULE_STEPS
+    v_norm_steps = 3005             # log:462 V_NORM_SCHEDULE_STEPS
+    v_norm_power = 0.9              # log:463 V_NORM_SCHEDULE_POWER
+    v_norm_target = 2.496           # log:464 V_NORM_TARGET_SCALE
+    attn_proj_mult = 1.5            # log:469 V_NORM_FAMILY_MULT["attn.proj.weight"]
+    mlp_fc_mult = 1.5               # log:470 ["mlp.fc.weight"]
+    mlp_proj_mult = 3.33333333333   # log:471 ["mlp.proj.weight"] (q, k, v: 1.0)
+    contra_muon = 0.65              # log:473 CONTRA_MUON
+    contra_end = 1925               # log:475 CONTRA_TO_NORMAL_END_STEP (hold end 0, :474)
+    normuon_beta2 = 0.8             # log:477 NOR_MUON_BETA2
+    momentum = 0.946                # log:478 MUOWN_MOMENTUM
+    gain_betas = (0.9, 0.95)        # log:479 BETA1, log:554 betas=(BETA1, 0.95)
+    gain_eps = 1e-8                 # log:279 adam_eps (MuownDP's default)
+    power_iterations = 5            # log:194 scale_to_unit_operator_norm
+    power_eps = 1e-10               # log:190
+    embed_lr = 0.6                  # log:455 LR_EMBED
+    head_lr = 0.009375              # log:456 LR_HEAD
+    vector_lr = 0.03                # log:457 LR_1D
+    adam_betas = (0.8, 0.95)        # log:546
+    adam_eps = 1e-10                # log:546
