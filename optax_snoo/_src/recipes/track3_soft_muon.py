@@ -18,14 +18,16 @@ updates); every learning rate is PowerCool ``min(lr0, c (3105 - t)^1.2)`` with t
 ending at 3040 (the claim at 3030): Muon 0.0375, the aux AdamW's embedding 0.3, head
 1/320, 1-D parameters 0.01 (betas (0.8, 0.95), eps 1e-10, no decay).
 
-Ours differs from the log in three places, each below the float32 rounding of the update:
-the shape scale comes after NorMuon-lite (scale-invariant), the Soft-Muon series sums in
-float32 (the log in bfloat16), and the V matrices' ``norm_preserving_blend`` with gate 1
-(a second rescale to the momentum's ``‖·‖₄``, which SOAP's own rescale already gave it) is
-left out. The matrices of the three SOAP settings are three `scale_by_muon` groups (each
-its own sharded plan). At ``N`` steps every step constant is ``round(x·N/3040)`` and each
-PowerCool constant keeps its flat fraction (`optax_snoo.power_cool_scaled` at the scaled
-``t_end``).
+Ours differs from the log in three places, none of which changes the formula: the shape
+scale comes after NorMuon-lite (which is scale-invariant up to its 1e-10 clamps), the
+Soft-Muon series and its rescale are summed in float32 (the log keeps them in bfloat16, a
+rounding of ~2^-8 on that term), and the V matrices' ``norm_preserving_blend`` with gate 1
+(a second rescale to the momentum's ``‖·‖₄``, which SOAP's own rescale already gave it: a
+factor 1 to rounding) is left out. The float64 test runs both programs with every step
+constant crossed and agrees to 4e-13. The matrices of the three SOAP settings are three
+`scale_by_muon` groups (each its own sharded plan). At ``N`` steps every step constant is
+``round(x·N/3040)`` and each PowerCool constant keeps its flat fraction
+(`optax_snoo.power_cool_scaled` at the scaled ``t_end``).
 
 References:
   nilin, `Contra-Muon and Soft-Muon <https://nilin.github.io/contra-muon-and-soft-muon/>`_,
