@@ -100,6 +100,9 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "track3_pmuon": ("18", 3225, ()),
     "track3_sinksoap": ("26", 3090, ()),
     "track3_dynmuon": ("28", 3175, ()),
+    "track3_contra_soft_muon": ("20", 3030, ()),
+    "track3_muown": ("23", 3125, ()),
+    "track3_contra_normuown": ("31", 2995, ()),
     # K-FAC-style capture refuses the summed loss: the mean (Muon is scale-free).
     "track3_newton_muon": ("15", 3275, ("loss_reduction=mean",)),
     # #44 as it ran (`track3_soap_muon`, its SOAP-Muon part alone, is an ablation).

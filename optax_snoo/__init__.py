@@ -21,11 +21,12 @@ from optax_snoo._src.averaging import (
 )
 from optax_snoo._src.circuit import OVHeads, circuit_ov_heads, scale_by_circuit_ov
 from optax_snoo._src.memory import state_bytes, state_bytes_by_group
-from optax_snoo._src.muon import MuonState, scale_by_muon
+from optax_snoo._src.muon import SOFT_MUON_SERIES, MuonState, scale_by_muon
 from optax_snoo._src.muon_adam import MuonGroup, muon
 from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import MatrixPrecondition, OwnedPreconditionState
 from optax_snoo._src.muon_squared import MuonSquaredState, muon_squared_precondition
+from optax_snoo._src.muown import MuownState, muown
 from optax_snoo._src.newton_muon import (
     InputCovarianceState,
     input_covariance_from_stats,
@@ -122,6 +123,7 @@ __all__ = [
     "DEFAULT_ROLE_RULES",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLICY_PRESETS",
+    "SOFT_MUON_SERIES",
     "AdamGroup",
     "DecoupledWeightDecayState",
     "DeltaPulsesState",
@@ -132,6 +134,7 @@ __all__ = [
     "MuonGroup",
     "MuonSquaredState",
     "MuonState",
+    "MuownState",
     "NewtonSchulzPlan",
     "OVHeads",
     "OwnedPreconditionState",
@@ -176,6 +179,7 @@ __all__ = [
     "muon_momentum_schedule",
     "muon_momentum_warmup",
     "muon_squared_precondition",
+    "muown",
     "nanogpt_cosine_schedule",
     "newton_muon",
     "normuon",

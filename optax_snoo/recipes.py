@@ -66,6 +66,12 @@ from optax_snoo._src.recipes.track3_muon_variants import (
     track3_sinksoap,
     track3_spectral_descent,
 )
+from optax_snoo._src.recipes.track3_muown import (
+    MUOWN_POLAR_EXPRESS,
+    TRACK3_MLP_PROJ_PATTERN,
+    track3_contra_normuown,
+    track3_muown,
+)
 from optax_snoo._src.recipes.track3_newton_muon import (
     TRACK3_NEWTON_MUON_PATTERNS,
     track3_newton_muon,
@@ -82,16 +88,25 @@ from optax_snoo._src.recipes.track3_soaph import (
     track3_klsoap_power_decay,
     track3_soaph,
 )
+from optax_snoo._src.recipes.track3_soft_muon import (
+    TRACK3_SOAP_MLP_PATTERN,
+    TRACK3_SOAP_V_PATTERN,
+    track3_contra_soft_muon,
+)
 
 __all__ = [
     "KFAC_LABEL_RULES",
+    "MUOWN_POLAR_EXPRESS",
     "NEWTON_MUON_SHARED_INPUTS",
     "RECORD_ADAM_PATTERNS",
     "RECORD_MLP_PATTERN",
     "REGISTRY",
     "TRACK3_ADAM_PATTERNS",
+    "TRACK3_MLP_PROJ_PATTERN",
     "TRACK3_NEWTON_MUON_PATTERNS",
     "TRACK3_RECORD_ADAM_PATTERNS",
+    "TRACK3_SOAP_MLP_PATTERN",
+    "TRACK3_SOAP_V_PATTERN",
     "TRACK3_TRUST_GATE_PATTERN",
     "Groups",
     "Hyperparameters",
@@ -127,10 +142,13 @@ __all__ = [
     "track3_aurora",
     "track3_baseline",
     "track3_contra_muon",
+    "track3_contra_normuown",
+    "track3_contra_soft_muon",
     "track3_dynmuon",
     "track3_klsoap",
     "track3_klsoap_power_decay",
     "track3_muon_squared",
+    "track3_muown",
     "track3_newton_muon",
     "track3_normuon_floor",
     "track3_pmuon",

@@ -67,7 +67,9 @@ from optax_snoo._src.newton_schulz import (
     _newton_schulz,
     _normalized_axes,
     _resolve_coefficients,
+    gram_frobenius_norm,
     leverage_balanced,
+    soft_polar,
 )
 from optax_snoo._src.newton_schulz import tempered_polar as tempered
 from optax_snoo._src.utils import (
@@ -82,7 +84,17 @@ from optax_snoo._src.utils import (
 )
 
 SMOOTHING_FORMS = ("ema", "nesterov")
-SPECTRAL_MAPS = (None, "contra", "power")
+SPECTRAL_MAPS = (None, "contra", "power", "soft")
+NORMUON_NORMS = ("frobenius", "gram_frobenius")
+#: Soft-Muon's series (modded-nanogpt Track 3 result #20, ``_soft_coefficients``): per
+#: power ``p``, the weights of the Newton-Schulz iterates ``X_0 .. X_12`` of the
+#: ``"track3"`` iteration whose sum has singular values close to ``σ^p``.
+SOFT_MUON_SERIES: dict[float, tuple[float, ...]] = {
+    0.0: (0.0,) * 12 + (1.0,),
+    0.1: (0.1091613623, 0.07085664498, 0.05210528973, 0.05457295795, 0.05011334061,
+          0.03334622198, 0.05022104481, 0.1053727358, 0.1187323776, 0.1185061091,
+          0.1185059576, 0.1185059576, 0.0),
+}
 SHAPE_SCALES = ("modded", "consistent_rms")
 
 
@@ -151,6 +163,9 @@ def scale_by_muon(
     spectral_map: str | None = None,
     spectral_strength: float | optax.Schedule = 0.4,
     spectral_input_scale: float = 1.0,
+    soft_power: float = 0.1,
+    soft_contra: float | optax.Schedule = 0.0,
+    normuon_norm: str = "frobenius",
     aurora_iterations: int | None = None,
     aurora_beta: float = 0.5,
     orthogonalize: bool = True,
@@ -168,7 +183,8 @@ def scale_by_muon(
         v = precondition(v, g)                            # if precondition, per matrix (below)
         O = orthogonalize(v)                              # each matrix on its own
                                        # (O = v with orthogonalize=False, below)
-                                       # (Aurora's polar(D v) if aurora_iterations, below)
+                                       # (Aurora's polar(D v) if aurora_iterations, below;
+                                       # Soft-Muon's blend if spectral_map="soft", below)
         O = temper(O, v)                                  # if tempered_polar (below)
         O = contra(O, v)                                  # if spectral_map="contra" (below)
         O = power(O, v)                                   # if spectral_map="power" (below)
@@ -186,7 +202,8 @@ def scale_by_muon(
     is per output neuron), ``q = mean_r(O²)`` (one value per row of the longer axis),
     ``ν = β₂ ν + (1-β₂) q``, ``D = O / sqrt(max(ν, 1e-10))`` and
     ``O = D ‖O‖_F / max(‖D‖_F, 1e-10)``: each neuron's update gets the same RMS on
-    average, and the matrix keeps the Frobenius norm orthogonalisation gave it.
+    average, and the matrix keeps the Frobenius norm orthogonalisation gave it
+    (``normuon_norm="gram_frobenius"``: the norm ``‖·‖₄`` below, as Track 3 result #20).
 
     Preconditioning (``precondition`` set, e.g. `soap_whitening` for SOAP-Muon): a
     `MatrixPrecondition`, a function of each matrix alone (its Newton-Schulz input ``v``,
@@ -254,8 +271,8 @@ def scale_by_muon(
         none.
       ns_normalization: how the iteration's input is scaled, ``"frobenius"`` or
         ``"gram_frobenius"`` (modded-nanogpt Track 3's SOAP-Muon); see `orthogonalize`.
-      spectral_map: ``None``, ``"contra"`` or ``"power"``. ``"contra"``: Contra-Muon (nilin,
-        https://github.com/nilin/contra-muon, 2026; Track 3 result #11):
+      spectral_map: ``None``, ``"contra"``, ``"power"`` or ``"soft"``. ``"contra"``:
+        Contra-Muon (nilin, https://github.com/nilin/contra-muon, 2026; Track 3 result #11):
         ``O' = O - (c/2) v/‖v‖_op``, then ``O' ‖O‖_F/max(‖O'‖_F, 1e-10)``, before NorMuon;
         ``‖v‖_op`` by 5 power iterations from the all-ones vector on the fan_in axis, in
         float32, norms clamped at 1e-10, as the record computes it.
@@ -270,11 +287,37 @@ def scale_by_muon(
         record's ``X`` is the summed (not EMA) Nesterov momentum of the mean-loss
         gradient, ``spectral_input_scale = (1/524288)/(1-β)`` of this ``v`` for its
         summed loss over 524288 tokens.
-      spectral_strength: ``c`` of ``"contra"`` (the record's ``CONTRA_MUON=0.4``), or ``p``
-        of ``"power"``; a number or a schedule of the update count (`logistic_schedule`
-        is DynMuon's).
+
+        ``"soft"``: Soft-Muon and its interpolation with Contra-Muon (nilin,
+        https://nilin.github.io/contra-muon-and-soft-muon/, 2026; Track 3 result #20), in
+        place of ``orthogonalize(v)``, ``v`` the iteration's input (after ``precondition``).
+        With ``‖X‖₄ = max(‖XᵀX‖_F^{1/2}, 1e-10)`` (the Schatten-4 norm, the record's
+        ``gram_frobenius_norm_estimate``), ``O = orthogonalize(v)``, ``n = ‖O‖₄`` and
+        ``[Y] = Y n/‖Y‖₄``::
+
+            C = [O - (k/2) v/‖v‖₄]              # Contra-Muon, k = soft_contra
+            S = [Σ_j w_j X_j]                   # Soft-Muon: singular values ~ σ^p
+            O' = [C + b (S - C)]                # b = spectral_strength
+
+        ``X_j`` are the iterates of the record's own iteration (``"track3"``: ``(2, -1.5,
+        0.5)`` twelve times on ``v/‖v‖₄`` in ``ns_dtype``, whatever ``coefficients``),
+        ``w`` the record's weights for ``p = soft_power`` (`SOFT_MUON_SERIES`; summed in
+        float32 where the record sums in bfloat16); `optax_snoo._src.newton_schulz.
+        soft_polar`. ``k = 0, b = 0`` is Muon; ``b = 0`` is Contra-Muon with ``‖·‖₄``
+        for ``#11``'s operator and Frobenius norms; the series is skipped while ``b = 0``.
+        It runs on each matrix's owner under the sharded plan (whole matrices, after the
+        precondition), which receives the float32 input (twice a bfloat16 transfer).
+      spectral_strength: ``c`` of ``"contra"`` (the record's ``CONTRA_MUON=0.4``), ``p``
+        of ``"power"``, or the blend ``b`` in [0, 1] of ``"soft"``; a number or a
+        schedule of the update count (`logistic_schedule` is DynMuon's).
       spectral_input_scale: ``"power"``'s factor on ``v`` (above); refused with another
         map.
+      soft_power: ``"soft"``'s ``p``, a key of `SOFT_MUON_SERIES` (the record's 0.1).
+      soft_contra: ``"soft"``'s Contra-Muon strength ``k >= 0`` (as ``"contra"``'s ``c``;
+        #20: 0.4 falling linearly to 0 at update 2000), a number or a schedule; refused
+        (unless 0) with another map.
+      normuon_norm: the norm NorMuon keeps, ``"frobenius"`` (NorMuon, #9, #11) or
+        ``"gram_frobenius"`` (``‖·‖₄``, #20).
       aurora_iterations: ``None`` (plain polar) or ``k >= 1``: Aurora's leverage-uniform
         polar (Tilde Research, https://github.com/tilde-research/aurora-release, 2026;
         Track 3 result #17) in place of ``orthogonalize(v)``: ``U = orthogonalize(D v)``
@@ -347,6 +390,12 @@ def scale_by_muon(
         raise ValueError(f"spectral_map must be one of {SPECTRAL_MAPS}, got {spectral_map!r}.")
     if spectral_map == "contra":
         check_non_negative("spectral_strength", spectral_strength)
+    _check_soft(spectral_map, spectral_strength, soft_power, soft_contra)
+    if spectral_map == "soft" and tempered_polar is not None:
+        raise ValueError(f"tempered_polar={tempered_polar!r} and spectral_map='soft' both "
+                         f"replace the polar factor: pass one of them.")
+    if normuon_norm not in NORMUON_NORMS:
+        raise ValueError(f"normuon_norm must be one of {NORMUON_NORMS}, got {normuon_norm!r}.")
     check_positive("spectral_input_scale", spectral_input_scale)
     input_scale_now = concrete_real(spectral_input_scale)  # None while inject traces it
     if spectral_map != "power" and input_scale_now not in (None, 1.0):
@@ -417,6 +466,9 @@ def scale_by_muon(
     if tempered_polar is not None:
         # the residual reads v itself (the record's float32 momentum), not its bf16 copy
         transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
+    if spectral_map == "soft":  # its Contra-Muon term reads the float32 input, as the record
+        transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
+        series = SOFT_MUON_SERIES[concrete_real(soft_power)]
 
     def init_fn(params: optax.Params) -> MuonState:
         for path, p in jax.tree_util.tree_leaves_with_path(params):
@@ -476,6 +528,10 @@ def scale_by_muon(
             polar = functools.partial(tempered, newton_schulz=newton_schulz,
                                       rho=value_at(tempered_polar, count),
                                       max_delta=tempered_polar_max, round_dtype=ns_dt)
+        if spectral_map == "soft":  # around each matrix's iteration, on its owner
+            polar = functools.partial(
+                soft_polar, newton_schulz=newton_schulz, contra=value_at(soft_contra, count),
+                blend=value_at(spectral_strength, count), series=series, ns_dtype=ns_dt)
         ortho, leaf_states, owned_states = orthogonalize_leaves(
             ns_inputs, leaf_axes, placements, newton_schulz=polar, ns_dtype=transfer_dtype,
             mesh=spread_mesh, split=shard_newton_schulz, **owned)
@@ -492,7 +548,7 @@ def scale_by_muon(
         if beta2 is not None:
             beta2_t = value_at(beta2, count)
             normed = [(o, v) if not normuon_square and o.shape[a[0]] == o.shape[a[1]]
-                      else _normuon(o, v, beta2_t, a)
+                      else _normuon(o, v, beta2_t, a, normuon_norm)
                       for o, v, a in zip(ortho, treedef.flatten_up_to(nu), leaf_axes, strict=True)]
             ortho, nu = [o for o, _ in normed], treedef.unflatten([v for _, v in normed])
         smooth = state.smooth
@@ -557,6 +613,31 @@ def _contra(o: jax.Array, v: jax.Array, strength: float, axes: tuple[int, int]) 
                                    1e-10))
 
 
+def _schatten4(x: jax.Array, axes: tuple[int, int]) -> jax.Array:
+    """``max(‖XᵀX‖_F^{1/2}, 1e-10)`` per matrix of a leaf, its matrix axes kept (size 1)."""
+    moved = jnp.moveaxis(x, axes, (-2, -1))
+    return jnp.expand_dims(gram_frobenius_norm(moved, 1e-10)[..., 0, 0], axes)
+
+
+def _check_soft(spectral_map: str | None, blend: Any, power: Any, contra: Any) -> None:
+    """Soft-Muon's settings: a tabulated ``p``, ``k >= 0`` (0 with another map), a blend
+    in [0, 1]."""
+    check_non_negative("soft_contra", contra)
+    if spectral_map != "soft":
+        if concrete_real(contra) not in (None, 0.0):
+            raise ValueError(f"soft_contra={contra!r} is read only by spectral_map='soft', "
+                             f"got spectral_map={spectral_map!r}.")
+        return
+    if concrete_real(power) not in SOFT_MUON_SERIES:
+        raise ValueError(f"soft_power must be one of {sorted(SOFT_MUON_SERIES)} (the powers "
+                         f"the record's series has weights for), got {power!r}; under "
+                         f"optax.inject_hyperparams pass static_args=('soft_power',).")
+    b = concrete_real(blend)
+    if b is not None and not 0 <= b <= 1:
+        raise ValueError(f"spectral_strength (Soft-Muon's blend) must be in [0, 1] for "
+                         f"spectral_map='soft', got {blend!r}.")
+
+
 def _gram_sides(shape: tuple[int, ...], axes: tuple[int, int]) -> tuple[int, int]:
     """(short, long) matrix axes of DynMuon's Gram: PyTorch's rows (``fan_out``) unless
     they are the longer side (its ``fast_spectral`` transposes only tall matrices)."""
@@ -599,18 +680,22 @@ def _reduced_shape(shape: tuple[int, ...], axes: tuple[int, int]) -> tuple[int, 
     return tuple(1 if a == red else n for a, n in enumerate(shape))
 
 
-def _normuon(o: jax.Array, nu: jax.Array, beta2: Any, axes: tuple[int, int]
-             ) -> tuple[jax.Array, jax.Array]:
+def _normuon(o: jax.Array, nu: jax.Array, beta2: Any, axes: tuple[int, int],
+             norm: str = "frobenius") -> tuple[jax.Array, jax.Array]:
     """NorMuon's variance normalisation of one leaf's orthogonalised update (float32).
 
     Written as the record fuses it: ``‖O‖_F² = Σ n q`` and ``‖D‖_F² = Σ n q / ν`` from
     the per-neuron mean squares ``q``, so only one pass over ``O`` reads it whole.
+    ``norm="gram_frobenius"``: ``D ‖O‖₄/‖D‖₄`` instead (`_schatten4`, clamps 1e-10).
     """
     red, dtype = _reduced_axis(o.shape, axes), nu.dtype  # the state keeps its dtype
     n = o.shape[red]
     q = jnp.mean(jnp.square(o), axis=red, keepdims=True)
     nu = beta2 * nu + (1 - beta2) * q
     inv_rms = jax.lax.rsqrt(jnp.maximum(nu, 1e-10))
+    if norm == "gram_frobenius":
+        d = o * inv_rms
+        return d * (_schatten4(o, axes) / _schatten4(d, axes)), nu.astype(dtype)
     norm = jnp.sqrt(jnp.sum(n * q, axis=axes, keepdims=True))
     new_norm = jnp.sqrt(jnp.sum(n * q * jnp.square(inv_rms), axis=axes, keepdims=True))
     return o * (inv_rms * (norm / jnp.maximum(new_norm, 1e-10))), nu.astype(dtype)

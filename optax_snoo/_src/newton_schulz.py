@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_snoo._src.utils import check_float_dtype
+from optax_snoo._src.utils import check_float_dtype, concrete_real
 
 Triples = tuple[tuple[float, float, float], ...]
 Coefficients = str | Sequence[Sequence[float]]
@@ -227,11 +227,17 @@ def _check_ns_normalization(normalization: Any) -> None:
                          f"got {normalization!r}.")
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 4))
+@functools.partial(jax.jit, static_argnums=(1, 2, 4, 5))
 def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
-                   eps: jax.typing.ArrayLike, normalization: str = "frobenius") -> jax.Array:
+                   eps: jax.typing.ArrayLike, normalization: str = "frobenius",
+                   series: tuple[float, ...] | None = None) -> jax.Array:
     """The iteration on the last two axes. Jitted so that eager callers compile it once
-    per shape instead of op by op; inside an outer jit it is simply inlined."""
+    per shape instead of op by op; inside an outer jit it is simply inlined.
+
+    ``series`` (``len(triples) + 1`` weights ``w_k``): instead of the last iterate, the
+    weighted sum ``Σ_k w_k X_k`` of every iterate (``X_0`` the normalised input), summed
+    in float32 (Soft-Muon's series, `optax_snoo.scale_by_muon`'s ``spectral_map="soft"``).
+    """
     out_dtype = jnp.promote_types(ns_dtype, jnp.float32)
     transposed = x.shape[-2] > x.shape[-1]
     X = jnp.swapaxes(x, -1, -2) if transposed else x
@@ -268,10 +274,52 @@ def _newton_schulz(x: jax.Array, triples: Triples, ns_dtype: jnp.dtype,
         B = down(b * up(A) + c * up(dot(A, A)))
         return down(a * up(X) + up(dot(B, X))), None
 
-    X, _ = jax.lax.scan(iteration, X, jnp.asarray(triples, out_dtype))
-    X = up(X)
+    if series is None:
+        X, _ = jax.lax.scan(iteration, X, jnp.asarray(triples, out_dtype))
+        X = up(X)
+    else:
+        def weighted(carry: tuple, abcw: jax.Array) -> tuple[tuple, None]:
+            X, total = carry
+            return (iteration(X, abcw)[0], total + abcw[3] * up(X)), None
+
+        steps = jnp.asarray([(*t, w) for t, w in zip(triples, series[:-1], strict=True)],
+                            out_dtype)
+        (X, total), _ = jax.lax.scan(weighted, (X, jnp.zeros(X.shape, out_dtype)), steps)
+        X = total + series[-1] * up(X)
     return jnp.swapaxes(X, -1, -2) if transposed else X
 
+
+
+def soft_polar(x: jax.Array, newton_schulz: Callable[[jax.Array], jax.Array], *,
+               contra: Any, blend: Any, series: tuple[float, ...], ns_dtype: Any,
+               eps: float = 1e-10) -> jax.Array:
+    """Soft-Muon's blend with (Contra-)Muon of the last two axes, around ``newton_schulz``.
+
+    With ``‖X‖₄ = max(‖XᵀX‖_F^{1/2}, eps)``, ``O = newton_schulz(x)``, ``n = ‖O‖₄`` and
+    ``[Y] = Y n/‖Y‖₄``: ``C = [O - (contra/2) x/‖x‖₄]``, ``S = [Σ_j w_j X_j]`` (``w`` =
+    ``series``, ``X_j`` the iterates of the ``"track3"`` iteration on the Gram-normalised
+    ``x``) and the result ``[C + blend (S - C)]`` (``C`` while ``blend`` is 0: the series
+    is not run). Float32 (float64 for float64 ``x``), as modded-nanogpt Track 3 result
+    #20's ``muon_update``; see `optax_snoo.scale_by_muon`'s ``spectral_map="soft"``.
+    """
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    x = x.astype(dtype)
+    o = newton_schulz(x).astype(dtype)
+    n = gram_frobenius_norm(o, eps)
+    fit = lambda y: y * (n / gram_frobenius_norm(y, eps))
+    c = fit(o - (contra / 2) * (x / gram_frobenius_norm(x, eps)))
+
+    def with_series() -> jax.Array:
+        s = _newton_schulz(x, TRACK3_COEFFICIENTS, jnp.dtype(ns_dtype), 1e-7,
+                           "gram_frobenius", tuple(series))
+        return fit(c + blend * (fit(s.astype(dtype)) - c))
+
+    b = concrete_real(blend)
+    if b == 0:
+        return c
+    if b is not None:
+        return with_series()
+    return jax.lax.cond(blend == 0, lambda: c, with_series)
 
 
 def leverage_balanced(x: jax.Array, newton_schulz: Callable[[jax.Array], jax.Array],

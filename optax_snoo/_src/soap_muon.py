@@ -109,7 +109,8 @@ class SoapMatrixState(NamedTuple):
 
 def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax.Array,
                      gated: Any, *, beta: Any, beta2: Any, precondition_frequency: int,
-                     denom_power: float, eps: float, norm: Callable[[jax.Array], jax.Array],
+                     denom_power: float, eps: float, denom_floor: float, blend: float,
+                     norm: Callable[[jax.Array], jax.Array],
                      floor: Any, cap: Any, trust: tuple[float, float, float]
                      ) -> tuple[jax.Array, SoapMatrixState]:
     """The whitening of matrices ``(..., out, in)`` and their new statistics: the one
@@ -124,8 +125,13 @@ def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax
 
     P = _mm("...ji,...jk,...kl->...il", basis_out, M, basis_in)
     V_new = beta2 * V + (1 - beta2) * jnp.square(P)
-    D = _mm("...ij,...jk,...lk->...il", basis_out,
-            P / jnp.power(jnp.maximum(V_new, eps * eps), denom_power), basis_in)
+    denom = jnp.power(jnp.maximum(V_new, eps * eps), denom_power)
+    if denom_floor > 0:  # each matrix's denominators floored at a fraction of their RMS
+        rms = jnp.sqrt(jnp.mean(jnp.square(denom), axis=(-2, -1), keepdims=True))
+        denom = jnp.maximum(denom, jnp.maximum(denom_floor * rms, eps))
+    D = _mm("...ij,...jk,...lk->...il", basis_out, P / denom, basis_in)
+    if blend != 1:
+        D = blend * D + (1 - blend) * M
     D = D * (norm(M) / norm(D))
     first = count == 0
     D, V = jnp.where(first, M, D), jnp.where(first, V, V_new)
@@ -157,7 +163,8 @@ def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax
 
 
 def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
-                      denom_power: float, eps: float, norm_match: str, trust_min_agree: float,
+                      denom_power: float, eps: float, denom_floor: float, blend: float,
+                      norm_match: str, trust_min_agree: float,
                       trust_min_grad_align: float, trust_power: float, trust_floor: Any,
                       trust_cap: Any) -> Callable[..., tuple[jax.Array, SoapMatrixState]]:
     """The checked settings bound into `_whiten_matrices`."""
@@ -166,6 +173,9 @@ def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
     check_int_at_least("precondition_frequency", precondition_frequency, 1)
     check_non_negative("denom_power", denom_power)
     check_positive("eps", eps)
+    check_non_negative("denom_floor", denom_floor)
+    if not (isinstance(blend, int | float) and 0 < blend <= 1):
+        raise ValueError(f"blend must be a number in (0, 1], got {blend!r}.")
     check_unit_interval("trust_min_agree", trust_min_agree)
     check_positive("trust_power", trust_power)
     if norm_match not in NORM_MATCHES:
@@ -173,6 +183,7 @@ def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
     return functools.partial(
         _whiten_matrices, beta=beta, beta2=beta2,
         precondition_frequency=precondition_frequency, denom_power=denom_power, eps=eps,
+        denom_floor=float(denom_floor), blend=float(blend),
         norm=_gram_norm if norm_match == "gram" else _frobenius_norm,
         floor=trust_gate_floor() if trust_floor is None else trust_floor,
         cap=trust_gate_cap() if trust_cap is None else trust_cap,
@@ -186,6 +197,8 @@ def soap_whitening(
     precondition_frequency: int = 1,
     denom_power: float = 0.5,
     eps: float = 1e-8,
+    denom_floor: float = 0.0,
+    blend: float = 1.0,
     norm_match: str = "gram",
     trust_gate: TrustGateLeaves = None,
     trust_min_agree: float = 0.2,
@@ -206,7 +219,10 @@ def soap_whitening(
         t = 0:  D = M                                    # no basis yet
         t > 0:  P = Q_Lᵀ M Q_R                           # momentum in the eigenbasis
                 V = β₂ V + (1-β₂) P²                     # no bias correction
-                D̃ = Q_L (P / max(V, eps²)^p) Q_Rᵀ         # p = denom_power
+                Δ = max(V, eps²)^p                       # p = denom_power
+                Δ = max(Δ, max(f·rms(Δ), eps))          # if f = denom_floor > 0
+                D̃ = Q_L (P / Δ) Q_Rᵀ
+                D̃ = a D̃ + (1-a) M                         # if a = blend < 1
                 D = D̃ · g(M) / g(D̃)                      # g: norm_match (below)
         trust-gated leaves:  D = blend(M, D, G)          # below
         then, statistics for the next update:
@@ -249,6 +265,11 @@ def soap_whitening(
         #14: 10).
       denom_power: ``p`` in ``V^p`` (0.5: Adam's square root).
       eps: ``V`` is floored at ``eps²`` (record: 1e-8).
+      denom_floor: ``f``: each matrix's denominators ``Δ`` are floored at ``f`` times
+        their root mean square (#16's attention SOAP, ``ATTN_SOAP_DENOM_FLOOR``; #20's
+        V: 0.55); 0: none.
+      blend: ``a`` in (0, 1]: the whitened momentum mixed with the momentum before the
+        norm match (#20's V: ``V_SOAP_BLEND`` 0.95); 1: none.
       norm_match: ``"gram"`` or ``"frobenius"`` (above).
       trust_gate: which leaves are gated: ``None``/``False`` (none), ``True`` (all), a
         callable of the leaf's path string (``"blocks/0/attn/c_proj/kernel"``) returning
@@ -268,7 +289,8 @@ def soap_whitening(
     Raises:
       ValueError: for ``beta``/``beta2`` outside [0, 1), a non-positive
         ``precondition_frequency``, ``eps`` or ``trust_power``, a negative
-        ``denom_power``, ``trust_min_agree`` outside [0, 1), an unknown ``norm_match``.
+        ``denom_power`` or ``denom_floor``, ``blend`` outside (0, 1],
+        ``trust_min_agree`` outside [0, 1), an unknown ``norm_match``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -291,8 +313,8 @@ def soap_whitening(
       2026
     """
     whiten = _matrix_whitening(beta, beta2, precondition_frequency, denom_power, eps,
-                               norm_match, trust_min_agree, trust_min_grad_align,
-                               trust_power, trust_floor, trust_cap)
+                               denom_floor, blend, norm_match, trust_min_agree,
+                               trust_min_grad_align, trust_power, trust_floor, trust_cap)
     return MatrixPrecondition(_init_matrices, whiten,
                               functools.partial(_gated_leaves, trust_gate))
 

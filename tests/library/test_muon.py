@@ -920,6 +920,12 @@ def test_without_orthogonalize_what_reads_the_polar_is_refused(kw):
         scale_by_muon(orthogonalize=False, **kw)
 
 
+def test_soft_map_and_tempered_polar_are_refused_together():
+    """Both replace the polar factor (one would silently win): refused at construction."""
+    with pytest.raises(ValueError, match="tempered_polar=0.05 and spectral_map='soft'"):
+        scale_by_muon(spectral_map="soft", tempered_polar=0.05)
+
+
 def test_normuon_square_false_skips_square_matrices_only():
     """``normuon_square=False``: a square matrix's update and ``ν`` are those without
     NorMuon; a non-square one is normalised as with ``normuon_square=True``."""
@@ -933,3 +939,111 @@ def test_normuon_square_false_skips_square_matrices_only():
     np.testing.assert_array_equal(np.asarray(s_skip.nu["sq"]), 0.0)
     np.testing.assert_array_equal(np.asarray(skip["wide"]), np.asarray(both["wide"]))
     assert not np.allclose(np.asarray(both["sq"]), np.asarray(plain["sq"]))
+# ------------------------------------------------------ Soft-Muon's map (#20, spectral_map)
+
+def _spectrum(shape, lo, seed=0):
+    """A matrix with singular values spread log-uniformly over [lo, 1]."""
+    rng = np.random.default_rng(seed)
+    m, n = shape
+    k = min(m, n)
+    u, _ = np.linalg.qr(rng.standard_normal((m, k)))
+    v, _ = np.linalg.qr(rng.standard_normal((n, k)))
+    s = np.logspace(np.log10(lo), 0, k)
+    return u @ np.diag(s) @ v.T, s
+
+
+@pytest.mark.parametrize("shape", [(24, 8), (8, 24), (16, 16)])
+def test_soft_map_raises_the_singular_values_to_p(shape):
+    """Soft-Muon's series (blend 1, no Contra-Muon term): the update's singular values are
+    ``σ^0.1`` of the input's (relative to the largest) to 1% over 1.7 decades (1.2% off
+    at two), where Muon's are all 1; the update keeps Muon's
+    Schatten-4 norm."""
+    g, s = _spectrum(shape, 2e-2)
+    soft = _aurora_update(g, spectral_map="soft", spectral_strength=1.0, soft_power=0.1,
+                          ns_normalization="gram_frobenius")
+    muon = _aurora_update(g, ns_normalization="gram_frobenius")
+    got = np.linalg.svd(soft, compute_uv=False)
+    np.testing.assert_allclose(got / got[0], (s[::-1] / s[-1]) ** 0.1, rtol=0.01)
+    np.testing.assert_allclose(np.linalg.svd(muon, compute_uv=False), 1.0, atol=1e-3)
+    schatten4 = lambda x: np.sum(np.linalg.svd(x, compute_uv=False) ** 4) ** 0.25
+    np.testing.assert_allclose(schatten4(soft), schatten4(muon), rtol=1e-12)
+
+
+def test_soft_map_is_contra_muon_at_blend_0_and_its_blends_are_linear():
+    """``b = 0, k = 0``: Muon itself; ``b = 0``: ``[O - (k/2) v/‖v‖₄]`` (numpy here);
+    ``b`` in between: ``[C + b (S - C)]`` of the two ends; scale-free in ``v``."""
+    g = _uneven((24, 8))
+    kw = dict(spectral_map="soft", ns_normalization="gram_frobenius")
+    muon = _aurora_update(g, ns_normalization="gram_frobenius")
+    np.testing.assert_allclose(_aurora_update(g, spectral_strength=0.0, **kw), muon,
+                               rtol=1e-12, atol=1e-14)
+    s4 = lambda x: np.sqrt(np.linalg.norm(x.T @ x))
+    fit = lambda y: y * s4(muon) / s4(y)
+    contra = fit(muon - 0.2 * g / s4(g))
+    c = _aurora_update(g, spectral_strength=0.0, soft_contra=0.4, **kw)
+    np.testing.assert_allclose(c, contra, rtol=1e-12, atol=1e-14)
+    s = _aurora_update(g, spectral_strength=1.0, soft_contra=0.4, **kw)
+    np.testing.assert_allclose(_aurora_update(g, spectral_strength=0.3, soft_contra=0.4, **kw),
+                               fit(c + 0.3 * (s - c)), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(
+        _aurora_update(1e3 * g, spectral_strength=0.3, soft_contra=0.4, **kw),
+        fit(c + 0.3 * (s - c)), rtol=1e-12, atol=1e-14)
+
+
+def test_soft_map_under_schedules_and_jit_equals_constants():
+    """Scheduled ``b`` and ``k`` (the blend 0 at update 0: the series skipped under
+    ``lax.cond``) give the constants' updates, update by update."""
+    p = {"w": jnp.asarray(_uneven((24, 8)), jnp.float32)}
+    kw = dict(spectral_map="soft", ns_dtype=F32, ns_normalization="gram_frobenius")
+    scheduled = scale_by_muon(0.9, spectral_strength=lambda n: jnp.minimum(0.5 * n, 0.8),
+                              soft_contra=lambda n: 0.4 - 0.1 * n, **kw)
+    state, update = scheduled.init(p), jax.jit(scheduled.update)
+    for t, (b, k) in enumerate([(0.0, 0.4), (0.5, 0.3), (0.8, 0.2)]):
+        fixed = scale_by_muon(0.9, spectral_strength=b, soft_contra=k, **kw)
+        fixed_state = fixed.init(p)._replace(mu=state.mu, count=state.count)
+        want = fixed.update(p, fixed_state)[0]["w"]
+        got, state = update(p, state)
+        np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want), rtol=2e-6,
+                                   atol=2e-7, err_msg=f"update {t}")
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(spectral_map="soft", soft_power=0.2), r"soft_power must be one of \[0.0, 0.1\]"),
+    (dict(spectral_map="soft", spectral_strength=1.5), r"blend\) must be in \[0, 1\]"),
+    (dict(spectral_map="soft", soft_contra=-0.1), "soft_contra"),
+    (dict(spectral_map="contra", soft_contra=0.4), "soft_contra=0.4 is read only by"),
+    (dict(normuon_norm="spectral"), "normuon_norm must be one of")])
+def test_soft_map_refuses_bad_settings(kw, message):
+    with pytest.raises(ValueError, match=message):
+        scale_by_muon(**kw)
+
+
+def test_normuon_can_keep_the_schatten4_norm():
+    """``normuon_norm="gram_frobenius"``: the same direction as NorMuon's (one positive
+    factor apart), with the orthogonalised update's ‖·‖₄ instead of its ‖·‖_F."""
+    g = _uneven((24, 8))
+    fro = _aurora_update(g, beta2=0.95)
+    s4 = _aurora_update(g, beta2=0.95, normuon_norm="gram_frobenius")
+    muon = _aurora_update(g)
+    norm4 = lambda x: np.sqrt(np.linalg.norm(x.T @ x))
+    np.testing.assert_allclose(s4, fro * norm4(muon) / norm4(fro), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(np.linalg.norm(fro), np.linalg.norm(muon), rtol=1e-12)
+    assert abs(np.linalg.norm(s4) / np.linalg.norm(fro) - 1) > 1e-3
+
+
+def test_soft_map_under_inject_hyperparams():
+    """The blend and Contra-Muon strength may be injected (traced numbers); the power picks
+    a table of weights, so it is named as static, and the injected run equals the plain."""
+    p = {"w": jnp.asarray(_uneven((24, 8)), jnp.float32)}
+    kw = dict(spectral_map="soft", ns_dtype=F32)
+    with pytest.raises(ValueError, match=r"static_args=\('soft_power',\)"):
+        optax.inject_hyperparams(scale_by_muon, static_args=("ns_dtype",))(
+            0.875, spectral_strength=0.5, soft_contra=0.25, soft_power=0.1, **kw).init(p)
+    inj = optax.inject_hyperparams(scale_by_muon, static_args=("soft_power", "ns_dtype"))(
+        0.875, spectral_strength=0.5, soft_contra=0.25, **kw)
+    plain = scale_by_muon(0.875, spectral_strength=0.5, soft_contra=0.25, **kw)
+    a = jax.jit(inj.update)(p, inj.init(p))[0]["w"]
+    b = jax.jit(plain.update)(p, plain.init(p))[0]["w"]
+    # numbers float32 holds exactly: one float32 computation, its scalars constants in one
+    # program and arguments in the other (XLA folds them differently: an ulp or two)
+    assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 4 * 2.0**-24 * np.max(np.abs(b))

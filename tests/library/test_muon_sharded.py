@@ -661,3 +661,18 @@ def test_power_map_sharded_equals_single_device():
     single, _ = run(make(params), params, 2)
     dist, _ = run(make(sharded), sharded, 2)
     assert_as_accurate(dist, single, float64_run(params, 2, **kw)[0])
+
+
+def test_soft_map_sharded_equals_single_device():
+    """Soft-Muon's blend (#20) runs around each matrix's iteration on its owner (its
+    series and Contra-Muon term read the float32 input there): the single-device updates
+    within their own float32 error."""
+    mesh = mesh_of((2, 4, 1))
+    params = tree(SHAPES)
+    sharded = place(params, mesh, SPECS)
+    kw = dict(spectral_map="soft", spectral_strength=0.6, soft_contra=0.4,
+              ns_normalization="gram_frobenius", coefficients="track3")
+    make = lambda p: scale_by_muon(0.9, ns_dtype=F32, **kw, **planned(p))
+    single, _ = run(make(params), params, 2)
+    dist, _ = run(make(sharded), sharded, 2)
+    assert_as_accurate(dist, single, float64_run(params, 2, **kw)[0])

@@ -528,3 +528,60 @@ def test_precondition_hook_inputs():
     assert_as_accurate(run(scale_by_muon(0.9, precondition=per_matrix(lambda M, G: G),
                                          **kw))[0],
                        run(scale_by_muon(0.0, **kw))[0], exact(0.0))
+
+
+# ---------------------------------------------- result #20's attn.v whitening: blend, floor
+
+def test_blend_and_denominator_floor_are_the_records_formula():
+    """``blend=a``, ``denom_floor=f`` (#20's attn.v): on the first whitened step (update
+    1, the basis the eigenvectors of the first Grams),
+    ``Δ = max(max(V, eps²)^½, max(f·rms(Δ), eps))``, ``D = a Q_L (P/Δ) Q_Rᵀ + (1-a) M``
+    rescaled to ``M``'s Gram norm, then Newton-Schulz (numpy here, in (out, in))."""
+    rng = np.random.default_rng(3)
+    g0, g1 = rng.standard_normal((2, 8, 8))  # square: no null space in the first Grams
+    with jax.enable_x64(True):
+        def update(g, **kw):
+            tx = scale_by_muon(0.9, precondition=soap_whitening(0.9, **kw), shape_scale=None,
+                               ns_normalization="gram_frobenius", ns_dtype=jnp.float64,
+                               coefficients=((2.0, -1.5, 0.5),) * 12)
+            state = tx.init({"w": jnp.zeros((8, 8), jnp.float64)})
+            state = tx.update({"w": jnp.asarray(g0)}, state)[1]
+            return np.asarray(tx.update({"w": jnp.asarray(g1)}, state)[0]["w"])
+
+        got = update(g1, blend=0.95, denom_floor=0.55)
+        plain = update(g1)
+    G0, G1 = g0.T, g1.T  # (out, in)
+    QL = np.flip(np.linalg.eigh(0.1 * G0 @ G0.T)[1], 1)
+    QR = np.flip(np.linalg.eigh(0.1 * G0.T @ G0)[1], 1)
+    m0 = 0.1 * G0
+    M = 0.9 * (0.9 * m0 + 0.1 * G1) + 0.1 * G1
+    P = QL.T @ M @ QR
+    denom = np.maximum(0.1 * P**2, 1e-16) ** 0.5
+    floored = np.maximum(denom, max(0.55 * np.sqrt(np.mean(denom**2)), 1e-8))
+    assert (floored > denom).mean() > 0.1  # the floor binds on some entries
+    D = 0.95 * QL @ (P / floored) @ QR.T + 0.05 * M
+    D = D * ref_gram_norm(M, 1e-8) / ref_gram_norm(D, 1e-8)
+    np.testing.assert_allclose(got.T, ref_newton_schulz(D), rtol=1e-9, atol=1e-11)
+    assert np.max(np.abs(got - plain)) > 1e-2
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(blend=0.0), r"blend must be a number in \(0, 1\], got 0.0"),
+    (dict(blend=1.5), "blend"), (dict(denom_floor=-0.1), "denom_floor")])
+def test_blend_and_floor_refuse_bad_values(kw, message):
+    with pytest.raises(ValueError, match=message):
+        soap_whitening(**kw)
+
+
+def test_v_whitening_with_the_soft_map_on_owners_equals_one_device():
+    """#20's attn.v direction under the sharded plan: whitening with blend and floor, then
+    Soft-Muon's blend around the iteration, both on the matrices' owners (the map reads
+    the whitened matrix there), equal to the unsharded run."""
+    def make(ns_dtype=F32, **kw):
+        return optax.chain(
+            scale_by_muon(0.9, precondition=soap_whitening(blend=0.95, denom_floor=0.55),
+                          ns_normalization="gram_frobenius", coefficients="track3",
+                          ns_dtype=ns_dtype, spectral_map="soft", spectral_strength=0.5,
+                          soft_contra=0.3, beta2=0.95, normuon_norm="gram_frobenius", **kw),
+            optax.scale(-0.02))
+    check_sharded(make, MATRICES)

@@ -671,3 +671,109 @@ class R43:
     phase_normalize = True          # log:2425
     phase_velocity_sq_floor = 1e-20  # script:1497 eps
     phase_norm_eps = 1e-12          # script:1521 (phase_norm + 1e-12)
+class R20:
+    """#20, Contra-Muon to Soft-Muon with SOAP on MLP+V, NorMuon-lite, the u/w floor and
+    PowerCool (claim 3030 of 3040 steps): results/20260509_contra_soft_muon/
+    03c36e81-e2e5-4916-bf16-0141999b1dbb.txt (the README's 30 logs share one script)."""
+
+    log = "results/20260509_contra_soft_muon/03c36e81-e2e5-4916-bf16-0141999b1dbb.txt"
+    steps = 3040                    # log:64 FINAL_TRAIN_STEPS
+    claim = 3030                    # README: the step 3030 mean 3.27901
+    t_end = 3105                    # log:65 FINAL_SCHEDULE_STEPS
+    power = 1.2                     # log:66 FINAL_LR_POWER
+    embed_c = 4.976805410800738e-05   # log:67 ADAM_EMBED_POWER_C
+    head_c = 5.184172302917436e-07    # log:68 ADAM_PROJ_POWER_C
+    vector_c = 1.6589351369335795e-06  # log:69 ADAM_OTHER_POWER_C
+    muon_c = 3.3169534699576625e-06   # log:70 MUON_POWER_C
+    contra_coeff = -0.2             # log:74 CONTRA_MUON_COEFF (= -CONTRA_MUON/2)
+    soft_p = 0.1                    # log:75 SOFT_MUON_P
+    soft_ceil = 0.8                 # log:78 SOFT_MUON_CEIL
+    contra_hold_end = 0             # log:79 CONTRA_HOLD_END_STEP
+    contra_end = 2000               # log:80 CONTRA_TO_NORMAL_END_STEP
+    soft_start = 2500               # log:81 NORMAL_TO_SOFT_START_STEP
+    soft_end = 3010                 # log:82 NORMAL_TO_SOFT_END_STEP
+    muon_mu = 0.95                  # log:83 MU
+    muon_lr = 0.0375                # log:84 MUON_LR
+    target_uw = 0.3825              # log:86 TARGET_UW (SOAP and non-SOAP alike, :87-88)
+    beta2 = 0.95                    # log:89 NOR_BETA2
+    soap_beta = 0.9                 # log:90 SOAP_BETA2 (Grams and V)
+    soap_frequency = 10             # log:91 SOAP_PRECONDITION_FREQUENCY
+    soap_denom_power = 0.5          # log:92 SOAP_DENOM_POWER
+    soap_eps = 1e-8                 # log:471 soap_precondition_momentum(..., eps=1e-8)
+    v_denom_floor = 0.55            # log:96 ATTN_SOAP_DENOM_FLOOR (attn.v is an attn SOAP param)
+    v_blend = 0.95                  # log:98 V_SOAP_BLEND
+    gram_eps = 1e-10                # log:260 gram_frobenius_norm_estimate(..., eps=1e-10)
+    ns_eps = 1e-7                   # log:273, :302 (eps=1e-7)
+    soft_weights = (0.1091613623, 0.07085664498, 0.05210528973, 0.05457295795,  # log:289
+                    0.05011334061, 0.03334622198, 0.05022104481, 0.1053727358,
+                    0.1187323776, 0.1185061091, 0.1185059576, 0.1185059576)
+    soft_constant = 0.0             # log:289 (the weight of the last iterate)
+    embed_lr = 0.3                  # log:737
+    head_lr = 1 / 320               # log:738
+    vector_lr = 0.01                # log:739
+    adam_betas = (0.8, 0.95)        # log:740
+    adam_eps = 1e-10                # log:740 (weight_decay=0)
+
+
+class R23:
+    """#23, Muown (3.28 at 3125 of 3200 steps):
+    results/20260508_muown/97782bd6-1339-430f-b870-0c7309fa5004.txt (its two logs share
+    one script)."""
+
+    log = "results/20260508_muown/97782bd6-1339-430f-b870-0c7309fa5004.txt"
+    steps = 3200                    # log:410 train_steps
+    claim = 3125                    # README: first significant step
+    polar_express = ((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184),  # log:170-179
+                     (3.9096, -2.8234, 0.5250), (3.2856, -2.4153, 0.4853),
+                     (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+                     (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750))
+    ns_steps = 12                   # log:477 ns_steps=12 (the last triple repeats, log:188)
+    ns_eps = 1e-7                   # log:182 eps=1e-7, X / (‖X‖_F + eps) (log:187)
+    muown_lr = 0.0035               # log:396 LR_MUOWN
+    momentum = 0.95                 # log:476 momentum=0.95 (summed: m.mul_(μ).add_(g))
+    direction_scale = 0.2           # log:479 direction_scale=0.2
+    gain_betas = (0.9, 0.95)        # log:239 betas (Adam on the gains)
+    gain_eps = 1e-8                 # log:240 adam_eps
+    v_norm_eps = 1e-12              # log:244 v_norm_eps
+    zero_row_norm = 0.33**0.5       # log:276
+    v_norm_target = 2.688           # log:399 V_NORM_TARGET_SCALE
+    mlp_proj_mult = 3.33333333333   # log:406 V_NORM_FAMILY_MULT["mlp.proj.weight"]
+    embed_lr = 0.9                  # log:393 LR_EMBED
+    head_lr = 0.009375              # log:394 LR_HEAD
+    vector_lr = 0.03                # log:395 LR_1D
+    adam_betas = (0.8, 0.95)        # log:472
+    adam_eps = 1e-10                # log:472
+    cooldown_frac = 0.7             # log:397-398 LR_COOLDOWN_FRAC_ADAM, _MUOWN
+
+
+class R31:
+    """#31, Muown with Contra-Muon and NorMuon-lite (2995 of 3000 steps):
+    results/20260515_contranormuown/0f117ad6-2342-40f0-9e00-20cec55f6021.txt (its 20 logs
+    share one script but for SEED)."""
+
+    log = "results/20260515_contranormuown/0f117ad6-2342-40f0-9e00-20cec55f6021.txt"
+    steps = 3000                    # log:483 train_steps
+    claim = 2995                    # README
+    muown_lr = 0.0045               # log:458 LR_MUOWN
+    cooldown_frac = 0.7             # log:459 LR_COOLDOWN_FRAC
+    lr_power = 0.9                  # log:460 LR_POWER
+    lr_schedule_steps = 3045        # log:461 LR_SCHEDULE_STEPS
+    v_norm_steps = 3005             # log:462 V_NORM_SCHEDULE_STEPS
+    v_norm_power = 0.9              # log:463 V_NORM_SCHEDULE_POWER
+    v_norm_target = 2.496           # log:464 V_NORM_TARGET_SCALE
+    attn_proj_mult = 1.5            # log:469 V_NORM_FAMILY_MULT["attn.proj.weight"]
+    mlp_fc_mult = 1.5               # log:470 ["mlp.fc.weight"]
+    mlp_proj_mult = 3.33333333333   # log:471 ["mlp.proj.weight"] (q, k, v: 1.0)
+    contra_muon = 0.65              # log:473 CONTRA_MUON
+    contra_end = 1925               # log:475 CONTRA_TO_NORMAL_END_STEP (hold end 0, :474)
+    normuon_beta2 = 0.8             # log:477 NOR_MUON_BETA2
+    momentum = 0.946                # log:478 MUOWN_MOMENTUM
+    gain_betas = (0.9, 0.95)        # log:479 BETA1, log:554 betas=(BETA1, 0.95)
+    gain_eps = 1e-8                 # log:279 adam_eps (MuownDP's default)
+    power_iterations = 5            # log:194 scale_to_unit_operator_norm
+    power_eps = 1e-10               # log:190
+    embed_lr = 0.6                  # log:455 LR_EMBED
+    head_lr = 0.009375              # log:456 LR_HEAD
+    vector_lr = 0.03                # log:457 LR_1D
+    adam_betas = (0.8, 0.95)        # log:546
+    adam_eps = 1e-10                # log:546

@@ -86,6 +86,8 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_aurora": "muon_learning_rate", "track3_dynmuon": "muon_learning_rate",
            "track3_pmuon": "muon_learning_rate",
            "track3_sinksoap": "muon_learning_rate",
+           "track3_contra_soft_muon": "muon_learning_rate", "track3_muown": "muon_learning_rate",
+           "track3_contra_normuown": "muon_learning_rate",
            "track3_spectral_descent": "muon_learning_rate",
            "track3_psgd": "psgd_learning_rate", "track3_soaph": "soap_learning_rate",
            "track3_klsoap": "soap_learning_rate",
@@ -93,10 +95,12 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_shampoo": "shampoo_learning_rate",
            "track3_shampoo_pinv": "shampoo_learning_rate"}
 #: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
-#: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step.
+#: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step, Muown
+#: recomposes gains and unit directions.
 NOT_LINEAR_IN_LR = ("muonh", "muloco_normuonh", "track3_record", "adamh",
                     "track3_soap_muon_record", "track3_psgd", "track3_soaph",
-                    "track3_klsoap", "track3_klsoap_power_decay")
+                    "track3_klsoap", "track3_klsoap_power_decay", "track3_muown",
+                    "track3_contra_normuown")
 #: KL-SOAP's first update only builds its statistics (a zero update): their second is read.
 FIRST_UPDATE_BUILDS = ("track3_klsoap", "track3_klsoap_power_decay")
 #: Flat lr at update 0 and no decay, where the recipe has these settings.
