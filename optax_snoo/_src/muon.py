@@ -67,6 +67,7 @@ from optax_snoo._src.newton_schulz import (
     _newton_schulz,
     _normalized_axes,
     _resolve_coefficients,
+    gram_frobenius_norm,
     leverage_balanced,
 )
 from optax_snoo._src.utils import (
@@ -82,6 +83,7 @@ from optax_snoo._src.utils import (
 
 SMOOTHING_FORMS = ("ema", "nesterov")
 SPECTRAL_MAPS = (None, "contra", "power")
+CONTRA_NORMS = ("operator", "gram_frobenius")
 SHAPE_SCALES = ("modded", "consistent_rms")
 
 
@@ -152,6 +154,7 @@ def scale_by_muon(
     spectral_input_scale: float = 1.0,
     aurora_iterations: int | None = None,
     aurora_beta: float = 0.5,
+    contra_norm: str = "operator",
 ) -> optax.GradientTransformation:
     r"""The Muon direction: orthogonalised momentum, scaled by the matrix shape.
 
@@ -263,6 +266,13 @@ def scale_by_muon(
         record's ``X`` is the summed (not EMA) Nesterov momentum of the mean-loss
         gradient, ``spectral_input_scale = (1/524288)/(1-β)`` of this ``v`` for its
         summed loss over 524288 tokens.
+        With ``contra_norm="gram_frobenius"`` (Track 3 results #20 to #34, e.g. #30's
+        ``muon_update``), both norms are the Gram-Frobenius ``g(X) = max(‖XᵀX‖_F^{1/2},
+        1e-10)``: ``O' = O - (c/2) x/g(x)``, then ``O' g(O)/g(O')``, where ``x`` is the
+        iteration's own input (the momentum after ``precondition``, as those records
+        whiten it before ``muon_update``); it runs beside the iteration (on the owner
+        under the sharded plan, whose transfers are then float32: ``x`` enters in
+        float32, as the records').
       spectral_strength: ``c`` of ``"contra"`` (the record's ``CONTRA_MUON=0.4``), or ``p``
         of ``"power"``; a number or a schedule of the update count (`logistic_schedule`
         is DynMuon's).
@@ -279,6 +289,9 @@ def scale_by_muon(
         float32 ``v``, so under the sharded plan the matrices travel to their owners and
         back in float32 (twice a bfloat16 iteration's transfer bytes).
       aurora_beta: the damping exponent in (0, 1] (the record's ``pp_beta=0.5``).
+      contra_norm: ``"contra"``'s norms, ``"operator"`` (#11's power iteration on the
+        momentum, rescaled to ``‖O‖_F``) or ``"gram_frobenius"`` (above); refused with
+        another map.
 
     Returns:
       An ``optax.GradientTransformation`` with state `MuonState`.
@@ -319,6 +332,12 @@ def scale_by_muon(
         raise ValueError(f"spectral_map must be one of {SPECTRAL_MAPS}, got {spectral_map!r}.")
     if spectral_map == "contra":
         check_non_negative("spectral_strength", spectral_strength)
+    if contra_norm not in CONTRA_NORMS:
+        raise ValueError(f"contra_norm must be one of {CONTRA_NORMS}, got {contra_norm!r}.")
+    if contra_norm != "operator" and spectral_map != "contra":
+        raise ValueError(f"contra_norm={contra_norm!r} is read only by spectral_map='contra', "
+                         f"got spectral_map={spectral_map!r}.")
+    contra_inside = spectral_map == "contra" and contra_norm == "gram_frobenius"
     check_positive("spectral_input_scale", spectral_input_scale)
     input_scale_now = concrete_real(spectral_input_scale)  # None while inject traces it
     if spectral_map != "power" and input_scale_now not in (None, 1.0):
@@ -369,6 +388,8 @@ def scale_by_muon(
                                           iterations=aurora_iterations, beta=aurora_beta)
         # D comes from the float32 momentum (as the record): rounding it to bf16 first
         # moves a sharded update by ~2% (Newton-Schulz amplifies the double rounding).
+        transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
+    if contra_inside:  # the map reads the float32 input beside the iteration
         transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
 
     def init_fn(params: optax.Params) -> MuonState:
@@ -424,12 +445,16 @@ def scale_by_muon(
             owned = dict(precondition=precondition, grads=grads, count=count,
                          leaf_states=treedef.flatten_up_to(pre_state.leaves),
                          owned=pre_state.owned, flags=flags_of(paths, treedef))
+        polar = newton_schulz
+        if contra_inside:
+            polar = functools.partial(_contra_gram, newton_schulz=newton_schulz,
+                                      strength=value_at(spectral_strength, count))
         ortho, leaf_states, owned_states = orthogonalize_leaves(
-            ns_inputs, leaf_axes, placements, newton_schulz=newton_schulz, ns_dtype=transfer_dtype,
+            ns_inputs, leaf_axes, placements, newton_schulz=polar, ns_dtype=transfer_dtype,
             mesh=spread_mesh, split=shard_newton_schulz, **owned)
         if per_matrix:
             pre_state = OwnedPreconditionState(treedef.unflatten(leaf_states), owned_states)
-        if spectral_map == "contra":
+        if spectral_map == "contra" and not contra_inside:
             c = value_at(spectral_strength, count)
             ortho = [_contra(o, v, c, a) for o, v, a in zip(ortho, inputs, leaf_axes, strict=True)]
         elif spectral_map == "power":
@@ -497,6 +522,18 @@ def _contra(o: jax.Array, v: jax.Array, strength: float, axes: tuple[int, int]) 
     norm = jnp.sqrt(jnp.sum(jnp.square(o), axis=axes, keepdims=True))
     return c * (norm / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(c), axis=axes, keepdims=True)),
                                    1e-10))
+
+
+def _contra_gram(x: jax.Array, *, newton_schulz: Any, strength: Any) -> jax.Array:
+    """Contra-Muon with Gram-Frobenius norms on matrices ``(..., rows, cols)``:
+    ``O = newton_schulz(x)``, ``O' = O - (c/2) x/g(x)`` rescaled to ``g(O)`` (in float32,
+    or float64); every step is the same on ``xᵀ``, so the layout does not matter."""
+    o = newton_schulz(x)
+    dtype = jnp.promote_types(jnp.promote_types(x.dtype, o.dtype), jnp.float32)
+    xf, of = x.astype(dtype), o.astype(dtype)
+    c = of - (strength / 2) * (xf / gram_frobenius_norm(xf, 1e-10))
+    return (c * (gram_frobenius_norm(of, 1e-10) / gram_frobenius_norm(c, 1e-10))
+            ).astype(o.dtype)
 
 
 def _gram_sides(shape: tuple[int, ...], axes: tuple[int, int]) -> tuple[int, int]:

@@ -104,7 +104,8 @@ class SoapMatrixState(NamedTuple):
 def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax.Array,
                      gated: Any, *, beta: Any, beta2: Any, precondition_frequency: int,
                      denom_power: float, eps: float, norm: Callable[[jax.Array], jax.Array],
-                     floor: Any, cap: Any, trust: tuple[float, float, float]
+                     floor: Any, cap: Any, trust: tuple[float, float, float],
+                     blend: float = 1.0, denom_floor: float = 0.0
                      ) -> tuple[jax.Array, SoapMatrixState]:
     """The whitening of matrices ``(..., out, in)`` and their new statistics: the one
     implementation, per leaf or on the matrices' owners. ``gated``: a numpy bool array of
@@ -118,8 +119,13 @@ def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax
 
     P = _mm("...ji,...jk,...kl->...il", basis_out, M, basis_in)
     V_new = beta2 * V + (1 - beta2) * jnp.square(P)
-    D = _mm("...ij,...jk,...lk->...il", basis_out,
-            P / jnp.power(jnp.maximum(V_new, eps * eps), denom_power), basis_in)
+    denom = jnp.power(jnp.maximum(V_new, eps * eps), denom_power)
+    if denom_floor > 0:  # no entry of the denominator below this fraction of its RMS
+        rms = jnp.sqrt(jnp.mean(jnp.square(denom), axis=(-2, -1), keepdims=True))
+        denom = jnp.maximum(denom, jnp.maximum(denom_floor * rms, eps))
+    D = _mm("...ij,...jk,...lk->...il", basis_out, P / denom, basis_in)
+    if blend != 1.0:
+        D = blend * D + (1 - blend) * M
     D = D * (norm(M) / norm(D))
     first = count == 0
     D, V = jnp.where(first, M, D), jnp.where(first, V, V_new)
@@ -153,8 +159,14 @@ def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax
 def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
                       denom_power: float, eps: float, norm_match: str, trust_min_agree: float,
                       trust_min_grad_align: float, trust_power: float, trust_floor: Any,
-                      trust_cap: Any) -> Callable[..., tuple[jax.Array, SoapMatrixState]]:
+                      trust_cap: Any, blend: float = 1.0, denom_floor: float = 0.0
+                      ) -> Callable[..., tuple[jax.Array, SoapMatrixState]]:
     """The checked settings bound into `_whiten_matrices`."""
+    if not (isinstance(blend, int | float) and 0 <= blend <= 1):
+        raise ValueError(f"blend must be a number in [0, 1], got {blend!r}.")
+    if not isinstance(denom_floor, int | float):
+        raise ValueError(f"denom_floor must be a number >= 0, got {denom_floor!r}.")
+    check_non_negative("denom_floor", denom_floor)
     check_unit_interval("beta", beta)
     check_unit_interval("beta2", beta2, allow_none=True)
     check_int_at_least("precondition_frequency", precondition_frequency, 1)
@@ -170,7 +182,8 @@ def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
         norm=_gram_norm if norm_match == "gram" else _frobenius_norm,
         floor=trust_gate_floor() if trust_floor is None else trust_floor,
         cap=trust_gate_cap() if trust_cap is None else trust_cap,
-        trust=(trust_min_agree, trust_min_grad_align, trust_power))
+        trust=(trust_min_agree, trust_min_grad_align, trust_power), blend=float(blend),
+        denom_floor=float(denom_floor))
 
 
 def soap_whitening(
@@ -187,6 +200,8 @@ def soap_whitening(
     trust_power: float = 1.0,
     trust_floor: float | optax.Schedule | None = None,
     trust_cap: float | optax.Schedule | None = None,
+    blend: float = 1.0,
+    denom_floor: float = 0.0,
 ) -> MatrixPrecondition:
     r"""SOAP's whitening of Muon's momentum (modded-nanogpt Track 3, records #14 to #46).
 
@@ -200,7 +215,10 @@ def soap_whitening(
         t = 0:  D = M                                    # no basis yet
         t > 0:  P = Q_Lᵀ M Q_R                           # momentum in the eigenbasis
                 V = β₂ V + (1-β₂) P²                     # no bias correction
-                D̃ = Q_L (P / max(V, eps²)^p) Q_Rᵀ         # p = denom_power
+                N = max(V, eps²)^p                       # p = denom_power
+                N = max(N, max(f·rms(N), eps))           # if denom_floor f > 0
+                D̃ = Q_L (P / N) Q_Rᵀ
+                D̃ = b D̃ + (1-b) M                         # b = blend
                 D = D̃ · g(M) / g(D̃)                      # g: norm_match (below)
         trust-gated leaves:  D = blend(M, D, G)          # below
         then, statistics for the next update:
@@ -254,6 +272,11 @@ def soap_whitening(
         `trust_gate_floor` (0.45, fading to 0 over updates 1375 to 1625).
       trust_cap: upper bound, float or schedule; ``None``: the record's
         `trust_gate_cap` (0.85 until update 1625, then 1).
+      blend: ``b`` above, the whitened direction's share, in [0, 1] (1: SOAP alone;
+        records #20 to #34 whiten ``attn.v`` with 0.95, their ``V_SOAP_BLEND``).
+      denom_floor: ``f`` above: each matrix's denominator is floored at ``f`` times its
+        RMS (0: none; #20 to #34 use 0.55 on attention, ``ATTN_SOAP_DENOM_FLOOR``), so
+        no eigen-direction with a tiny ``V`` is magnified beyond ``1/f`` of the typical.
 
     Returns:
       A `MatrixPrecondition` for `scale_by_muon(precondition=...)`, whose per-matrix
@@ -286,7 +309,7 @@ def soap_whitening(
     """
     whiten = _matrix_whitening(beta, beta2, precondition_frequency, denom_power, eps,
                                norm_match, trust_min_agree, trust_min_grad_align,
-                               trust_power, trust_floor, trust_cap)
+                               trust_power, trust_floor, trust_cap, blend, denom_floor)
     return MatrixPrecondition(_init_matrices, whiten,
                               functools.partial(_gated_leaves, trust_gate))
 

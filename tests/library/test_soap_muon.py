@@ -528,3 +528,51 @@ def test_precondition_hook_inputs():
     assert_as_accurate(run(scale_by_muon(0.9, precondition=per_matrix(lambda M, G: G),
                                          **kw))[0],
                        run(scale_by_muon(0.0, **kw))[0], exact(0.0))
+
+
+# ------------------------------------------ the blend and the denominator floor (#20-#34)
+
+def run_plain_f64(grads):
+    """`run_f64`'s Muon without the whitening (its Gram normalisation kept)."""
+    with jax.enable_x64(True):
+        tx = scale_by_muon(ns_normalization="gram_frobenius",
+                           coefficients=((2.0, -1.5, 0.5),) * 12, ns_dtype=jnp.float64,
+                           mu_dtype=jnp.float64)
+        params = {k: jnp.zeros(s, jnp.float64) for k, s in SHAPES.items()}
+        state, update, out = tx.init(params), jax.jit(tx.update), []
+        for g in grads:
+            u, state = update({k: jnp.asarray(v) for k, v in g.items()}, state, params)
+            out.append({k: np.asarray(v) for k, v in u.items()})
+    return out
+
+
+def test_blend_and_denominator_floor_at_their_ends():
+    """``blend=1``, ``denom_floor=0`` is the default program; ``blend=0`` (no whitened
+    share) and a floor far above every denominator (a constant denominator: ``Q_L P Q_Rᵀ =
+    M``) both give Muon on the unwhitened momentum; a floor of 0.55 of the RMS (the
+    records' on attn.v) binds and moves the update."""
+    grads = gradients()[:12]
+    default, _ = run_f64(grads)
+    ends, _ = run_f64(grads, blend=1.0, denom_floor=0.0)
+    plain = run_plain_f64(grads)
+    unblended, _ = run_f64(grads, blend=0.0)
+    floored, _ = run_f64(grads, denom_floor=1e6)
+    partly, _ = run_f64(grads, denom_floor=0.55)
+    for t in range(len(grads)):
+        for k in SHAPES:
+            np.testing.assert_array_equal(ends[t][k], default[t][k])
+            np.testing.assert_allclose(unblended[t][k], plain[t][k], rtol=1e-9, atol=1e-11)
+            np.testing.assert_allclose(floored[t][k], plain[t][k], rtol=1e-9, atol=1e-11)
+    gap = max(np.max(np.abs(partly[t][k] - default[t][k]))
+              for t in range(len(grads)) for k in SHAPES)
+    assert gap > 1e-2, gap
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(blend=1.5), r"blend must be a number in \[0, 1\], got 1.5"),
+    (dict(blend=None), r"blend must be a number in \[0, 1\], got None"),
+    (dict(denom_floor=-0.1), "denom_floor must be >= 0"),
+    (dict(denom_floor="0.5"), "denom_floor must be a number >= 0")])
+def test_blend_and_floor_refuse_bad_values(kw, message):
+    with pytest.raises(ValueError, match=message):
+        soap_whitening(**kw)
