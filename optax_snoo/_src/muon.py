@@ -266,11 +266,11 @@ def scale_by_muon(
         record's ``X`` is the summed (not EMA) Nesterov momentum of the mean-loss
         gradient, ``spectral_input_scale = (1/524288)/(1-β)`` of this ``v`` for its
         summed loss over 524288 tokens.
-        With ``contra_norm="gram_frobenius"`` (Track 3 results #20 to #34, e.g. #30's
-        ``muon_update``), both norms are the Gram-Frobenius ``g(X) = max(‖XᵀX‖_F^{1/2},
+        With ``contra_norm="gram_frobenius"`` (Track 3 result #30's ``muon_update``),
+        both norms are the Gram-Frobenius ``g(X) = max(‖XᵀX‖_F^{1/2},
         1e-10)``: ``O' = O - (c/2) x/g(x)``, then ``O' g(O)/g(O')``, where ``x`` is the
-        iteration's own input (the momentum after ``precondition``, as those records
-        whiten it before ``muon_update``); it runs beside the iteration (on the owner
+        iteration's own input (the momentum after ``precondition``, as #30 whitens it
+        before ``muon_update``); it runs beside the iteration (on the owner
         under the sharded plan, whose transfers are then float32: ``x`` enters in
         float32, as the records').
       spectral_strength: ``c`` of ``"contra"`` (the record's ``CONTRA_MUON=0.4``), or ``p``

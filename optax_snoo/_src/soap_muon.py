@@ -273,10 +273,10 @@ def soap_whitening(
       trust_cap: upper bound, float or schedule; ``None``: the record's
         `trust_gate_cap` (0.85 until update 1625, then 1).
       blend: ``b`` above, the whitened direction's share, in [0, 1] (1: SOAP alone;
-        records #20 to #34 whiten ``attn.v`` with 0.95, their ``V_SOAP_BLEND``).
+        result #30 whitens ``attn.v`` with 0.95, its ``V_SOAP_BLEND``, from PR #283).
       denom_floor: ``f`` above: each matrix's denominator is floored at ``f`` times its
-        RMS (0: none; #20 to #34 use 0.55 on attention, ``ATTN_SOAP_DENOM_FLOOR``), so
-        no eigen-direction with a tiny ``V`` is magnified beyond ``1/f`` of the typical.
+        RMS (0: none; #30 uses 0.55 on ``attn.v``, its ``ATTN_SOAP_DENOM_FLOOR``), so no
+        eigen-direction with a tiny ``V`` is magnified beyond ``1/f`` of the typical.
 
     Returns:
       A `MatrixPrecondition` for `scale_by_muon(precondition=...)`, whose per-matrix
