@@ -22,9 +22,10 @@ run whose PowerCool ends at 3050) runs, per hidden matrix, in PyTorch's ``(out, 
 - PyTorch's AdamW (bias-corrected, betas (0.8, 0.99), eps 1e-10, no decay) on the
   embedding (0.3), the head (1/320) and every 1-D parameter (0.01), each on its PowerCool.
 
-Its network differs from Track 3's in its initialisation only (``fc`` of block ``l`` times
-``1 - 0.3 l/11``, the two norms' gains ``1 ∓ 0.14 s`` with one Rademacher ``s`` per
-channel and block): not part of the optimizer.
+Its network differs from Track 3's in its initialisation only (PyTorch's default init,
+``fc`` of block ``l`` times ``1 - 0.3 l/11``, the two norms' gains ``1 ∓ 0.14 s`` with one
+Rademacher ``s`` per channel and block): the model's ``init="cgi"`` (``--init=cgi``), not
+part of the optimizer.
 
 The log's soft-Muon (``SOFT_MUON_CEIL = 0``) and NorMuon-lite (``NOR_BETA2 = 1``: its
 second moment stays 0, a uniform factor the next line divides out) are off; ours leaves
