@@ -106,6 +106,7 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "track3_spectral_descent": ("22", 8225, ()),
     "track3_psgd": ("33", 3400, ("init=hyperball",)),
     "track3_aurora_proj": ("30", 2930, ("init=cgi",)),
+    "track3_rre": ("34", 2925, ("init=cgi",)),
 }
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
 MISTAKE_EXIT_STATUS = 2

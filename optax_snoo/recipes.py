@@ -50,6 +50,7 @@ from optax_snoo._src.recipes.track3_adam import track3_adam
 from optax_snoo._src.recipes.track3_aurora_proj import (
     TRACK3_AURORA_PROJ_PATTERNS,
     track3_aurora_proj,
+    track3_rre,
 )
 from optax_snoo._src.recipes.track3_baseline import snoo_track3_baseline, track3_baseline
 from optax_snoo._src.recipes.track3_common import (
@@ -131,6 +132,7 @@ __all__ = [
     "track3_normuon_floor",
     "track3_psgd",
     "track3_record",
+    "track3_rre",
     "track3_soap_muon",
     "track3_soap_muon_record",
     "track3_spectral_descent",

@@ -27,12 +27,6 @@ from references.track3 import flatten, nest
 from references.track3_constants import NS_COEFFICIENTS, NS_EPS, R30
 
 T = 61  # R30.schedule_steps / 50: every step constant of the recipe is x/50, rounded
-SCALE = T / R30.schedule_steps
-
-
-def scaled(steps):
-    return round(steps * SCALE)
-
 
 # ---- the log's optimizer in float64 numpy ((out, in) layout; log:NNN its lines) --------
 def gram_norm(x, eps=R30.gram_eps):  # log:261-264 gram_frobenius_norm_estimate
@@ -85,18 +79,22 @@ class Record:
     mu_cooldown: int = R30.mu_cooldown
     adam_b2: float = R30.adam_betas[1]
     soap_on: tuple = ("mlp_fc", "mlp_proj", "v")
+    total: int = T  # FINAL_SCHEDULE_STEPS of the run; every step constant scaled to it
 
     def __post_init__(self):
         self.seen = dict(floor_binds=0, floor_free=0, outward=0, inward=0, v_floor=0,
                          refresh=0)
 
-    def lr(self, lr0, c, step):  # log:837-841 _lr at FINAL_SCHEDULE_STEPS = T
-        c = c * (R30.schedule_steps / T) ** R30.power
-        return min(lr0, c * max(0.0, T - step) ** R30.power)
+    def scaled(self, steps):
+        return round(steps * self.total / R30.schedule_steps)
+
+    def lr(self, lr0, c, step):  # log:837-841 _lr at FINAL_SCHEDULE_STEPS = total
+        c = c * (R30.schedule_steps / self.total) ** R30.power
+        return min(lr0, c * max(0.0, self.total - step) ** R30.power)
 
     def mu(self, step):  # log:849-858 _muon_mu_at_step(step, FINAL_TRAIN_STEPS)
-        warm, cool = scaled(self.mu_warmup), scaled(self.mu_cooldown)
-        cd_start = scaled(R30.train_steps) - cool
+        warm, cool = self.scaled(self.mu_warmup), self.scaled(self.mu_cooldown)
+        cd_start = self.scaled(R30.train_steps) - cool
         if step < warm:
             return R30.mu_min + step / warm * (R30.mu_max - R30.mu_min)
         if step > cd_start:
@@ -104,7 +102,7 @@ class Record:
         return R30.mu_max
 
     def contra_coeff(self, step):  # log:558-565 (CONTRA_HOLD_END_STEP = 0)
-        ramp = min(1.0, max(0.0, (step - R30.contra_hold_end) / scaled(self.contra_end)))
+        ramp = min(1.0, max(0.0, (step - R30.contra_hold_end) / self.scaled(self.contra_end)))
         return self.contra * (1.0 - ramp)
 
     def soap_precondition(self, M, s, blend, floor):  # log:527-543
@@ -208,8 +206,12 @@ class Record:
             for n, g in grads.items():
                 fn = self.muon if GROUP[n] == "muon" else self.adam
                 w[n] = fn(n, w[n], g, state[n], step)
+            self.after_step(w, step)
             out.append(dict(w))
         return out
+
+    def after_step(self, w, step):
+        """The end of `Muon.step` (#34 extrapolates here)."""
 
 
 # Our GPT's paths and (in, out) shapes, the log's group and #30's kind of each matrix.

@@ -85,11 +85,13 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_normuon_floor": "muon_learning_rate", "track3_contra_muon": "muon_learning_rate",
            "track3_aurora": "muon_learning_rate", "track3_dynmuon": "muon_learning_rate",
            "track3_spectral_descent": "muon_learning_rate",
-           "track3_psgd": "psgd_learning_rate", "track3_aurora_proj": "muon_learning_rate"}
+           "track3_psgd": "psgd_learning_rate", "track3_aurora_proj": "muon_learning_rate",
+           "track3_rre": "muon_learning_rate"}
 #: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
 #: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step.
 NOT_LINEAR_IN_LR = ("muonh", "muloco_normuonh", "track3_record", "adamh",
-                    "track3_soap_muon_record", "track3_psgd", "track3_aurora_proj")
+                    "track3_soap_muon_record", "track3_psgd", "track3_aurora_proj",
+                    "track3_rre")
 #: Flat lr at update 0 and no decay, where the recipe has these settings.
 FLAT_START = dict(schedule="stable_cooldown", learning_rate=1e-3, muon_weight_decay=0.0,
                   weight_decay=0.0, adam_weight_decay=0.0, qkv_weight_decay=0.0,

@@ -5,7 +5,7 @@ Importing this package registers the recipes of its modules in `REGISTRY`:
 twins), `gpt2_medium` (modded-nanogpt's GPT-2 Medium record), and Track 3's by record:
 `track3_baseline` (#36), `track3_soap` (#44, #46), `track3_hyperball` (#5, #8, #13),
 `track3_newton_muon` (#15), `track3_adam` (#2), `track3_muon_variants` (#7, #22, #28),
-`track3_contra` (#9, #11, #17), `track3_psgd` (#33), `track3_aurora_proj` (#30).
+`track3_contra` (#9, #11, #17), `track3_psgd` (#33), `track3_aurora_proj` (#30, #34).
 """
 
 from __future__ import annotations

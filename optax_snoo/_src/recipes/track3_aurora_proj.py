@@ -1,5 +1,5 @@
-"""modded-nanogpt Track 3 result #30: Aurora on the MLP's output projection, on the
-radial-brake stack (PR #294).
+"""modded-nanogpt Track 3 results #30 (Aurora on the MLP's output projection, on the
+radial-brake stack of PR #294) and #34 (#30 with capped RRE extrapolation).
 
 #30 (``results/20260514_aurora_proj_pruned_extended_contra``, 2930 steps of a 3020-step
 run whose PowerCool ends at 3050) runs, per hidden matrix, in PyTorch's ``(out, in)``:
@@ -34,6 +34,12 @@ the momentum's Gram norm (``norm_preserving_blend`` with gate 1, the identity up
 rounding) is not repeated, and Aurora's ``D`` comes from the float32 momentum (the log
 rounds it to bfloat16 first; see `optax_snoo.scale_by_muon`'s ``aurora_iterations``).
 
+#34 (``results/20260520_rre_extrapolation_pr300_2925``, 2925 steps of #30's schedule)
+adds, after each Muon step, `optax_snoo.rre_extrapolation` on the hidden matrices (all of
+them one vector): from update 2820 to 2925 it keeps the post-step weights and every 5th
+update moves them by the damped (0.875) RRE step of the last 4, capped at 1e-3 of their
+norm, the momentum kept; the Adam parameters are not moved.
+
 Every step constant is written at 3050 steps (``RECORD_STEPS``, PowerCool's ``t_end``)
 and scaled to the run: `Hyperparameters.scaled` gives ``round(x·N/3050)``, each PowerCool
 constant becomes ``c·(lr/lr_record)·(3050/N)^1.2`` (`optax_snoo.power_cool_scaled`).
@@ -41,6 +47,11 @@ constant becomes ``c·(lr/lr_record)·(3050/N)^1.2`` (`optax_snoo.power_cool_sca
 References:
   Jordan et al., `modded-nanogpt Track 3 result #30
   (results/20260514_aurora_proj_pruned_extended_contra)
+  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  2026
+
+  tomoqt, `modded-nanogpt Track 3 result #34, capped RRE extrapolation
+  (results/20260520_rre_extrapolation_pr300_2925)
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026
 
@@ -68,8 +79,9 @@ from optax_snoo._src.recipes.track3_common import (
 )
 from optax_snoo._src.schedules import muon_momentum_schedule, power_cool_scaled, wide_count
 from optax_snoo._src.soap_muon import soap_whitening
+from optax_snoo._src.trajectory import rre_extrapolation
 
-__all__ = ["TRACK3_AURORA_PROJ_PATTERNS", "AuroraProjHyperparameters"]
+__all__ = ["TRACK3_AURORA_PROJ_PATTERNS", "AuroraProjHyperparameters", "RreHyperparameters"]
 
 #: #30's Muon matrices by how their direction is computed, first match wins (this
 #: repository's GPT names): Aurora + SOAP, SOAP, SOAP with the blend and floor; the rest
@@ -156,6 +168,32 @@ class AuroraProjHyperparameters(Hyperparameters):
                              f"{self.train_steps}")
 
 
+@dataclasses.dataclass(frozen=True)
+class RreHyperparameters(AuroraProjHyperparameters):
+    """Result #34's constants: #30's, and its RRE extrapolation of the hidden matrices."""
+
+    rre_start: int = hyperparameter(2820, "the first update whose weights RRE keeps",
+                                    check="at_least_1", steps=True)
+    rre_stop: int = hyperparameter(2925, "the last update that keeps weights and may move "
+                                   "them", check="at_least_1", steps=True)
+    rre_every: int = hyperparameter(5, "RRE moves at multiples of this update count (not "
+                                    "scaled: a period of the trajectory)", check="at_least_1")
+    rre_history: int = hyperparameter(4, "how many kept weights a move uses",
+                                      check="at_least_1")
+    rre_damping: float = hyperparameter(0.875, "the fraction of the RRE step taken",
+                                        check="positive")
+    rre_max_relative: float = hyperparameter(1e-3, "the cap on a move's norm relative to "
+                                             "the weights' (0 = none)", check="non_negative")
+    rre_regularization: float = hyperparameter(1e-6, "the ridge on RRE's Gram, relative to "
+                                               "its mean diagonal", check="non_negative")
+
+    def validate(self) -> None:
+        super().validate()
+        steps_in_order(self, "rre_start", "rre_stop")
+        if self.rre_history < 3:
+            raise ValueError(f"rre_history={self.rre_history} must be >= 3")
+
+
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AuroraProjHyperparameters)}
 
 
@@ -208,6 +246,11 @@ def _aurora_proj(t: AuroraProjHyperparameters, total_steps: int, *, labels: Any 
                         shard_newton_schulz=shard_newton_schulz),
         radius_steps(muon_lr, brake=t.brake, floor=t.floor, floor_per="matrix",
                      pin="first_order", cautious_weight_decay=0.0))
+    if isinstance(t, RreHyperparameters):  # #34: after the Muon step, on its weights alone
+        muon_tx = optax.chain(muon_tx, rre_extrapolation(
+            t.rre_start, t.rre_stop, every=t.rre_every, history=t.rre_history,
+            damping=t.rre_damping, max_relative=t.rre_max_relative,
+            regularization=t.rre_regularization))
     groups = adam_groups(names, [
         (name, _power_cool(t, name if name != "vectors" else "vector", total_steps),
          t.adam_b1, t.adam_b2, t.adam_eps, 0.0, True)
@@ -222,3 +265,8 @@ track3_aurora_proj = register(Recipe(
     "mlp.proj, SOAP on MLP + attn.v, Contra-Muon (Gram norms) ramped out by 2500, the "
     "radial brake, u/w floor 0.3825 and radius pin, momentum warm-up/cool-down, AdamW on "
     "PowerCool"))
+track3_rre = register(Recipe(
+    "track3_rre", RreHyperparameters, _aurora_proj, options=TRACK3_OPTIONS,
+    summary="Track 3 result #34 (2925 of #30's 3050-step PowerCool): #30's stack with capped "
+    "RRE extrapolation of the hidden matrices (updates 2820-2925, every 5, 4 kept weights, "
+    "damping 0.875, at most 1e-3 of their norm, momentum kept)"))
