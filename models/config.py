@@ -19,7 +19,7 @@ POSITION_KINDS = ("learned", "none")
 ROTARY_KINDS = ("none", "half_truncated")
 #: Initialisations (``GPTConfig.init``): nanoGPT's, or modded-nanogpt Track 3's
 #: ``train_gpt_simple.py``'s.
-INIT_KINDS = ("nanogpt", "track3", "hyperball")
+INIT_KINDS = ("nanogpt", "track3", "hyperball", "cgi")
 #: How attention is computed (``GPTConfig.attention``; see :func:`models.resolve_attention`).
 ATTENTION_KINDS = ("auto", "handwritten", "xla", "cudnn")
 #: ``"float64"`` needs jax's 64-bit mode (``jax.config.update("jax_enable_x64", True)``):
@@ -95,7 +95,15 @@ class GPTConfig:
             (and ``gate``; their biases unscaled), 1.25 for the attention ``proj``, 3
             for the MLP's ``proj``; output-projection biases and the LM head zero;
             embeddings ``N(0, 1)``, gains one; MoE experts, which the records do not
-            have: ``N(0, 0.02)`` inputs, ``proj`` as the MLP's).
+            have: ``N(0, 0.02)`` inputs, ``proj`` as the MLP's), or ``"cgi"`` (Track 3
+            #30's: PyTorch's ``nn.Linear`` default ``U(±1/sqrt(fan_in))`` for q/k/v/fc
+            (and ``gate``) and their biases, block ``l``'s ``fc`` times
+            ``1 - 0.3 l/(n_layer-1)`` (depth-scaled), every output projection, its bias
+            and the LM head zero, embeddings ``N(0, 1)``, and the channel-gain split of
+            each block's two norms: ``ln_1`` gains ``1 - 0.14 s``, ``ln_2`` gains
+            ``1 + 0.14 s`` with one Rademacher ``s`` per channel and block; the other
+            gains one; MoE experts, which #30 does not have: ``N(0, 0.02)`` inputs,
+            zero projections, no depth scale).
         embed_dtype: dtype name of the token (and position) embedding tables; ``None`` means
             ``param_dtype`` (modded-nanogpt stores its embedding in bfloat16).
         residual_dtype: dtype name of the residual stream between blocks (``"float32"``, or

@@ -8,9 +8,11 @@ Shapes: ``B`` batch, ``T`` time, ``D`` width, ``V`` vocabulary.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.attention import CausalSelfAttention, KVCache
@@ -140,6 +142,8 @@ class GPT(nnx.Module):
             param_dtype=dt, bias=config.lm_head_bias, std=head_std(config), rngs=rngs,
         )
         self.config = config
+        if config.init == "cgi":
+            _depth_and_gain_split(self, config, rngs)
 
     def __call__(
         self,
@@ -275,6 +279,35 @@ class GPT(nnx.Module):
         if cache is None:
             return x_BTD, None
         return x_BTD, tuple(KVCache(new_cache_L.k[i], new_cache_L.v[i]) for i in range(len(cache)))
+
+
+#: ``init="cgi"`` (modded-nanogpt Track 3 #30): block ``l``'s ``fc`` times
+#: ``1 - CGI_FC_DEPTH_ALPHA·l/(n_layer-1)``; its norms' gains ``1 ∓ CGI_GAIN_ALPHA·s``.
+CGI_FC_DEPTH_ALPHA = 0.30
+CGI_GAIN_ALPHA = 0.14
+
+
+def _depth_and_gain_split(model: GPT, config: GPTConfig, rngs: nnx.Rngs) -> None:
+    """#30's changes to nn.Linear's init, on the built blocks (unrolled or stacked): the
+    depth scale of each dense block's ``fc`` and the channel-gain split of its two norms,
+    one Rademacher sign per channel and block shared by ``ln_1`` (``1 - α s``) and
+    ``ln_2`` (``1 + α s``)."""
+    L, D = config.n_layer, config.n_embd
+    depth = 1.0 - CGI_FC_DEPTH_ALPHA * np.arange(L) / max(L - 1, 1)
+    sign = 2.0 * jax.random.bernoulli(rngs.params(), 0.5, (L, D)).astype(jnp.float32) - 1.0
+
+    def set_block(block: Block, depth: Any, sign: jax.Array) -> None:
+        if block.mlp is not None:
+            kernel = block.mlp.c_fc.kernel
+            kernel.value = (kernel.value * depth).astype(kernel.value.dtype)
+        for ln, s in ((block.ln_1, -sign), (block.ln_2, sign)):
+            ln.scale.value = (1.0 + CGI_GAIN_ALPHA * s).astype(ln.scale.value.dtype)
+
+    if config.scan_layers:
+        set_block(model.blocks, jnp.asarray(depth)[:, None, None], sign)
+    else:
+        for i, block in enumerate(model.blocks):
+            set_block(block, float(depth[i]), sign[i])
 
 
 def _stacked_blocks(config: GPTConfig, rngs: nnx.Rngs) -> Block:

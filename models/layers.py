@@ -352,39 +352,42 @@ HYPERBALL_SCALE = {"fc": 1.5, "attn_proj": 1.25, "mlp_proj": 3.0}
 def residual_std(config: GPTConfig, fan_in: int, matrix: str) -> Init:
     """Init of a residual output projection (``matrix``: ``"attn_proj"`` or
     ``"mlp_proj"``): nanoGPT's ``N(0, (0.02 / sqrt(2 n_layer))^2)``, zeros for
-    ``init="track3"``, ``Uniform(HYPERBALL_SCALE[matrix] / sqrt(fan_in))`` for
-    ``init="hyperball"``."""
+    ``init="track3"`` and ``"cgi"``, ``Uniform(HYPERBALL_SCALE[matrix] / sqrt(fan_in))``
+    for ``init="hyperball"``."""
     if config.init == "hyperball":
         return Uniform(HYPERBALL_SCALE[matrix] / math.sqrt(fan_in))
-    return None if config.init == "track3" else INIT_STD / math.sqrt(2 * config.n_layer)
+    return (None if config.init in ("track3", "cgi")
+            else INIT_STD / math.sqrt(2 * config.n_layer))
 
 
 def input_std(config: GPTConfig, fan_in: int, matrix: str = "qkv") -> Init:
     """Init of a matrix reading the residual stream (``matrix``: ``"qkv"`` or ``"fc"``,
     the latter also the gate): nanoGPT's ``N(0, 0.02^2)``, ``N(0, 0.33 / fan_in)`` for
     ``init="track3"``, ``Uniform(HYPERBALL_SCALE.get(matrix, 1) / sqrt(fan_in))`` for
-    ``init="hyperball"``."""
+    ``init="hyperball"``, ``Uniform(1 / sqrt(fan_in))`` for ``"cgi"``."""
     if config.init == "hyperball":
         return Uniform(HYPERBALL_SCALE.get(matrix, 1.0) / math.sqrt(fan_in))
+    if config.init == "cgi":  # #30: nn.Linear's default (its fc depth-scaled later)
+        return Uniform(1 / math.sqrt(fan_in))
     return math.sqrt(0.33 / fan_in) if config.init == "track3" else INIT_STD
 
 
 def input_bias(config: GPTConfig, fan_in: int) -> Init:
     """Init of the bias of a matrix reading the residual stream: zeros, or PyTorch's
-    default ``Uniform(1 / sqrt(fan_in))`` for ``init="hyperball"`` (output projections'
-    biases are zero in every init)."""
-    return Uniform(1 / math.sqrt(fan_in)) if config.init == "hyperball" else None
+    default ``Uniform(1 / sqrt(fan_in))`` for ``init="hyperball"`` and ``"cgi"`` (output
+    projections' biases are zero in every init)."""
+    return Uniform(1 / math.sqrt(fan_in)) if config.init in ("hyperball", "cgi") else None
 
 
 def embed_std(config: GPTConfig) -> float:
     """Init std of the embedding tables: nanoGPT's 0.02, or 1 (PyTorch's ``nn.Embedding``)
-    for ``init="track3"`` and ``"hyperball"``."""
+    for ``init="track3"``, ``"hyperball"`` and ``"cgi"``."""
     return INIT_STD if config.init == "nanogpt" else 1.0
 
 
 def head_std(config: GPTConfig) -> float | None:
     """Init std of the untied LM head: nanoGPT's 0.02, or ``None`` (zeros) for
-    ``init="track3"`` and ``"hyperball"``."""
+    ``init="track3"``, ``"hyperball"`` and ``"cgi"``."""
     return INIT_STD if config.init == "nanogpt" else None
 
 

@@ -47,6 +47,11 @@ from optax_snoo._src.recipes.stacks import newton_muon_recipe as newton_muon
 from optax_snoo._src.recipes.stacks import normuon_recipe as normuon
 from optax_snoo._src.recipes.stacks import skew_adam_recipe as skew_adam
 from optax_snoo._src.recipes.track3_adam import track3_adam
+from optax_snoo._src.recipes.track3_aurora_proj import (
+    TRACK3_AURORA_PROJ_PATTERNS,
+    track3_aurora_proj,
+    track3_rre,
+)
 from optax_snoo._src.recipes.track3_baseline import snoo_track3_baseline, track3_baseline
 from optax_snoo._src.recipes.track3_common import (
     TRACK3_ADAM_PATTERNS,
@@ -102,6 +107,7 @@ __all__ = [
     "RECORD_MLP_PATTERN",
     "REGISTRY",
     "TRACK3_ADAM_PATTERNS",
+    "TRACK3_AURORA_PROJ_PATTERNS",
     "TRACK3_MLP_PROJ_PATTERN",
     "TRACK3_NEWTON_MUON_PATTERNS",
     "TRACK3_RECORD_ADAM_PATTERNS",
@@ -140,6 +146,7 @@ __all__ = [
     "snoo_track3_baseline",
     "track3_adam",
     "track3_aurora",
+    "track3_aurora_proj",
     "track3_baseline",
     "track3_contra_muon",
     "track3_contra_normuown",
@@ -154,6 +161,7 @@ __all__ = [
     "track3_pmuon",
     "track3_psgd",
     "track3_record",
+    "track3_rre",
     "track3_shampoo",
     "track3_shampoo_pinv",
     "track3_sinksoap",

@@ -171,16 +171,21 @@ def muon_momentum_schedule(
         pieces.append(optax.linear_schedule(peak, end, cooldown))
         boundaries.append(total - cooldown)
     joined = optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+    return wide_count(joined)
 
-    def schedule(count: jax.typing.ArrayLike) -> jax.Array:
-        # optax divides the integer count in its inexact dtype: an int32 count gives
-        # float32 even under x64, so the count is widened to int64 there (float64 values)
+
+def wide_count(schedule: optax.Schedule) -> optax.Schedule:
+    """``schedule`` called with an integer count widened to Python's int dtype (int64
+    under x64): optax's schedules divide the count in its own inexact dtype, so an int32
+    count (optax's and our states') gives float32 values even under x64."""
+
+    def widened(count: jax.typing.ArrayLike) -> jax.Array:
         count = jnp.asarray(count)
         if jnp.issubdtype(count.dtype, jnp.integer):
             count = count.astype(jnp.result_type(int))
-        return joined(count)
+        return schedule(count)
 
-    return schedule
+    return widened
 
 
 def muon_momentum_warmup(start: float = 0.85, end: float = 0.95,

@@ -168,6 +168,8 @@ def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
                       trust_min_grad_align: float, trust_power: float, trust_floor: Any,
                       trust_cap: Any) -> Callable[..., tuple[jax.Array, SoapMatrixState]]:
     """The checked settings bound into `_whiten_matrices`."""
+    if not isinstance(denom_floor, int | float):
+        raise ValueError(f"denom_floor must be a number >= 0, got {denom_floor!r}.")
     check_unit_interval("beta", beta)
     check_unit_interval("beta2", beta2, allow_none=True)
     check_int_at_least("precondition_frequency", precondition_frequency, 1)
@@ -266,10 +268,12 @@ def soap_whitening(
       denom_power: ``p`` in ``V^p`` (0.5: Adam's square root).
       eps: ``V`` is floored at ``eps²`` (record: 1e-8).
       denom_floor: ``f``: each matrix's denominators ``Δ`` are floored at ``f`` times
-        their root mean square (#16's attention SOAP, ``ATTN_SOAP_DENOM_FLOOR``; #20's
-        V: 0.55); 0: none.
+        their root mean square, so no eigen-direction with a tiny ``V`` is magnified
+        beyond ``1/f`` of the typical (#16's attention SOAP, ``ATTN_SOAP_DENOM_FLOOR``;
+        #20's and #30's ``attn.v``: 0.55); 0: none.
       blend: ``a`` in (0, 1]: the whitened momentum mixed with the momentum before the
-        norm match (#20's V: ``V_SOAP_BLEND`` 0.95); 1: none.
+        norm match (#20's and #30's ``attn.v``: ``V_SOAP_BLEND`` 0.95, from PR #283); 1:
+        none.
       norm_match: ``"gram"`` or ``"frobenius"`` (above).
       trust_gate: which leaves are gated: ``None``/``False`` (none), ``True`` (all), a
         callable of the leaf's path string (``"blocks/0/attn/c_proj/kernel"``) returning

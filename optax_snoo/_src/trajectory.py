@@ -308,12 +308,14 @@ def rre_extrapolation(
     k = history - 1
 
     def init_fn(params):
-        zeros = jax.tree.map(
+        # one tree per slot: a tuple of one tree repeated is one buffer in several places,
+        # which a trainer donating its state would donate twice
+        zeros = lambda: jax.tree.map(
             lambda p: p if _skipped(p) else jnp.zeros_like(p, dtype=state_dtype(None, p)),
             params, is_leaf=_skipped)
         return RreExtrapolationState(count=jnp.zeros([], jnp.int32),
                                      filled=jnp.zeros([], jnp.int32),
-                                     iterates=(zeros,) * history)
+                                     iterates=tuple(zeros() for _ in range(history)))
 
     def leaves(tree):
         return jax.tree.leaves(tree, is_leaf=_skipped)

@@ -22,6 +22,7 @@ import pytest
 
 import optax_matrix as m
 from optax_snoo import (
+    MatrixPrecondition,
     MuonGroup,
     MuonState,
     add_decoupled_weight_decay,
@@ -1047,3 +1048,43 @@ def test_soft_map_under_inject_hyperparams():
     # numbers float32 holds exactly: one float32 computation, its scalars constants in one
     # program and arguments in the other (XLA folds them differently: an ulp or two)
     assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 4 * 2.0**-24 * np.max(np.abs(b))
+# ------------------- Contra-Muon with Gram-Frobenius norms (#30): "soft" with its blend 0
+
+def _gram(x):
+    g = x.T @ x if x.shape[0] > x.shape[1] else x @ x.T
+    return max(np.sqrt(np.linalg.norm(g)), 1e-10)
+
+
+@pytest.mark.parametrize("shape", [(12, 20), (20, 12), (16, 16)])
+def test_contra_gram_frobenius_is_its_formula(shape):
+    """``O' = O - (c/2) v/g(v)`` rescaled to ``g(O)``, ``g`` the Gram-Frobenius norm
+    (Track 3 #30's ``muon_update``): Soft-Muon's map with its blend 0 and ``soft_contra=c``,
+    on top of the plain polar, in float64."""
+    v = np.random.default_rng(1).standard_normal(shape)
+    o = _aurora_update(v, ns_normalization="gram_frobenius")
+    c = o - 0.2 * v / _gram(v)
+    expected = c * _gram(o) / _gram(c)
+    got = _aurora_update(v, ns_normalization="gram_frobenius", spectral_map="soft",
+                         spectral_strength=0.0, soft_contra=0.4)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
+    operator = _aurora_update(v, ns_normalization="gram_frobenius", spectral_map="contra",
+                              spectral_strength=0.4)
+    assert np.max(np.abs(operator - expected)) > 1e-3  # #11's operator-norm map differs
+
+
+def test_contra_gram_frobenius_sees_the_preconditioned_input():
+    """With a precondition, the map reads the iteration's input (the whitened momentum),
+    as #30 whitens before ``muon_update``: a precondition that flips the sign of half the
+    fan_in lines gives the update of the flipped momentum (the map read the flipped
+    input, not the momentum)."""
+    v = np.random.default_rng(2).standard_normal((12, 20))
+    flip = np.where(np.arange(12) < 6, -1.0, 1.0)[:, None]
+    pre = MatrixPrecondition(  # M is (..., fan_out, fan_in) = (..., 20, 12)
+        lambda batch, out, inn, dtype: jnp.zeros((batch,), dtype),
+        lambda M, G, st, count, gated: (M * jnp.asarray(flip.T), st))
+    kw = dict(ns_normalization="gram_frobenius", spectral_map="soft", spectral_strength=0.0,
+              soft_contra=0.4)
+    got = _aurora_update(v, precondition=pre, **kw)
+    expected = _aurora_update(v * flip, **kw)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
+

@@ -679,3 +679,20 @@ def test_soft_map_sharded_equals_single_device():
     single, _ = run(make(params), params, 2)
     dist, _ = run(make(sharded), sharded, 2)
     assert_as_accurate(dist, single, float64_run(params, 2, **kw)[0])
+
+
+def test_contra_gram_frobenius_sharded_equals_single_device():
+    """#30's Contra-Muon (Gram-Frobenius norms: Soft-Muon's map with its blend 0, a ramped
+    strength: a traced number inside the owners' iteration) after Aurora: the
+    single-device updates within their own float32 error, and no collective inside the
+    iterations."""
+    mesh = mesh_of((2, 4, 1))
+    params = tree(SHAPES)
+    sharded = place(params, mesh, SPECS)
+    kw = dict(spectral_map="soft", spectral_strength=0.0, aurora_iterations=2,
+              soft_contra=optax.linear_schedule(0.4, 0.0, 2))
+    make = lambda p: scale_by_muon(0.9, ns_dtype=F32, **kw, **planned(p))
+    single, _ = run(make(params), params, 2)
+    dist, _ = run(make(sharded), sharded, 2)
+    assert_as_accurate(dist, single, float64_run(params, 2, **kw)[0])
+    assert compiled_cost(make(sharded), sharded).loop_collective_bytes == 0

@@ -285,3 +285,14 @@ def test_optax_matrix(tmp_path):
         lambda damping: optax.chain(optax.sgd(0.1), rre_extrapolation(1, None, 3, 3, damping,
                                                                       0.5)),
         PARAMS, dict(damping=0.875), steps=4, float64=True)
+
+
+def test_the_kept_weights_are_distinct_buffers_a_trainer_can_donate():
+    """Each kept slot is its own array (one tree repeated was one buffer in four places:
+    a jitted step donating the state, as the trainer's does, refused to run)."""
+    tx = rre_extrapolation(start=1)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)  # eagerly, as the trainer builds its state
+    assert len({it["w"].unsafe_buffer_pointer() for it in state.iterates}) == 4
+    step = jax.jit(lambda s, p: tx.update(p, s, p), donate_argnums=0)
+    step(state, params)

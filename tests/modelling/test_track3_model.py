@@ -462,3 +462,37 @@ def test_the_files_bf16_precision_runs_close_to_float64():
         file_precision, residual_dtype="float32", embed_dtype=None)))
     assert abs(bf16 - ref) < 1e-3 * ref and abs(f32_stream - ref) < 1e-3 * ref
     assert bf16 != f32_stream  # the option changes the computation
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_cgi_records_init(scan):
+    """Track 3 #30 (``init="cgi"``): nn.Linear's default ``U(±1/sqrt(fan_in))`` on q/k/v/fc
+    and their biases, block l's fc times ``1 - 0.3 l/(L-1)`` (log:800-806), every proj
+    (weight and bias) and the head zero, embedding N(0, 1), and each block's gains
+    ``1 ∓ 0.14 s`` with one Rademacher s per channel shared by its two norms (log:809-815),
+    the final norm's gains one; unrolled or stacked blocks alike."""
+    n_layer = 3
+    cfg = dataclasses.replace(models.track3_config(
+        n_layer=n_layer, n_embd=256, head_dim=64, vocab_size=1024, block_size=T), init="cgi",
+        scan_layers=scan)
+    params = nnx.to_pure_dict(nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    blocks = params["blocks"]
+    block = (lambda i: jax.tree.map(lambda x: x[i], blocks)) if scan else (lambda i: blocks[i])
+    assert not np.asarray(params["lm_head"]["kernel"]).any()
+    assert np.all(np.asarray(params["ln_f"]["scale"]) == 1)
+    for i in range(n_layer):
+        b = jax.tree.map(lambda x: np.asarray(x, np.float64), block(i))
+        for name in ("c_q", "c_k", "c_v"):
+            for leaf in ("kernel", "bias"):
+                x, bound = b["attn"][name][leaf], 1 / np.sqrt(256)
+                assert bound * 0.97 < np.abs(x).max() <= bound, (i, name, leaf)
+        depth = 1 - 0.30 * i / (n_layer - 1)
+        fc = b["mlp"]["c_fc"]["kernel"]
+        assert depth * 0.97 / 16 < np.abs(fc).max() <= depth / 16, (i, np.abs(fc).max())
+        assert abs(fc.std() / (depth / 16 / np.sqrt(3)) - 1) < 0.05
+        for proj in (b["attn"]["c_proj"], b["mlp"]["c_proj"]):
+            assert not any(np.asarray(v).any() for v in proj.values())
+        s = (1 - b["ln_1"]["scale"]) / 0.14
+        np.testing.assert_allclose(np.abs(s), 1, rtol=1e-6)
+        np.testing.assert_allclose(b["ln_2"]["scale"], 1 + 0.14 * s, rtol=1e-6)
+        assert 0.3 < np.mean(s > 0) < 0.7, i  # both signs, about evenly

@@ -438,6 +438,52 @@ class R32:
     offset = 2                      # log:649 lam = min(max(soda_scale / (step_count + 2), 0), 1)
 
 
+class R30:
+    """#30, Aurora on mlp.proj + the extended Contra-Muon ramp on PR #294's radial-brake stack
+    (2930 of a 3020-step run, PowerCool to 3050):
+    results/20260514_aurora_proj_pruned_extended_contra/d198124d-5e7f-4743-a683-0eb936a40dbe.txt
+    (seed 0; the sixteen logs run one script)."""
+
+    log = ("results/20260514_aurora_proj_pruned_extended_contra/"
+           "d198124d-5e7f-4743-a683-0eb936a40dbe.txt")
+    train_steps = 3020              # log:63 FINAL_TRAIN_STEPS (claim: 2930, README)
+    schedule_steps = 3050           # log:64 FINAL_SCHEDULE_STEPS (PowerCool's t_end)
+    power = 1.2                     # log:65 FINAL_LR_POWER
+    embed_c = 4.976805410800738e-05   # log:66 ADAM_EMBED_POWER_C
+    head_c = 5.184172302917436e-07    # log:67 ADAM_PROJ_POWER_C
+    vector_c = 1.6589351369335795e-06  # log:68 ADAM_OTHER_POWER_C
+    muon_c = 3.3169534699576625e-06    # log:69 MUON_POWER_C
+    contra_coeff = -0.2             # log:73 CONTRA_MUON_COEFF
+    contra_hold_end = 0             # log:78 CONTRA_HOLD_END_STEP
+    contra_end = 2500               # log:79 CONTRA_TO_NORMAL_END_STEP
+    muon_lr = 0.0375                # log:83 MUON_LR
+    target_uw = 0.3825              # log:85 TARGET_UW (SOAP and non-SOAP alike, :86-87)
+    nor_beta2 = 1.0                 # log:88 NOR_BETA2 (NorMuon-lite's statistic stays 0)
+    soap_beta = 0.9                 # log:89 SOAP_BETA2 (Grams and V)
+    soap_frequency = 10             # log:90 SOAP_PRECONDITION_FREQUENCY
+    soap_denom_power = 0.5          # log:91 SOAP_DENOM_POWER
+    soap_eps = 1e-8                 # log:527 soap_precondition_momentum(..., eps=1e-8)
+    v_denom_floor = 0.55            # log:95 ATTN_SOAP_DENOM_FLOOR (attention SOAP = attn.v)
+    v_blend = 0.95                  # log:97 V_SOAP_BLEND
+    brake = 0.5                     # log:112 RADIAL_OUTWARD_SCALE
+    inward = 1.0                    # log:113 RADIAL_INWARD_SCALE
+    aurora_k = 3                    # log:275 _AURORA_K
+    aurora_beta = 0.25              # log:276 _AURORA_BETA
+    aurora_eps = 1e-7               # log:277 _AURORA_EPS
+    gram_eps = 1e-10                # log:261 gram_frobenius_norm_estimate(eps=1e-10)
+    embed_lr = 0.3                  # log:818
+    head_lr = 1 / 320               # log:819
+    vector_lr = 0.01                # log:820
+    adam_betas = (0.8, 0.99)        # log:821
+    adam_eps = 1e-10                # log:821
+    mu_min = 0.85                   # log:844 _MU_MIN
+    mu_max = 0.95                   # log:845 _MU_MAX
+    mu_warmup = 300                 # log:846 _MU_WARMUP_STEPS
+    mu_cooldown = 100               # log:847 _MU_COOLDOWN_STEPS (of FINAL_TRAIN_STEPS, :862)
+    di_fc_alpha = 0.30              # log:800 _DI_FC_ALPHA
+    cgi_alpha = 0.14                # log:809 _CGI_ALPHA
+
+
 class R34:
     """#34, capped RRE extrapolation (2925 of 3020 steps):
     results/20260520_rre_extrapolation_pr300_2925/train_gpt_simple_rre_pr300_2925.py (the
