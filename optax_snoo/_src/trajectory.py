@@ -74,7 +74,9 @@ def _scalar_dtype(params: Any) -> Any:
 
 
 def _copy(p: Any) -> Any:
-    return p if _skipped(p) else jnp.asarray(p, state_dtype(None, p))
+    # a new buffer: an anchor aliasing a float32 param would be donated twice by a trainer
+    # that donates params and state
+    return p if _skipped(p) else jnp.array(p, state_dtype(None, p), copy=True)
 
 
 class PullToInitState(NamedTuple):

@@ -197,3 +197,12 @@ def test_optax_matrix(tmp_path):
     m.check_inject_hyperparams(lambda strength: optax.chain(optax.sgd(0.1),
                                                              pull_to_init(strength)),
                                PARAMS, dict(strength=1.5), steps=4, float64=True)
+
+
+def test_the_anchor_is_its_own_buffer():
+    """A float32 anchor is a copy, not the param's buffer: a trainer donating params and
+    state would otherwise donate one buffer twice (as track3_soda did in the trainer)."""
+    params = {"w": jnp.ones((4, 4)), "b": jnp.ones((4,), jnp.bfloat16)}
+    anchor = pull_to_init().init(params).anchor
+    assert anchor["w"].unsafe_buffer_pointer() != params["w"].unsafe_buffer_pointer()
+    np.testing.assert_array_equal(anchor["w"], params["w"])
