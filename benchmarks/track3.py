@@ -101,6 +101,7 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "track3_sinksoap": ("26", 3090, ()),
     "track3_dynmuon": ("28", 3175, ()),
     "track3_contra_soft_muon": ("20", 3030, ()),
+    "track3_soda": ("32", 3000, ()),
     "track3_muown": ("23", 3125, ()),
     "track3_contra_normuown": ("31", 2995, ()),
     # K-FAC-style capture refuses the summed loss: the mean (Muon is scale-free).

@@ -97,6 +97,7 @@ from optax_snoo._src.recipes.track3_soft_muon import (
     TRACK3_SOAP_MLP_PATTERN,
     TRACK3_SOAP_V_PATTERN,
     track3_contra_soft_muon,
+    track3_soda,
 )
 
 __all__ = [
@@ -168,6 +169,7 @@ __all__ = [
     "track3_soap_muon",
     "track3_soap_muon_record",
     "track3_soaph",
+    "track3_soda",
     "track3_spectral_descent",
     "with_snoo",
 ]

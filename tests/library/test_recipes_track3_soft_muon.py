@@ -155,6 +155,11 @@ class Record:
             st["QR"] = np.linalg.qr(st["R"] @ st["QR"][:, order])[0]
         st["soap_step"] += 1
 
+    def pulled(self, name, p, step):
+        """The hidden matrix the step is subtracted from: #20's ``p`` itself (#32 mixes it
+        toward its start there)."""
+        return p
+
     def run(self, weights, grads_by_step):
         w, state, out = dict(weights), {}, []
         for n, x in w.items():
@@ -181,7 +186,8 @@ class Record:
                     u_fro = max(np.linalg.norm(u), 1e-8)
                     if u_fro / p_fro < self.target_uw:
                         u = u * (self.target_uw * p_fro / u_fro)
-                    w[n] = w[n] - self.lr(step, R20.muon_lr, self.muon_c) * u
+                    w[n] = self.pulled(n, w[n], step) - self.lr(step, R20.muon_lr,
+                                                                 self.muon_c) * u
                     if group != "plain":
                         self.soap_statistics(g, st)
                 else:

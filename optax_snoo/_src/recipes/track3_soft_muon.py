@@ -29,11 +29,24 @@ constant crossed and agrees to 4e-13. The matrices of the three SOAP settings ar
 ``round(x·N/3040)`` and each PowerCool constant keeps its flat fraction
 (`optax_snoo.power_cool_scaled` at the scaled ``t_end``).
 
+Result #32 (``results/20260518_soda_fade_3000_n9``, claim 3000 of the same 3040 steps) is
+#20's script with every constant kept and SODA's anchor correction added to ``Muon.step``
+(`track3_soda`): after the update and its u/w floor are formed from ``W``, the hidden
+matrix is mixed toward its initial value, ``W ← (1 - λ_t) W + λ_t W₀ - lr_t O`` with
+``λ_t = s_t/(t + 2)``, ``s_t`` 1 before update 2000, ``½(1 + cos(π (t - 2000)/750))`` to
+2750 and 0 after (`optax_snoo.pull_to_init` last in the Muon chain). At ``N`` steps the
+fade's two ends scale as the other step constants; the ``t + 2`` of dual averaging does not.
+
 References:
   nilin, `Contra-Muon and Soft-Muon <https://nilin.github.io/contra-muon-and-soft-muon/>`_,
   2026
 
   Jordan et al., `modded-nanogpt Track 3 result #20 (results/20260509_contra_soft_muon)
+  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  2026
+
+  wakamex, `modded-nanogpt Track 3 result #32, SODA fade at 3000 steps
+  (results/20260518_soda_fade_3000_n9)
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026
 """
@@ -62,8 +75,10 @@ from optax_snoo._src.recipes.track3_common import (
 from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters
 from optax_snoo._src.schedules import power_cool_scaled
 from optax_snoo._src.soap_muon import soap_whitening
+from optax_snoo._src.trajectory import pull_to_init
 
-__all__ = ["TRACK3_SOAP_MLP_PATTERN", "TRACK3_SOAP_V_PATTERN", "ContraSoftMuonHyperparameters"]
+__all__ = ["TRACK3_SOAP_MLP_PATTERN", "TRACK3_SOAP_V_PATTERN", "ContraSoftMuonHyperparameters",
+           "SodaFadeHyperparameters"]
 
 #: #20's MLP matrices (``mlp.fc``, ``mlp.proj``): SOAP whitening as #14's.
 TRACK3_SOAP_MLP_PATTERN = r"(^|/)mlp/c_(fc|proj)/kernel$"
@@ -123,6 +138,23 @@ class ContraSoftMuonHyperparameters(AuxAdamWHyperparameters):
         steps_in_order(self, "contra_end", "soft_start", "soft_end")
 
 
+@dataclasses.dataclass(frozen=True)
+class SodaFadeHyperparameters(ContraSoftMuonHyperparameters):
+    """Result #32's constants: #20's, and SODA's pull of the hidden matrices to their start."""
+
+    soda_strength: float = hyperparameter(1.0, "SODA's strength s (the pull is s/(t+2) of "
+                                          "the way to the initial weights)",
+                                          check="non_negative")
+    soda_fade_start: int = hyperparameter(2000, "SODA's cosine fade of s starts here",
+                                          check="at_least_1", steps=True)
+    soda_fade_end: int = hyperparameter(2750, "SODA's fade has reached 0 here",
+                                        check="at_least_1", steps=True)
+
+    def validate(self) -> None:
+        super().validate()
+        steps_in_order(self, "soda_fade_start", "soda_fade_end")
+
+
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ContraSoftMuonHyperparameters)}
 
 
@@ -142,6 +174,13 @@ def _ramp(start: int, end: int) -> optax.Schedule:
         t = jnp.asarray(count).astype(jnp.result_type(float))  # float64 under x64
         return jnp.clip((t - start) / (end - start), 0.0, 1.0)
     return schedule
+
+
+def _cosine_fade(start: int, end: int) -> optax.Schedule:
+    """#32's ``soda_fade_multiplier``: 1 before ``start``, 0 from ``end``, a half cosine
+    between."""
+    ramp = _ramp(start, end)
+    return lambda count: 0.5 * (1.0 + jnp.cos(jnp.pi * ramp(count)))
 
 
 def _contra_soft_muon(t: ContraSoftMuonHyperparameters, total_steps: int, *,
@@ -173,6 +212,9 @@ def _contra_soft_muon(t: ContraSoftMuonHyperparameters, total_steps: int, *,
                          "soap_mlp": muon_group(blend=1.0),
                          "soap_v": muon_group(blend=t.v_soap_blend,
                                               denom_floor=t.v_soap_denom_floor)}, kind)
+    if isinstance(t, SodaFadeHyperparameters):  # #32: after the step is formed from W
+        soda = _cosine_fade(t.soda_fade_start, t.soda_fade_end)
+        muon_tx = optax.chain(muon_tx, pull_to_init(lambda n: t.soda_strength * soda(n)))
     names = patterns(TRACK3_ADAM_PATTERNS, adam_patterns)
     groups = adam_groups(names, [  # torch's AdamW, bias-corrected, no decay
         (name, _power_cool(t, group), t.adam_b1, t.adam_b2, t.adam_eps, 0.0, True)
@@ -190,3 +232,10 @@ track3_contra_soft_muon = register(Recipe(
     summary="Track 3 result #20 (3040 steps, claim 3030): Contra-Muon fading to Muon, then "
     "blending into Soft-Muon p=0.1, SOAP on MLP and V, NorMuon-lite, the u/w floor 0.3825, "
     "every lr on PowerCool"))
+track3_soda = register(Recipe(
+    "track3_soda", SodaFadeHyperparameters, _contra_soft_muon,
+    options={**TRACK3_OPTIONS, "soap_mlp_pattern": TRACK3_SOAP_MLP_PATTERN,
+             "soap_v_pattern": TRACK3_SOAP_V_PATTERN},
+    summary="Track 3 result #32 (3040 steps, claim 3000): #20's stack with SODA's pull of the "
+    "hidden matrices toward their initial values, s/(t+2) with s 1 to update 2000, "
+    "cosine-faded to 0 at 2750"))
