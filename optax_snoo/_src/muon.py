@@ -307,6 +307,9 @@ def scale_by_muon(
         for ``#11``'s operator and Frobenius norms; the series is skipped while ``b = 0``.
         It runs on each matrix's owner under the sharded plan (whole matrices, after the
         precondition), which receives the float32 input (twice a bfloat16 transfer).
+        With ``tempered_polar``, ``O`` is the tempered polar (``C`` and ``n`` read it;
+        ``S``'s iterates do not), as Track 3 result #38's ``muon_update`` tempers
+        ``ns_update`` before its Contra-Muon and Soft-Muon terms.
       spectral_strength: ``c`` of ``"contra"`` (the record's ``CONTRA_MUON=0.4``), ``p``
         of ``"power"``, or the blend ``b`` in [0, 1] of ``"soft"``; a number or a
         schedule of the update count (`logistic_schedule` is DynMuon's).
@@ -391,9 +394,6 @@ def scale_by_muon(
     if spectral_map == "contra":
         check_non_negative("spectral_strength", spectral_strength)
     _check_soft(spectral_map, spectral_strength, soft_power, soft_contra)
-    if spectral_map == "soft" and tempered_polar is not None:
-        raise ValueError(f"tempered_polar={tempered_polar!r} and spectral_map='soft' both "
-                         f"replace the polar factor: pass one of them.")
     if normuon_norm not in NORMUON_NORMS:
         raise ValueError(f"normuon_norm must be one of {NORMUON_NORMS}, got {normuon_norm!r}.")
     check_positive("spectral_input_scale", spectral_input_scale)
@@ -529,8 +529,8 @@ def scale_by_muon(
                                       rho=value_at(tempered_polar, count),
                                       max_delta=tempered_polar_max, round_dtype=ns_dt)
         if spectral_map == "soft":  # around each matrix's iteration, on its owner
-            polar = functools.partial(
-                soft_polar, newton_schulz=newton_schulz, contra=value_at(soft_contra, count),
+            polar = functools.partial(  # C reads the (tempered) polar, S the iterates
+                soft_polar, newton_schulz=polar, contra=value_at(soft_contra, count),
                 blend=value_at(spectral_strength, count), series=series, ns_dtype=ns_dt)
         ortho, leaf_states, owned_states = orthogonalize_leaves(
             ns_inputs, leaf_axes, placements, newton_schulz=polar, ns_dtype=transfer_dtype,

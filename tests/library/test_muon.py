@@ -921,10 +921,40 @@ def test_without_orthogonalize_what_reads_the_polar_is_refused(kw):
         scale_by_muon(orthogonalize=False, **kw)
 
 
-def test_soft_map_and_tempered_polar_are_refused_together():
-    """Both replace the polar factor (one would silently win): refused at construction."""
-    with pytest.raises(ValueError, match="tempered_polar=0.05 and spectral_map='soft'"):
-        scale_by_muon(spectral_map="soft", tempered_polar=0.05)
+def test_soft_map_reads_the_tempered_polar():
+    """With both, the Contra-Muon term ``C = [O - (k/2) v/‖v‖₄]`` and its size ``n`` read
+    the tempered polar (#38's `muon_update` tempers ``ns_update`` before its Contra and
+    Soft terms): one float64 update of a wide matrix (no momentum, no shape scale, Soft's
+    blend 0) against numpy."""
+    from references.track3_constants import NS_COEFFICIENTS, NS_EPS
+
+    def norm4(x, eps=1e-10):
+        return max(np.sqrt(np.linalg.norm(x @ x.T)), eps)  # wide: the smaller Gram
+
+    g = np.random.default_rng(3).standard_normal((12, 20))
+    x = g / norm4(g, NS_EPS)
+    for a, b, c in NS_COEFFICIENTS:
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    n, residual = norm4(x), g / norm4(g) - x
+    o = x + 0.05 * min(0.25 * n / norm4(residual), 1.0) * residual
+    o = o * (n / norm4(o))
+    contra = o - 0.2 * g / norm4(g)
+    want = contra * (n / norm4(contra))
+    untempered = x - 0.2 * g / norm4(g)
+    untempered = untempered * (n / norm4(untempered))
+
+    def update(g):
+        tx = scale_by_muon(0.0, nesterov=False, coefficients="track3", ns_dtype="float64",
+                           ns_normalization="gram_frobenius", spectral_map="soft",
+                           spectral_strength=0.0, soft_contra=0.4, tempered_polar=0.05,
+                           shape_scale=None, shard_newton_schulz=False)
+        params = {"w": jnp.zeros_like(g)}
+        return tx.update({"w": g}, tx.init(params), params)[0]["w"]
+
+    got = run_in_float64(update, g)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert np.max(np.abs(got - untempered)) > 1e-4  # the tempering is seen
 
 
 def test_normuon_square_false_skips_square_matrices_only():
