@@ -51,6 +51,7 @@ from optax_snoo._src.recipes.track3_aurora_proj import (
     TRACK3_AURORA_PROJ_PATTERNS,
     track3_aurora_proj,
     track3_rre,
+    track3_tail_refinterp,
 )
 from optax_snoo._src.recipes.track3_baseline import snoo_track3_baseline, track3_baseline
 from optax_snoo._src.recipes.track3_common import (
@@ -171,5 +172,6 @@ __all__ = [
     "track3_soaph",
     "track3_soda",
     "track3_spectral_descent",
+    "track3_tail_refinterp",
     "with_snoo",
 ]

@@ -80,21 +80,23 @@ class Record:
     adam_b2: float = R30.adam_betas[1]
     soap_on: tuple = ("mlp_fc", "mlp_proj", "v")
     total: int = T  # FINAL_SCHEDULE_STEPS of the run; every step constant scaled to it
+    schedule_steps: int = R30.schedule_steps  # the record's FINAL_SCHEDULE_STEPS
+    train_steps: int = R30.train_steps        # the record's FINAL_TRAIN_STEPS
 
     def __post_init__(self):
         self.seen = dict(floor_binds=0, floor_free=0, outward=0, inward=0, v_floor=0,
                          refresh=0)
 
     def scaled(self, steps):
-        return round(steps * self.total / R30.schedule_steps)
+        return round(steps * self.total / self.schedule_steps)
 
     def lr(self, lr0, c, step):  # log:837-841 _lr at FINAL_SCHEDULE_STEPS = total
-        c = c * (R30.schedule_steps / self.total) ** R30.power
+        c = c * (self.schedule_steps / self.total) ** R30.power
         return min(lr0, c * max(0.0, self.total - step) ** R30.power)
 
     def mu(self, step):  # log:849-858 _muon_mu_at_step(step, FINAL_TRAIN_STEPS)
         warm, cool = self.scaled(self.mu_warmup), self.scaled(self.mu_cooldown)
-        cd_start = self.scaled(R30.train_steps) - cool
+        cd_start = self.scaled(self.train_steps) - cool
         if step < warm:
             return R30.mu_min + step / warm * (R30.mu_max - R30.mu_min)
         if step > cd_start:
@@ -152,6 +154,7 @@ class Record:
         normalized = M / gram_norm(M)
         ns = zeropower(M, self.aurora)
         size = gram_norm(ns)
+        ns = self.tempered(normalized, ns, size, step)
         update = ns + self.contra_coeff(step) * normalized
         update = update * size / gram_norm(update)
         update = update * size / gram_norm(update)
@@ -164,14 +167,15 @@ class Record:
         # log:476-490 scale_radial_update
         coeff = np.sum(update * p) / max(np.sum(p * p), 1e-12)
         self.seen["outward" if coeff < 0 else "inward"] += 1
-        scale = self.brake if coeff < 0 else R30.inward
+        scale = self.brake_at(step) if coeff < 0 else R30.inward
         update = (update - coeff * p) + scale * coeff * p
         # log:676-682 the u/w floor
         p_fro, u_fro = max(np.linalg.norm(p), 1e-8), max(np.linalg.norm(update), 1e-8)
-        binds = u_fro / p_fro < self.target_uw
+        target_uw = self.floor_at(step)
+        binds = u_fro / p_fro < target_uw
         self.seen["floor_binds" if binds else "floor_free"] += 1
         if binds:
-            update = update * (self.target_uw * p_fro / u_fro)
+            update = update * (target_uw * p_fro / u_fro)
         lr = self.lr(self.muon_lr, R30.muon_c, step)
         before = max(np.linalg.norm(p), 1e-8)  # log:492-503: the radius pin
         target = max(before - lr * np.sum(update * p) / before, 1e-8)
@@ -209,6 +213,18 @@ class Record:
             self.after_step(w, step)
             out.append(dict(w))
         return out
+
+    def tempered(self, normalized, polar, polar_norm, step):
+        """The polar `muon_update` continues with (#38 tempers it here)."""
+        return polar
+
+    def brake_at(self, step):
+        """`scale_radial_update`'s outward scale (#38 ramps it)."""
+        return self.brake
+
+    def floor_at(self, step):
+        """The u/w floor's target (#38 ramps it)."""
+        return self.target_uw
 
     def after_step(self, w, step):
         """The end of `Muon.step` (#34 extrapolates here)."""

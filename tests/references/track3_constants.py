@@ -607,6 +607,13 @@ class R38:
     floor = 0.3825                  # script:95 TARGET_UW
     floor_late = 0.400              # script:96 TARGET_UW_LATE
     floor_ramp = (2400, 2800)       # script:97-98 TARGET_UW_RAMP_{START,END}_STEP
+    contra_end = 2750               # script:83 CONTRA_TO_NORMAL_END_STEP (#30: 2500)
+    mu_late = 0.85                  # script:218, 220 _MU_LATE = _MU_MIN (#30's cool-down end)
+    # Otherwise #30's constants (R30): the script differs from #30's log by the lines
+    # above and by switches left off (script:89-94 lr multipliers 1, :102 deficit gate 0,
+    # :144 radial adapt 0, :150 agreement shrink 0, :158 tempered decay 0, :162 no skip of
+    # mlp.proj, :163 Aurora relax 0, :170 Aurora beta decay 0, :182 tail EMA 0, :223-224
+    # momentum reheat 0).
 class R27:
     """#27, SOAP-H (3125 steps): results/20260518_soaph/train_gpt_simple_soaph.py (the
     script of its logs SOAPH_run1..6.txt, equal to it up to their first ``====`` line)."""

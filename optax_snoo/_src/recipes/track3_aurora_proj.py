@@ -1,5 +1,6 @@
 """modded-nanogpt Track 3 results #30 (Aurora on the MLP's output projection, on the
-radial-brake stack of PR #294) and #34 (#30 with capped RRE extrapolation).
+radial-brake stack of PR #294), #34 (#30 with capped RRE extrapolation) and #38 (#30 retuned
+late, with Tempered Polar and the tail-velocity and reference-interpolation readouts).
 
 #30 (``results/20260514_aurora_proj_pruned_extended_contra``, 2930 steps of a 3020-step
 run whose PowerCool ends at 3050) runs, per hidden matrix, in PyTorch's ``(out, in)``:
@@ -41,6 +42,19 @@ them one vector): from update 2820 to 2925 it keeps the post-step weights and ev
 update moves them by the damped (0.875) RRE step of the last 4, capped at 1e-3 of their
 norm, the momentum kept; the Adam parameters are not moved.
 
+#38 (``results/20260520_tail_refinterp_2900``, claim at 2900: its script trains 2900 steps
+of a PowerCool ending at 3020, with #30's code and constants otherwise) sets Contra-Muon's
+ramp end to 2750, the momentum's cool-down to end at 2900, and adds, late in the run:
+Tempered Polar (`scale_by_muon`'s ``tempered_polar``, ``ρ`` 0 -> 0.05 over updates 2600 to
+2800, clip 0.25, on every hidden matrix, Aurora's included, before the Contra term); the
+brake 0.5 -> 0.4 over 2400 to 2900 and the u/w floor 0.3825 -> 0.4 over 2400 to 2800
+(`radius_steps`' ``brake`` and ``floor`` as schedules); and two readouts
+(`optax_snoo.eval_params`): `optax_snoo.tail_velocity` (from update 2500, EMA 0.9, step -6
+along it, clipped at 0.01 of the norm) on the hidden matrices, then
+`optax_snoo.reference_interpolation` of every parameter (``w + (-0.075)(w - w_2375)``
+from update 2900), in that order as its evaluation applies them. Its step constants are
+written at 3020 (its ``RECORD_STEPS``).
+
 Every step constant is written at 3050 steps (``RECORD_STEPS``, PowerCool's ``t_end``)
 and scaled to the run: `Hyperparameters.scaled` gives ``round(x·N/3050)``, each PowerCool
 constant becomes ``c·(lr/lr_record)·(3050/N)^1.2`` (`optax_snoo.power_cool_scaled`).
@@ -48,6 +62,11 @@ constant becomes ``c·(lr/lr_record)·(3050/N)^1.2`` (`optax_snoo.power_cool_sca
 References:
   Jordan et al., `modded-nanogpt Track 3 result #30
   (results/20260514_aurora_proj_pruned_extended_contra)
+  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  2026
+
+  J. Clark, `modded-nanogpt Track 3 result #38, tail reference interpolation at 2900
+  (results/20260520_tail_refinterp_2900)
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026
 
@@ -66,6 +85,7 @@ from typing import Any
 
 import optax
 
+from optax_snoo._src.averaging import reference_interpolation, tail_velocity
 from optax_snoo._src.labels import by_path, partition
 from optax_snoo._src.muon import scale_by_muon
 from optax_snoo._src.muon_adam import group_labels, with_adam_groups
@@ -82,7 +102,8 @@ from optax_snoo._src.schedules import muon_momentum_schedule, power_cool_scaled,
 from optax_snoo._src.soap_muon import soap_whitening
 from optax_snoo._src.trajectory import rre_extrapolation
 
-__all__ = ["TRACK3_AURORA_PROJ_PATTERNS", "AuroraProjHyperparameters", "RreHyperparameters"]
+__all__ = ["TRACK3_AURORA_PROJ_PATTERNS", "AuroraProjHyperparameters", "RreHyperparameters",
+           "TailRefinterpHyperparameters"]
 
 #: #30's Muon matrices by how their direction is computed, first match wins (this
 #: repository's GPT names): Aurora + SOAP, SOAP, SOAP with the blend and floor; the rest
@@ -195,6 +216,70 @@ class RreHyperparameters(AuroraProjHyperparameters):
             raise ValueError(f"rre_history={self.rre_history} must be >= 3")
 
 
+@dataclasses.dataclass(frozen=True)
+class TailRefinterpHyperparameters(AuroraProjHyperparameters):
+    """Result #38's constants (its script's, at PowerCool's 3020 steps): #30's, with the
+    run and Contra-Muon's ramp ending elsewhere, and its late controls and readouts."""
+
+    RECORD_STEPS = 3020
+
+    train_steps: int = hyperparameter(2900, "where the momentum's cool-down ends (the "
+                                      "script's TRAIN_STEPS)", check="at_least_1",
+                                      steps=True)
+    contra_ramp_end: int = hyperparameter(2750, "Contra-Muon's c reaches 0 here",
+                                          check="at_least_1", steps=True)
+    tempered_polar: float = hyperparameter(0.05, "Tempered Polar's rho after its ramp",
+                                           check="non_negative")
+    tempered_polar_max: float = hyperparameter(0.25, "Tempered Polar's clip of the "
+                                               "residual relative to the polar",
+                                               check="positive")
+    tempered_polar_start: int = hyperparameter(2600, "Tempered Polar's rho rises from 0 here",
+                                               check="at_least_1", steps=True)
+    tempered_polar_end: int = hyperparameter(2800, "Tempered Polar's rho is full from here",
+                                             check="at_least_1", steps=True)
+    brake_late: float = hyperparameter(0.4, "the radial brake after its ramp",
+                                       check="fraction")
+    brake_ramp_start: int = hyperparameter(2400, "the brake's linear ramp starts",
+                                           check="at_least_1", steps=True)
+    brake_ramp_end: int = hyperparameter(2900, "the brake's linear ramp ends",
+                                         check="at_least_1", steps=True)
+    floor_late: float = hyperparameter(0.4, "the u/w floor after its ramp",
+                                       check="non_negative")
+    floor_ramp_start: int = hyperparameter(2400, "the floor's linear ramp starts",
+                                           check="at_least_1", steps=True)
+    floor_ramp_end: int = hyperparameter(2800, "the floor's linear ramp ends",
+                                         check="at_least_1", steps=True)
+    velocity_start: int = hyperparameter(2500, "the tail velocity is 0 after this update "
+                                         "and moves from the next", check="at_least_1",
+                                         steps=True)
+    velocity_beta: float = hyperparameter(0.9, "the tail velocity's EMA factor",
+                                          check="unit_interval")
+    velocity_gamma: float = hyperparameter(-6.0, "the evaluation's step along the tail "
+                                           "velocity (negative: back)")
+    velocity_max_ratio: float = hyperparameter(0.01, "the velocity clipped to this times "
+                                               "the weights' norm", check="positive")
+    reference_capture: int = hyperparameter(2375, "the weights after this update are the "
+                                            "reference", check="at_least_1", steps=True)
+    reference_start: int = hyperparameter(2900, "evaluation interpolates from this update "
+                                          "on", check="at_least_1", steps=True)
+    reference_gamma: float = hyperparameter(-0.075, "the interpolation's w + gamma (w - ref)")
+
+    def validate(self) -> None:
+        super().validate()
+        steps_in_order(self, "tempered_polar_start", "tempered_polar_end")
+        steps_in_order(self, "brake_ramp_start", "brake_ramp_end")
+        steps_in_order(self, "floor_ramp_start", "floor_ramp_end")
+        steps_in_order(self, "reference_capture", "reference_start")
+        if self.brake is None or self.floor is None:
+            raise ValueError(f"brake={self.brake!r}, floor={self.floor!r}: #38 ramps both "
+                             "(numbers expected)")
+
+
+def _late_ramp(early: float, late: float, start: int, end: int) -> optax.Schedule:
+    """#38's late ramps: ``early`` before ``start``, ``late`` from ``end``, linear between."""
+    return wide_count(optax.linear_schedule(early, late, end - start, start))
+
+
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AuroraProjHyperparameters)}
 
 
@@ -215,13 +300,18 @@ def _muon_direction(t: AuroraProjHyperparameters, *, newton_schulz_plan: Any = N
         cooldown=t.muon_momentum_cooldown_steps, total=t.train_steps)
     contra = wide_count(optax.linear_schedule(t.contra_muon, 0.0, t.contra_ramp_end))
     soap = dict(precondition_frequency=t.soap_precondition_frequency)
+    tempered = {}
+    if isinstance(t, TailRefinterpHyperparameters):  # #38: before the Contra term
+        tempered = dict(tempered_polar=_late_ramp(0.0, t.tempered_polar, t.tempered_polar_start,
+                                                  t.tempered_polar_end),
+                        tempered_polar_max=t.tempered_polar_max)
 
     def direction(**kind: Any) -> optax.GradientTransformation:
         return scale_by_muon(momentum, coefficients="track3", ns_dtype=t.ns_dtype,
                              ns_normalization="gram_frobenius", spectral_map="soft",
                              spectral_strength=0.0, soft_contra=contra,
                              newton_schulz_plan=newton_schulz_plan,
-                             shard_newton_schulz=shard_newton_schulz, **kind)
+                             shard_newton_schulz=shard_newton_schulz, **tempered, **kind)
 
     kinds = {
         "mlp_proj": direction(precondition=soap_whitening(t.soap_beta, **soap),
@@ -241,12 +331,20 @@ def _aurora_proj(t: AuroraProjHyperparameters, total_steps: int, *, labels: Any 
                  shard_newton_schulz: bool = True) -> Stack:
     names = patterns(TRACK3_ADAM_PATTERNS, adam_patterns)
     muon_lr = _power_cool(t, "muon", total_steps)
+    brake, floor = t.brake, t.floor
+    late = isinstance(t, TailRefinterpHyperparameters)
+    if late:  # #38's late ramps
+        brake = _late_ramp(t.brake, t.brake_late, t.brake_ramp_start, t.brake_ramp_end)
+        floor = _late_ramp(t.floor, t.floor_late, t.floor_ramp_start, t.floor_ramp_end)
     # #30 has no weight decay: "u/w target replaces wd's role" (its Muon.step).
     muon_tx = optax.chain(
         _muon_direction(t, newton_schulz_plan=newton_schulz_plan,
                         shard_newton_schulz=shard_newton_schulz),
-        radius_steps(muon_lr, brake=t.brake, floor=t.floor, floor_per="matrix",
+        radius_steps(muon_lr, brake=brake, floor=floor, floor_per="matrix",
                      pin="first_order", cautious_weight_decay=0.0))
+    if late:  # #38's first readout: on the hidden matrices' weights after each full step
+        muon_tx = optax.chain(muon_tx, tail_velocity(
+            t.velocity_start, t.velocity_beta, t.velocity_gamma, t.velocity_max_ratio))
     if isinstance(t, RreHyperparameters):  # #34: after the Muon step, on its weights alone
         muon_tx = optax.chain(muon_tx, rre_extrapolation(
             t.rre_start, t.rre_stop, every=t.rre_every, history=t.rre_history,
@@ -256,8 +354,11 @@ def _aurora_proj(t: AuroraProjHyperparameters, total_steps: int, *, labels: Any 
         (name, _power_cool(t, name if name != "vectors" else "vector", total_steps),
          t.adam_b1, t.adam_b2, t.adam_eps, 0.0, True)
         for name in ("vectors", "embed", "head")])
-    return Stack(with_adam_groups(muon_tx, groups, labels=labels), muon_lr,
-                 groups=group_labels(groups, labels))
+    tx = with_adam_groups(muon_tx, groups, labels=labels)
+    if late:  # #38's second readout, of every parameter, applied after the velocity's
+        tx = optax.chain(tx, reference_interpolation(t.reference_capture, t.reference_start,
+                                                     t.reference_gamma))
+    return Stack(tx, muon_lr, groups=group_labels(groups, labels), readout=late)
 
 
 track3_aurora_proj = register(Recipe(
@@ -271,3 +372,11 @@ track3_rre = register(Recipe(
     summary="Track 3 result #34 (2925 of #30's 3050-step PowerCool): #30's stack with capped "
     "RRE extrapolation of the hidden matrices (updates 2820-2925, every 5, 4 kept weights, "
     "damping 0.875, at most 1e-3 of their norm, momentum kept)"))
+track3_tail_refinterp = register(Recipe(
+    "track3_tail_refinterp", TailRefinterpHyperparameters, _aurora_proj,
+    options=TRACK3_OPTIONS,
+    summary="Track 3 result #38 (2900 of a 3020-step PowerCool): #30's stack with Contra-Muon "
+    "to 2750, Tempered Polar (rho 0 -> 0.05 over 2600-2800), the brake 0.5 -> 0.4 and the "
+    "u/w floor 0.3825 -> 0.4 ramped from 2400; evaluated through the tail velocity (from "
+    "2500, -6 steps, clip 0.01) then the interpolation 0.075 back toward the 2375 weights "
+    "(evaluate optax_snoo.eval_params)"))
