@@ -184,11 +184,9 @@ def test_a_moved_clip_fails_where_it_binds():
     assert worst(evaluated, reference(vel_max_ratio=CLIP * 1.05)[1].evaluated) > 1e-6
 
 
-def test_the_base_is_30s_stack_until_its_constants_part():
-    """Before update 120 (2400 scaled) the ramps have not started and Tempered Polar is
-    off: the run differs from #30's recipe only by #38's constants (Contra's ramp end,
-    PowerCool's end and the momentum's cool-down), which the record with #30's constants
-    at this schedule shows."""
+def test_the_late_controls_act_from_update_120():
+    """Tempered Polar and the brake and floor ramps change nothing before update 120 (2400
+    scaled, the ramps' start; Tempered Polar's from 130), and the run after it."""
     steps, _ = reference()
     plain, _ = reference(rho=0.0, brake_late=R30.brake, floor_late=R30.target_uw)
     assert worst(steps[:120], plain[:120]) < 1e-12

@@ -53,7 +53,11 @@ brake 0.5 -> 0.4 over 2400 to 2900 and the u/w floor 0.3825 -> 0.4 over 2400 to 
 along it, clipped at 0.01 of the norm) on the hidden matrices, then
 `optax_snoo.reference_interpolation` of every parameter (``w + (-0.075)(w - w_2375)``
 from update 2900), in that order as its evaluation applies them. Its step constants are
-written at 3020 (its ``RECORD_STEPS``).
+written at 3020 (its ``RECORD_STEPS``). Where ours differs from its arithmetic: the
+Contra term is rescaled to the tempered polar's ``‖·‖₄`` (the record: the untempered
+polar's, the same number but for the tempered polar's rounding to ``ns_dtype``), and the
+tail velocity's displacement is read from the update (the record keeps a copy of the
+previous weights).
 
 Every step constant is written at 3050 steps (``RECORD_STEPS``, PowerCool's ``t_end``)
 and scaled to the run: `Hyperparameters.scaled` gives ``round(x·N/3050)``, each PowerCool
