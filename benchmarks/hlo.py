@@ -18,13 +18,17 @@ Counted per device (an SPMD program is one device's program):
   matrix of an eigendecomposition custom call (LAPACK/cuSOLVER ``syevd``/``syevj``, which
   ``cost_analysis`` leaves out): tridiagonalisation, back-transformation and implicit QR
   of a symmetric eigensolver with eigenvectors (Golub & Van Loan, "Matrix Computations",
-  4th ed., 2013, section 8.3).
+  4th ed., 2013, section 8.3), and per ``m x n`` matrix of a Householder QR's two custom
+  calls (LAPACK/cuSOLVER ``geqrf`` and ``orgqr``) ``2 m n² - (2/3) n³`` and
+  ``4 m n k - 2 (m + n) k² + (4/3) k³`` with ``k = min(m, n)`` (``(8/3) n³`` for a
+  square one; Golub & Van Loan, sections 5.2.1 and 5.1.6).
 
 Usage::
 
     compiled = jax.jit(f).lower(*args).compile()
     stats = analyze(compiled.as_text())
-    stats.collective_bytes, stats.by_kind, stats.flops, stats.in_loops, stats.eigh
+    stats.collective_bytes, stats.by_kind, stats.flops, stats.in_loops, stats.eigh, stats.qr
+    steady = analyze(text, without_eigh=True)   # SOAP's steps after its first (power-QR)
     refresh = analyze(text, eigh_branch=True)   # a K-FAC refresh step
     plain = analyze(text, eigh_branch=False)    # a step without refresh
     across = analyze(text, only=spans_blocks(4))  # collectives between 4-device blocks
@@ -65,6 +69,8 @@ ELEMENTWISE = {
 
 EIGH_FLOPS_PER_N3 = 9
 _EIGH_TARGETS = ("syevd", "syevj", "heevd", "eigh")
+_QR_TARGETS = ("geqrf",)
+_Q_TARGETS = ("orgqr", "ungqr", "householder_product")
 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
@@ -177,12 +183,20 @@ class Cost:
     in_loops: Counter = dataclasses.field(default_factory=Counter)     # bytes inside loops
     eigh: Counter = dataclasses.field(default_factory=Counter)         # n -> n x n matrices
     eigh_flops: float = 0.0                                            # part of `flops`
+    qr: Counter = dataclasses.field(default_factory=Counter)           # n -> m x n matrices
+    qr_flops: float = 0.0                                              # part of `flops`
+    linalg_calls: Counter = dataclasses.field(default_factory=Counter)  # target -> calls
 
     def add(self, other: Cost, times: float = 1.0, in_loop: bool = False) -> None:
         self.flops += times * other.flops
         self.eigh_flops += times * other.eigh_flops
+        self.qr_flops += times * other.qr_flops
         for k, v in other.eigh.items():
             self.eigh[k] += times * v
+        for k, v in other.qr.items():
+            self.qr[k] += times * v
+        for k, v in other.linalg_calls.items():
+            self.linalg_calls[k] += times * v
         for k, v in other.by_kind.items():
             self.by_kind[k] += times * v
             if in_loop:
@@ -232,15 +246,37 @@ def _trip_count(remainder: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _is_eigh(opcode: str, remainder: str) -> bool:
+def _target(opcode: str, remainder: str) -> str:
+    """A custom call's target ("" for other instructions)."""
     if opcode != "custom-call":
-        return False
+        return ""
     target = re.search(r'custom_call_target="([^"]*)"', remainder)
-    return bool(target) and any(t in target.group(1) for t in _EIGH_TARGETS)
+    return target.group(1) if target else ""
+
+
+def _is_eigh(opcode: str, remainder: str) -> bool:
+    return any(t in _target(opcode, remainder) for t in _EIGH_TARGETS)
+
+
+def _is_qr(opcode: str, remainder: str) -> bool:
+    return any(t in _target(opcode, remainder) for t in _QR_TARGETS + _Q_TARGETS)
+
+
+def _qr_flops(target: str, shape: tuple[int, ...]) -> float:
+    """FLOPs of a QR custom call on ``(*batch, m, n)`` matrices (0 for other targets)."""
+    m, n = shape[-2:]
+    k, count = min(m, n), math.prod(shape[:-2])
+    if any(t in target for t in _QR_TARGETS):
+        return count * (2 * m * k * k - 2 / 3 * k ** 3 if m >= n
+                        else 2 * n * m * m - 2 / 3 * m ** 3)
+    if any(t in target for t in _Q_TARGETS):
+        return count * (4 * m * n * k - 2 * (m + n) * k * k + 4 / 3 * k ** 3)
+    return 0.0
 
 
 def analyze(hlo_text: str, eigh_branch: bool | None = None, cheapest: bool = False,
-            only: Callable[[list[list[int]] | None], bool] | None = None) -> Cost:
+            only: Callable[[list[list[int]] | None], bool] | None = None,
+            without_eigh: bool = False) -> Cost:
     """Loop-aware per-device collective bytes and FLOPs of compiled HLO text.
 
     Args:
@@ -253,6 +289,11 @@ def analyze(hlo_text: str, eigh_branch: bool | None = None, cheapest: bool = Fal
         between statistics steps with ``--kfac_stats_every``).
       only: count only the collectives whose `replica_groups` this predicate accepts
         (e.g. `spans_blocks(n)`); None counts them all.
+      without_eigh: every conditional at its most expensive branch that runs no
+        eigendecomposition outside a conditional of its own (the nested ones choose
+        likewise): a step after the first of a precondition that builds its bases by
+        ``eigh`` on its first update only (SOAP), wherever the conditional sits (e.g.
+        inside the trainer's non-finite guard, which ``eigh_branch=False`` would drop).
 
     Raises:
       ValueError: for a while loop without a known trip count (its cost per step is
@@ -271,6 +312,18 @@ def analyze(hlo_text: str, eigh_branch: bool | None = None, cheapest: bool = Fal
                 or any(has_eigh(b) for b in _branches(rem))
                 for _, _, op, rem in comps.get(name, []))
         return eigh_inside[name]
+
+    direct: dict[str, bool] = {}
+
+    def has_direct_eigh(name: str) -> bool:
+        """An eigh in `name` or its callees that no conditional of their own chooses."""
+        if name not in direct:
+            direct[name] = False
+            direct[name] = any(
+                _is_eigh(op, rem) or (op != "conditional" and any(
+                    has_direct_eigh(c) for _, c in _CALLS.findall(rem)))
+                for _, _, op, rem in comps.get(name, []))
+        return direct[name]
 
     def operand_types(remainder: str) -> list[str]:
         args = remainder.split(")", 1)[0]
@@ -300,8 +353,18 @@ def analyze(hlo_text: str, eigh_branch: bool | None = None, cheapest: bool = Fal
                 total.eigh[shape[-1]] += matrices
                 total.eigh_flops += EIGH_FLOPS_PER_N3 * shape[-1] ** 3 * matrices
                 total.flops += EIGH_FLOPS_PER_N3 * shape[-1] ** 3 * matrices
+            elif _is_qr(opcode, remainder):
+                target = _target(opcode, remainder)
+                _, shape = _arrays(type_str)[0]  # the matrices, (*batch, m, n)
+                flops = _qr_flops(target, shape)
+                if any(t in target for t in _QR_TARGETS):
+                    total.qr[shape[-1]] += math.prod(shape[:-2])
+                total.qr_flops += flops
+                total.flops += flops
             elif opcode in ELEMENTWISE:
                 total.flops += _elements(type_str)
+            if _is_eigh(opcode, remainder) or _is_qr(opcode, remainder):
+                total.linalg_calls[_target(opcode, remainder)] += 1
             elif opcode == "reduce":
                 ins = operand_types(remainder)
                 total.flops += sum(_elements(t) for t in ins[:len(ins) // 2 or 1])
@@ -314,6 +377,8 @@ def analyze(hlo_text: str, eigh_branch: bool | None = None, cheapest: bool = Fal
                 total.add(cost(called["condition"]), trips + 1, in_loop=True)
             elif opcode == "conditional":
                 branches = _branches(remainder)
+                if without_eigh:
+                    branches = [b for b in branches if not has_direct_eigh(b)] or branches
                 if eigh_branch is not None and any(has_eigh(b) for b in branches):
                     branches = [b for b in branches if has_eigh(b) == eigh_branch]
                 if branches:
@@ -350,4 +415,6 @@ def summary(cost: Cost) -> str:
     out = {"collectives": parts, "gflops": round(cost.flops / 1e9, 4)}
     if cost.eigh:
         out["eigh"] = {int(n): int(c) for n, c in sorted(cost.eigh.items())}
+    if cost.qr:
+        out["qr"] = {int(n): int(c) for n, c in sorted(cost.qr.items())}
     return json.dumps(out)

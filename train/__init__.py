@@ -32,6 +32,10 @@ if _missing := _missing_train_extra():
         name=_missing[0],
     )
 
+from train.lapack import single_threaded_lapack  # noqa: E402
+
+single_threaded_lapack()  # XLA:CPU's eigh/QR on one thread (train/lapack.py: why)
+
 from train import kfac_trainer  # noqa: E402, F401  (registers the K-FAC and Newton-Muon hooks)
 from train.config import PRESETS, TrainConfig, get_preset, override, parse_args  # noqa: E402
 from train.loop import RunResult, run  # noqa: E402

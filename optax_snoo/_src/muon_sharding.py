@@ -87,7 +87,7 @@ from optax_snoo._src.muon_plan import (
     plan_exchanges,
 )
 
-__all__ = ["MatrixPrecondition", "OwnedPreconditionState", "from_stack",
+__all__ = ["MatrixPrecondition", "OwnedPreconditionState", "apply_batched", "from_stack",
            "init_precondition", "orthogonalize_leaves", "orthogonalize_sharded", "to_stack"]
 
 
@@ -107,11 +107,75 @@ class MatrixPrecondition(NamedTuple):
         array of the batch's shape (each matrix's leaf flag).
       flags: ``(leaf paths, params treedef) -> list of bools``: a static per-leaf switch
         the transform reads (e.g. SOAP's trust gate), or None (all False).
+      apply_stacks: ``(Ms, Gs, states, count, flags) -> (Ds, states)``: ``apply`` on
+        several stacks at once (lists, one stack ``(..., out_k, in_k)`` per matrix shape,
+        with its state and flags), for a transform that batches work across shapes
+        (SOAP: one basis refresh per Gram size); None: ``apply`` once per stack.
+
+    Every device hands all the matrices it preconditions in one call (`apply_batched`):
+    those of one shape concatenated into one stack, so a precondition's work runs as
+    one batched operation per shape, not one per leaf.
     """
 
     init: Callable[[int, int, int, Any], Any]
     apply: Callable[..., tuple[jax.Array, Any]]
     flags: Callable[[list[str], Any], list[bool]] | None = None
+    apply_stacks: Callable[..., tuple[list[jax.Array], list[Any]]] | None = None
+
+
+def _join(xs: Sequence[Any]) -> Any:
+    """Pytrees of like structure concatenated along their leading axis."""
+    return xs[0] if len(xs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *xs)
+
+
+def apply_batched(pre: MatrixPrecondition, Ms: Sequence[jax.Array], Gs: Sequence[jax.Array],
+                  states: Sequence[Any], count: jax.Array, flags: Sequence[np.ndarray]
+                  ) -> tuple[list[jax.Array], list[Any]]:
+    """``pre`` on batches of matrices ``(*batch_k, out_k, in_k)``, each with its state
+    (leaves ``(*batch_k, ...)``) and flags (numpy bools of shape ``batch_k``): the batches
+    of one matrix shape concatenated into one stack ``(B, out, in)`` (a shape only one
+    batch has stays as it is), one ``apply`` per shape (or one ``apply_stacks`` over all
+    the shapes), the results cut back into the batches."""
+    if not Ms:  # an owner without matrices
+        return [], []
+    shapes: dict[tuple[Any, ...], list[int]] = {}
+    for k, m in enumerate(Ms):  # by shape and dtypes (a float64 leaf keeps its own)
+        key = (*m.shape[-2:], m.dtype, Gs[k].dtype,
+               *(x.dtype for x in jax.tree.leaves(states[k])))
+        shapes.setdefault(key, []).append(k)
+    flat = lambda x, b: x.reshape(math.prod(b), *x.shape[len(b):])
+    stacks = []
+    for ks in shapes.values():
+        if len(ks) == 1:  # a shape of its own: as it is
+            stacks.append((Ms[ks[0]], Gs[ks[0]], states[ks[0]], flags[ks[0]]))
+            continue
+        batch = [Ms[k].shape[:-2] for k in ks]
+        stacks.append((
+            _join([flat(Ms[k], b) for k, b in zip(ks, batch, strict=True)]),
+            _join([flat(Gs[k], b) for k, b in zip(ks, batch, strict=True)]),
+            _join([jax.tree.map(lambda x, b=b: flat(x, b), states[k])
+                   for k, b in zip(ks, batch, strict=True)]),
+            np.concatenate([np.asarray(flags[k], bool).reshape(-1) for k in ks])))
+    ms, gs, sts, fs = (list(z) for z in zip(*stacks, strict=True))
+    if pre.apply_stacks is not None:
+        Ds, news = pre.apply_stacks(ms, gs, sts, count, fs)
+    else:
+        Ds, news = map(list, zip(*map(pre.apply, ms, gs, sts, [count] * len(ms), fs),
+                                 strict=True))
+    out_d: list[Any] = [None] * len(Ms)
+    out_s: list[Any] = [None] * len(Ms)
+    for ks, D, new in zip(shapes.values(), Ds, news, strict=True):
+        if len(ks) == 1:
+            out_d[ks[0]], out_s[ks[0]] = D, new
+            continue
+        start = 0
+        for k in ks:
+            batch = Ms[k].shape[:-2]
+            n = math.prod(batch)
+            cut = lambda x, b=batch, s=start, n=n: x[s:s + n].reshape(*b, *x.shape[1:])
+            out_d[k], out_s[k] = cut(D), jax.tree.map(cut, new)
+            start += n
+    return out_d, out_s
 
 
 class OwnedPreconditionState(NamedTuple):
@@ -208,9 +272,14 @@ def orthogonalize_leaves(xs: Sequence[jax.Array], axes: Sequence[tuple[int, int]
     if precondition is not None:
         flags = list(flags) or [False] * len(xs)
         _check_owned(owned, groups, spread)
-        for i in local:
-            xs[i], new_leaves[i] = _precondition_leaf(precondition, xs[i], grads[i],
-                                                      leaf_states[i], axes[i], count, flags[i])
+        if local:
+            done = _precondition_leaves(precondition, [xs[i] for i in local],
+                                        [grads[i] for i in local],
+                                        [leaf_states[i] for i in local],
+                                        [axes[i] for i in local], count,
+                                        [flags[i] for i in local])
+            for i, (x, st) in zip(local, done, strict=True):
+                xs[i], new_leaves[i] = x, st
     # Stacked where no partitioner splits them: whole leaves, replicated leaves of a split
     # mesh and, with no mesh anywhere, leaves of unknown sharding (taken to be on one
     # device, jit's common case); else a leaf of unknown sharding keeps its own iteration.
@@ -248,14 +317,17 @@ def _from_record(x: jax.Array, axes: tuple[int, int]) -> jax.Array:
     return jnp.moveaxis(x, (-2, -1), (axes[1], axes[0]))
 
 
-def _precondition_leaf(pre: MatrixPrecondition, x: jax.Array, g: jax.Array, state: Any,
-                       axes: tuple[int, int], count: jax.Array, flag: bool
-                       ) -> tuple[jax.Array, Any]:
-    """The per-leaf path: the leaf's matrices preconditioned where they lie."""
-    m = _to_record(x, axes)
-    d, state = pre.apply(m, _to_record(g, axes).astype(m.dtype), state, count,
-                         np.full(m.shape[:-2], flag))
-    return _from_record(d, axes), state
+def _precondition_leaves(pre: MatrixPrecondition, xs: Sequence[jax.Array],
+                         gs: Sequence[jax.Array], states: Sequence[Any],
+                         axes: Sequence[tuple[int, int]], count: jax.Array,
+                         flags: Sequence[bool]) -> list[tuple[jax.Array, Any]]:
+    """The per-leaf path: the leaves' matrices preconditioned where they lie, in one
+    `apply_batched` (one stack per matrix shape)."""
+    ms = [_to_record(x, a) for x, a in zip(xs, axes, strict=True)]
+    ds, states = apply_batched(
+        pre, ms, [_to_record(g, a).astype(m.dtype) for g, a, m in zip(gs, axes, ms, strict=True)],
+        states, count, [np.full(m.shape[:-2], f) for m, f in zip(ms, flags, strict=True)])
+    return [(_from_record(d, a), st) for d, a, st in zip(ds, axes, states, strict=True)]
 
 
 def init_precondition(pre: MatrixPrecondition, leaves: Sequence[Any],
@@ -429,9 +501,11 @@ def _precondition_owned(step: _OwnerStep, lay: _Layout, profile: tuple[_Slot, ..
     side in ``x``), each in (fan_out, fan_in) layout, with its flat ``state`` row."""
     m, g = (jax.lax.bitcast_convert_type(v, step.dtype)
             for v in (x[:, :lay.length], x[:, lay.length:]))
-    outs, news, off = [], [], 0
-    for slot, mm, gg in zip(profile, _assemble(lay, profile, m), _assemble(lay, profile, g),
-                            strict=True):
+    ms, gs, states, off = [], [], [], 0
+    recs = [(lambda v: v) if slot.transpose else (lambda v: jnp.swapaxes(v, -1, -2))
+            for slot in profile]
+    for slot, rec, mm, gg in zip(profile, recs, _assemble(lay, profile, m),
+                                 _assemble(lay, profile, g), strict=True):
         rows, cols = mm.shape[1:]
         out_n, in_n = (rows, cols) if slot.transpose else (cols, rows)
         like = jax.eval_shape(functools.partial(step.transform.init, slot.count, out_n, in_n,
@@ -441,11 +515,14 @@ def _precondition_owned(step: _OwnerStep, lay: _Layout, profile: tuple[_Slot, ..
         for leaf in leaves:
             pieces.append(state[0, off:off + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
             off += leaf.size
-        rec = (lambda v: v) if slot.transpose else (lambda v: jnp.swapaxes(v, -1, -2))
-        d, new = step.transform.apply(rec(mm), rec(gg), treedef.unflatten(pieces), step.count,
-                                      np.full((slot.count,), slot.flag))
-        outs.append(rec(d))
-        news += [jnp.ravel(v).astype(step.dtype) for v in jax.tree.leaves(new)]
+        ms.append(rec(mm))
+        gs.append(rec(gg))
+        states.append(treedef.unflatten(pieces))
+    # All of the owner's matrices in one call: one stack per shape.
+    ds, new_states = apply_batched(step.transform, ms, gs, states, step.count,
+                                   [np.full((slot.count,), slot.flag) for slot in profile])
+    outs = [rec(d) for rec, d in zip(recs, ds, strict=True)]
+    news = [jnp.ravel(v).astype(step.dtype) for new in new_states for v in jax.tree.leaves(new)]
     used = sum(v.size for v in news)
     if used < step.length or not news:
         news.append(jnp.zeros(step.length - used, step.dtype))

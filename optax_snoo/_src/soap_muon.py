@@ -1,7 +1,9 @@
 """SOAP-Muon: Muon's momentum whitened in SOAP's eigenbasis before Newton-Schulz.
 
 `soap_whitening` is the whitening, a `MatrixPrecondition` for `scale_by_muon`'s
-``precondition=`` (run per matrix, on its owner under the sharded plan); `soap_muon`
+``precondition=`` (a function of each matrix alone, run on its owner under the sharded
+plan, each device's matrices batched: one product per matrix shape, one basis refresh
+per Gram size); `soap_muon`
 chains it into Muon with the Gram-Frobenius normalisation of the iteration and a
 learning rate. `trust_gate_floor` and
 `trust_gate_cap` are the record's bounds of the trust gate.
@@ -18,6 +20,7 @@ References:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -69,12 +72,72 @@ def _eigenbasis(gram: jax.Array) -> jax.Array:
 
 def _sorted_power_qr(gram: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One refresh of a basis: its columns sorted by decreasing ``diag(Qᵀ L Q)``, then
-    ``qr(L Q)``; returns (new basis, the sort order, to permute ``V`` by)."""
-    rayleigh = jnp.sum(basis * _mm("...ij,...jk->...ik", gram, basis), axis=-2)
-    order = jnp.argsort(-rayleigh, axis=-1)
-    basis = jnp.take_along_axis(basis, order[..., None, :], axis=-1)
-    q, _ = jnp.linalg.qr(_mm("...ij,...jk->...ik", gram, basis))
+    ``qr(L Q)``; returns (new basis, the sort order, to permute ``V`` by). ``L Q`` is
+    formed once: sorting ``Q``'s columns sorts ``L Q``'s alike."""
+    product = _mm("...ij,...jk->...ik", gram, basis)
+    order = jnp.argsort(-jnp.sum(basis * product, axis=-2), axis=-1)
+    q, _ = jnp.linalg.qr(jnp.take_along_axis(product, order[..., None, :], axis=-1))
     return q, order
+
+
+def _by_size(mats: list[jax.Array]) -> dict[tuple[int, Any], list[int]]:
+    """Indices of the ``(..., n, n)`` arrays in ``mats``, grouped by ``n`` and dtype."""
+    sizes: dict[tuple[int, Any], list[int]] = {}
+    for i, x in enumerate(mats):
+        sizes.setdefault((x.shape[-1], x.dtype), []).append(i)
+    return sizes
+
+
+def _batched(fn: Callable[..., Any], members: list[int], *lists: list[jax.Array]
+             ) -> tuple[jax.Array, ...] | jax.Array:
+    """``fn`` once on the arrays ``lists[j][members]`` stacked as ``(-1, n, n)``."""
+    flat = lambda xs: (xs[members[0]].reshape(-1, *xs[members[0]].shape[-2:])
+                       if len(members) == 1 else jnp.concatenate(
+                           [xs[i].reshape(-1, *xs[i].shape[-2:]) for i in members]))
+    return fn(*(flat(xs) for xs in lists))
+
+
+def _unbatch(y: jax.Array, members: list[int], likes: list[jax.Array], out: list[Any],
+             trailing: int) -> None:
+    """Cut ``y`` (stacked as `_batched` stacked ``likes[members]``) back into ``out``,
+    each piece with its ``like``'s batch axes and ``y``'s ``trailing`` axes."""
+    start = 0
+    for i in members:
+        batch = likes[i].shape[:-2]
+        n = math.prod(batch)
+        out[i] = y[start:start + n].reshape(*batch, *y.shape[y.ndim - trailing:])
+        start += n
+
+
+def _refresh_bases(refresh: jax.Array, grams: list[jax.Array], bases: list[jax.Array],
+                   second: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The bases of every stack's two sides (``grams``/``bases``: ``L_0, R_0, L_1, R_1,
+    ...``) for ``refresh`` 0 (build: ``eigh``), 1 (sorted power-QR, the ``V`` s permuted)
+    or 2 (keep), in one ``lax.switch`` with one batched ``eigh`` or QR per Gram size."""
+    sizes = _by_size(grams)
+
+    def build(ops: tuple) -> tuple:
+        gs, _, vs = ops
+        out: list[Any] = [None] * len(gs)
+        for members in sizes.values():
+            _unbatch(_batched(_eigenbasis, members, gs), members, gs, out, 2)
+        return out, vs
+
+    def power_qr(ops: tuple) -> tuple:
+        gs, qs, vs = ops
+        out: list[Any] = [None] * len(gs)
+        orders: list[Any] = [None] * len(gs)
+        for members in sizes.values():
+            q, order = _batched(_sorted_power_qr, members, gs, qs)
+            _unbatch(q, members, gs, out, 2)
+            _unbatch(order, members, gs, orders, 1)
+        vs = [jnp.take_along_axis(jnp.take_along_axis(v, rows[..., :, None], axis=-2),
+                                  cols[..., None, :], axis=-1)
+              for v, rows, cols in zip(vs, orders[0::2], orders[1::2], strict=True)]
+        return out, vs
+
+    keep = lambda ops: (ops[1], ops[2])
+    return jax.lax.switch(refresh, (build, power_qr, keep), (grams, bases, second))
 
 
 def _power_qr(gram: jax.Array, basis: jax.Array) -> jax.Array:
@@ -107,67 +170,68 @@ class SoapMatrixState(NamedTuple):
     second_moment: jax.Array
 
 
-def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax.Array,
-                     gated: Any, *, beta: Any, beta2: Any, precondition_frequency: int,
-                     denom_power: float, eps: float, denom_floor: float, blend: float,
-                     norm: Callable[[jax.Array], jax.Array],
-                     floor: Any, cap: Any, trust: tuple[float, float, float]
-                     ) -> tuple[jax.Array, SoapMatrixState]:
-    """The whitening of matrices ``(..., out, in)`` and their new statistics: the one
-    implementation, per leaf or on the matrices' owners. ``gated``: a numpy bool array of
-    the batch's shape (which matrices the trust gate blends)."""
+def _whiten_stacks(Ms: list[jax.Array], Gs: list[jax.Array], states: list[SoapMatrixState],
+                   count: jax.Array, gated: list[Any], *, beta: Any, beta2: Any,
+                   precondition_frequency: int, denom_power: float, eps: float,
+                   denom_floor: float, blend: float,
+                   norm: Callable[[jax.Array], jax.Array], floor: Any, cap: Any,
+                   trust: tuple[float, float, float]
+                   ) -> tuple[list[jax.Array], list[SoapMatrixState]]:
+    """The whitening of stacks of matrices ``(..., out, in)`` and their new statistics:
+    the one implementation, per device over all its matrices (the leaves it keeps, or
+    the matrices it owns). Each stack is whitened on its own (one batched product per
+    stack), the bases of every stack refreshed together (one ``eigh`` or QR per Gram
+    size, `_refresh_bases`). ``gated``: per stack, numpy bools of its batch's shape
+    (which matrices the trust gate blends)."""
     beta = value_at(beta, count)
     beta2 = beta if beta2 is None else value_at(beta2, count)
     refresh = jnp.where(count == 0, 0, jnp.where(count % precondition_frequency == 0, 1, 2))
-    dt = st.gram_out.dtype
-    M, G, V = M.astype(dt), G.astype(dt), st.second_moment
-    basis_out, basis_in = st.basis_out, st.basis_in
-
-    P = _mm("...ji,...jk,...kl->...il", basis_out, M, basis_in)
-    V_new = beta2 * V + (1 - beta2) * jnp.square(P)
-    denom = jnp.power(jnp.maximum(V_new, eps * eps), denom_power)
-    if denom_floor > 0:  # each matrix's denominators floored at a fraction of their RMS
-        rms = jnp.sqrt(jnp.mean(jnp.square(denom), axis=(-2, -1), keepdims=True))
-        denom = jnp.maximum(denom, jnp.maximum(denom_floor * rms, eps))
-    D = _mm("...ij,...jk,...lk->...il", basis_out, P / denom, basis_in)
-    if blend != 1:
-        D = blend * D + (1 - blend) * M
-    D = D * (norm(M) / norm(D))
     first = count == 0
-    D, V = jnp.where(first, M, D), jnp.where(first, V, V_new)
-    gated = np.asarray(gated, bool)
-    if gated.any():
-        bounds = (value_at(floor, count), value_at(cap, count))
-        blended = _trust_blend(M, D, G, bounds, trust, norm)
-        D = blended if gated.all() else jnp.where(gated[..., None, None], blended, D)
+    Ds, grams, bases, second = [], [], [], []
+    for M, G, st, gate in zip(Ms, Gs, states, gated, strict=True):
+        dt = st.gram_out.dtype
+        M, G, V = M.astype(dt), G.astype(dt), st.second_moment
+        P = _mm("...ji,...jk,...kl->...il", st.basis_out, M, st.basis_in)
+        V_new = beta2 * V + (1 - beta2) * jnp.square(P)
+        denom = jnp.power(jnp.maximum(V_new, eps * eps), denom_power)
+        if denom_floor > 0:  # each matrix's denominators floored at a fraction of their RMS
+            rms = jnp.sqrt(jnp.mean(jnp.square(denom), axis=(-2, -1), keepdims=True))
+            denom = jnp.maximum(denom, jnp.maximum(denom_floor * rms, eps))
+        D = _mm("...ij,...jk,...lk->...il", st.basis_out, P / denom, st.basis_in)
+        if blend != 1:
+            D = blend * D + (1 - blend) * M
+        D = D * (norm(M) / norm(D))
+        D, V = jnp.where(first, M, D), jnp.where(first, V, V_new)
+        gate = np.asarray(gate, bool)
+        if gate.any():
+            bounds = (value_at(floor, count), value_at(cap, count))
+            blended = _trust_blend(M, D, G, bounds, trust, norm)
+            D = blended if gate.all() else jnp.where(gate[..., None, None], blended, D)
+        Ds.append(D)
+        # Statistics after use: they whiten the next update.
+        grams += [beta * st.gram_out + (1 - beta) * _mm("...ij,...kj->...ik", G, G),
+                  beta * st.gram_in + (1 - beta) * _mm("...ji,...jk->...ik", G, G)]
+        bases += [st.basis_out, st.basis_in]
+        second.append(V)
+    bases, second = _refresh_bases(refresh, grams, bases, second)
+    return Ds, [SoapMatrixState(*grams[2 * k:2 * k + 2], *bases[2 * k:2 * k + 2], V)
+                for k, V in enumerate(second)]
 
-    # Statistics after use: they whiten the next update.
-    gram_out = beta * st.gram_out + (1 - beta) * _mm("...ij,...kj->...ik", G, G)
-    gram_in = beta * st.gram_in + (1 - beta) * _mm("...ji,...jk->...ik", G, G)
 
-    def build(ops: tuple) -> tuple:
-        L, R, _, _, V = ops
-        return _eigenbasis(L), _eigenbasis(R), V
-
-    def power_qr(ops: tuple) -> tuple:
-        L, R, QL, QR, V = ops
-        QL, rows = _sorted_power_qr(L, QL)
-        QR, cols = _sorted_power_qr(R, QR)
-        V = jnp.take_along_axis(V, rows[..., :, None], axis=-2)
-        return QL, QR, jnp.take_along_axis(V, cols[..., None, :], axis=-1)
-
-    keep = lambda ops: (ops[2], ops[3], ops[4])
-    basis_out, basis_in, V = jax.lax.switch(
-        refresh, (build, power_qr, keep), (gram_out, gram_in, basis_out, basis_in, V))
-    return D, SoapMatrixState(gram_out, gram_in, basis_out, basis_in, V)
+def _whiten_matrices(M: jax.Array, G: jax.Array, st: SoapMatrixState, count: jax.Array,
+                     gated: Any, **settings: Any) -> tuple[jax.Array, SoapMatrixState]:
+    """`_whiten_stacks` on one stack of matrices ``(..., out, in)`` (``gated``: numpy
+    bools of the batch's shape)."""
+    Ds, states = _whiten_stacks([M], [G], [st], count, [gated], **settings)
+    return Ds[0], states[0]
 
 
 def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
                       denom_power: float, eps: float, denom_floor: float, blend: float,
                       norm_match: str, trust_min_agree: float,
                       trust_min_grad_align: float, trust_power: float, trust_floor: Any,
-                      trust_cap: Any) -> Callable[..., tuple[jax.Array, SoapMatrixState]]:
-    """The checked settings bound into `_whiten_matrices`."""
+                      trust_cap: Any) -> dict[str, Any]:
+    """The checked settings of `_whiten_stacks`."""
     if not isinstance(denom_floor, int | float):
         raise ValueError(f"denom_floor must be a number >= 0, got {denom_floor!r}.")
     check_unit_interval("beta", beta)
@@ -182,8 +246,8 @@ def _matrix_whitening(beta: Any, beta2: Any, precondition_frequency: int,
     check_positive("trust_power", trust_power)
     if norm_match not in NORM_MATCHES:
         raise ValueError(f"norm_match must be one of {NORM_MATCHES}, got {norm_match!r}.")
-    return functools.partial(
-        _whiten_matrices, beta=beta, beta2=beta2,
+    return dict(
+        beta=beta, beta2=beta2,
         precondition_frequency=precondition_frequency, denom_power=denom_power, eps=eps,
         denom_floor=float(denom_floor), blend=float(blend),
         norm=_gram_norm if norm_match == "gram" else _frobenius_norm,
@@ -251,6 +315,13 @@ def soap_whitening(
     in `OwnedPreconditionState.owned`. Statistics are float32 (float64 for float64
     params).
 
+    **Batching.** Each device whitens all the matrices it keeps or owns in one call:
+    matrices of one shape as one stack, and the basis refresh of every matrix side at
+    once, one batched ``eigh`` (first update) or QR (refresh) per Gram size, e.g. two
+    per step for a transformer's ``d``- and ``4d``-wide Grams instead of two per matrix;
+    the per-matrix result, to float32 rounding. ``L Q`` is formed once per refresh (the
+    sort permutes its columns as it permutes ``Q``'s).
+
     **Trust gate** (#16; in #44/#46 on ``attn.proj`` only), on the leaves ``trust_gate``
     selects: with ``cos`` the Frobenius cosine per matrix,
     ``agree = clip((cos(D, M) - a)/(1 - a), 0, 1)`` (``a = trust_min_agree``),
@@ -316,11 +387,12 @@ def soap_whitening(
       <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
       2026
     """
-    whiten = _matrix_whitening(beta, beta2, precondition_frequency, denom_power, eps,
-                               denom_floor, blend, norm_match, trust_min_agree,
-                               trust_min_grad_align, trust_power, trust_floor, trust_cap)
-    return MatrixPrecondition(_init_matrices, whiten,
-                              functools.partial(_gated_leaves, trust_gate))
+    settings = _matrix_whitening(beta, beta2, precondition_frequency, denom_power, eps,
+                                 denom_floor, blend, norm_match, trust_min_agree,
+                                 trust_min_grad_align, trust_power, trust_floor, trust_cap)
+    return MatrixPrecondition(_init_matrices, functools.partial(_whiten_matrices, **settings),
+                              functools.partial(_gated_leaves, trust_gate),
+                              functools.partial(_whiten_stacks, **settings))
 
 
 def _gated_leaves(trust_gate: TrustGateLeaves, paths: list[str], treedef: Any) -> list[bool]:
