@@ -28,6 +28,10 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_cpu_use_fusion_emitters=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One LAPACK thread (jax's CPU eigh/QR call scipy's OpenBLAS), as the trainer sets it: two
+# xdist workers on 2 cores, each with OpenBLAS spinning on every core, starve each other
+# (train/lapack.py; read when scipy's OpenBLAS loads, after this file).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax_compilation_cache"))
