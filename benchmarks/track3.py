@@ -117,6 +117,7 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "track3_klsoap_power_decay": ("25", 3040, ("init=hyperball",)),
     "track3_aurora_proj": ("30", 2930, ("init=cgi",)),
     "track3_rre": ("34", 2925, ("init=cgi",)),
+    "track3_ema_nesterov_aurora": ("40", 2890, ("init=cgi",)),
 }
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
 MISTAKE_EXIT_STATUS = 2

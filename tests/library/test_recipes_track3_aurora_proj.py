@@ -80,21 +80,23 @@ class Record:
     adam_b2: float = R30.adam_betas[1]
     soap_on: tuple = ("mlp_fc", "mlp_proj", "v")
     total: int = T  # FINAL_SCHEDULE_STEPS of the run; every step constant scaled to it
+    schedule_steps: int = R30.schedule_steps  # the log's FINAL_SCHEDULE_STEPS (#40: 2980)
+    train_steps: int = R30.train_steps  # the log's FINAL_TRAIN_STEPS (#40: 2900)
 
     def __post_init__(self):
         self.seen = dict(floor_binds=0, floor_free=0, outward=0, inward=0, v_floor=0,
                          refresh=0)
 
     def scaled(self, steps):
-        return round(steps * self.total / R30.schedule_steps)
+        return round(steps * self.total / self.schedule_steps)
 
     def lr(self, lr0, c, step):  # log:837-841 _lr at FINAL_SCHEDULE_STEPS = total
-        c = c * (R30.schedule_steps / self.total) ** R30.power
+        c = c * (self.schedule_steps / self.total) ** R30.power
         return min(lr0, c * max(0.0, self.total - step) ** R30.power)
 
     def mu(self, step):  # log:849-858 _muon_mu_at_step(step, FINAL_TRAIN_STEPS)
         warm, cool = self.scaled(self.mu_warmup), self.scaled(self.mu_cooldown)
-        cd_start = self.scaled(R30.train_steps) - cool
+        cd_start = self.scaled(self.train_steps) - cool
         if step < warm:
             return R30.mu_min + step / warm * (R30.mu_max - R30.mu_min)
         if step > cd_start:
