@@ -95,7 +95,8 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_shampoo": "shampoo_learning_rate",
            "track3_shampoo_pinv": "shampoo_learning_rate",
            "track3_aurora_proj": "muon_learning_rate", "track3_rre": "muon_learning_rate",
-           "track3_ema_nesterov_aurora": "muon_learning_rate"}
+           "track3_ema_nesterov_aurora": "muon_learning_rate",
+           "track3_aurora_ema_ref": "muon_learning_rate"}
 #: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
 #: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step, Muown
 #: recomposes gains and unit directions.
@@ -103,7 +104,7 @@ NOT_LINEAR_IN_LR = ("muonh", "muloco_normuonh", "track3_record", "adamh",
                     "track3_soap_muon_record", "track3_psgd", "track3_soaph",
                     "track3_klsoap", "track3_klsoap_power_decay", "track3_muown",
                     "track3_contra_normuown", "track3_aurora_proj", "track3_rre",
-                    "track3_ema_nesterov_aurora")
+                    "track3_ema_nesterov_aurora", "track3_aurora_ema_ref")
 #: KL-SOAP's first update only builds its statistics (a zero update): their second is read.
 FIRST_UPDATE_BUILDS = ("track3_klsoap", "track3_klsoap_power_decay")
 #: Flat lr at update 0 and no decay, where the recipe has these settings.

@@ -18,6 +18,15 @@ Where ours differs from the log's arithmetic: #30's (see `track3_aurora_proj`), 
 lookahead buffer ``b`` is float32 where the log keeps it in the parameter's dtype (bfloat16
 for the embedding).
 
+#42 (``results/20260525_aurora_ema_ref``, 2860 steps of #40's schedule; its script is a
+cleaned #40 with the same optimizer and constants) adds a fixed reference interpolation
+(`optax_snoo.reference_interpolation`, last in EMA-Nesterov's inner chain so that it copies
+and evaluates the weights without the lookahead, as the record's copy after
+``EMA_Nesterov.step``): the weights after update 2375 are kept, and from update 2850 on
+the weights to evaluate are ``w - 0.075 (w - w_2375)``, on every parameter. Its network
+keeps #30's depth-scaled ``fc`` but drops the Rademacher gains and zeroes the biases (an
+init none of the model's ``init`` kinds is; its table row runs ``--init=cgi``).
+
 Every step constant is written at 2980 steps (``RECORD_STEPS``, PowerCool's ``t_end``)
 and scaled to the run: `Hyperparameters.scaled` gives ``round(x·N/2980)``, each PowerCool
 constant becomes ``c·(lr/lr_record)·(2980/N)^1.2`` (`optax_snoo.power_cool_scaled`).
@@ -25,6 +34,11 @@ constant becomes ``c·(lr/lr_record)·(2980/N)^1.2`` (`optax_snoo.power_cool_sca
 References:
   OscarYau525, `modded-nanogpt Track 3 result #40, EMA-Nesterov + Aurora
   (results/20260522_ema_nesterov_aurora_proj)
+  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  2026
+
+  chenchenygu, `modded-nanogpt Track 3 result #42, fixed reference interpolation
+  (results/20260525_aurora_ema_ref)
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026
 
@@ -37,8 +51,9 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+import optax
 
-from optax_snoo._src.averaging import ema_nesterov
+from optax_snoo._src.averaging import ema_nesterov, reference_interpolation
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_aurora_proj import (
     AuroraProjHyperparameters,
@@ -48,7 +63,7 @@ from optax_snoo._src.recipes.track3_aurora_proj import (
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
 from optax_snoo._src.recipes.track3_common import steps_in_order
 
-__all__ = ["EmaNesterovAuroraHyperparameters"]
+__all__ = ["AuroraEmaRefHyperparameters", "EmaNesterovAuroraHyperparameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +91,37 @@ class EmaNesterovAuroraHyperparameters(AuroraProjHyperparameters):
         steps_in_order(self, "lookahead_start", "lookahead_stop")
 
 
+@dataclasses.dataclass(frozen=True)
+class AuroraEmaRefHyperparameters(EmaNesterovAuroraHyperparameters):
+    """Result #42's constants: #40's, and its fixed reference interpolation."""
+
+    reference_capture: int = hyperparameter(2375, "the update after which the weights are "
+                                            "kept as the reference", check="at_least_1",
+                                            steps=True)
+    reference_start: int = hyperparameter(2850, "the first update whose evaluated weights "
+                                          "are interpolated", check="at_least_1",
+                                          steps=True)
+    reference_gamma: float = hyperparameter(-0.075, "the interpolation's gamma: evaluate "
+                                            "w + gamma (w - reference)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.reference_start < self.reference_capture:
+            raise ValueError(f"reference_start={self.reference_start} must be >= "
+                             f"reference_capture={self.reference_capture}")
+
+
 def _ema_nesterov_aurora(t: EmaNesterovAuroraHyperparameters, total_steps: int,
                          **options: Any) -> Stack:
     stack = _aurora_proj(t, total_steps, **options)
+    inner = stack.tx
+    if isinstance(t, AuroraEmaRefHyperparameters):  # #42: on the weights without lookahead
+        inner = optax.chain(inner, reference_interpolation(
+            t.reference_capture, t.reference_start, t.reference_gamma))
     embed_lr = _power_cool(t, "embed", total_steps)
     # The log reads the embedding group's lr ratio as set on the previous update.
     ratio = lambda count: embed_lr(jnp.maximum(count - 1, 0)) / t.embed_learning_rate
-    tx = ema_nesterov(stack.tx, t.lookahead, t.lookahead_ema, prefill=t.lookahead_start,
+    tx = ema_nesterov(inner, t.lookahead, t.lookahead_ema, prefill=t.lookahead_start,
                       stop=t.lookahead_stop, lr_ratio=ratio)
     return dataclasses.replace(stack, tx=tx, readout=True)
 
@@ -94,3 +133,9 @@ track3_ema_nesterov_aurora = register(Recipe(
     "mlp.proj, SOAP on MLP + attn.v, Contra-Muon ramp, radial brake, u/w floor, radius pin, "
     "AdamW; momentum cool-down ending at 2900) inside EMA-Nesterov (beta 0.3 lr/lr0, "
     "gamma 0.99, updates 300-1949; evaluate optax_snoo.eval_params)"))
+track3_aurora_ema_ref = register(Recipe(
+    "track3_aurora_ema_ref", AuroraEmaRefHyperparameters, _ema_nesterov_aurora,
+    options=TRACK3_OPTIONS,
+    summary="Track 3 result #42 (2860 of #40's 2980-step PowerCool): #40's stack with a "
+    "fixed reference interpolation (the weights after update 2375 kept; from 2850 evaluate "
+    "w - 0.075 (w - w_2375); evaluate optax_snoo.eval_params)"))
