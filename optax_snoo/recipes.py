@@ -49,6 +49,7 @@ from optax_snoo._src.recipes.stacks import skew_adam_recipe as skew_adam
 from optax_snoo._src.recipes.track3_adam import track3_adam
 from optax_snoo._src.recipes.track3_aurora_ema import (
     track3_aurora_ema_ref,
+    track3_circuit_muon,
     track3_ema_nesterov_aurora,
 )
 from optax_snoo._src.recipes.track3_aurora_proj import (
@@ -153,6 +154,7 @@ __all__ = [
     "track3_aurora_ema_ref",
     "track3_aurora_proj",
     "track3_baseline",
+    "track3_circuit_muon",
     "track3_contra_muon",
     "track3_contra_normuown",
     "track3_contra_soft_muon",

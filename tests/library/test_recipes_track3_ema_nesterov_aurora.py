@@ -83,12 +83,12 @@ class RecordEma(Record):
 
 
 @functools.cache
-def ours(name="track3_ema_nesterov_aurora"):
+def ours(name="track3_ema_nesterov_aurora", **options):
     """Our params after each update and the weights `optax_snoo.eval_params` reads out."""
     weights, grads = problem()
 
     def run(w, gs):
-        tx = recipes.get(name)(T, ns_dtype="float64")
+        tx = recipes.get(name)(T, ns_dtype="float64", **options)
         params = nest(w, dtype=None)
         state, update, out = tx.init(params), jax.jit(tx.update), []
         for g in gs:

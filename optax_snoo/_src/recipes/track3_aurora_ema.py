@@ -27,6 +27,15 @@ the weights to evaluate are ``w - 0.075 (w - w_2375)``, on every parameter. Its 
 keeps #30's depth-scaled ``fc`` but drops the Rademacher gains and zeroes the biases (an
 init none of the model's ``init`` kinds is; its table row runs ``--init=cgi``).
 
+#41 (``results/20260523_circuit_muon``, 2875 steps of #40's schedule, the same constants)
+adds Circuit-Muon's OV coupling (`optax_snoo.scale_by_circuit_ov`, damping 1e-3) of each
+block's ``attn.v`` and ``attn.proj`` directions per head, where its log places it: after
+each leg's direction (momentum, SOAP, the polar, Contra-Muon) and before the radial
+brake, the u/w floor, the lr and the radius pin, on the weights the step starts from (the
+lookahead point). The log's heads are 128 wide (``HEAD_DIM``, the network's 6 heads of
+768); the recipe takes the network's head count (``num_heads``, the trainer's
+``--n_head``).
+
 Every step constant is written at 2980 steps (``RECORD_STEPS``, PowerCool's ``t_end``)
 and scaled to the run: `Hyperparameters.scaled` gives ``round(x·N/2980)``, each PowerCool
 constant becomes ``c·(lr/lr_record)·(2980/N)^1.2`` (`optax_snoo.power_cool_scaled`).
@@ -42,6 +51,11 @@ References:
   <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
   2026
 
+  liyang2019, `modded-nanogpt Track 3 result #41, Circuit-Muon
+  (results/20260523_circuit_muon)
+  <https://github.com/KellerJordan/modded-nanogpt/tree/master/records/track_3_optimization>`_,
+  2026
+
   EMA-Nesterov: `arXiv:2605.25395 <https://arxiv.org/abs/2605.25395>`_, 2026
 """
 
@@ -54,6 +68,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_snoo._src.averaging import ema_nesterov, reference_interpolation
+from optax_snoo._src.circuit import circuit_ov_heads, scale_by_circuit_ov
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_aurora_proj import (
     AuroraProjHyperparameters,
@@ -63,7 +78,8 @@ from optax_snoo._src.recipes.track3_aurora_proj import (
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
 from optax_snoo._src.recipes.track3_common import steps_in_order
 
-__all__ = ["AuroraEmaRefHyperparameters", "EmaNesterovAuroraHyperparameters"]
+__all__ = ["AuroraEmaRefHyperparameters", "CircuitMuonHyperparameters",
+           "EmaNesterovAuroraHyperparameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +127,20 @@ class AuroraEmaRefHyperparameters(EmaNesterovAuroraHyperparameters):
                              f"reference_capture={self.reference_capture}")
 
 
-def _ema_nesterov_aurora(t: EmaNesterovAuroraHyperparameters, total_steps: int,
-                         **options: Any) -> Stack:
+@dataclasses.dataclass(frozen=True)
+class CircuitMuonHyperparameters(EmaNesterovAuroraHyperparameters):
+    """Result #41's constants: #40's, and Circuit-Muon's damping."""
+
+    circuit_damping: float = hyperparameter(1e-3, "Circuit-Muon's floor on each head's "
+                                            "||W_h||^2/hd (the log's CIRCUIT_OV_DAMPING)",
+                                            check="non_negative")
+
+
+def _ema_nesterov_aurora(t: EmaNesterovAuroraHyperparameters, total_steps: int, *,
+                         num_heads: int | None = None, **options: Any) -> Stack:
+    if isinstance(t, CircuitMuonHyperparameters):  # #41: between directions and steps
+        options["coupling"] = scale_by_circuit_ov(circuit_ov_heads(num_heads),
+                                                  t.circuit_damping)
     stack = _aurora_proj(t, total_steps, **options)
     inner = stack.tx
     if isinstance(t, AuroraEmaRefHyperparameters):  # #42: on the weights without lookahead
@@ -139,3 +167,9 @@ track3_aurora_ema_ref = register(Recipe(
     summary="Track 3 result #42 (2860 of #40's 2980-step PowerCool): #40's stack with a "
     "fixed reference interpolation (the weights after update 2375 kept; from 2850 evaluate "
     "w - 0.075 (w - w_2375); evaluate optax_snoo.eval_params)"))
+track3_circuit_muon = register(Recipe(
+    "track3_circuit_muon", CircuitMuonHyperparameters, _ema_nesterov_aurora,
+    options={**TRACK3_OPTIONS, "num_heads": 6},
+    summary="Track 3 result #41 (2875 of #40's 2980-step PowerCool): #40's stack with "
+    "Circuit-Muon's OV coupling (per-head partner post-whitening and trace-only gauge, "
+    "damping 1e-3) of attn.v and attn.proj between their directions and the radius steps"))

@@ -238,13 +238,17 @@ def _muon_direction(t: AuroraProjHyperparameters, *, newton_schulz_plan: Any = N
 
 def _aurora_proj(t: AuroraProjHyperparameters, total_steps: int, *, labels: Any = None,
                  adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
-                 shard_newton_schulz: bool = True) -> Stack:
+                 shard_newton_schulz: bool = True,
+                 coupling: optax.GradientTransformation | None = None) -> Stack:
+    """#30's stack; ``coupling`` (#41's Circuit-Muon) goes between the Muon directions and
+    the radius steps."""
     names = patterns(TRACK3_ADAM_PATTERNS, adam_patterns)
     muon_lr = _power_cool(t, "muon", total_steps)
     # #30 has no weight decay: "u/w target replaces wd's role" (its Muon.step).
+    direction = _muon_direction(t, newton_schulz_plan=newton_schulz_plan,
+                                shard_newton_schulz=shard_newton_schulz)
     muon_tx = optax.chain(
-        _muon_direction(t, newton_schulz_plan=newton_schulz_plan,
-                        shard_newton_schulz=shard_newton_schulz),
+        *([direction] if coupling is None else [direction, coupling]),
         radius_steps(muon_lr, brake=t.brake, floor=t.floor, floor_per="matrix",
                      pin="first_order", cautious_weight_decay=0.0))
     if isinstance(t, RreHyperparameters):  # #34: after the Muon step, on its weights alone
