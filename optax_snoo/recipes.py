@@ -47,6 +47,11 @@ from optax_snoo._src.recipes.stacks import newton_muon_recipe as newton_muon
 from optax_snoo._src.recipes.stacks import normuon_recipe as normuon
 from optax_snoo._src.recipes.stacks import skew_adam_recipe as skew_adam
 from optax_snoo._src.recipes.track3_adam import track3_adam
+from optax_snoo._src.recipes.track3_aurora_ema import (
+    track3_aurora_ema_ref,
+    track3_circuit_muon,
+    track3_ema_nesterov_aurora,
+)
 from optax_snoo._src.recipes.track3_aurora_proj import (
     TRACK3_AURORA_PROJ_PATTERNS,
     track3_aurora_proj,
@@ -148,12 +153,15 @@ __all__ = [
     "snoo_track3_baseline",
     "track3_adam",
     "track3_aurora",
+    "track3_aurora_ema_ref",
     "track3_aurora_proj",
     "track3_baseline",
+    "track3_circuit_muon",
     "track3_contra_muon",
     "track3_contra_normuown",
     "track3_contra_soft_muon",
     "track3_dynmuon",
+    "track3_ema_nesterov_aurora",
     "track3_klsoap",
     "track3_klsoap_power_decay",
     "track3_muon_squared",

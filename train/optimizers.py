@@ -199,6 +199,8 @@ def _placement(config: TrainConfig, recipe: recipes.Recipe, params: Any) -> dict
         # Newton-Muon's factors of at most n_embd: the MLP's wider input in blocks (#15).
         "block_size": model.n_embd if model.hidden % model.n_embd == 0 else None,
         "shared_inputs": recipes.NEWTON_MUON_SHARED_INPUTS,
+        # Circuit-Muon's heads (#41): the attention's.
+        "num_heads": model.n_head,
     }
     return {k: v for k, v in options.items() if k in recipe.options}
 

@@ -2,10 +2,9 @@
 transcription of the record's ``circuit_muon`` one update at a time, with controls that
 must fail; its properties; the optax matrix (tests/optax_matrix.py); bad input.
 
-#41's base stack (#40: EMA-Nesterov + Aurora polar + Contra/Soft-Muon + SOAP on MLP and V
-+ NorMuon-lite) is not a recipe of the library, so there is no recipe test: the coupling is
-checked as the function the record applies to each (attn.v, attn.proj) pair between its
-per-leg directions and its radial scale / u/w floor.
+The coupling is checked here as the function the record applies to each (attn.v,
+attn.proj) pair between its per-leg directions and its radial scale / u/w floor; #41's
+whole stack is `recipes.track3_circuit_muon` (test_recipes_track3_circuit_muon.py).
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class Record:
             s["QR"] = np.linalg.qr(s["R"] @ s["QR"][:, order])[0]
         s["step"] += 1
 
-    def muon(self, name, p, g, s, step):  # log:642-690 Muon.step for one matrix
+    def direction(self, name, g, s, step):  # log:642-674 Muon.step up to muon_update
         mu = self.mu(step)
         s["mom"] += (1 - mu) * (g - s["mom"])
         M = g + mu * (s["mom"] - g)
@@ -163,7 +163,14 @@ class Record:
         s["nu"] += (1 - R30.nor_beta2) * (var - s["nu"])
         vnorm = gram_norm(update)
         update = update / np.sqrt(np.maximum(s["nu"], 1e-10))
-        update = update * (vnorm / gram_norm(update))
+        return update * (vnorm / gram_norm(update))
+
+    def couple(self, directions, w):
+        """Between the directions and the step sizes (#41's Circuit-Muon goes here)."""
+        return directions
+
+    def finish(self, p, update, g, s, step):  # log:675-688 Muon.step after muon_update
+        soap = KIND[s["name"]] in self.soap_on
         # log:476-490 scale_radial_update
         coeff = np.sum(update * p) / max(np.sum(p * p), 1e-12)
         self.seen["outward" if coeff < 0 else "inward"] += 1
@@ -199,7 +206,7 @@ class Record:
         for n, x in w.items():
             if GROUP[n] == "muon":
                 out, inn = x.shape
-                state[n] = dict(mom=np.zeros_like(x), L=np.zeros((out, out)),
+                state[n] = dict(name=n, mom=np.zeros_like(x), L=np.zeros((out, out)),
                                 R=np.zeros((inn, inn)), V=np.zeros_like(x), QL=None, QR=None,
                                 step=0, nu=np.zeros((out, 1)) if out >= inn
                                 else np.zeros((1, inn)))
@@ -207,9 +214,12 @@ class Record:
                 state[n] = dict(m=np.zeros_like(x), v=np.zeros_like(x))
         out = []
         for step, grads in enumerate(grads_by_step):
+            # each matrix's direction from the weights before the step (their order is free)
+            directions = self.couple({n: self.direction(n, g, state[n], step)
+                                      for n, g in grads.items() if GROUP[n] == "muon"}, w)
             for n, g in grads.items():
-                fn = self.muon if GROUP[n] == "muon" else self.adam
-                w[n] = fn(n, w[n], g, state[n], step)
+                w[n] = (self.finish(w[n], directions[n], g, state[n], step) if n in directions
+                        else self.adam(n, w[n], g, state[n], step))
             self.after_step(w, step)
             out.append(dict(w))
         return out

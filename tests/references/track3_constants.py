@@ -484,6 +484,26 @@ class R30:
     cgi_alpha = 0.14                # log:809 _CGI_ALPHA
 
 
+class R40(R30):
+    """#40, #30's stack inside EMA-Nesterov (2890 of a 2900-step run, PowerCool to 2980):
+    results/20260522_ema_nesterov_aurora_proj/345b51b2-38ee-4a78-af2c-bb96cb68470d.txt (seed 0;
+    the folder's logs run one script). Its script is #30's but for the two step constants
+    and the EMA_Nesterov class around both optimizers (``diff`` of the two scripts): every
+    other constant is R30's (at #30's line + 2 past log:51)."""
+
+    log = ("results/20260522_ema_nesterov_aurora_proj/"
+           "345b51b2-38ee-4a78-af2c-bb96cb68470d.txt")
+    claim = 2890                    # README (Track 3's table, row 40)
+    train_steps = 2900              # log:65 FINAL_TRAIN_STEPS (also train_steps, :893)
+    schedule_steps = 2980           # log:66 FINAL_SCHEDULE_STEPS (PowerCool's t_end)
+    lookahead = 0.3                 # log:932 lookahead_stepsize=0.3
+    lookahead_scheduled = True      # log:933 (beta0 * lr/initial_lr, :736-737)
+    lookahead_ema = 0.99            # log:934 (buf.lerp_(look, 1 - lookahead_ema), :765)
+    lookahead_prefill = 300         # log:935 (it + 1 > prefill_steps, :773)
+    lookahead_stop = 2900 - 950     # log:936 rest_steps=train_steps - 950 (it < rest_steps)
+    lookahead_group = "embed"       # log:728 inner_optimizer[0].param_groups[0] (:921)
+
+
 class R34:
     """#34, capped RRE extrapolation (2925 of 3020 steps):
     results/20260520_rre_extrapolation_pr300_2925/train_gpt_simple_rre_pr300_2925.py (the

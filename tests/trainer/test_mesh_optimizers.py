@@ -14,7 +14,8 @@ from train.optimizers import OPTIMIZERS
 from trainer.support import peer_steps, tiny, train_steps
 
 SOAP_OPTIMIZERS = ("track3_record", "track3_soap_muon", "track3_aurora_proj", "track3_rre",
-                   "track3_tail_refinterp")
+                   "track3_tail_refinterp", "track3_ema_nesterov_aurora",
+                   "track3_aurora_ema_ref", "track3_circuit_muon")
 #: The fsdp-only mesh splits matrices 8 ways (the owners' per-matrix state at its widest);
 #: every optimizer runs on data2_fsdp4, which splits both the batch and the matrices, and
 #: these also on fsdp8 (CI time). snoo_muon and kfac at fsdp 8 are test_multihost's runs
@@ -22,11 +23,12 @@ SOAP_OPTIMIZERS = ("track3_record", "track3_soap_muon", "track3_aurora_proj", "t
 FSDP8_FAMILIES = ("normuon", "skew_adam", "track3_record", "newton_muon")
 MESHES = {"fsdp8": dict(mesh_data=1, mesh_fsdp=8), "data2_fsdp4": dict(mesh_data=2, mesh_fsdp=4)}
 #: Recipes whose Newton-Schulz input does not change with the gradient's scale (Muon²
-#: divides the momentum by the gradient's RMS; #30/#34/#38's first update is Aurora's and
-#: Contra-Muon's of normalised inputs): the peer's scaled loss moves no rounding of a bf16
-#: iteration, so they run a float32 one here (the sharding is the same).
+#: divides the momentum by the gradient's RMS; #30/#34/#38/#40/#41/#42's first update is
+#: Aurora's and Contra-Muon's of normalised inputs): the peer's scaled loss moves no
+#: rounding of a bf16 iteration, so they run a float32 one here (the sharding is the same).
 GRADIENT_SCALE_FREE = ("track3_muon_squared", "track3_aurora_proj", "track3_rre",
-                       "track3_tail_refinterp")
+                       "track3_tail_refinterp", "track3_ema_nesterov_aurora",
+                       "track3_aurora_ema_ref", "track3_circuit_muon")
 
 
 def _run(config, steps=3, peer=False):

@@ -96,7 +96,10 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_shampoo": "shampoo_learning_rate",
            "track3_shampoo_pinv": "shampoo_learning_rate",
            "track3_aurora_proj": "muon_learning_rate", "track3_rre": "muon_learning_rate",
-           "track3_tail_refinterp": "muon_learning_rate"}
+           "track3_tail_refinterp": "muon_learning_rate",
+           "track3_ema_nesterov_aurora": "muon_learning_rate",
+           "track3_aurora_ema_ref": "muon_learning_rate",
+           "track3_circuit_muon": "muon_learning_rate"}
 #: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
 #: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step, Muown
 #: recomposes gains and unit directions.
@@ -104,7 +107,8 @@ NOT_LINEAR_IN_LR = ("muonh", "muloco_normuonh", "track3_record", "adamh",
                     "track3_soap_muon_record", "track3_psgd", "track3_soaph",
                     "track3_klsoap", "track3_klsoap_power_decay", "track3_muown",
                     "track3_contra_normuown", "track3_aurora_proj", "track3_rre",
-                    "track3_tail_refinterp")
+                    "track3_tail_refinterp", "track3_ema_nesterov_aurora",
+                    "track3_aurora_ema_ref", "track3_circuit_muon")
 #: KL-SOAP's first update only builds its statistics (a zero update): their second is read.
 FIRST_UPDATE_BUILDS = ("track3_klsoap", "track3_klsoap_power_decay")
 #: Flat lr at update 0 and no decay, where the recipe has these settings.
@@ -120,19 +124,22 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
     assert set(MAIN_LR) == set(OPTIMIZERS)
     names = OPTIMIZERS[name].hyperparameters.names()
     flat = {k: v for k, v in FLAT_START.items() if k in names and k != MAIN_LR[name]}
-    base = override(tc.TrainConfig(), optimizer=name, max_iters=100, grad_clip=0.0, **flat)
+    base = override(tc.TrainConfig(), optimizer=name, max_iters=100, grad_clip=0.0,
+                    n_head=HEADS, **flat)
+    # Circuit-Muon (#41) couples an attention's value and output: the tree with them.
+    params = GPT_TREE if "num_heads" in OPTIMIZERS[name].options else PARAMS
     grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=p.dtype)).reshape(p.shape),
-                         PARAMS)
+                         params)
     kernel_updates = []
     for peak in (3e-3, 6e-3):
         spec = build_optimizer(override(base, **{MAIN_LR[name]: peak}))
         assert float(spec.learning_rate(0)) == pytest.approx(peak), name  # flat: lr(0) = peak
-        extra = ({"curvature": _curvature(PARAMS), "input_covariance": None}
+        extra = ({"curvature": _curvature(params), "input_covariance": None}
                  if spec.takes_curvature else {})
-        state = spec.tx.init(PARAMS)
+        state = spec.tx.init(params)
         if name in FIRST_UPDATE_BUILDS:
-            _, state = spec.tx.update(grads, state, PARAMS, **spec.update_kwargs(0), **extra)
-        updates, _ = spec.tx.update(grads, state, PARAMS,
+            _, state = spec.tx.update(grads, state, params, **spec.update_kwargs(0), **extra)
+        updates, _ = spec.tx.update(grads, state, params,
                                     **spec.update_kwargs(1), **extra)  # no Snoo sync at 1
         kernel_updates.append(_get(updates, KERNEL))
     assert float(jnp.abs(kernel_updates[0]).max()) > 0, name
@@ -144,7 +151,7 @@ def test_logged_lr_is_the_applied_lr_of_the_main_group(name):
     # eps/2 of |u| each) and, in a stack that forms W - lr·O and returns its difference
     # from W, that subtraction (eps/2 of |W| in each; 2 |u_1| = |u_2|).
     eps = float(np.finfo(np.float32).eps)
-    atol = 2 * eps * float(jnp.abs(_get(PARAMS, KERNEL)).max())
+    atol = 2 * eps * float(jnp.abs(_get(params, KERNEL)).max())
     np.testing.assert_allclose(kernel_updates[1], 2 * kernel_updates[0], rtol=2 * eps,
                                atol=atol, err_msg=name)
 
@@ -264,22 +271,26 @@ def test_latch_skips_finite_steps_after_max_bad_steps():
 # --------------------------------------------------------------------- one recipe, one home
 
 #: A small GPT-shaped tree: every group the recipes have (embedding, untied head, hidden
-#: matrices with biases, the attention output, a norm gain).
+#: matrices with biases, the attention's value and output, a norm gain).
 GPT_TREE = {
     "wte": {"embedding": jnp.linspace(-1, 1, 9 * 8).reshape(9, 8)},
     "lm_head": {"kernel": jnp.linspace(1, -1, 8 * 9).reshape(8, 9)},
     "ln_f": {"scale": jnp.ones(8)},
     "blocks": {"0": {
         "attn": {"c_q": {"kernel": jnp.eye(8) + 0.1, "bias": jnp.zeros(8)},
+                 "c_v": {"kernel": jnp.eye(8) + 0.2, "bias": jnp.zeros(8)},
                  "c_proj": {"kernel": jnp.eye(8) - 0.1, "bias": jnp.full(8, 0.1)}},
         "mlp": {"c_fc": {"kernel": jnp.linspace(-0.5, 0.5, 8 * 32).reshape(8, 32),
                          "bias": jnp.zeros(32)},
                 "c_proj": {"kernel": jnp.linspace(0.5, -0.5, 32 * 8).reshape(32, 8),
                            "bias": jnp.zeros(8)}}}}}
+#: The attention heads of these trees' 8-wide `c_v`/`c_proj` (the trainer's `--n_head`).
+HEADS = 4
 #: The placement options the trainer sets on one device (train.optimizers): K-FAC's
-#: statistics axes, Newton-Muon's MLP input in blocks of n_embd, its shared inputs.
+#: statistics axes, Newton-Muon's MLP input in blocks of n_embd, its shared inputs,
+#: Circuit-Muon's heads.
 TRAINER_OPTIONS = dict(stats_axes=("data", "fsdp"), block_size=8,
-                       shared_inputs=recipes.NEWTON_MUON_SHARED_INPUTS)
+                       shared_inputs=recipes.NEWTON_MUON_SHARED_INPUTS, num_heads=HEADS)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -294,7 +305,7 @@ def test_the_trainer_runs_the_librarys_recipe(name):
         given["snoo_k"] = 2
     steps = 30
     config = override(tc.TrainConfig(), optimizer=name, max_iters=steps, grad_clip=0.5,
-                      n_embd=8, **given)
+                      n_embd=8, n_head=HEADS, **given)
     assert config.optimizer.hyperparameters == given
     spec = build_optimizer(config)
     options = {k: v for k, v in TRAINER_OPTIONS.items() if k in recipe.options}

@@ -332,7 +332,10 @@ def _muon_direction(t: AuroraProjHyperparameters, *, newton_schulz_plan: Any = N
 
 def _aurora_proj(t: AuroraProjHyperparameters, total_steps: int, *, labels: Any = None,
                  adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
-                 shard_newton_schulz: bool = True) -> Stack:
+                 shard_newton_schulz: bool = True,
+                 coupling: optax.GradientTransformation | None = None) -> Stack:
+    """#30's stack; ``coupling`` (#41's Circuit-Muon) goes between the Muon directions and
+    the radius steps."""
     names = patterns(TRACK3_ADAM_PATTERNS, adam_patterns)
     muon_lr = _power_cool(t, "muon", total_steps)
     brake, floor = t.brake, t.floor
@@ -341,9 +344,10 @@ def _aurora_proj(t: AuroraProjHyperparameters, total_steps: int, *, labels: Any 
         brake = _late_ramp(t.brake, t.brake_late, t.brake_ramp_start, t.brake_ramp_end)
         floor = _late_ramp(t.floor, t.floor_late, t.floor_ramp_start, t.floor_ramp_end)
     # #30 has no weight decay: "u/w target replaces wd's role" (its Muon.step).
+    direction = _muon_direction(t, newton_schulz_plan=newton_schulz_plan,
+                                shard_newton_schulz=shard_newton_schulz)
     muon_tx = optax.chain(
-        _muon_direction(t, newton_schulz_plan=newton_schulz_plan,
-                        shard_newton_schulz=shard_newton_schulz),
+        *([direction] if coupling is None else [direction, coupling]),
         radius_steps(muon_lr, brake=brake, floor=floor, floor_per="matrix",
                      pin="first_order", cautious_weight_decay=0.0))
     if late:  # #38's first readout: on the hidden matrices' weights after each full step
