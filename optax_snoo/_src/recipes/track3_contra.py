@@ -40,12 +40,14 @@ from typing import Any
 import optax
 
 from optax_snoo._src.muon import scale_by_muon
-from optax_snoo._src.muon_adam import group_labels, with_adam_groups
 from optax_snoo._src.radius import radius_steps
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
-from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, patterns
-from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, aux_adamw_groups
+from optax_snoo._src.recipes.track3_hyperball import (
+    AuxAdamWHyperparameters,
+    aux_adamw_stack,
+    aux_schedule,
+)
 from optax_snoo._src.schedules import stable_cooldown_schedule
 
 __all__ = ["AuroraHyperparameters", "ContraMuonHyperparameters",
@@ -107,10 +109,8 @@ def _normuon_floor(t: NorMuonFloorHyperparameters, total_steps: int, *, labels: 
                       shard_newton_schulz=shard_newton_schulz, **contra),
         radius_steps(lr, brake=None, floor=t.uw_floor, floor_per="matrix", pin=None,
                      cautious_weight_decay=0.0))
-    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
-                              t.cooldown_frac)
-    return Stack(with_adam_groups(muon_tx, groups, labels=labels), lr,
-                 groups=group_labels(groups, labels))
+    return aux_adamw_stack(muon_tx, lr, t, aux_schedule(total_steps, t.cooldown_frac),
+                           labels=labels, adam_patterns=adam_patterns)
 
 
 track3_normuon_floor = register(Recipe(

@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, adam_gro
 from optax_snoo._src.schedules import stable_cooldown_schedule
 
 __all__ = ["AdamHHyperparameters", "AuxAdamWHyperparameters", "MuonHHyperparameters",
-           "aux_adamw_groups"]
+           "aux_adamw_groups", "aux_adamw_stack", "aux_schedule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +72,35 @@ class AuxAdamWHyperparameters(Hyperparameters):
     adam_eps: float = hyperparameter(1e-10, "AdamW's epsilon", check="positive")
 
 
+def aux_schedule(total_steps: int, cooldown_frac: float) -> Callable[[float], Any]:
+    """The aux AdamW groups' usual schedule: ``peak`` flat, then linear to 0 over the last
+    ``cooldown_frac`` of ``total_steps``."""
+    return lambda peak: stable_cooldown_schedule(peak, total_steps, cooldown_frac)
+
+
 def aux_adamw_groups(t: AuxAdamWHyperparameters, names: dict[str, str], total_steps: int,
                      cooldown_frac: float) -> list:
     """The aux AdamW groups on a flat-then-linear schedule."""
-    schedule = lambda peak: stable_cooldown_schedule(peak, total_steps, cooldown_frac)
+    return _aux_groups(t, names, aux_schedule(total_steps, cooldown_frac))
+
+
+def _aux_groups(t: AuxAdamWHyperparameters, names: dict[str, str],
+                schedule: Callable[[float], Any]) -> list:
     return adam_groups(names, [
         (name, schedule(lr), t.adam_b1, t.adam_b2, t.adam_eps, 0.0, True)
         for name, lr in (("vectors", t.vector_learning_rate), ("embed", t.embed_learning_rate),
                          ("head", t.head_learning_rate))])
+
+
+def aux_adamw_stack(matrices: optax.GradientTransformation, lr: Any,
+                    t: AuxAdamWHyperparameters, schedule: Callable[[float], Any], *,
+                    labels: Any = None, adam_patterns: dict[str, str] | None = None) -> Stack:
+    """The Track 3 recipes' common tail: ``matrices`` on the hidden matrices and the aux AdamW
+    groups (`TRACK3_ADAM_PATTERNS` updated by ``adam_patterns``, each on
+    ``schedule(peak)``, e.g. `aux_schedule`) on the rest, as a `Stack` reporting ``lr``."""
+    groups = _aux_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), schedule)
+    return Stack(with_adam_groups(matrices, groups, labels=labels), lr,
+                 groups=group_labels(groups, labels))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +132,8 @@ def _muonh(t: MuonHHyperparameters, total_steps: int, *, labels: Any = None,
                       ns_dtype=t.ns_dtype, newton_schulz_plan=newton_schulz_plan,
                       shard_newton_schulz=shard_newton_schulz),
         radius_steps(lr, brake=None, floor=None, pin=t.pin, cautious_weight_decay=0.0))
-    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
-                              t.adam_cooldown_frac)
-    return Stack(with_adam_groups(muon_tx, groups, labels=labels), lr,
-                 groups=group_labels(groups, labels))
+    return aux_adamw_stack(muon_tx, lr, t, aux_schedule(total_steps, t.adam_cooldown_frac),
+                           labels=labels, adam_patterns=adam_patterns)
 
 
 muonh = register(Recipe(
@@ -165,10 +185,8 @@ def _adamh(t: AdamHHyperparameters, total_steps: int, *, labels: Any = None,
     matrices = optax.chain(
         scale_by_adam(t.matrix_b1, t.matrix_b2, t.matrix_eps),
         radius_steps(lr, brake=None, floor=None, pin=t.pin, cautious_weight_decay=0.0))
-    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
-                              t.adam_cooldown_frac)
-    return Stack(with_adam_groups(matrices, groups, labels=labels), lr,
-                 groups=group_labels(groups, labels))
+    return aux_adamw_stack(matrices, lr, t, aux_schedule(total_steps, t.adam_cooldown_frac),
+                           labels=labels, adam_patterns=adam_patterns)
 
 
 adamh = register(Recipe(

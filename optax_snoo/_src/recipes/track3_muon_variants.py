@@ -60,13 +60,18 @@ from typing import Any
 import optax
 
 from optax_snoo._src.muon import scale_by_muon
-from optax_snoo._src.muon_adam import group_labels, muon, with_adam_groups
+from optax_snoo._src.muon_adam import group_labels, muon
 from optax_snoo._src.muon_squared import muon_squared_precondition
 from optax_snoo._src.pmuon import pmuon_precondition
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
 from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, patterns
-from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, aux_adamw_groups
+from optax_snoo._src.recipes.track3_hyperball import (
+    AuxAdamWHyperparameters,
+    aux_adamw_groups,
+    aux_adamw_stack,
+    aux_schedule,
+)
 from optax_snoo._src.schedules import logistic_schedule, stable_cooldown_schedule
 from optax_snoo._src.sinksoap import scale_by_sinksoap
 from optax_snoo._src.weight_decay import add_decoupled_weight_decay
@@ -194,10 +199,8 @@ def _sinksoap(t: SinkSOAPHyperparameters, total_steps: int, *, labels: Any = Non
                           shard_newton_schulz=shard_newton_schulz),
         add_decoupled_weight_decay(t.muon_weight_decay),
         optax.scale_by_learning_rate(lr))
-    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
-                              t.cooldown_frac)
-    return Stack(with_adam_groups(muon_tx, groups, labels=labels), lr,
-                 groups=group_labels(groups, labels))
+    return aux_adamw_stack(muon_tx, lr, t, aux_schedule(total_steps, t.cooldown_frac),
+                           labels=labels, adam_patterns=adam_patterns)
 
 
 track3_sinksoap = register(Recipe(
@@ -281,10 +284,8 @@ def _dynmuon(t: DynMuonHyperparameters, total_steps: int, *, labels: Any = None,
                       shard_newton_schulz=shard_newton_schulz),
         add_decoupled_weight_decay(t.muon_weight_decay),
         optax.scale_by_learning_rate(lr))
-    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
-                              t.cooldown_frac)
-    return Stack(with_adam_groups(muon_tx, groups, labels=labels), lr,
-                 groups=group_labels(groups, labels))
+    return aux_adamw_stack(muon_tx, lr, t, aux_schedule(total_steps, t.cooldown_frac),
+                           labels=labels, adam_patterns=adam_patterns)
 
 
 track3_dynmuon = register(Recipe(

@@ -34,17 +34,15 @@ import optax
 
 from optax_snoo._src.labels import by_path
 from optax_snoo._src.muon import scale_by_muon
-from optax_snoo._src.muon_adam import group_labels, with_adam_groups
 from optax_snoo._src.muown import muown
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
-from optax_snoo._src.recipes.track3_common import (
-    TRACK3_ADAM_PATTERNS,
-    adam_groups,
-    patterns,
-    steps_in_order,
+from optax_snoo._src.recipes.track3_common import steps_in_order
+from optax_snoo._src.recipes.track3_hyperball import (
+    AuxAdamWHyperparameters,
+    aux_adamw_stack,
+    aux_schedule,
 )
-from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, aux_adamw_groups
 from optax_snoo._src.schedules import stable_cooldown_schedule
 
 __all__ = ["MUOWN_POLAR_EXPRESS", "TRACK3_MLP_PROJ_PATTERN", "ContraNorMuownHyperparameters",
@@ -104,10 +102,8 @@ def _muown(t: MuownHyperparameters, total_steps: int, *, labels: Any = None,
                      default=t.radius_target, what="radius target")
     muon_tx = muown(direction, lr, radius_target=target.value, radius_steps=total_steps,
                     gain_b1=t.gain_b1, gain_b2=t.gain_b2, gain_eps=t.gain_eps)
-    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
-                              t.cooldown_frac)
-    return Stack(with_adam_groups(muon_tx, groups, labels=labels), lr,
-                 groups=group_labels(groups, labels))
+    return aux_adamw_stack(muon_tx, lr, t, aux_schedule(total_steps, t.cooldown_frac),
+                           labels=labels, adam_patterns=adam_patterns)
 
 
 track3_muown = register(Recipe(
@@ -207,13 +203,8 @@ def _contra_normuown(t: ContraNorMuownHyperparameters, total_steps: int, *,
     muon_tx = muown(direction, lr, radius_target=target.value, radius_steps=t.radius_steps,
                     radius_power=t.radius_power, gain_b1=t.gain_b1, gain_b2=t.gain_b2,
                     gain_eps=t.gain_eps)
-    names = patterns(TRACK3_ADAM_PATTERNS, adam_patterns)
-    groups = adam_groups(names, [  # torch's AdamW, bias-corrected, no decay
-        (name, sched(getattr(t, f"{group}_learning_rate")), t.adam_b1, t.adam_b2, t.adam_eps,
-         0.0, True) for name, group in (("vectors", "vector"), ("embed", "embed"),
-                                        ("head", "head"))])
-    return Stack(with_adam_groups(muon_tx, groups, labels=labels), lr,
-                 groups=group_labels(groups, labels))
+    # torch's AdamW, bias-corrected, no decay
+    return aux_adamw_stack(muon_tx, lr, t, sched, labels=labels, adam_patterns=adam_patterns)
 
 
 track3_contra_normuown = register(Recipe(

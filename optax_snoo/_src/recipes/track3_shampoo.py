@@ -33,11 +33,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from optax_snoo._src.muon_adam import group_labels, with_adam_groups
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
-from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, patterns
-from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, aux_adamw_groups
+from optax_snoo._src.recipes.track3_hyperball import (
+    AuxAdamWHyperparameters,
+    aux_adamw_stack,
+    aux_schedule,
+)
 from optax_snoo._src.schedules import stable_cooldown_schedule
 from optax_snoo._src.shampoo import shampoo
 
@@ -100,10 +102,8 @@ def _shampoo(t: ShampooHyperparameters, total_steps: int, *, labels: Any = None,
                        epsilon=t.shampoo_epsilon, frequency=t.precondition_frequency,
                        pseudo_inverse=t.pseudo_inverse, graft_b2=t.graft_b2,
                        graft_eps=t.graft_eps)
-    groups = aux_adamw_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), total_steps,
-                              t.cooldown_frac)
-    return Stack(with_adam_groups(matrices, groups, labels=labels), lr,
-                 groups=group_labels(groups, labels))
+    return aux_adamw_stack(matrices, lr, t, aux_schedule(total_steps, t.cooldown_frac),
+                           labels=labels, adam_patterns=adam_patterns)
 
 
 track3_shampoo = register(Recipe(

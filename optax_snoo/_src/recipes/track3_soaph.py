@@ -38,11 +38,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from optax_snoo._src.muon_adam import group_labels, with_adam_groups
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
-from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, adam_groups, patterns
-from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters
+from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, aux_adamw_stack
 from optax_snoo._src.schedules import stable_cooldown_schedule
 from optax_snoo._src.soap import FACTOR_UPDATES, soap
 
@@ -132,12 +130,8 @@ def _soaph(t: SoapHHyperparameters, total_steps: int, *, labels: Any = None,
                     factor_update=t.factor_update, pin=t.pin)
     schedule = lambda peak: stable_cooldown_schedule(peak, t.adam_lr_steps, t.adam_cooldown_frac,
                                                      t.adam_lr_floor, power=t.adam_lr_power)
-    groups = adam_groups(patterns(TRACK3_ADAM_PATTERNS, adam_patterns), [
-        (name, schedule(peak), t.adam_b1, t.adam_b2, t.adam_eps, 0.0, True)
-        for name, peak in (("vectors", t.vector_learning_rate), ("embed", t.embed_learning_rate),
-                           ("head", t.head_learning_rate))])
-    return Stack(with_adam_groups(matrices, groups, labels=labels), lr,
-                 groups=group_labels(groups, labels))
+    return aux_adamw_stack(matrices, lr, t, schedule, labels=labels,
+                           adam_patterns=adam_patterns)
 
 
 track3_soaph = register(Recipe(
