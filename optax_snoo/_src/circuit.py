@@ -329,15 +329,8 @@ def circuit_ov_heads(
         raise ValueError(f"circuit_ov_heads: invalid pattern: {err}") from None
 
     def heads_fn(params: optax.Params) -> HeadsTree:
-        def mark(path, _):
-            name = path_to_str(path)
-            found = rules.match(name)
-            if found is None:
-                return None
-            (role, axis), match = found
-            return OVHeads(name[:match.start()].rstrip("/"), role, num_heads, axis)
-
-        tree = jax.tree.map_with_path(mark, params)
+        tree = rules.by_prefix(params, lambda layer, role_axis: OVHeads(
+            layer, role_axis[0], num_heads, role_axis[1]))
         if not any(isinstance(h, OVHeads) and h.role == "value"
                    for h in jax.tree.leaves(tree, is_leaf=_is_heads_leaf)):
             raise ValueError(f"circuit_ov_heads: no parameter path matches the value pattern "

@@ -134,6 +134,22 @@ class PathRules:
                              f"{[r.pattern for r, _ in self._compiled]}")
         return self._default(leaf) if callable(self._default) else self._default
 
+    def by_prefix(self, tree: Any, make: Callable[[str, Any], Any]) -> Any:
+        """``tree`` with each leaf whose path matches a rule as ``make(prefix, value)``:
+        ``prefix`` is the path before the match without its trailing ``"/"`` (the leaf's
+        layer, ``"blocks/0/attn"``), ``value`` the rule's; a leaf no rule matches is
+        ``None``. How `qk_clip_heads` and `circuit_ov_heads` mark their heads."""
+
+        def mark(path, _):
+            name = path_to_str(path)
+            found = self.match(name)
+            if found is None:
+                return None
+            value, match = found
+            return make(name[:match.start()].rstrip("/"), value)
+
+        return jax.tree.map_with_path(mark, tree)
+
     def __call__(self, tree: Any) -> Any:
         masked = lambda x: isinstance(x, optax.MaskedNode)
         return jax.tree.map_with_path(

@@ -319,15 +319,8 @@ def qk_clip_heads(
         raise ValueError(f"qk_clip_heads: invalid pattern: {err}") from None
 
     def heads_fn(params: optax.Params) -> HeadsTree:
-        def mark(path, _):
-            name = path_to_str(path)
-            found = rules.match(name)
-            if found is None:
-                return None
-            (role, count), match = found
-            return QKHeads(name[:match.start()].rstrip("/"), role, count, axis)
-
-        tree = jax.tree.map_with_path(mark, params)
+        tree = rules.by_prefix(params, lambda layer, role_count: QKHeads(
+            layer, role_count[0], role_count[1], axis))
         if not any(isinstance(h, QKHeads) for h in jax.tree.leaves(tree, is_leaf=_is_heads_leaf)):
             raise ValueError(f"qk_clip_heads: no parameter path matches the query pattern "
                              f"{query!r}.")
