@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_snoo._src.newton_schulz import _check_matrix_axes
 from optax_snoo._src.radius import radius_steps
 from optax_snoo._src.utils import (
     check_non_negative,
@@ -162,9 +163,7 @@ def scale_by_psgd_kron(
     if not callable(precond_lr):
         check_positive("precond_lr", precond_lr)
     check_non_negative("damping", damping)
-    if (len(matrix_axes) != 2 or not all(isinstance(a, int) for a in matrix_axes)
-            or matrix_axes[0] == matrix_axes[1]):
-        raise ValueError(f"matrix_axes must be two different integer axes, got {matrix_axes!r}")
+    _check_matrix_axes(matrix_axes)
 
     masked = lambda x: isinstance(x, optax.MaskedNode)
 

@@ -68,6 +68,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_snoo._src.newton_schulz import _check_matrix_axes
 from optax_snoo._src.utils import (
     check_int_at_least,
     check_non_negative,
@@ -197,9 +198,7 @@ def scale_by_shampoo(
         raise ValueError(f"grafting must be one of {GRAFTINGS}, got {grafting!r}.")
     check_unit_interval("graft_b2", graft_b2)
     check_non_negative("graft_eps", graft_eps)
-    if (len(matrix_axes) != 2 or not all(isinstance(a, int) for a in matrix_axes)
-            or matrix_axes[0] == matrix_axes[1]):
-        raise ValueError(f"matrix_axes must be two different integer axes, got {matrix_axes!r}")
+    _check_matrix_axes(matrix_axes)
 
     masked = lambda x: isinstance(x, optax.MaskedNode)
     mT = lambda x: jnp.swapaxes(x, -1, -2)
