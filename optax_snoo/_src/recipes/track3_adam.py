@@ -29,8 +29,8 @@ from optax_snoo._src.labels import partition
 from optax_snoo._src.muon_adam import group_labels
 from optax_snoo._src.recipes.base import Recipe, Stack, hyperparameter, register
 from optax_snoo._src.recipes.track3_baseline import TRACK3_OPTIONS
-from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, adam_groups, patterns
-from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters
+from optax_snoo._src.recipes.track3_common import TRACK3_ADAM_PATTERNS, patterns
+from optax_snoo._src.recipes.track3_hyperball import AuxAdamWHyperparameters, _aux_groups
 from optax_snoo._src.schedules import stable_cooldown_schedule
 
 __all__ = ["Track3AdamHyperparameters"]
@@ -65,10 +65,7 @@ def _track3_adam(t: Track3AdamHyperparameters, total_steps: int, *, labels: Any 
     lr = schedule(t.matrix_learning_rate)
     matrices = adam_group(AdamGroup(".*", lr, t.matrix_b1, t.matrix_b2, t.adam_eps,
                                     t.matrix_weight_decay, name="matrices"))
-    groups = adam_groups(patterns(TRACK3_ADAM_PATTERNS, adam_patterns), [
-        (name, schedule(peak), t.adam_b1, t.adam_b2, t.adam_eps, 0.0, True)
-        for name, peak in (("vectors", t.vector_learning_rate), ("embed", t.embed_learning_rate),
-                           ("head", t.head_learning_rate))])
+    groups = _aux_groups(t, patterns(TRACK3_ADAM_PATTERNS, adam_patterns), schedule)
     muon_or_adam = group_labels(groups, labels)
     # The matrices Muon would take are one more AdamW group, "matrices".
     names = lambda params: jax.tree.map(lambda g: "matrices" if g == "muon" else g,

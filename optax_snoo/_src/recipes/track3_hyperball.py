@@ -86,6 +86,7 @@ def aux_adamw_groups(t: AuxAdamWHyperparameters, names: dict[str, str], total_st
 
 def _aux_groups(t: AuxAdamWHyperparameters, names: dict[str, str],
                 schedule: Callable[[float], Any]) -> list:
+    """The aux AdamW groups (vectors, embed, head), each on ``schedule(its peak lr)``."""
     return adam_groups(names, [
         (name, schedule(lr), t.adam_b1, t.adam_b2, t.adam_eps, 0.0, True)
         for name, lr in (("vectors", t.vector_learning_rate), ("embed", t.embed_learning_rate),
