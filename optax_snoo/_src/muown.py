@@ -173,9 +173,12 @@ def muown(
             return jnp.where(n <= norm_eps, zero_row_gain, jnp.maximum(n, norm_eps))
 
         g = jax.tree.map(gain, params, is_leaf=_skipped)
-        zeros = jax.tree.map(lambda x: x if _skipped(x) else jnp.zeros_like(x), g,
-                             is_leaf=_skipped)
-        return MuownState(jnp.zeros([], jnp.int32), g, g, zeros, zeros,
+        # Each state leaf its own buffer: a trainer that donates the state refuses one
+        # buffer twice.
+        fresh = lambda make: jax.tree.map(lambda x: x if _skipped(x) else make(x), g,
+                                          is_leaf=_skipped)
+        return MuownState(jnp.zeros([], jnp.int32), g, fresh(jnp.copy),
+                          fresh(jnp.zeros_like), fresh(jnp.zeros_like),
                           direction.init(params))
 
     def update_fn(updates: optax.Updates, state: MuownState, params: optax.Params | None = None,

@@ -16,6 +16,8 @@ from trainer.support import peer_steps, tiny, train_steps
 SOAP_OPTIMIZERS = ("track3_record", "track3_soap_muon", "track3_aurora_proj", "track3_rre",
                    "track3_tail_refinterp", "track3_ema_nesterov_aurora",
                    "track3_aurora_ema_ref", "track3_circuit_muon")
+#: Recipes whose first update already amplifies rounding beyond a peer's bound.
+ROUNDING_AMPLIFIED = ("track3_shampoo_pinv",)
 #: The fsdp-only mesh splits matrices 8 ways (the owners' per-matrix state at its widest);
 #: every optimizer runs on data2_fsdp4, which splits both the batch and the matrices, and
 #: these also on fsdp8 (CI time). snoo_muon and kfac at fsdp 8 are test_multihost's runs
@@ -62,7 +64,12 @@ def test_every_optimizer_on_the_eight_device_mesh(corpus, tmp_path, name):
     # matrices: its null-space directions are picked by rounding, so after the second
     # update sharded and 1-device runs may differ beyond it (docs/soap_muon.md); the
     # params before that must agree, the later losses stay finite.
-    agree = 1 if name in SOAP_OPTIMIZERS else len(ref_params)
+    # #35's pseudo-inverse roots with eps 0 (the record's) raise a one-gradient factor's
+    # smallest eigenvalues to -1/4, multiplying their rounding from the first update on:
+    # only finite losses here; its sharded path is track3_shampoo's (the same transform,
+    # damped, compared above) and test_shampoo's sharded state.
+    agree = (0 if name in ROUNDING_AMPLIFIED else 1 if name in SOAP_OPTIMIZERS
+             else len(ref_params))
     _, peer = _run(one, peer=True)
     leaves = jax.tree_util.tree_leaves_with_path
     for mesh, axes in MESHES.items():

@@ -229,12 +229,17 @@ def test_eight_devices_match_one_and_stay_sharded(corpus, tmp_path):
 
 
 def test_every_registered_optimizer_updates(corpus, tmp_path):
-    params = {"wte": {"embedding": jnp.ones((8, 4))}, "blocks": {0: {"mlp": {
+    plain = {"wte": {"embedding": jnp.ones((8, 4))}, "blocks": {0: {"mlp": {
         "c_fc": {"kernel": jnp.full((4, 6), 0.1)}}}}, "ln_f": {"scale": jnp.ones(4)},
         "lm_head": {"kernel": jnp.full((4, 8), 0.1)}}  # the Track 3 recipes require a head
-    grads = jax.tree.map(lambda p: 0.01 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape),
-                         params)
+    # Circuit-Muon (#41) couples attention's value and output kernels (tiny's 2 heads).
+    attn = {"c_v": {"kernel": jnp.full((4, 4), 0.1) + jnp.eye(4)},
+            "c_proj": {"kernel": jnp.full((4, 4), 0.1) - jnp.eye(4)}}
+    with_attn = {**plain, "blocks": {0: {**plain["blocks"][0], "attn": attn}}}
     for name in OPTIMIZERS:
+        params = with_attn if "num_heads" in OPTIMIZERS[name].options else plain
+        grads = jax.tree.map(
+            lambda p: 0.01 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape), params)
         snoo = "snoo_k" in OPTIMIZERS[name].hyperparameters.names()
         # A length every recipe takes (the records' need a few steps per phase).
         config = tiny(corpus, tmp_path, optimizer=name, max_iters=100, **(
@@ -243,6 +248,11 @@ def test_every_registered_optimizer_updates(corpus, tmp_path):
         assert (spec.sync_period == 2) == snoo, name
         tx = spec.tx
         state = tx.init(params)
+        # Each state leaf its own buffer: the trainer's step donates the state, and one
+        # buffer in two places is refused at run time (muown's and RRE's state once were).
+        buffers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)
+                   if isinstance(x, jax.Array) and x.size]
+        assert len(buffers) == len(set(buffers)), name
         # K-FAC and Newton-Muon require their statistics; None: a step without them.
         extra = {"curvature": None, "input_covariance": None} if spec.takes_curvature else {}
         # Two steps: a record's warm-up may start at a learning rate of 0 (adamh's does).
