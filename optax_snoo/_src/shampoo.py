@@ -328,9 +328,10 @@ def shampoo(
     Args:
       learning_rate: the step size ``lr``, or a schedule of the update count (from 0).
       weight_decay: the decoupled decay ``wd`` (>= 0), multiplied by ``lr``.
-      b1, b2, epsilon, frequency, start, root_exponent, pseudo_inverse, rank_rtol,
-        grafting, graft_b2, graft_eps, use_bias_correction, matrix_axes: as
-        `scale_by_shampoo`.
+      b1: the filtered gradient's decay, as `scale_by_shampoo`'s; so are ``b2``,
+        ``epsilon``, ``frequency``, ``start``, ``root_exponent``, ``pseudo_inverse``,
+        ``rank_rtol``, ``grafting``, ``graft_b2``, ``graft_eps``,
+        ``use_bias_correction`` and ``matrix_axes``.
 
     Returns:
       ``optax.chain(scale_by_shampoo(...), add_decoupled_weight_decay(weight_decay),
