@@ -67,6 +67,8 @@ class Variant:
     run: Callable[[int], tuple[float, float] | None]
     flops: float | None
     attention: str | None = None
+    #: () -> the compiled step's HLO text (for `benchmarks.hlo`), where it can be had.
+    hlo_text: Callable[[], str] | None = None
     wall: list[float] = dataclasses.field(default_factory=list)
     cpu: list[float] = dataclasses.field(default_factory=list)
 
@@ -114,8 +116,11 @@ def ours(config: TrainConfig, *, vocab: int = VOCAB,
                 jax.device_get(metrics)
         jax.block_until_ready(metrics)
 
+    def hlo_text() -> str:  # the step after the first, whose hints every later step has
+        return step.lower(box["state"], *batch(1), **spec.update_kwargs(1)).compile().as_text()
+
     return Variant(f"ours {config.optimizer.name} {config.model.dtype}", run, flops,
-                   attention=gpt_config.attention)
+                   attention=gpt_config.attention, hlo_text=hlo_text)
 
 
 def _reference_loss(params: dict, x_BT: jax.Array, y_BT: jax.Array, n_head: int) -> jax.Array:

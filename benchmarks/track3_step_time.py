@@ -7,7 +7,10 @@ batch, mesh and the optimizer's update, Snoo's outer step included on its steps)
 two warm-up steps each, the optimizers take turns round by round, so the machine's load
 hits them alike. The ratio is an optimizer's total time over the baseline's (the first
 optimizer), with the range of the per-round ratios; the `lscpu` model, its bf16 flags and
-the load average are reported beside it.
+the load average are reported beside it. `--flops` adds each step's FLOPs read from its
+compiled program (`benchmarks.hlo`, loops counted, a refresh's QR and eigendecompositions
+at their LAPACK cost) over the baseline's: the floor the time ratio would sit on if every
+FLOP ran at one rate.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10, help="steps per optimizer per round")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
+    parser.add_argument("--flops", action="store_true",
+                        help="also each step's FLOPs from its compiled program "
+                             "(benchmarks.hlo, loops counted) over the baseline's: the "
+                             "ratio the step would have if every FLOP ran at one rate")
     args = parser.parse_args(argv)
     import jax
 
@@ -46,15 +53,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for name in names:  # the flags as the trainer parses them (typed by the recipe)
         config = parse_args([f"--preset={args.preset}", f"--optimizer={name}",
                              *own.get(name, [])])
-        runs[name] = ours(config).run
+        runs[name] = ours(config)
     load = [os.getloadavg()]
-    for run in runs.values():
-        run(2)  # compile and warm up
+    for variant in runs.values():
+        variant.run(2)  # compile and warm up
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.rounds):
-        for name, run in runs.items():
+        for name, variant in runs.items():
             t0 = time.perf_counter()
-            run(args.steps)
+            variant.run(args.steps)
             times[name].append((time.perf_counter() - t0) / args.steps)
     load.append(os.getloadavg())
     base = names[0]
@@ -69,12 +76,34 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "ratio": sum(times[name]) / sum(times[base]),
             "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]}
         r = result["optimizers"][name]
+        if args.flops:
+            r.update(step_flops(runs[name].hlo_text()))
         print(f"{name}: {r['ms_per_step']:.0f} ms/step, x{r['ratio']:.2f} the {base}'s "
               f"(rounds {min(ratios):.2f}-{max(ratios):.2f})", flush=True)
+    if args.flops:
+        for name in names:
+            r, b = result["optimizers"][name], result["optimizers"][base]
+            r["floor"] = r["gflop"] / b["gflop"]
+            r["floor_eigh"] = r["gflop_eigh"] / b["gflop"]
+            print(f"{name}: {r['gflop']:.3f} GFLOP/step (floor x{r['floor']:.2f}; a step "
+                  f"refreshing by eigh {r['gflop_eigh']:.3f}, x{r['floor_eigh']:.2f})")
     print(f"{cpu}; bf16 flags: {flags}; load {load[0][0]:.1f} -> {load[1][0]:.1f}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def step_flops(hlo_text: str) -> dict[str, float]:
+    """The step's GFLOP (`benchmarks.hlo`): `gflop` with every conditional at its most
+    expensive branch that runs no eigendecomposition (a step after the first: SOAP's
+    power-QR refresh included), `gflop_eigh` at its most expensive branch (a step that
+    refreshes by `eigh`: the first, or Shampoo's every `precondition_frequency`), and the
+    QR's and eigh's shares of each."""
+    from benchmarks import hlo
+
+    steady, worst = hlo.analyze(hlo_text, without_eigh=True), hlo.analyze(hlo_text)
+    return {"gflop": steady.flops / 1e9, "gflop_qr": steady.qr_flops / 1e9,
+            "gflop_eigh": worst.flops / 1e9, "gflop_eigh_part": worst.eigh_flops / 1e9}
 
 
 if __name__ == "__main__":
