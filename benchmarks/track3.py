@@ -785,16 +785,21 @@ def write_report(summary: dict, out: Path, title: str) -> None:
                          f"{fmt(st['mean_diff'], '+.1f')} ({st['n']}) | {p_of(st)} |")
     if summary.get("step_time"):
         st = summary["step_time"]
+        # --flops of the step-time tool: each step's FLOPs from its compiled program
+        flops = all("floor" in r for r in st["optimizers"].values())
         lines += ["", f"Step time (`benchmarks.track3_step_time`, {st['date']}, {st['cpu']}, "
                   f"bf16 flags {st['bf16_flags']}, load {st['load'][0][0]:.1f} -> "
                   f"{st['load'][1][0]:.1f}; {st['rounds']} rounds x {st['steps']} steps, "
                   "alternating in one process):", "",
-                  "| optimizer | options | ms per step | / baseline | per-round range |",
-                  "|---|---|---|---|---|"]
+                  "| optimizer | options | ms per step | / baseline | per-round range |"
+                  + (" GFLOP (refreshing by eigh) | FLOP floor |" if flops else ""),
+                  "|---|---|---|---|---|" + ("---|---|" if flops else "")]
         for name, r in st["optimizers"].items():
             lines.append(f"| {name} | {' '.join(r['options']) or '-'} | "
                          f"{r['ms_per_step']:.0f} | {r['ratio']:.2f} | "
-                         f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f} |")
+                         f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f} |"
+                         + (f" {r['gflop']:.2f} ({r['gflop_eigh']:.2f}) | {r['floor']:.2f} |"
+                            if flops else ""))
     lines += ["", "Per-seed val loss at every evaluation:", ""]
     for name, o in opt.items():
         lines.append(f"- {name}: steps {o['steps']}")

@@ -467,3 +467,51 @@ def test_the_tables_rank_correlation():
     assert reverse["spearman_final_loss"] == pytest.approx(-1.0)
     assert reverse["spearman_result_step"] == pytest.approx(-1.0)
     assert t3.spearman([1, 2], [2, 1]) is None
+
+
+def _step_time(flops: bool) -> dict:
+    rows = {"base": (100.0, 1.0, 10.0), "shifted": (150.0, 1.5, 12.5)}
+    out = {"date": "d", "cpu": "cpu", "bf16_flags": "none", "load": [[1.0], [2.0]],
+           "rounds": 2, "steps": 1, "optimizers": {}}
+    for name, (ms, ratio, gflop) in rows.items():
+        r = {"options": [], "ms_per_step": ms, "ratio": ratio, "ratio_range": [ratio, ratio]}
+        if flops:
+            r.update(gflop=gflop, gflop_eigh=2 * gflop, floor=gflop / 10.0)
+        out["optimizers"][name] = r
+    return out
+
+
+@pytest.mark.parametrize("flops", [False, True])
+def test_the_reports_step_time_table_shows_the_flop_floor_when_measured(tmp_path, flops):
+    steps = [0, 50, 80, 90, 100]
+    curves = {"base": {s: {t: 3.0 - t / 100 + 0.01 * s for t in steps} for s in range(3)},
+              "shifted": {s: {t: 2.9 - t / 100 + 0.02 * s for t in steps} for s in range(3)}}
+    summary = t3.summarize(curves)
+    summary["step_time"] = _step_time(flops)
+    t3.write_report(summary, tmp_path / "r", "step time")
+    rows = [line for line in (tmp_path / "r.md").read_text().splitlines()
+            if line.startswith("| shifted | - | 150 |")]
+    assert rows == [("| shifted | - | 150 | 1.50 | 1.50-1.50 |"
+                     + (" 12.50 (25.00) | 1.25 |" if flops else ""))]
+
+
+def test_step_flops_counts_a_compiled_programs_dots_and_a_refresh_by_eigh():
+    """`track3_step_time.step_flops` on a program of one 32x64 @ 64x16 dot and an eigh of
+    a 16x16 matrix in one branch of a conditional: the step without eigh counts the dot
+    (2 m n k) and no eigh, the step refreshing by eigh adds `benchmarks.hlo`'s 9 n³."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.track3_step_time import step_flops
+
+    def f(a, b, refresh):
+        c = a @ b
+        gram = c.T @ c
+        return c, jax.lax.cond(refresh, lambda g: jnp.linalg.eigh(g)[1], lambda g: g, gram)
+
+    args = (jnp.ones((32, 64)), jnp.ones((64, 16)), True)
+    r = step_flops(jax.jit(f).lower(*args).compile().as_text())
+    dots = 2 * 32 * 64 * 16 + 2 * 16 * 16 * 32
+    assert dots <= r["gflop"] * 1e9 < dots + 32 * 64 * 4  # and some elementwise work
+    assert r["gflop_eigh_part"] * 1e9 == 9 * 16 ** 3
+    assert r["gflop_eigh"] * 1e9 >= r["gflop"] * 1e9 + 9 * 16 ** 3
