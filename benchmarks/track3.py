@@ -123,6 +123,7 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     # #42's init (no Rademacher gains, zero biases) is none of the model's: #40's.
     "track3_aurora_ema_ref": ("42", 2860, ("init=cgi",)),
     "track3_circuit_muon": ("41", 2875, ("init=cgi",)),
+    "track3_tail_phase_readout": ("43", 2850, ("init=cgi",)),
 }
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
 MISTAKE_EXIT_STATUS = 2
