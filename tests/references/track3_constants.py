@@ -595,6 +595,9 @@ class R42:
     lookahead_ema = 0.99            # script:81
     lookahead_prefill = 300         # script:82
     lookahead_stop = 2900 - 950     # script:83 EMA_NESTEROV_REST_STEP
+    cgi_alpha = 0.0                 # script:76 CGI_ALPHA (the gains stay one, :658)
+    zero_biases = True              # script:77 ZERO_NONPROJ_BIASES (:648-652, "proj" zero)
+    fc_depth_alpha = 0.30           # script:78 DI_FC_ALPHA (fc times 1 - a l/(L-1), :654-656)
 
 
 class R38:

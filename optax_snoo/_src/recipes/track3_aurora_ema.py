@@ -24,8 +24,8 @@ cleaned #40 with the same optimizer and constants) adds a fixed reference interp
 and evaluates the weights without the lookahead, as the record's copy after
 ``EMA_Nesterov.step``): the weights after update 2375 are kept, and from update 2850 on
 the weights to evaluate are ``w - 0.075 (w - w_2375)``, on every parameter. Its network
-keeps #30's depth-scaled ``fc`` but drops the Rademacher gains and zeroes the biases (an
-init none of the model's ``init`` kinds is; its table row runs ``--init=cgi``).
+keeps #30's depth-scaled ``fc`` but drops the Rademacher gains and zeroes the biases:
+the model's ``init="depth_fc"`` (``--init=depth_fc``).
 
 #41 (``results/20260523_circuit_muon``, 2875 steps of #40's schedule, the same constants)
 adds Circuit-Muon's OV coupling (`optax_snoo.scale_by_circuit_ov`, damping 1e-3) of each
