@@ -120,9 +120,10 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "track3_rre": ("34", 2925, ("init=cgi",)),
     "track3_tail_refinterp": ("38", 2900, ("init=cgi",)),
     "track3_ema_nesterov_aurora": ("40", 2890, ("init=cgi",)),
-    # #42's init (no Rademacher gains, zero biases) is none of the model's: #40's.
-    "track3_aurora_ema_ref": ("42", 2860, ("init=cgi",)),
+    # #42's init: #40's without the Rademacher gains, with zero biases.
+    "track3_aurora_ema_ref": ("42", 2860, ("init=depth_fc",)),
     "track3_circuit_muon": ("41", 2875, ("init=cgi",)),
+    "track3_tail_phase_readout": ("43", 2850, ("init=cgi",)),
 }
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
 MISTAKE_EXIT_STATUS = 2

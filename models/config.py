@@ -19,7 +19,7 @@ POSITION_KINDS = ("learned", "none")
 ROTARY_KINDS = ("none", "half_truncated")
 #: Initialisations (``GPTConfig.init``): nanoGPT's, or modded-nanogpt Track 3's
 #: ``train_gpt_simple.py``'s.
-INIT_KINDS = ("nanogpt", "track3", "hyperball", "cgi")
+INIT_KINDS = ("nanogpt", "track3", "hyperball", "cgi", "depth_fc")
 #: How attention is computed (``GPTConfig.attention``; see :func:`models.resolve_attention`).
 ATTENTION_KINDS = ("auto", "handwritten", "xla", "cudnn")
 #: ``"float64"`` needs jax's 64-bit mode (``jax.config.update("jax_enable_x64", True)``):
@@ -103,7 +103,11 @@ class GPTConfig:
             each block's two norms: ``ln_1`` gains ``1 - 0.14 s``, ``ln_2`` gains
             ``1 + 0.14 s`` with one Rademacher ``s`` per channel and block; the other
             gains one; MoE experts, which #30 does not have: ``N(0, 0.02)`` inputs,
-            zero projections, no depth scale).
+            zero projections, no depth scale), or ``"depth_fc"`` (Track 3 #42's: #30's
+            with its gain split off, every gain one, and every bias zero: PyTorch's
+            ``U(±1/sqrt(fan_in))`` for q/k/v/fc without their biases, the depth-scaled
+            ``fc``, zero projections and head, embeddings ``N(0, 1)``; MoE experts as
+            ``"cgi"``'s).
         embed_dtype: dtype name of the token (and position) embedding tables; ``None`` means
             ``param_dtype`` (modded-nanogpt stores its embedding in bfloat16).
         residual_dtype: dtype name of the residual stream between blocks (``"float32"``, or

@@ -142,8 +142,8 @@ class GPT(nnx.Module):
             param_dtype=dt, bias=config.lm_head_bias, std=head_std(config), rngs=rngs,
         )
         self.config = config
-        if config.init == "cgi":
-            _depth_and_gain_split(self, config, rngs)
+        if config.init in ("cgi", "depth_fc"):
+            _depth_and_gain_split(self, config, rngs, gain_split=config.init == "cgi")
 
     def __call__(
         self,
@@ -282,24 +282,29 @@ class GPT(nnx.Module):
 
 
 #: ``init="cgi"`` (modded-nanogpt Track 3 #30): block ``l``'s ``fc`` times
-#: ``1 - CGI_FC_DEPTH_ALPHA·l/(n_layer-1)``; its norms' gains ``1 ∓ CGI_GAIN_ALPHA·s``.
+#: ``1 - CGI_FC_DEPTH_ALPHA·l/(n_layer-1)``; its norms' gains ``1 ∓ CGI_GAIN_ALPHA·s``
+#: (``init="depth_fc"``, #42's: the depth scale alone).
 CGI_FC_DEPTH_ALPHA = 0.30
 CGI_GAIN_ALPHA = 0.14
 
 
-def _depth_and_gain_split(model: GPT, config: GPTConfig, rngs: nnx.Rngs) -> None:
+def _depth_and_gain_split(model: GPT, config: GPTConfig, rngs: nnx.Rngs, *,
+                          gain_split: bool = True) -> None:
     """#30's changes to nn.Linear's init, on the built blocks (unrolled or stacked): the
-    depth scale of each dense block's ``fc`` and the channel-gain split of its two norms,
-    one Rademacher sign per channel and block shared by ``ln_1`` (``1 - α s``) and
-    ``ln_2`` (``1 + α s``)."""
+    depth scale of each dense block's ``fc`` and, with ``gain_split`` (not #42's, whose
+    gains stay one), the channel-gain split of its two norms, one Rademacher sign per
+    channel and block shared by ``ln_1`` (``1 - α s``) and ``ln_2`` (``1 + α s``)."""
     L, D = config.n_layer, config.n_embd
     depth = 1.0 - CGI_FC_DEPTH_ALPHA * np.arange(L) / max(L - 1, 1)
-    sign = 2.0 * jax.random.bernoulli(rngs.params(), 0.5, (L, D)).astype(jnp.float32) - 1.0
+    sign = (2.0 * jax.random.bernoulli(rngs.params(), 0.5, (L, D)).astype(jnp.float32) - 1.0
+            if gain_split else jnp.zeros((L, D), jnp.float32))
 
     def set_block(block: Block, depth: Any, sign: jax.Array) -> None:
         if block.mlp is not None:
             kernel = block.mlp.c_fc.kernel
             kernel.value = (kernel.value * depth).astype(kernel.value.dtype)
+        if not gain_split:
+            return
         for ln, s in ((block.ln_1, -sign), (block.ln_2, sign)):
             ln.scale.value = (1.0 + CGI_GAIN_ALPHA * s).astype(ln.scale.value.dtype)
 

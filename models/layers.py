@@ -352,11 +352,11 @@ HYPERBALL_SCALE = {"fc": 1.5, "attn_proj": 1.25, "mlp_proj": 3.0}
 def residual_std(config: GPTConfig, fan_in: int, matrix: str) -> Init:
     """Init of a residual output projection (``matrix``: ``"attn_proj"`` or
     ``"mlp_proj"``): nanoGPT's ``N(0, (0.02 / sqrt(2 n_layer))^2)``, zeros for
-    ``init="track3"`` and ``"cgi"``, ``Uniform(HYPERBALL_SCALE[matrix] / sqrt(fan_in))``
-    for ``init="hyperball"``."""
+    ``init="track3"``, ``"cgi"`` and ``"depth_fc"``,
+    ``Uniform(HYPERBALL_SCALE[matrix] / sqrt(fan_in))`` for ``init="hyperball"``."""
     if config.init == "hyperball":
         return Uniform(HYPERBALL_SCALE[matrix] / math.sqrt(fan_in))
-    return (None if config.init in ("track3", "cgi")
+    return (None if config.init in ("track3", "cgi", "depth_fc")
             else INIT_STD / math.sqrt(2 * config.n_layer))
 
 
@@ -364,10 +364,10 @@ def input_std(config: GPTConfig, fan_in: int, matrix: str = "qkv") -> Init:
     """Init of a matrix reading the residual stream (``matrix``: ``"qkv"`` or ``"fc"``,
     the latter also the gate): nanoGPT's ``N(0, 0.02^2)``, ``N(0, 0.33 / fan_in)`` for
     ``init="track3"``, ``Uniform(HYPERBALL_SCALE.get(matrix, 1) / sqrt(fan_in))`` for
-    ``init="hyperball"``, ``Uniform(1 / sqrt(fan_in))`` for ``"cgi"``."""
+    ``init="hyperball"``, ``Uniform(1 / sqrt(fan_in))`` for ``"cgi"`` and ``"depth_fc"``."""
     if config.init == "hyperball":
         return Uniform(HYPERBALL_SCALE.get(matrix, 1.0) / math.sqrt(fan_in))
-    if config.init == "cgi":  # #30: nn.Linear's default (its fc depth-scaled later)
+    if config.init in ("cgi", "depth_fc"):  # #30, #42: nn.Linear's (fc depth-scaled later)
         return Uniform(1 / math.sqrt(fan_in))
     return math.sqrt(0.33 / fan_in) if config.init == "track3" else INIT_STD
 
@@ -375,7 +375,7 @@ def input_std(config: GPTConfig, fan_in: int, matrix: str = "qkv") -> Init:
 def input_bias(config: GPTConfig, fan_in: int) -> Init:
     """Init of the bias of a matrix reading the residual stream: zeros, or PyTorch's
     default ``Uniform(1 / sqrt(fan_in))`` for ``init="hyperball"`` and ``"cgi"`` (output
-    projections' biases are zero in every init)."""
+    projections' biases are zero in every init; #42's ``"depth_fc"`` zeroes these too)."""
     return Uniform(1 / math.sqrt(fan_in)) if config.init in ("hyperball", "cgi") else None
 
 

@@ -51,6 +51,7 @@ from optax_snoo._src.recipes.track3_aurora_ema import (
     track3_aurora_ema_ref,
     track3_circuit_muon,
     track3_ema_nesterov_aurora,
+    track3_tail_phase_readout,
 )
 from optax_snoo._src.recipes.track3_aurora_proj import (
     TRACK3_AURORA_PROJ_PATTERNS,
@@ -180,6 +181,7 @@ __all__ = [
     "track3_soaph",
     "track3_soda",
     "track3_spectral_descent",
+    "track3_tail_phase_readout",
     "track3_tail_refinterp",
     "with_snoo",
 ]

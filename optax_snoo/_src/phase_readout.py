@@ -158,16 +158,17 @@ def phase_readout(
             raise ValueError(f"phase_readout: {name} must be a finite number, got {value!r}")
 
     def init_fn(params):
-        zeros = jax.tree.map(
-            lambda p: p if _skipped(p) else jnp.zeros_like(p, dtype=state_dtype(None, p)),
-            params, is_leaf=_skipped)
+        def zeros():  # each buffer its own: a trainer donates the state
+            return jax.tree.map(
+                lambda p: p if _skipped(p) else jnp.zeros_like(p, dtype=state_dtype(None, p)),
+                params, is_leaf=_skipped)
         live = [p for p in jax.tree.leaves(params, is_leaf=_skipped) if not _skipped(p)]
         blend_dtype = jnp.result_type(jnp.float32, *live) if live else jnp.float32
         blend_dtype = jax.dtypes.canonicalize_dtype(blend_dtype)
         return PhaseReadoutState(
-            count=jnp.zeros([], jnp.int32), first=zeros,
+            count=jnp.zeros([], jnp.int32), first=zeros(),
             readout=TailEmaState(count=jnp.zeros([], jnp.int32),
-                                 blend=jnp.zeros([], blend_dtype), ema=zeros))
+                                 blend=jnp.zeros([], blend_dtype), ema=zeros()))
 
     def update_fn(updates, state, params=None):
         if params is None:

@@ -355,7 +355,8 @@ def nanogpt_cosine_schedule(peak_value: float, *, warmup_steps: int, decay_steps
 
 
 def power_cool_scaled(lr0: float, *, c: float, lr0_record: float, record_steps: int,
-                      total_steps: int, power: float = 1.2) -> optax.Schedule:
+                      total_steps: int, power: float = 1.2,
+                      t_end: int | None = None) -> optax.Schedule:
     r"""A record's PowerCool (``c`` at ``lr0_record`` and ``t_end = record_steps``) for a
     run of ``total_steps`` at a flat rate ``lr0``, its flat part ending at the same
     fraction of the run.
@@ -364,13 +365,18 @@ def power_cool_scaled(lr0: float, *, c: float, lr0_record: float, record_steps: 
     ``c_N = c·(lr0/lr0_record)·(record_steps/N)^power`` and ``t_end = N`` it ends at
     ``N/record_steps`` times the record's step, whatever ``lr0``.
 
+    A record whose ``t_end`` lies past its run's last update (#43: 2850 updates of a
+    PowerCool ending at 2950) gives its run's length as ``record_steps`` and the
+    ``t_end`` scaled to this run as ``t_end``: the same ``c_N``, reaching 0 there.
+
     Args:
       lr0: the run's flat learning rate (> 0).
       c: the record's constant (> 0).
       lr0_record: the record's flat rate the constant belongs to (> 0).
-      record_steps: the record's ``t_end`` (>= 1).
-      total_steps: the run's ``t_end`` (>= 1).
+      record_steps: the record's ``t_end`` (>= 1), or its run's length with ``t_end``.
+      total_steps: the run's ``t_end`` (>= 1), or its length with ``t_end``.
       power: the exponent (record: 1.2).
+      t_end: where the learning rate reaches 0 (>= 1); ``None``: ``total_steps``.
 
     Returns:
       `power_cool` with those constants.
@@ -391,7 +397,8 @@ def power_cool_scaled(lr0: float, *, c: float, lr0_record: float, record_steps: 
     check_int_at_least("record_steps", record_steps, 1)
     check_int_at_least("total_steps", total_steps, 1)
     scale = (lr0 / lr0_record) * (record_steps / total_steps) ** power
-    return power_cool(lr0, c=c * scale, t_end=total_steps, power=power)
+    return power_cool(lr0, c=c * scale, t_end=total_steps if t_end is None else t_end,
+                      power=power)
 
 
 def trust_gate_floor(floor: float = 0.45, fade_start: int = 1375,

@@ -494,12 +494,13 @@ def delta_pulses(
         raise ValueError(f"delta_pulses: momentum must be a number >= 0, got {momentum!r}")
 
     def init_fn(params):
-        zeros = jax.tree.map(
-            lambda p: p if _skipped(p) else jnp.zeros_like(p, dtype=state_dtype(None, p)),
-            params, is_leaf=_skipped)
+        def zeros():  # each buffer its own: a trainer donates the state
+            return jax.tree.map(
+                lambda p: p if _skipped(p) else jnp.zeros_like(p, dtype=state_dtype(None, p)),
+                params, is_leaf=_skipped)
         # a known 0 keeps no buffer; an array (inject_hyperparams) keeps one
-        return DeltaPulsesState(count=jnp.zeros([], jnp.int32), reference=zeros,
-                                momentum=None if known == 0 else zeros)
+        return DeltaPulsesState(count=jnp.zeros([], jnp.int32), reference=zeros(),
+                                momentum=None if known == 0 else zeros())
 
     def update_fn(updates, state, params=None):
         if params is None:

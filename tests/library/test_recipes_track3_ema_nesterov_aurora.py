@@ -75,20 +75,25 @@ class RecordEma(Record):
         for n in w:  # log:757-768 accum_lookahead (the weights after the inner steps)
             self.buf[n] = self.buf[n] + (1 - gamma) * ((w[n] - self.prev[n]) - self.buf[n])
             self.prev[n] = w[n].copy()
+        self.after_ema_step(w, step)
         self.evaluated.append(dict(w))
         beta = self.beta(step + 1)  # the next update's nesterov_step (log:1029)
         self.betas.append(beta)
         for n in w:
             w[n] = w[n] + beta * self.buf[n]
 
+    def after_ema_step(self, w, step):
+        """After ``EMA_Nesterov.step``, before the next lookahead (#43's hooks)."""
+
 
 @functools.cache
-def ours(name="track3_ema_nesterov_aurora", **options):
-    """Our params after each update and the weights `optax_snoo.eval_params` reads out."""
+def ours(name="track3_ema_nesterov_aurora", total=T, steps=STEPS, **options):
+    """Our params after each of ``steps`` updates of a ``total``-step run and the weights
+    `optax_snoo.eval_params` reads out."""
     weights, grads = problem()
 
     def run(w, gs):
-        tx = recipes.get(name)(T, ns_dtype="float64", **options)
+        tx = recipes.get(name)(total, ns_dtype="float64", **options)
         params = nest(w, dtype=None)
         state, update, out = tx.init(params), jax.jit(tx.update), []
         for g in gs:
@@ -96,7 +101,7 @@ def ours(name="track3_ema_nesterov_aurora", **options):
             params = optax.apply_updates(params, updates)
             out.append((params, optax_snoo.eval_params(params, state)))
         return out
-    out = run_in_float64(run, weights, grads[:STEPS])
+    out = run_in_float64(run, weights, grads[:steps])
     return ([torch_layout(flatten(p)) for p, _ in out],
             [torch_layout(flatten(e)) for _, e in out])
 

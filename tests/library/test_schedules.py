@@ -174,6 +174,23 @@ def test_power_cool_scaled_keeps_the_records_flat_fraction(lr0, total):
     assert not np.any(flat[steps > flat_end * total / 2900 + 0.5])
 
 
+def test_power_cool_scaled_with_an_end_past_the_run():
+    """``t_end`` past the run (#43: 2850 updates of a PowerCool ending at 2950): the same
+    ``c_N`` as a run of ``total_steps``, reaching 0 at ``t_end``; at the record's length the
+    record's ``min(lr0, c (t_end - t)^1.2)``."""
+    lr = power_cool_scaled(0.0375, c=MUON_C, lr0_record=0.0375, record_steps=2850,
+                           total_steps=2850, t_end=2950)
+    steps = np.array([0, 1000, 2848, 2950, 2960])
+    want = [record_lr(t, 0.0375, MUON_C, 2950) for t in steps]
+    np.testing.assert_allclose(values(lr, steps), want, rtol=2e-6, atol=0)
+    half = power_cool_scaled(0.0375, c=MUON_C, lr0_record=0.0375, record_steps=2850,
+                             total_steps=1425, t_end=1475)
+    np.testing.assert_allclose(values(half, steps // 2), np.array(want), rtol=2e-6, atol=0)
+    with pytest.raises(ValueError, match="t_end must be an int >= 1, got 0"):
+        power_cool_scaled(0.01, c=MUON_C, lr0_record=0.01, record_steps=2900, total_steps=10,
+                          t_end=0)
+
+
 def test_power_cool_scaled_bad_input():
     with pytest.raises(ValueError, match=r"lr0_record must be > 0, got 0\.0"):
         power_cool_scaled(0.01, c=MUON_C, lr0_record=0.0, record_steps=2900, total_steps=10)

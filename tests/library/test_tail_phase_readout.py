@@ -6,8 +6,9 @@ training loop) over a scaled-down run crossing every step constant, with control
 fail; their properties; the optax matrix.
 
 #43's final readout toward the step-2400 anchor (``w + 0.08 (anchor - w)`` on all but the
-token embedding) is #42's reference interpolation readout, not these transforms; #43's base
-(#41 on #40's stack) is not a library recipe, so there is no recipe test.
+token embedding) is #42's reference interpolation readout, not these transforms. The whole
+of #43 (#41's stack with these) is `recipes.track3_tail_phase_readout`, checked with these
+hooks (`Hooks`) in test_recipes_track3_tail_phase_readout.py.
 """
 
 from __future__ import annotations
@@ -95,69 +96,96 @@ def init_params():
     return {name: rng.normal(size=shape) / np.sqrt(shape[-1]) for name, shape in SHAPES.items()}
 
 
+@dataclasses.dataclass
+class Hooks:
+    """#43's hooks on a dict of weights by the record's names (``name -> array``, ``TORCH``
+    maps other names to them): `after_update` is the loop's calls after the optimizer's
+    step (script:2309-2314), `phase_readout` its final validation's (script:1472-1568)."""
+
+    s: Schedule = RECORD
+    torch: dict | None = None  # our name -> the record's (its scopes read them)
+
+    def __post_init__(self):
+        self.trail_state = self.trail_last = self.trail_mom = None
+        self.trail_count = 0
+        self.broad_state, self.broad_applied = None, False
+        self.phase0 = self.phase1 = None
+
+    def in_scope(self, scope, name, p):
+        return SCOPES[scope](name if self.torch is None else self.torch[name], p)
+
+    def after_update(self, params, t):
+        """The hooks after update ``t`` (``step + 1``), moving ``params`` in place."""
+        s = self.s
+        # maybe_apply_trail_delta_step (script:1657-1774)
+        if s.trail_start <= t <= s.trail_stop:
+            scoped = [k for k, p in params.items() if self.in_scope("nonembed", k, p)]
+            if self.trail_state is None:
+                self.trail_state = {k: params[k].copy() for k in scoped}
+                self.trail_last = t
+            elif t - self.trail_last >= s.trail_every:
+                gamma = s.trail_gammas[0] if self.trail_count == 0 else s.trail_gammas[1]
+                if self.trail_mom is None:
+                    self.trail_mom = {k: np.zeros_like(params[k]) for k in scoped}
+                for k in scoped:
+                    delta = params[k] - self.trail_state[k]
+                    delta = delta + s.trail_momentum * self.trail_mom[k]
+                    self.trail_mom[k] = delta.copy()
+                    params[k] = params[k] + delta * gamma
+                self.trail_state = {k: params[k].copy() for k in scoped}
+                self.trail_last = t
+                self.trail_count += 1
+        # maybe_apply_broad_delta, then maybe_capture_broad_delta (script:1361-1400)
+        if t == s.broad_apply and not self.broad_applied and self.broad_state is not None:
+            for k, anchor in self.broad_state.items():
+                params[k] = params[k] + (params[k] - anchor) * s.broad_gamma
+            self.broad_applied = True
+        if t == s.broad_capture and self.broad_state is None:
+            self.broad_state = {k: p.copy() for k, p in params.items()
+                                if self.in_scope(s.broad_scope, k, p)}
+        # maybe_capture_phase_readout_anchor (script:1448-1470)
+        if t == s.t0 and self.phase0 is None:
+            self.phase0 = {k: p.copy() for k, p in params.items()
+                           if self.in_scope("muon_other", k, p)}
+        if t == s.t1 and self.phase1 is None:
+            self.phase1 = {k: p.copy() for k, p in params.items()
+                           if self.in_scope("muon_other", k, p)}
+
+    def phase_readout(self, params):
+        """maybe_apply_phase_readout at the final validation (script:1472-1568): the
+        weights it evaluates (``params`` is left as it is)."""
+        s = self.s
+        evaluated = dict(params)
+        for k in self.phase0:
+            d_prev = self.phase1[k] - self.phase0[k]
+            velocity = params[k] - self.phase1[k]
+            accel = velocity - d_prev
+            if s.orthogonal:
+                coeff = (accel * velocity).sum() / max((velocity ** 2).sum(),
+                                                      R43.phase_velocity_sq_floor)
+                phase = accel - coeff * velocity
+            else:
+                phase = accel
+            if s.normalize:
+                phase = phase * (np.linalg.norm(velocity)
+                                 / (np.linalg.norm(phase) + R43.phase_norm_eps))
+            evaluated[k] = params[k] + velocity * s.velocity + phase * s.kappa
+        return evaluated
+
+
 def record_run(s: Schedule = RECORD):
     """The record's loop (script:2239-2315) with its hooks, SGD as the optimizer: the
     weights after each update and hooks, and those the final validation evaluates before
     the final readout (phase readout applied)."""
     params = init_params()
-    trail_state = trail_last = trail_mom = None
-    trail_count = 0
-    broad_state, broad_applied = None, False
-    phase0 = phase1 = None
+    hooks = Hooks(s)
     history = []
     for step in range(s.steps):
         g = gradient(params, step)
         params = {k: p - LR * g[k] for k, p in params.items()}
-        t = step + 1
-        # maybe_apply_trail_delta_step (script:1657-1774)
-        if s.trail_start <= t <= s.trail_stop:
-            scoped = [k for k, p in params.items() if nonembed(k, p)]
-            if trail_state is None:
-                trail_state = {k: params[k].copy() for k in scoped}
-                trail_last = t
-            elif t - trail_last >= s.trail_every:
-                gamma = s.trail_gammas[0] if trail_count == 0 else s.trail_gammas[1]
-                if trail_mom is None:
-                    trail_mom = {k: np.zeros_like(params[k]) for k in scoped}
-                for k in scoped:
-                    delta = params[k] - trail_state[k]
-                    delta = delta + s.trail_momentum * trail_mom[k]
-                    trail_mom[k] = delta.copy()
-                    params[k] = params[k] + delta * gamma
-                trail_state = {k: params[k].copy() for k in scoped}
-                trail_last = t
-                trail_count += 1
-        # maybe_apply_broad_delta, then maybe_capture_broad_delta (script:1361-1400)
-        if t == s.broad_apply and not broad_applied and broad_state is not None:
-            for k, anchor in broad_state.items():
-                params[k] = params[k] + (params[k] - anchor) * s.broad_gamma
-            broad_applied = True
-        if t == s.broad_capture and broad_state is None:
-            broad_state = {k: p.copy() for k, p in params.items()
-                           if SCOPES[s.broad_scope](k, p)}
-        # maybe_capture_phase_readout_anchor (script:1448-1470)
-        if t == s.t0 and phase0 is None:
-            phase0 = {k: p.copy() for k, p in params.items() if muon_other(k, p)}
-        if t == s.t1 and phase1 is None:
-            phase1 = {k: p.copy() for k, p in params.items() if muon_other(k, p)}
+        hooks.after_update(params, step + 1)
         history.append({k: p.copy() for k, p in params.items()})
-    # maybe_apply_phase_readout at the final validation (script:1472-1568)
-    evaluated = dict(params)
-    for k in phase0:
-        d_prev = phase1[k] - phase0[k]
-        velocity = params[k] - phase1[k]
-        accel = velocity - d_prev
-        if s.orthogonal:
-            coeff = (accel * velocity).sum() / max((velocity ** 2).sum(),
-                                                  R43.phase_velocity_sq_floor)
-            phase = accel - coeff * velocity
-        else:
-            phase = accel
-        if s.normalize:
-            phase = phase * (np.linalg.norm(velocity)
-                             / (np.linalg.norm(phase) + R43.phase_norm_eps))
-        evaluated[k] = params[k] + velocity * s.velocity + phase * s.kappa
-    return history, evaluated
+    return history, hooks.phase_readout(params)
 
 
 def masked(tx, scope):
@@ -241,12 +269,14 @@ def test_matches_the_record_in_float64_and_controls_fail():
 ANCHOR = 16  # #43's final-readout anchor, 2400 scaled: after update 16, BroadDelta's pulse
 
 
-def record_final_readout(history, evaluated, anchor=ANCHOR, alpha=R43.anchor_alpha):
+def record_final_readout(history, evaluated, anchor=ANCHOR, alpha=R43.anchor_alpha,
+                         torch=None):
     """apply_final_readout_alpha (script:1416-1438) after the phase readout, toward the
-    non-embedding weights copied after update ``anchor`` (after its hooks)."""
+    non-embedding weights copied after update ``anchor`` (after its hooks; ``torch``:
+    our names -> the record's, as `Hooks`)."""
     out = dict(evaluated)
     for k, a in history[anchor - 1].items():
-        if nonembed(k, a):
+        if nonembed(k if torch is None else torch[k], a):
             out[k] = evaluated[k] + (a - evaluated[k]) * alpha
     return out
 
@@ -365,3 +395,13 @@ def test_bad_input(make, message):
 def test_update_needs_params(tx):
     with pytest.raises(ValueError, match="needs params"):
         tx.update(PARAMS, tx.init(PARAMS))
+
+
+@pytest.mark.parametrize("tx", [delta_pulses(1, 1, -0.1, momentum=1.0),
+                                phase_readout(1, 2, 3)])
+def test_each_state_leaf_is_its_own_buffer(tx):
+    """A trainer donates the state: one buffer in two places is refused at run time (the
+    copies and momentum once shared their zeros)."""
+    state = tx.init(PARAMS)
+    buffers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state) if x.size]
+    assert len(buffers) == len(set(buffers))

@@ -22,6 +22,7 @@ from flax import nnx
 import models
 from optax_snoo import kfac
 from references.error import assert_as_accurate, run_in_float64
+from references.track3_constants import R42
 
 L, D, HEAD, V, T, B = 2, 256, 64, 300, 32, 2
 F32 = dict(dtype="float32", param_dtype="float32", embed_dtype=None, residual_dtype="float32")
@@ -496,3 +497,58 @@ def test_the_cgi_records_init(scan):
         np.testing.assert_allclose(np.abs(s), 1, rtol=1e-6)
         np.testing.assert_allclose(b["ln_2"]["scale"], 1 + 0.14 * s, rtol=1e-6)
         assert 0.3 < np.mean(s > 0) < 0.7, i  # both signs, about evenly
+
+
+def _record_name(path: str) -> str:
+    """Our parameter path as Track 3's PyTorch name (``blocks.0.attn.q.weight``)."""
+    for ours, theirs in (("wte/embedding", "embed.weight"), ("lm_head/", "proj."),
+                         ("ln_embed/scale", "norm1.gains"), ("ln_f/scale", "norm2.gains"),
+                         ("ln_1/scale", "norm1.gains"),
+                         ("ln_2/scale", "norm2.gains"), ("/c_", "/"), ("kernel", "weight"),
+                         ("/", ".")):
+        path = path.replace(ours, theirs)
+    return path
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_depth_fc_records_init(scan):
+    """Track 3 #42 (``init="depth_fc"``), leaf by leaf by the record's names as its script
+    initialises each (script:648-658; its constants `references.track3_constants.R42`):
+    every parameter whose name holds ``proj`` zero (the projections, their biases, the
+    head), every other bias zero, block l's ``fc`` times ``1 - 0.3 l/(L-1)``, the rest
+    nn.Linear's ``U(±1/sqrt(fan_in))`` (q/k/v), nn.Embedding's N(0, 1) and RMSNorm's
+    ones (``CGI_ALPHA = 0``)."""
+    assert R42.cgi_alpha == 0 and R42.zero_biases  # the gains one, every bias zero
+    n_layer = 3
+    cfg = dataclasses.replace(models.track3_config(
+        n_layer=n_layer, n_embd=256, head_dim=64, vocab_size=1024, block_size=T),
+        init="depth_fc", scan_layers=scan)
+    params = nnx.to_pure_dict(nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    if scan:  # one leaf per layer, as the record's blocks.N names
+        params = {**params, "blocks": {i: jax.tree.map(lambda x, i=i: x[i], params["blocks"])
+                                       for i in range(n_layer)}}
+    seen, names = set(), []
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = _record_name("/".join(str(getattr(k, "key", k)) for k in path))
+        names.append(name)
+        x = np.asarray(x, np.float64)
+        if "proj" in name or name.endswith("bias"):
+            rule = "zero"
+            assert not x.any(), name
+        elif name.endswith("gains"):
+            rule = "one"
+            assert np.all(x == 1), name
+        elif name == "embed.weight":
+            rule = "normal"
+            assert abs(x.std() - 1) < 0.02 and abs(x.mean()) < 0.02, name
+        else:
+            layer = int(name.split(".")[1])
+            scale = (1 - R42.fc_depth_alpha * layer / (n_layer - 1)
+                     if name.endswith("mlp.fc.weight") else 1)
+            rule, bound = "uniform", scale / np.sqrt(256)
+            assert bound * 0.97 < np.abs(x).max() <= bound * (1 + 1e-6), name
+            assert abs(x.std() / (bound / np.sqrt(3)) - 1) < 0.05, name
+        seen.add((name.split(".")[-2] if name.startswith("blocks") else name, rule))
+    assert {rule for _, rule in seen} == {"zero", "one", "normal", "uniform"}
+    assert len(names) == len(set(names)) == 5 + 14 * n_layer, names  # the record's
+    assert ("fc", "uniform") in seen and ("norm1", "one") in seen, seen

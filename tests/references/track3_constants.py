@@ -595,6 +595,9 @@ class R42:
     lookahead_ema = 0.99            # script:81
     lookahead_prefill = 300         # script:82
     lookahead_stop = 2900 - 950     # script:83 EMA_NESTEROV_REST_STEP
+    cgi_alpha = 0.0                 # script:76 CGI_ALPHA (the gains stay one, :658)
+    zero_biases = True              # script:77 ZERO_NONPROJ_BIASES (:648-652, "proj" zero)
+    fc_depth_alpha = 0.30           # script:78 DI_FC_ALPHA (fc times 1 - a l/(L-1), :654-656)
 
 
 class R38:
@@ -723,6 +726,25 @@ class R43:
 
     log = "results/20260529_tail_phase_readout_2850/tail_phase_readout_2850_seed0.txt"
     steps = 2850                    # run.sh TRAIN_STEPS; log:2464 step:2850/2850
+    schedule_steps = 2950           # log:2337 schedule_steps (run.sh SCHEDULE_STEPS)
+    tail_switch = 2600              # log:2338 tail_schedule_switch_step (script:2177-2178:
+                                    # t_end is the tail's from step >= it)
+    tail_schedule_steps = 3010      # log:2339 tail_schedule_steps
+    power = 1.2                     # script:52 FINAL_LR_POWER
+    embed_c = 4.976805410800738e-05   # script:53 ADAM_EMBED_POWER_C
+    head_c = 5.184172302917436e-07    # script:54 ADAM_PROJ_POWER_C
+    vector_c = 1.6589351369335795e-06  # script:55 ADAM_OTHER_POWER_C
+    muon_c = 3.3169534699576625e-06    # script:56 MUON_POWER_C
+    contra_end = 2500               # log:2346 contra_to_normal_end_step
+    muon_lr = 0.0375                # log:2350
+    target_uw = 0.3825              # log:2352
+    damping = 1e-3                  # log:2379 circuit_ov_damping (head_dim 128)
+    lookahead = 0.3                 # script:1236 lookahead_stepsize
+    lookahead_ema = 0.99            # script:1238
+    lookahead_prefill = 300         # script:1239 prefill_steps
+    lookahead_stop = 1900           # log:2384 ema_nesterov_rest_steps (script:1240)
+    mu_cooldown = 100               # log:2385 mu_cooldown_steps (of FINAL_TRAIN_STEPS,
+                                    # script:2206)
     trail_start = 2650              # log:2386 trail_delta_start_step
     trail_stop = 2850               # log:2387 trail_delta_end_step
     trail_every = 100               # log:2388 trail_delta_interval

@@ -15,7 +15,8 @@ from trainer.support import peer_steps, tiny, train_steps
 
 SOAP_OPTIMIZERS = ("track3_record", "track3_soap_muon", "track3_aurora_proj", "track3_rre",
                    "track3_tail_refinterp", "track3_ema_nesterov_aurora",
-                   "track3_aurora_ema_ref", "track3_circuit_muon")
+                   "track3_aurora_ema_ref", "track3_circuit_muon",
+                   "track3_tail_phase_readout")
 #: Recipes whose first update already amplifies rounding beyond a peer's bound.
 ROUNDING_AMPLIFIED = ("track3_shampoo_pinv",)
 #: The fsdp-only mesh splits matrices 8 ways (the owners' per-matrix state at its widest);
@@ -25,12 +26,13 @@ ROUNDING_AMPLIFIED = ("track3_shampoo_pinv",)
 FSDP8_FAMILIES = ("normuon", "skew_adam", "track3_record", "newton_muon")
 MESHES = {"fsdp8": dict(mesh_data=1, mesh_fsdp=8), "data2_fsdp4": dict(mesh_data=2, mesh_fsdp=4)}
 #: Recipes whose Newton-Schulz input does not change with the gradient's scale (Muon²
-#: divides the momentum by the gradient's RMS; #30/#34/#38/#40/#41/#42's first update is
+#: divides the momentum by the gradient's RMS; #30/#34/#38/#40/#41/#42/#43's first update is
 #: Aurora's and Contra-Muon's of normalised inputs): the peer's scaled loss moves no
 #: rounding of a bf16 iteration, so they run a float32 one here (the sharding is the same).
 GRADIENT_SCALE_FREE = ("track3_muon_squared", "track3_aurora_proj", "track3_rre",
                        "track3_tail_refinterp", "track3_ema_nesterov_aurora",
-                       "track3_aurora_ema_ref", "track3_circuit_muon")
+                       "track3_aurora_ema_ref", "track3_circuit_muon",
+                       "track3_tail_phase_readout")
 
 
 def _run(config, steps=3, peer=False):

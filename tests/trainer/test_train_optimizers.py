@@ -99,7 +99,8 @@ MAIN_LR = {"muon": "muon_learning_rate", "snoo_muon": "muon_learning_rate",
            "track3_tail_refinterp": "muon_learning_rate",
            "track3_ema_nesterov_aurora": "muon_learning_rate",
            "track3_aurora_ema_ref": "muon_learning_rate",
-           "track3_circuit_muon": "muon_learning_rate"}
+           "track3_circuit_muon": "muon_learning_rate",
+           "track3_tail_phase_readout": "muon_learning_rate"}
 #: The recipes whose hidden update is not the lr times a direction: the hyperball keeps
 #: each matrix's norm, #46's radius controls (brake, RowFloor, pin) scale the step, Muown
 #: recomposes gains and unit directions.
@@ -108,7 +109,8 @@ NOT_LINEAR_IN_LR = ("muonh", "muloco_normuonh", "track3_record", "adamh",
                     "track3_klsoap", "track3_klsoap_power_decay", "track3_muown",
                     "track3_contra_normuown", "track3_aurora_proj", "track3_rre",
                     "track3_tail_refinterp", "track3_ema_nesterov_aurora",
-                    "track3_aurora_ema_ref", "track3_circuit_muon")
+                    "track3_aurora_ema_ref", "track3_circuit_muon",
+                    "track3_tail_phase_readout")
 #: KL-SOAP's first update only builds its statistics (a zero update): their second is read.
 FIRST_UPDATE_BUILDS = ("track3_klsoap", "track3_klsoap_power_decay")
 #: Flat lr at update 0 and no decay, where the recipe has these settings.

@@ -7,7 +7,7 @@ twins), `gpt2_medium` (modded-nanogpt's GPT-2 Medium record), and Track 3's by r
 `track3_newton_muon` (#15), `track3_adam` (#2), `track3_muon_variants` (#7, #18, #22, #26,
 #28), `track3_contra` (#9, #11, #17), `track3_psgd` (#33), `track3_shampoo` (#21, #35),
 `track3_soaph` (#27, #19, #25), `track3_soft_muon` (#20, #32), `track3_muown` (#23, #31),
-`track3_aurora_proj` (#30, #34, #38), `track3_aurora_ema` (#40, #42, #41).
+`track3_aurora_proj` (#30, #34, #38), `track3_aurora_ema` (#40, #42, #41, #43).
 """
 
 from __future__ import annotations

@@ -142,6 +142,12 @@ class Hyperparameters:
         so every phase keeps its fraction of the run. Unchanged without ``RECORD_STEPS``."""
         if self.RECORD_STEPS is None or total_steps == self.RECORD_STEPS:
             return self
+        return dataclasses.replace(self, **self.scaled_steps(total_steps))
+
+    def scaled_steps(self, total_steps: int) -> dict[str, Any]:
+        """The step fields' values at ``total_steps`` (what `scaled` sets, before the
+        table's checks): each ``x`` as ``round(x·total_steps/RECORD_STEPS)``. A table
+        whose step constants must stay on a common grid overrides it."""
         hints, ratio = _hints(type(self)), total_steps / self.RECORD_STEPS
         values = {}
         for f in dataclasses.fields(self):
@@ -149,7 +155,7 @@ class Hyperparameters:
             if f.metadata.get("steps") and value is not None:
                 values[f.name] = value * ratio if float in _allowed(hints[f.name]) else round(
                     value * ratio)
-        return dataclasses.replace(self, **values)
+        return values
 
     def read(self) -> dict[str, Any]:
         """Every hyperparameter the stack reads with these settings, with its value: what

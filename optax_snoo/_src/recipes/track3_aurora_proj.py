@@ -287,12 +287,14 @@ def _late_ramp(early: float, late: float, start: int, end: int) -> optax.Schedul
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AuroraProjHyperparameters)}
 
 
-def _power_cool(t: AuroraProjHyperparameters, group: str, total_steps: int) -> optax.Schedule:
-    """``group``'s PowerCool: the record's c at the record's lr, rescaled to this lr and run."""
+def _power_cool(t: AuroraProjHyperparameters, group: str, total_steps: int, *,
+                t_end: int | None = None) -> optax.Schedule:
+    """``group``'s PowerCool: the record's c at the record's lr, rescaled to this lr and run;
+    reaching 0 at the run's end, or at ``t_end`` (a horizon past it, scaled: #43's)."""
     return power_cool_scaled(
         getattr(t, f"{group}_learning_rate"), c=getattr(t, f"{group}_power_cool_c"),
         lr0_record=_DEFAULTS[f"{group}_learning_rate"], record_steps=t.RECORD_STEPS,
-        total_steps=total_steps, power=t.power_cool_power)
+        total_steps=total_steps, power=t.power_cool_power, t_end=t_end)
 
 
 def _muon_direction(t: AuroraProjHyperparameters, *, newton_schulz_plan: Any = None,
@@ -333,11 +335,13 @@ def _muon_direction(t: AuroraProjHyperparameters, *, newton_schulz_plan: Any = N
 def _aurora_proj(t: AuroraProjHyperparameters, total_steps: int, *, labels: Any = None,
                  adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
                  shard_newton_schulz: bool = True,
-                 coupling: optax.GradientTransformation | None = None) -> Stack:
+                 coupling: optax.GradientTransformation | None = None,
+                 schedule: Any = _power_cool) -> Stack:
     """#30's stack; ``coupling`` (#41's Circuit-Muon) goes between the Muon directions and
-    the radius steps."""
+    the radius steps; ``schedule(t, group, total_steps)`` gives each group's learning rate
+    (#43 switches PowerCool's end)."""
     names = patterns(TRACK3_ADAM_PATTERNS, adam_patterns)
-    muon_lr = _power_cool(t, "muon", total_steps)
+    muon_lr = schedule(t, "muon", total_steps)
     brake, floor = t.brake, t.floor
     late = isinstance(t, TailRefinterpHyperparameters)
     if late:  # #38's late ramps
@@ -359,7 +363,7 @@ def _aurora_proj(t: AuroraProjHyperparameters, total_steps: int, *, labels: Any 
             damping=t.rre_damping, max_relative=t.rre_max_relative,
             regularization=t.rre_regularization))
     groups = adam_groups(names, [
-        (name, _power_cool(t, name if name != "vectors" else "vector", total_steps),
+        (name, schedule(t, name if name != "vectors" else "vector", total_steps),
          t.adam_b1, t.adam_b2, t.adam_eps, 0.0, True)
         for name in ("vectors", "embed", "head")])
     tx = with_adam_groups(muon_tx, groups, labels=labels)
