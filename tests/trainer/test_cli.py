@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -29,6 +30,18 @@ def cli(*argv: str, module: str = "train") -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+def in_process(*argv: str) -> subprocess.CompletedProcess:
+    """`python -m train argv` as `train.__main__.main(argv)` in this process: the same
+    parsing and the same `error:` handler (`run_cli`) without a new interpreter's
+    imports; each test's first case still runs `cli`, the real entry point."""
+    from train.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def finished(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "run"
@@ -52,8 +65,10 @@ def test_start_up_line_and_no_mfu_where_no_peak_is_known(finished):
     assert all("mfu" not in h for h in rows)
 
 
-@pytest.mark.parametrize("case", ["rerun", "other_config", "mesh", "data", "memory", "cudnn",
-                                  "qk_clip_attention"])
+ERROR_CASES = ["rerun", "other_config", "mesh", "data", "memory", "cudnn", "qk_clip_attention"]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
 def test_errors_are_one_line_and_a_non_zero_exit(finished, corpus, tmp_path, case):
     out, _ = finished
     argv, named = {
@@ -73,7 +88,7 @@ def test_errors_are_one_line_and_a_non_zero_exit(finished, corpus, tmp_path, cas
                               "attention='xla' cannot return the max logits QK-clip reads"),
     }[case]
     data = [] if case == "data" else [f"--data={corpus}"]
-    proc = cli(*TINY, *data, *argv)
+    proc = (cli if case == ERROR_CASES[0] else in_process)(*TINY, *data, *argv)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
@@ -91,7 +106,8 @@ def test_errors_are_one_line_and_a_non_zero_exit(finished, corpus, tmp_path, cas
     (["--optimizer=skewadam"], "--optimizer=skewadam was renamed --optimizer=skew_adam"),
 ])
 def test_a_value_out_of_range_is_one_line_before_any_work(tmp_path, flags, named):
-    proc = cli(*flags, f"--out_dir={tmp_path}/run")
+    run = cli if flags[0].startswith("--optimizer=adamw") else in_process
+    proc = run(*flags, f"--out_dir={tmp_path}/run")
     assert (proc.returncode, proc.stderr, proc.stdout) == (2, f"error: {named}\n", "")
     assert not (tmp_path / "run").exists()
 
@@ -103,7 +119,8 @@ def test_a_flag_the_recipe_does_not_read_is_refused_listing_its_own(tmp_path, fl
     and ignored)."""
     from optax_snoo import recipes
 
-    proc = cli("--optimizer=track3_soap_muon", flag, f"--out_dir={tmp_path}/run")
+    run = cli if flag == "--learning_rate=0.1" else in_process
+    proc = run("--optimizer=track3_soap_muon", flag, f"--out_dir={tmp_path}/run")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = proc.stderr.splitlines()
     key = flag.split("=")[0]
