@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import optax_matrix as m
-from optax_snoo import SoapState, scale_by_soap, soap
+from optax_snoo import NewtonSchulzPlan, SoapState, scale_by_soap, soap
 from references.error import in_float64
 
 # Square matrices: a non-square one's first Gram is rank-deficient on its longer side, where
@@ -38,19 +38,23 @@ def test_optax_matrix(tmp_path, factor_update):
 
 
 def test_sharded_params():
-    """On the 8-device mesh: the first moment keeps its param's sharding and the run equals
-    the unsharded one. (`check_sharded_state` asks every state leaf shaped like a param to
+    """On the 8-device mesh: the first moment keeps its param's sharding, the split
+    matrix's statistics live on its owner (none per leaf), and the run equals the
+    unsharded one. (`check_sharded_state` asks every state leaf shaped like a param to
     carry its sharding: a square matrix's Grams and bases have its shape but are
     statistics of both its axes; non-square leaves have rank-deficient first Grams.)"""
-    tx = soap(0.05, eps=1e-3)
     mesh = m.mesh8()
-    sharded = m.shard_params(PARAMS, mesh)
+    sharded = m.shard_params(PARAMS, mesh)  # "a" split over "model", "b" replicated
+    tx = soap(0.05, eps=1e-3, newton_schulz_plan=NewtonSchulzPlan.from_params(sharded))
     p, state, _ = m.run(tx, sharded, 2, state=tx.init(sharded))
+    assert isinstance(state[0].matrices["a"], optax.EmptyState)
+    assert state[0].matrices["b"].gram_out.shape == (2, 5, 5) and len(state[0].owned) == 1
     for mu, x in zip(jax.tree.leaves(state[0].mu), jax.tree.leaves(sharded), strict=True):
         assert mu.sharding.is_equivalent_to(x.sharding, x.ndim)
     for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(sharded), strict=True):
         assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
-    m.assert_runs_agree(p, m.run(tx, PARAMS, 2)[0], m.float64_run(tx, PARAMS, 2),
+    plain = soap(0.05, eps=1e-3)  # the plan names the sharded params' layout
+    m.assert_runs_agree(p, m.run(plain, PARAMS, 2)[0], m.float64_run(plain, PARAMS, 2),
                         what="sharded vs unsharded")
 
 
@@ -153,3 +157,35 @@ def test_bad_leaves_fail_at_init():
         scale_by_soap().init({"b": jnp.zeros(3)})
     with pytest.raises(ValueError, match="matrix_axes"):
         scale_by_soap(matrix_axes=(0, 2)).init({"w": jnp.zeros((3, 4))})
+    with pytest.raises(ValueError, match="newton_schulz_plan must be a NewtonSchulzPlan"):
+        scale_by_soap(newton_schulz_plan="fsdp")
+
+
+@pytest.mark.parametrize("factor_update", ["gram", "kl"])
+def test_fsdp_update_gathers_no_matrix(factor_update):
+    """On an 8-device FSDP mesh (rows split), the compiled update sends each whole matrix's
+    gradient and first moment to one owner and its direction back (two all-to-alls, at
+    most three whole matrices of the largest owner's per device), and holds no all-gather
+    or all-reduce; left to the partitioner (``shard_matrices=False``, the control) the
+    Gram products gather the matrices."""
+    from benchmarks import hlo
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    shapes = {"q": (32, 32), "k": (32, 32), "v": (32, 32), "o": (32, 32),
+              "fc": (32, 64), "fc2": (32, 64), "proj": (64, 32), "proj2": (64, 32)}
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    params = {k: jax.device_put(jnp.ones(s, jnp.float32), rows) for k, s in shapes.items()}
+
+    def compiled(**kwargs):
+        tx = scale_by_soap(factor_update=factor_update,
+                           newton_schulz_plan=NewtonSchulzPlan.from_params(params), **kwargs)
+        state = tx.init(params)
+        text = jax.jit(tx.update).lower(params, state).compile().as_text()
+        return state, hlo.analyze(text)
+
+    state, cost = compiled()
+    assert all(isinstance(x, optax.EmptyState) for x in state.matrices.values())
+    assert dict(cost.counts) == {"all-to-all": 2}
+    # one matrix per owner: its gradient and first moment in, its direction out
+    assert cost.by_kind["all-to-all"] <= 3 * 4 * 32 * 64
+    assert compiled(shard_matrices=False)[1].counts["all-gather"] > 0

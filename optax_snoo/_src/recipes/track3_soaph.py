@@ -122,12 +122,13 @@ class KLSoapHPowerDecayHyperparameters(KLSoapHHyperparameters):
 def _soaph(t: SoapHHyperparameters, total_steps: int, *, labels: Any = None,
            adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
            shard_newton_schulz: bool = True) -> Stack:
-    del newton_schulz_plan, shard_newton_schulz, total_steps  # the horizons are in `t`
+    del total_steps  # the horizons are in `t`
     lr = stable_cooldown_schedule(t.soap_learning_rate, t.soap_lr_steps, cooldown_frac=1.0,
                                   final_lr_scale=t.soap_lr_floor, power=t.soap_lr_power)
     matrices = soap(lr, t.soap_b1, t.soap_b2, shampoo_beta=t.shampoo_beta, eps=t.soap_eps,
                     precondition_frequency=t.precondition_frequency,
-                    factor_update=t.factor_update, pin=t.pin)
+                    factor_update=t.factor_update, pin=t.pin,
+                    shard_matrices=shard_newton_schulz, newton_schulz_plan=newton_schulz_plan)
     schedule = lambda peak: stable_cooldown_schedule(peak, t.adam_lr_steps, t.adam_cooldown_frac,
                                                      t.adam_lr_floor, power=t.adam_lr_power)
     return aux_adamw_stack(matrices, lr, t, schedule, labels=labels,
