@@ -44,6 +44,13 @@ inside this transform rather than `optax_snoo.kfac.graft` because Meta's graft d
 direction outright before the first root. The arithmetic is float32 (float64 for float64
 params), as the library's default float32 factor matrices.
 
+The factors, their roots and ``L⁻ M̂ R⁻`` are functions of each matrix alone, a
+`MatrixPrecondition` run by `scale_by_muon`'s exchange (``muon_sharding.py``, no
+Newton-Schulz after it): on params split over a mesh (FSDP) each whole matrix's gradient and
+``M̂`` travel to one owner device (one all-to-all in, one back), which keeps its factors and
+roots, instead of the partitioner gathering every matrix to every device for ``G Gᵀ``; the
+moments and the graft stay where each leaf lies (the graft's norms: scalar all-reduces).
+
 Put the learning rate and the decoupled weight decay after it (``-lr·(out + wd·W)``, the
 library's ``WeightDecayType.DECOUPLED``): `shampoo` is that chain.
 
@@ -68,6 +75,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_snoo._src.muon import _as_given
+from optax_snoo._src.muon_plan import NewtonSchulzPlan, place_leaves
+from optax_snoo._src.muon_sharding import (
+    MatrixPrecondition,
+    init_precondition,
+    orthogonalize_leaves,
+)
 from optax_snoo._src.newton_schulz import _check_matrix_axes
 from optax_snoo._src.utils import (
     check_int_at_least,
@@ -75,6 +89,7 @@ from optax_snoo._src.utils import (
     check_positive,
     check_unit_interval,
     concrete_real,
+    path_to_str,
     state_dtype,
 )
 from optax_snoo._src.weight_decay import add_decoupled_weight_decay
@@ -89,7 +104,9 @@ GRAFTINGS = ("adam", None)
 class ShampooState(NamedTuple):
     """The update count and, per leaf: the filtered gradient ``mu``, Adam's second moment
     ``nu`` (``None`` without grafting), the factors ``left`` (over ``matrix_axes[0]``) and
-    ``right`` (over ``matrix_axes[1]``), and their inverse roots (batch axes first)."""
+    ``right`` (over ``matrix_axes[1]``), and their inverse roots (batch axes first); the
+    four are ``optax.EmptyState()`` for a leaf whose matrices go to owners on a mesh, their
+    state then in ``owned`` (`OwnedPreconditionState.owned`, ``()`` when none does)."""
 
     count: jax.Array
     mu: Any
@@ -98,6 +115,16 @@ class ShampooState(NamedTuple):
     right: Any
     left_root: Any
     right_root: Any
+    owned: tuple[jax.Array, ...] = ()
+
+
+class _Factors(NamedTuple):
+    """One stack's factors and inverse roots, ``(..., a, a)`` and ``(..., b, b)``."""
+
+    left: jax.Array
+    right: jax.Array
+    left_root: jax.Array
+    right_root: jax.Array
 
 
 def shampoo_inverse_root(x: jax.Array, exponent: Any, epsilon: Any = 0.0, *,
@@ -135,6 +162,9 @@ def scale_by_shampoo(
     graft_eps: Any = 1e-10,
     use_bias_correction: bool = True,
     matrix_axes: tuple[int, int] = (-2, -1),
+    shard_matrices: bool = True,
+    newton_schulz_plan: NewtonSchulzPlan | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> optax.GradientTransformation:
     """Shampoo's direction ``L⁻ M̂ R⁻``, grafted onto Adam's norm (see the module).
 
@@ -158,6 +188,11 @@ def scale_by_shampoo(
       graft_eps: Adam's epsilon for the graft, >= 0.
       use_bias_correction: bias-correct the filtered gradient and the factors.
       matrix_axes: the two axes of each leaf that form the matrix (other axes: a batch).
+      shard_matrices: send the matrices of leaves split over a mesh to owners (as
+        `scale_by_muon`'s ``shard_newton_schulz``); False: leave them to the partitioner.
+      newton_schulz_plan: where the leaves live under ``jax.jit``, as in `scale_by_muon`
+        (`NewtonSchulzPlan.from_params(params)`); init and update must see the same.
+      mesh: the mesh for leaves of unknown sharding, as in `scale_by_muon`.
 
     Returns:
       An ``optax.GradientTransformation`` with state `ShampooState`; every leaf needs at
@@ -198,105 +233,131 @@ def scale_by_shampoo(
         raise ValueError(f"grafting must be one of {GRAFTINGS}, got {grafting!r}.")
     check_unit_interval("graft_b2", graft_b2)
     check_non_negative("graft_eps", graft_eps)
-    _check_matrix_axes(matrix_axes)
+    matrix_axes = _check_matrix_axes(matrix_axes)
+    if newton_schulz_plan is not None and not isinstance(newton_schulz_plan, NewtonSchulzPlan):
+        raise ValueError(f"newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
+                         f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
 
-    masked = lambda x: isinstance(x, optax.MaskedNode)
+    plan = newton_schulz_plan or NewtonSchulzPlan()
+    spread_mesh = mesh if mesh is not None else plan.mesh
     mT = lambda x: jnp.swapaxes(x, -1, -2)
 
-    def to_mat(x):
-        return jnp.moveaxis(x, matrix_axes, (-2, -1))
+    def init_factors(batch: int, a: int, b: int, dtype: Any) -> _Factors:
+        dt = jnp.promote_types(dtype, jnp.float32)
+        eye = lambda n: jnp.broadcast_to(jnp.eye(n, dtype=dt), (batch, n, n))
+        return _Factors(jnp.zeros((batch, a, a), dt), jnp.zeros((batch, b, b), dt),
+                        eye(a), eye(b))
 
-    def from_mat(x):
-        return jnp.moveaxis(x, (-2, -1), matrix_axes)
+    def precondition(m_hat: jax.Array, g: jax.Array, st: _Factors, count: jax.Array,
+                     flags: Any) -> tuple[jax.Array, _Factors]:
+        """Matrices ``(..., a, b)``: the factors from the raw gradient ``g`` (every update),
+        their roots (at a refresh) and ``L⁻ M̂ R⁻``; a `MatrixPrecondition`'s ``apply``,
+        run on each matrix's owner under a mesh."""
+        del flags
+        t, dt = count + 1, st.left.dtype
+        g, beta2 = g.astype(dt), jnp.asarray(b2, dt)
+        weight = jnp.where(beta2 == 1.0, 1.0, 1.0 - beta2).astype(dt)  # β₂ = 1: sums
+        left = beta2 * st.left + weight * (g @ mT(g))
+        right = beta2 * st.right + weight * (mT(g) @ g)
+
+        def roots():  # from the bias-corrected factors
+            bc2 = (jnp.where(beta2 < 1.0, 1.0 - beta2 ** t.astype(dt), 1.0)
+                   if use_bias_correction else jnp.ones([], dt)).astype(dt)
+            out = []
+            for factor, old in ((left, st.left_root), (right, st.right_root)):
+                root = shampoo_inverse_root(
+                    factor / bc2, root_exponent, jnp.asarray(epsilon, dt),
+                    pseudo_inverse=pseudo_inverse, rank_rtol=jnp.asarray(rank_rtol, dt))
+                ok = jnp.all(jnp.isfinite(root), axis=(-2, -1), keepdims=True)
+                out.append(jnp.where(ok, root, old))  # as the library: keep the old root
+            return tuple(out)
+
+        refresh = ((t % frequency == 0) & (t > start)) | (t == start)
+        left_root, right_root = jax.lax.cond(refresh, roots,
+                                             lambda: (st.left_root, st.right_root))
+        return (left_root @ m_hat.astype(dt) @ right_root,
+                _Factors(left, right, left_root, right_root))
+
+    per_matrix = MatrixPrecondition(init_factors, precondition)
+
+    def leaf_axes(x: Any) -> tuple[int, int]:
+        # the exchange's (fan_in, fan_out): its (fan_out, fan_in) view is our (a, b)
+        nd = jnp.ndim(x)
+        return matrix_axes[1] % nd, matrix_axes[0] % nd
 
     def init_fn(params):
         def check(path, p):
-            if not masked(p) and jnp.ndim(p) < 2:
+            if jnp.ndim(p) < 2:
                 raise ValueError(f"scale_by_shampoo needs leaves with at least two axes; "
                                  f"{jax.tree_util.keystr(path)} has shape {jnp.shape(p)}")
-        jax.tree_util.tree_map_with_path(check, params, is_leaf=masked)
+        jax.tree_util.tree_map_with_path(check, params)  # MaskedNode leaves have no leaves
 
-        def square(p, axis, make):
-            if masked(p):
-                return p
-            m = to_mat(jnp.zeros(jnp.shape(p)))
-            n = m.shape[axis]
-            return jnp.broadcast_to(make(n, dtype=state_dtype(None, p)), (*m.shape[:-2], n, n))
-        zeros = lambda n, dtype: jnp.zeros((n, n), dtype)
-        like = lambda p: p if masked(p) else jnp.zeros_like(  # keeps p's sharding
-            p, dtype=state_dtype(None, p))
-        mirror = lambda: jax.tree.map(like, params, is_leaf=masked)
-        factor = lambda axis, make: jax.tree.map(lambda p: square(p, axis, make), params,
-                                                 is_leaf=masked)
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+        paths, leaves = [path_to_str(p) for p, _ in with_paths], [p for _, p in with_paths]
+        per_leaf, owned = init_precondition(
+            per_matrix, leaves, [leaf_axes(p) for p in leaves],
+            place_leaves(plan, paths, [[p] for p in leaves]), mesh=spread_mesh,
+            split=shard_matrices)
+        mirror = lambda: jax.tree.map(lambda p: jnp.zeros_like(  # keeps p's sharding
+            p, dtype=state_dtype(None, p)), params)
         return ShampooState(jnp.zeros([], jnp.int32), mirror(),
                             mirror() if grafting == "adam" else None,
-                            factor(-2, zeros), factor(-1, zeros),
-                            factor(-2, jnp.eye), factor(-1, jnp.eye))
+                            *_factor_trees(per_leaf, treedef), owned)
 
     def update_fn(updates, state, params=None):
         del params
         t = state.count + 1
-        leaves, treedef = jax.tree.flatten(updates, is_leaf=masked)
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        paths, leaves = [path_to_str(p) for p, _ in with_paths], [g for _, g in with_paths]
         flat = lambda tree: treedef.flatten_up_to(tree)
-        mus, lefts, rights = flat(state.mu), flat(state.left), flat(state.right)
-        l_roots, r_roots = flat(state.left_root), flat(state.right_root)
+        mus = flat(state.mu)
         nus = flat(state.nu) if grafting == "adam" else [None] * len(leaves)
-        live = [i for i, g in enumerate(leaves) if not masked(g)]
+        factors = [optax.EmptyState() if isinstance(s[0], optax.EmptyState) else _Factors(*s)
+                   for s in zip(*map(flat, (state.left, state.right, state.left_root,
+                                            state.right_root)), strict=True)]
 
-        # Factors: every update, from the raw gradient.
-        new_l, new_r = list(lefts), list(rights)
-        for i in live:
-            dt = mus[i].dtype
-            g, beta2 = to_mat(leaves[i].astype(dt)), jnp.asarray(b2, dt)
-            weight = jnp.where(beta2 == 1.0, 1.0, 1.0 - beta2).astype(dt)  # β₂ = 1: sums
-            new_l[i] = beta2 * lefts[i] + weight * (g @ mT(g))
-            new_r[i] = beta2 * rights[i] + weight * (mT(g) @ g)
+        grads, new_mu, m_hats = [], [], []
+        for g, mu in zip(leaves, mus, strict=True):
+            dt = mu.dtype
+            g32, b1_ = g.astype(dt), jnp.asarray(b1, dt)
+            mu = mu + (1 - b1_) * (g32 - mu)  # the library's lerp_(G, 1 - β₁)
+            grads.append(g32)
+            new_mu.append(mu)
+            m_hats.append(mu / (1 - b1_ ** t.astype(dt)) if use_bias_correction else mu)
+        dtype = jnp.result_type(jnp.float32, *[m.dtype for m in mus])
+        axes = [leaf_axes(g) for g in leaves]
+        directions, factors, owned = orthogonalize_leaves(
+            m_hats, axes, place_leaves(plan, paths, list(zip(leaves, mus, strict=True))),
+            newton_schulz=_as_given, ns_dtype=dtype, mesh=spread_mesh, split=shard_matrices,
+            precondition=per_matrix, grads=grads, leaf_states=factors, owned=state.owned,
+            count=state.count)
 
-        # Roots: only at a refresh, from the bias-corrected factors.
-        refresh = ((t % frequency == 0) & (t > start)) | (t == start)
-
-        def roots():
-            out_l, out_r = list(l_roots), list(r_roots)
-            for i in live:
-                dt, beta2 = mus[i].dtype, jnp.asarray(b2, mus[i].dtype)
-                bc2 = (jnp.where(beta2 < 1.0, 1.0 - beta2 ** t.astype(dt), 1.0)
-                       if use_bias_correction else jnp.ones([], dt)).astype(dt)
-                for out, factor, old in ((out_l, new_l[i], l_roots[i]),
-                                         (out_r, new_r[i], r_roots[i])):
-                    root = shampoo_inverse_root(
-                        factor / bc2, root_exponent, jnp.asarray(epsilon, dt),
-                        pseudo_inverse=pseudo_inverse, rank_rtol=jnp.asarray(rank_rtol, dt))
-                    ok = jnp.all(jnp.isfinite(root), axis=(-2, -1), keepdims=True)
-                    out[i] = jnp.where(ok, root, old)  # as the library: keep the old root
-            return out_l, out_r
-
-        new_lr, new_rr = jax.lax.cond(refresh, roots, lambda: (list(l_roots), list(r_roots)))
-
-        out, new_mu, new_nu = list(leaves), list(mus), list(nus)
-        for i in live:
-            dt = mus[i].dtype
-            g32 = leaves[i].astype(dt)
-            b1_ = jnp.asarray(b1, dt)
-            mu = mus[i] + (1 - b1_) * (g32 - mus[i])  # the library's lerp_(G, 1 - β₁)
-            m_hat = mu / (1 - b1_ ** t.astype(dt)) if use_bias_correction else mu
-            p = new_lr[i] @ to_mat(m_hat) @ new_rr[i]
+        out, new_nu = [], list(nus)
+        for i, (p, g) in enumerate(zip(directions, leaves, strict=True)):
             if grafting == "adam":
+                dt = mus[i].dtype
                 gb2 = jnp.asarray(graft_b2, dt)
-                nu = gb2 * nus[i] + (1 - gb2) * g32 * g32
-                adam = to_mat(m_hat / (jnp.sqrt(nu / (1 - gb2 ** t.astype(dt)))
-                                       + jnp.asarray(graft_eps, dt)))
-                norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
+                nu = gb2 * nus[i] + (1 - gb2) * grads[i] * grads[i]
+                adam = m_hats[i] / (jnp.sqrt(nu / (1 - gb2 ** t.astype(dt)))
+                                    + jnp.asarray(graft_eps, dt))
+                norm = lambda x, a=axes[i]: jnp.sqrt(jnp.sum(x * x, axis=a, keepdims=True))
                 grafted = p * (norm(adam) / (norm(p) + GRAFT_NORM_EPS))
                 p = jnp.where(t < start, adam, grafted)
                 new_nu[i] = nu
-            out[i] = from_mat(p).astype(leaves[i].dtype)
-            new_mu[i] = mu
+            out.append(p.astype(g.dtype))
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
         return unflat(out), ShampooState(
             t, unflat(new_mu), unflat(new_nu) if grafting == "adam" else None,
-            unflat(new_l), unflat(new_r), unflat(new_lr), unflat(new_rr))
+            *_factor_trees(factors, treedef), owned)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _factor_trees(per_leaf: list[Any], treedef: Any) -> list[Any]:
+    """The trees of `ShampooState`'s ``left``, ``right``, ``left_root``, ``right_root``
+    from per-leaf `_Factors` (``optax.EmptyState()`` in all four where a leaf is owned)."""
+    rows = [(s,) * 4 if isinstance(s, optax.EmptyState) else tuple(s) for s in per_leaf]
+    return [treedef.unflatten([r[k] for r in rows]) for k in range(4)]
 
 
 def shampoo(
@@ -316,6 +377,9 @@ def shampoo(
     graft_eps: Any = 1e-10,
     use_bias_correction: bool = True,
     matrix_axes: tuple[int, int] = (-2, -1),
+    shard_matrices: bool = True,
+    newton_schulz_plan: NewtonSchulzPlan | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> optax.GradientTransformation:
     """Shampoo as an optimizer: `scale_by_shampoo`, then decoupled weight decay and the
     learning rate, ``W ← W - lr·(out + weight_decay·W)`` (the library's
@@ -331,7 +395,8 @@ def shampoo(
       b1: the filtered gradient's decay, as `scale_by_shampoo`'s; so are ``b2``,
         ``epsilon``, ``frequency``, ``start``, ``root_exponent``, ``pseudo_inverse``,
         ``rank_rtol``, ``grafting``, ``graft_b2``, ``graft_eps``,
-        ``use_bias_correction`` and ``matrix_axes``.
+        ``use_bias_correction``, ``matrix_axes``, ``shard_matrices``,
+        ``newton_schulz_plan`` and ``mesh``.
 
     Returns:
       ``optax.chain(scale_by_shampoo(...), add_decoupled_weight_decay(weight_decay),
@@ -355,6 +420,7 @@ def shampoo(
                          root_exponent=root_exponent, pseudo_inverse=pseudo_inverse,
                          rank_rtol=rank_rtol, grafting=grafting, graft_b2=graft_b2,
                          graft_eps=graft_eps, use_bias_correction=use_bias_correction,
-                         matrix_axes=matrix_axes),
+                         matrix_axes=matrix_axes, shard_matrices=shard_matrices,
+                         newton_schulz_plan=newton_schulz_plan, mesh=mesh),
         add_decoupled_weight_decay(weight_decay),
         optax.scale_by_learning_rate(learning_rate))

@@ -96,12 +96,12 @@ class ShampooPinvHyperparameters(ShampooHyperparameters):
 def _shampoo(t: ShampooHyperparameters, total_steps: int, *, labels: Any = None,
              adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
              shard_newton_schulz: bool = True) -> Stack:
-    del newton_schulz_plan, shard_newton_schulz  # no Newton-Schulz
     lr = stable_cooldown_schedule(t.shampoo_learning_rate, total_steps, t.cooldown_frac)
     matrices = shampoo(lr, t.shampoo_b1, t.shampoo_b2, weight_decay=t.shampoo_weight_decay,
                        epsilon=t.shampoo_epsilon, frequency=t.precondition_frequency,
                        pseudo_inverse=t.pseudo_inverse, graft_b2=t.graft_b2,
-                       graft_eps=t.graft_eps)
+                       graft_eps=t.graft_eps, shard_matrices=shard_newton_schulz,
+                       newton_schulz_plan=newton_schulz_plan)
     return aux_adamw_stack(matrices, lr, t, aux_schedule(total_steps, t.cooldown_frac),
                            labels=labels, adam_patterns=adam_patterns)
 
