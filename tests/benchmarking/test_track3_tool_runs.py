@@ -496,22 +496,45 @@ def test_the_reports_step_time_table_shows_the_flop_floor_when_measured(tmp_path
 
 
 def test_step_flops_counts_a_compiled_programs_dots_and_a_refresh_by_eigh():
-    """`track3_step_time.step_flops` on a program of one 32x64 @ 64x16 dot and an eigh of
-    a 16x16 matrix in one branch of a conditional: the step without eigh counts the dot
+    """`track3_step_time.step_flops` on a step shaped as the trainer's: a guard that skips
+    or updates, the update one 32x64 @ 64x16 dot and its Gram, and an eigh of the 16x16
+    Gram in one branch of a refresh conditional: the step without eigh counts the dots
     (2 m n k) and no eigh, the step refreshing by eigh adds `benchmarks.hlo`'s 9 n³."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.track3_step_time import step_flops
 
-    def f(a, b, refresh):
+    def update(a, b, refresh):
         c = a @ b
         gram = c.T @ c
         return c, jax.lax.cond(refresh, lambda g: jnp.linalg.eigh(g)[1], lambda g: g, gram)
 
-    args = (jnp.ones((32, 64)), jnp.ones((64, 16)), True)
+    def f(a, b, refresh, ok):
+        skip = lambda a, b, r: (jnp.zeros((32, 16)), jnp.zeros((16, 16)))
+        return jax.lax.cond(ok, update, skip, a, b, refresh)
+
+    args = (jnp.ones((32, 64)), jnp.ones((64, 16)), True, True)
     r = step_flops(jax.jit(f).lower(*args).compile().as_text())
     dots = 2 * 32 * 64 * 16 + 2 * 16 * 16 * 32
     assert dots <= r["gflop"] * 1e9 < dots + 32 * 64 * 4  # and some elementwise work
     assert r["gflop_eigh_part"] * 1e9 == 9 * 16 ** 3
     assert r["gflop_eigh"] * 1e9 >= r["gflop"] * 1e9 + 9 * 16 ** 3
+
+
+def test_step_flops_counts_an_eigh_every_step_inside_a_guard():
+    """A step whose update runs `eigh` every time, inside a skip-or-update conditional
+    (the trainer's non-finite guard): its steady step is the update with the eigh, not
+    the skip branch."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.track3_step_time import step_flops
+
+    def f(a, ok):
+        gram = a.T @ a
+        return jax.lax.cond(ok, lambda g: jnp.linalg.eigh(g)[1] @ g, lambda g: g, gram)
+
+    r = step_flops(jax.jit(f).lower(jnp.ones((32, 16)), True).compile().as_text())
+    assert r["gflop"] == r["gflop_eigh"]
+    assert r["gflop"] * 1e9 >= 2 * 16 * 16 * 32 + 9 * 16 ** 3 + 2 * 16 ** 3
