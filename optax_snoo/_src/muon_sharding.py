@@ -103,8 +103,11 @@ class MatrixPrecondition(NamedTuple):
         pytree of arrays, each with the leading axis ``batch``); ``dtype`` is the
         param's.
       apply: ``(M, G, state, count, flags) -> (D, state)``: the matrices to orthogonalise
-        and the new state; ``count`` the update count, ``flags`` a static numpy bool
-        array of the batch's shape (each matrix's leaf flag).
+        and the new state; ``G`` the raw gradient, or a tuple of matrices of ``M``'s
+        shape (the gradient and whatever else the transform reads per matrix, e.g. PSGD's
+        probes; each travels to the owner beside ``M``); ``count`` the update count,
+        ``flags`` a static numpy bool array of the batch's shape (each matrix's leaf
+        flag).
       flags: ``(leaf paths, params treedef) -> list of bools``: a static per-leaf switch
         the transform reads (e.g. SOAP's trust gate), or None (all False).
       apply_stacks: ``(Ms, Gs, states, count, flags) -> (Ds, states)``: ``apply`` on
@@ -140,7 +143,7 @@ def apply_batched(pre: MatrixPrecondition, Ms: Sequence[jax.Array], Gs: Sequence
         return [], []
     shapes: dict[tuple[Any, ...], list[int]] = {}
     for k, m in enumerate(Ms):  # by shape and dtypes (a float64 leaf keeps its own)
-        key = (*m.shape[-2:], m.dtype, Gs[k].dtype,
+        key = (*m.shape[-2:], m.dtype, *(g.dtype for g in jax.tree.leaves(Gs[k])),
                *(x.dtype for x in jax.tree.leaves(states[k])))
         shapes.setdefault(key, []).append(k)
     flat = lambda x, b: x.reshape(math.prod(b), *x.shape[len(b):])
@@ -152,7 +155,8 @@ def apply_batched(pre: MatrixPrecondition, Ms: Sequence[jax.Array], Gs: Sequence
         batch = [Ms[k].shape[:-2] for k in ks]
         stacks.append((
             _join([flat(Ms[k], b) for k, b in zip(ks, batch, strict=True)]),
-            _join([flat(Gs[k], b) for k, b in zip(ks, batch, strict=True)]),
+            _join([jax.tree.map(lambda x, b=b: flat(x, b), Gs[k])
+                   for k, b in zip(ks, batch, strict=True)]),
             _join([jax.tree.map(lambda x, b=b: flat(x, b), states[k])
                    for k, b in zip(ks, batch, strict=True)]),
             np.concatenate([np.asarray(flags[k], bool).reshape(-1) for k in ks])))
@@ -255,7 +259,8 @@ def orthogonalize_leaves(xs: Sequence[jax.Array], axes: Sequence[tuple[int, int]
       split: whether to split over devices at all (``scale_by_muon``'s
         ``shard_newton_schulz``).
       precondition: applied to every matrix before its iteration; None: none.
-      grads: the raw gradients (with ``precondition``).
+      grads: the raw gradients (with ``precondition``), or per leaf a tuple of arrays of
+        its shape (`MatrixPrecondition.apply`'s ``G``).
       leaf_states: per leaf, its precondition state from `init_precondition` (with
         ``precondition``; empty where the leaf goes to owners).
       owned: the owners' precondition states from `init_precondition`.
@@ -324,9 +329,10 @@ def _precondition_leaves(pre: MatrixPrecondition, xs: Sequence[jax.Array],
     """The per-leaf path: the leaves' matrices preconditioned where they lie, in one
     `apply_batched` (one stack per matrix shape)."""
     ms = [_to_record(x, a) for x, a in zip(xs, axes, strict=True)]
+    record = lambda g, a, m: jax.tree.map(lambda x: _to_record(x, a).astype(m.dtype), g)
     ds, states = apply_batched(
-        pre, ms, [_to_record(g, a).astype(m.dtype) for g, a, m in zip(gs, axes, ms, strict=True)],
-        states, count, [np.full(m.shape[:-2], f) for m, f in zip(ms, flags, strict=True)])
+        pre, ms, [record(g, a, m) for g, a, m in zip(gs, axes, ms, strict=True)], states,
+        count, [np.full(m.shape[:-2], f) for m, f in zip(ms, flags, strict=True)])
     return [(_from_record(d, a), st) for d, a, st in zip(ds, axes, states, strict=True)]
 
 
@@ -493,19 +499,23 @@ class _OwnerStep(NamedTuple):
     dtype: Any          # of the flat state and of the matrices on the way in
     wire: Any           # the unsigned int the matrices travel as on the way in
     length: int         # flat state elements per owner
+    grad_tree: Any = jax.tree.structure(0)  # of ``G``: the raw gradient alone, or a tuple
 
 
 def _precondition_owned(step: _OwnerStep, lay: _Layout, profile: tuple[_Slot, ...],
                         x: jax.Array, state: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-    """The precondition on an owner's whole matrices (momentum and raw gradient side by
-    side in ``x``), each in (fan_out, fan_in) layout, with its flat ``state`` row."""
-    m, g = (jax.lax.bitcast_convert_type(v, step.dtype)
-            for v in (x[:, :lay.length], x[:, lay.length:]))
+    """The precondition on an owner's whole matrices (momentum and the leaves of ``G``
+    side by side in ``x``), each in (fan_out, fan_in) layout, with its flat ``state``
+    row."""
+    m, *g = (jax.lax.bitcast_convert_type(x[:, k * lay.length:(k + 1) * lay.length],
+                                          step.dtype)
+             for k in range(1 + step.grad_tree.num_leaves))
     ms, gs, states, off = [], [], [], 0
     recs = [(lambda v: v) if slot.transpose else (lambda v: jnp.swapaxes(v, -1, -2))
             for slot in profile]
-    for slot, rec, mm, gg in zip(profile, recs, _assemble(lay, profile, m),
-                                 _assemble(lay, profile, g), strict=True):
+    g_slots = zip(*(_assemble(lay, profile, v) for v in g), strict=True)
+    for slot, rec, mm, gg in zip(profile, recs, _assemble(lay, profile, m), g_slots,
+                                 strict=True):
         rows, cols = mm.shape[1:]
         out_n, in_n = (rows, cols) if slot.transpose else (cols, rows)
         like = jax.eval_shape(functools.partial(step.transform.init, slot.count, out_n, in_n,
@@ -516,7 +526,7 @@ def _precondition_owned(step: _OwnerStep, lay: _Layout, profile: tuple[_Slot, ..
             pieces.append(state[0, off:off + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
             off += leaf.size
         ms.append(rec(mm))
-        gs.append(rec(gg))
+        gs.append(step.grad_tree.unflatten([rec(v) for v in gg]))
         states.append(treedef.unflatten(pieces))
     # All of the owner's matrices in one call: one stack per shape.
     ds, new_states = apply_batched(step.transform, ms, gs, states, step.count,
@@ -599,9 +609,10 @@ def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array],
     the pieces back (one all-to-all) and, where axes replicate the matrices, one
     all-gather of the results. The code is the same in every slice of the stacks.
 
-    With a precondition ``step`` the operands are the momentum's blocks, the raw
-    gradient's blocks and the owners' flat state; both matrices travel in the same
-    all-to-all, the owner preconditions them before its iteration and returns its state.
+    With a precondition ``step`` the operands are the momentum's blocks, the blocks of
+    each leaf of ``G`` (the raw gradient, or a tuple) and the owners' flat state; all the
+    matrices travel in the same all-to-all, the owner preconditions them before its
+    iteration and returns its state.
     """
     lay = _layout(ex, mesh, with_orientation=step is not None, flags=flags)
     branches = [functools.partial(_iterate_owned, lay, profile, newton_schulz=newton_schulz,
@@ -613,7 +624,9 @@ def _exchange_body(ex: Exchange, mesh: Any, newton_schulz: Callable[[jax.Array],
         if step is None:
             lists, state = [operands], None
         else:
-            lists, state = [operands[:n_in], operands[n_in:2 * n_in]], operands[2 * n_in]
+            n_lists = 1 + step.grad_tree.num_leaves
+            lists = [operands[k * n_in:(k + 1) * n_in] for k in range(n_lists)]
+            state = operands[n_lists * n_in]
         x, replica = _gather_pieces(ex, lay, lists, step.wire if step else wire)
         if len(branches) == 1:
             y, state = branches[0](x, state)
@@ -658,7 +671,7 @@ def orthogonalize_sharded(
       newton_schulz: the batched iteration on ``(S, rows, cols)``, rows <= cols.
       ns_dtype: the iteration dtype (the transfers use it).
       precondition: a `MatrixPrecondition` to run on the owners first, with the raw
-        gradients, the owners' states and the count; None: none.
+        gradients (or tuples of arrays), the owners' states and the count; None: none.
 
     Returns:
       ``{leaf index: orthogonalised leaf}`` in float32 (float64 for a float64
@@ -673,25 +686,30 @@ def orthogonalize_sharded(
     for n, ex in enumerate(plan_exchanges(groups, mesh)):
         parts = [(group, part) for group in ex.groups for part in _parts(group, mesh)]
         specs = tuple(P(*group.spec) for group, _ in parts)
-        step, flags, in_dtype = None, (), ns_dtype
+        step, flags, in_dtype, n_lists = None, (), ns_dtype, 1
         if precondition is not None:
             # The precondition reads the momentum and the gradient as the single-device
             # path does: in the state's dtype (float32), not the iteration's.
             table = precondition.owned[n]
             in_dtype = table.dtype
+            grad_tree = jax.tree.structure(precondition.grads[ex.groups[0].leaves[0].index])
             step = _OwnerStep(precondition.transform, precondition.count, in_dtype,
-                              jnp.dtype(f"uint{8 * in_dtype.itemsize}"), table.shape[1])
-            flags = precondition.flags
+                              jnp.dtype(f"uint{8 * in_dtype.itemsize}"), table.shape[1],
+                              grad_tree)
+            flags, n_lists = precondition.flags, 1 + grad_tree.num_leaves
 
         operands = _stacks(xs, parts, specs, mesh, in_dtype, step.wire if step else wire)
         owner_spec = _owner_spec(ex)
         if step is not None:
-            operands += _stacks(precondition.grads, parts, specs, mesh, in_dtype, step.wire)
+            by_leaf = [jax.tree.leaves(g) for g in precondition.grads]
+            for k in range(n_lists - 1):  # each leaf of G: one more list of blocks
+                operands += _stacks([g[k] for g in by_leaf], parts, specs, mesh,
+                                    in_dtype, step.wire)
             operands.append(precondition.owned[n])
         body = jax.shard_map(_exchange_body(ex, mesh, newton_schulz, ns_dtype, wire, step,
                                             flags),
                              mesh=mesh,
-                             in_specs=(*specs, *specs, owner_spec) if step else specs,
+                             in_specs=(*specs * n_lists, owner_spec) if step else specs,
                              out_specs=(*specs, owner_spec) if step else specs,
                              # the all-gather over the replicating axes makes the
                              # result replicated there; the checker cannot infer it

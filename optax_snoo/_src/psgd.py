@@ -31,6 +31,15 @@ log's come from torch's generator), one key per update and leaf path (`psgd_prob
 The state and the computation are float32 (as the log's ``grad.float()``), float64 for
 float64 params.
 
+The factors, their fitting step and ``O`` are functions of each matrix alone, a
+`MatrixPrecondition` run by `scale_by_muon`'s exchange (``muon_sharding.py``, no
+Newton-Schulz after it): on params split over a mesh (FSDP) each whole matrix's ``M̂``,
+gradient and probes travel to one owner device (one all-to-all in, one back), which keeps
+its factors, instead of the partitioner gathering every matrix to every device for
+``Q_a U Q_bᵀ``. The momentum and the probes are made where each leaf lies (the probes
+drawn for the whole leaf as on one device, so a matrix's draws never depend on which
+device owns it).
+
 References:
   Li, `Preconditioned Stochastic Gradient Descent <https://arxiv.org/abs/1512.04202>`_,
   2015/2018; Li, `Black Box Lie Group Preconditioners for SGD
@@ -42,6 +51,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any, NamedTuple
 
@@ -49,12 +59,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_snoo._src.muon import _as_given
+from optax_snoo._src.muon_plan import NewtonSchulzPlan, place_leaves
+from optax_snoo._src.muon_sharding import (
+    MatrixPrecondition,
+    init_precondition,
+    orthogonalize_leaves,
+)
 from optax_snoo._src.newton_schulz import _check_matrix_axes
 from optax_snoo._src.radius import radius_steps
 from optax_snoo._src.utils import (
     check_non_negative,
     check_positive,
     check_unit_interval,
+    path_to_str,
     state_dtype,
     value_at,
 )
@@ -68,13 +86,24 @@ FLOAT32_EPS = float(jnp.finfo(jnp.float32).eps)
 
 class PSGDKronState(NamedTuple):
     """The update count, a JAX key, and per leaf the momentum and the two factors
-    (``q_a`` over ``matrix_axes[0]``, ``q_b`` over ``matrix_axes[1]``, batch axes first)."""
+    (``q_a`` over ``matrix_axes[0]``, ``q_b`` over ``matrix_axes[1]``, batch axes first);
+    the factors are ``optax.EmptyState()`` for a leaf whose matrices go to owners on a
+    mesh, their state then in ``owned`` (`OwnedPreconditionState.owned`, ``()`` when none
+    does)."""
 
     count: jax.Array
     key: jax.Array
     mu: Any
     q_a: Any
     q_b: Any
+    owned: tuple[jax.Array, ...] = ()
+
+
+class _Factors(NamedTuple):
+    """One stack's factors ``(..., a, a)`` and ``(..., b, b)``."""
+
+    q_a: jax.Array
+    q_b: jax.Array
 
 
 def psgd_spectral_norm(x: jax.Array) -> jax.Array:
@@ -124,6 +153,34 @@ def _fit(q_a, q_b, u, v, precond_lr):
     return new_a, new_b
 
 
+def _precondition(m_hat: jax.Array, inputs: tuple[jax.Array, jax.Array, jax.Array],
+                  st: _Factors, count: jax.Array, flags: Any, *, precond_lr: Any,
+                  damping: float) -> tuple[jax.Array, _Factors]:
+    """Matrices ``(..., a, b)``: the first update's ``Q = s₀ I``, one fitting step of the
+    factors on ``(U, V)`` and ``O = (Q_aᵀQ_a) M̂ (Q_bᵀQ_b)``; ``inputs`` the raw gradient
+    and the probes ``(G, ν, V)``. A `MatrixPrecondition`'s ``apply``: under a mesh each
+    matrix's owner runs it on the whole matrix."""
+    del flags
+    dt = st.q_a.dtype
+    g, nu, v = (x.astype(dt) for x in inputs)
+    m_hat = m_hat.astype(dt)
+    s0 = (jnp.maximum(jnp.mean(g ** 4, axis=(-2, -1)), 1e-24) ** (-1 / 32))[..., None, None]
+    first = count == 0
+    qa = jnp.where(first, st.q_a * s0, st.q_a)
+    qb = jnp.where(first, st.q_b * s0, st.q_b)
+    qa, qb = _fit(qa, qb, m_hat + damping * jnp.abs(m_hat) * nu, v,
+                  jnp.asarray(value_at(precond_lr, count), dt))
+    mT = lambda x: jnp.swapaxes(x, -1, -2)
+    return (mT(qa) @ qa) @ m_hat @ (mT(qb) @ qb), _Factors(qa, qb)
+
+
+def _init_factors(batch: int, a: int, b: int, dtype: Any) -> _Factors:
+    """``batch`` pairs of identities (scaled by ``s₀`` at the first update)."""
+    dt = state_dtype(None, dtype)
+    eye = lambda n: jnp.broadcast_to(jnp.eye(n, dtype=dt), (batch, n, n))
+    return _Factors(eye(a), eye(b))
+
+
 def scale_by_psgd_kron(
     b1: float = 0.95,
     precond_lr: float | optax.Schedule = 1.0,
@@ -131,8 +188,18 @@ def scale_by_psgd_kron(
     damping: float = FLOAT32_EPS,
     seed: int = 0,
     matrix_axes: tuple[int, int] = (-2, -1),
+    shard_matrices: bool = True,
+    newton_schulz_plan: NewtonSchulzPlan | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> optax.GradientTransformation:
     """PSGD Kron's whitened direction ``O = (Q_aᵀQ_a) M̂ (Q_bᵀQ_b)`` (see the module).
+
+    The momentum and the probes are made where each leaf lies; the factors, their fit and
+    ``O`` run as `scale_by_muon`'s per-matrix precondition does: on params split over a
+    mesh, each whole matrix's ``M̂``, gradient and probes go to one device (its owner, one
+    all-to-all in and one back for all the matrices), which keeps its factors
+    (`PSGDKronState.owned`), so no collective gathers a matrix to every device; elsewhere,
+    per leaf, same-shape matrices batched.
 
     Args:
       b1: the momentum's decay ``β`` (Track 3 #33: 0.95), in [0, 1); bias-corrected.
@@ -140,6 +207,11 @@ def scale_by_psgd_kron(
       damping: ``δ`` on ``|M̂|⊙ν`` in the fitted input (#33: float32's eps), >= 0.
       seed: seeds the state's key for the normal probes.
       matrix_axes: the two axes of each leaf that form the matrix (other axes: a batch).
+      shard_matrices: send the matrices of leaves split over a mesh to owners (as
+        `scale_by_muon`'s ``shard_newton_schulz``); False: leave them to the partitioner.
+      newton_schulz_plan: where the leaves live under ``jax.jit``, as in `scale_by_muon`
+        (`NewtonSchulzPlan.from_params(params)`); init and update must see the same.
+      mesh: the mesh for leaves of unknown sharding, as in `scale_by_muon`.
 
     Returns:
       An ``optax.GradientTransformation`` with state `PSGDKronState`; every leaf needs at
@@ -147,8 +219,8 @@ def scale_by_psgd_kron(
 
     Raises:
       ValueError: for ``b1`` outside [0, 1), a non-positive ``precond_lr``, a negative
-        ``damping``, equal or non-integer ``matrix_axes``; at ``init`` for a leaf with fewer
-        than two axes.
+        ``damping``, equal or non-integer ``matrix_axes``, a ``newton_schulz_plan`` that is
+        not a `NewtonSchulzPlan`; at ``init`` for a leaf with fewer than two axes.
 
     Example:
       >>> import jax.numpy as jnp
@@ -163,70 +235,82 @@ def scale_by_psgd_kron(
     if not callable(precond_lr):
         check_positive("precond_lr", precond_lr)
     check_non_negative("damping", damping)
-    _check_matrix_axes(matrix_axes)
+    matrix_axes = _check_matrix_axes(matrix_axes)
+    if newton_schulz_plan is not None and not isinstance(newton_schulz_plan, NewtonSchulzPlan):
+        raise ValueError(f"newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
+                         f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
 
-    masked = lambda x: isinstance(x, optax.MaskedNode)
+    plan = newton_schulz_plan or NewtonSchulzPlan()
+    spread_mesh = mesh if mesh is not None else plan.mesh
+    per_matrix = MatrixPrecondition(_init_factors, functools.partial(
+        _precondition, precond_lr=precond_lr, damping=damping))
 
-    def to_mat(x):
-        return jnp.moveaxis(x, matrix_axes, (-2, -1))
-
-    def from_mat(x):
-        return jnp.moveaxis(x, (-2, -1), matrix_axes)
+    def leaf_axes(x: Any) -> tuple[int, int]:
+        # the exchange's (fan_in, fan_out): its (fan_out, fan_in) view is our (a, b)
+        nd = jnp.ndim(x)
+        return matrix_axes[1] % nd, matrix_axes[0] % nd
 
     def init_fn(params):
         def check(path, p):
-            if not masked(p) and jnp.ndim(p) < 2:
+            if jnp.ndim(p) < 2:
                 raise ValueError(f"scale_by_psgd_kron needs leaves with at least two axes; "
                                  f"{jax.tree_util.keystr(path)} has shape {jnp.shape(p)}")
-        jax.tree_util.tree_map_with_path(check, params, is_leaf=masked)
+        jax.tree_util.tree_map_with_path(check, params)  # MaskedNode leaves have no leaves
 
-        def eye(p, axis):
-            if masked(p):
-                return p
-            m = to_mat(jnp.zeros(jnp.shape(p)))
-            n = m.shape[axis]
-            return jnp.broadcast_to(jnp.eye(n, dtype=state_dtype(None, p)),
-                                    (*m.shape[:-2], n, n))
-        mu = jax.tree.map(lambda p: p if masked(p) else jnp.zeros_like(  # (keeps p's sharding)
-            p, dtype=state_dtype(None, p)), params, is_leaf=masked)
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+        paths, leaves = [path_to_str(p) for p, _ in with_paths], [p for _, p in with_paths]
+        per_leaf, owned = init_precondition(
+            per_matrix, leaves, [leaf_axes(p) for p in leaves],
+            place_leaves(plan, paths, [[p] for p in leaves]), mesh=spread_mesh,
+            split=shard_matrices)
+        mu = jax.tree.map(lambda p: jnp.zeros_like(  # (keeps p's sharding)
+            p, dtype=state_dtype(None, p)), params)
         return PSGDKronState(jnp.zeros([], jnp.int32), jax.random.PRNGKey(seed), mu,
-                             jax.tree.map(lambda p: eye(p, -2), params, is_leaf=masked),
-                             jax.tree.map(lambda p: eye(p, -1), params, is_leaf=masked))
+                             *_factor_trees(per_leaf, treedef), owned)
 
     def update_fn(updates, state, params=None):
         del params
         count = state.count + 1
-        eta = value_at(precond_lr, state.count)
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=masked)
-        paths = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
-        leaves = [x for _, x in paths_leaves]
-        mus, qas, qbs = (treedef.flatten_up_to(t) for t in (state.mu, state.q_a, state.q_b))
-        out, new_mu, new_qa, new_qb = [], [], [], []
-        for path, g, mu, qa, qb in zip(paths, leaves, mus, qas, qbs, strict=True):
-            if masked(g):
-                out.append(g), new_mu.append(mu), new_qa.append(qa), new_qb.append(qb)
-                continue
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        leaves = [g for _, g in with_paths]
+        mus = treedef.flatten_up_to(state.mu)
+        factors = [optax.EmptyState() if isinstance(a, optax.EmptyState) else _Factors(a, b)
+                   for a, b in zip(treedef.flatten_up_to(state.q_a),
+                                   treedef.flatten_up_to(state.q_b), strict=True)]
+        new_mu, m_hats, inputs = [], [], []
+        for (path, g), mu in zip(with_paths, mus, strict=True):
             dt = mu.dtype
             g32 = g.astype(dt)
             mu = b1 * mu + (1 - b1) * g32  # the log's lerp_(g, 1 - b1)
-            m_hat = to_mat(mu / (1 - jnp.asarray(b1, dt) ** count.astype(dt)))
-            gm = to_mat(g32)
-            s0 = jnp.maximum(jnp.mean(gm ** 4, axis=(-2, -1)), 1e-24) ** (-1 / 32)
-            first = state.count == 0
-            qa = jnp.where(first, qa * s0[..., None, None], qa)
-            qb = jnp.where(first, qb * s0[..., None, None], qb)
-            v, nu = psgd_probes(state.key, state.count, path, m_hat.shape, dt)
-            qa, qb = _fit(qa, qb, m_hat + damping * jnp.abs(m_hat) * nu, v,
-                          jnp.asarray(eta, dt))
-            mT = lambda x: jnp.swapaxes(x, -1, -2)
-            o = (mT(qa) @ qa) @ m_hat @ (mT(qb) @ qb)
-            out.append(from_mat(o).astype(g.dtype))
-            new_mu.append(mu), new_qa.append(qa), new_qb.append(qb)
+            new_mu.append(mu)
+            m_hats.append(mu / (1 - jnp.asarray(b1, dt) ** count.astype(dt)))
+            # drawn for the whole leaf where it lies: a matrix's draws never depend on
+            # which device owns it
+            shape = jnp.moveaxis(g32, matrix_axes, (-2, -1)).shape
+            v, nu = psgd_probes(state.key, state.count, jax.tree_util.keystr(path), shape, dt)
+            back = lambda x: jnp.moveaxis(x, (-2, -1), matrix_axes)
+            inputs.append((g32, back(nu), back(v)))
+        dtype = jnp.result_type(jnp.float32, *[m.dtype for m in mus])
+        paths = [path_to_str(p) for p, _ in with_paths]
+        directions, factors, owned = orthogonalize_leaves(
+            m_hats, [leaf_axes(g) for g in leaves],
+            place_leaves(plan, paths, list(zip(leaves, mus, strict=True))),
+            newton_schulz=_as_given, ns_dtype=dtype, mesh=spread_mesh, split=shard_matrices,
+            precondition=per_matrix, grads=inputs, leaf_states=factors, owned=state.owned,
+            count=state.count)
+        out = [o.astype(g.dtype) for o, g in zip(directions, leaves, strict=True)]
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-        return unflat(out), PSGDKronState(count, state.key, unflat(new_mu), unflat(new_qa),
-                                          unflat(new_qb))
+        return unflat(out), PSGDKronState(count, state.key, unflat(new_mu),
+                                          *_factor_trees(factors, treedef), owned)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _factor_trees(per_leaf: list[Any], treedef: Any) -> list[Any]:
+    """The trees of `PSGDKronState`'s ``q_a`` and ``q_b`` from per-leaf `_Factors`
+    (``optax.EmptyState()`` in both where a leaf is owned)."""
+    rows = [(s, s) if isinstance(s, optax.EmptyState) else tuple(s) for s in per_leaf]
+    return [treedef.unflatten([r[k] for r in rows]) for k in range(2)]
 
 
 def psgd_kron(
@@ -238,16 +322,22 @@ def psgd_kron(
     seed: int = 0,
     pin: str | None = "current",
     matrix_axes: tuple[int, int] = (-2, -1),
+    shard_matrices: bool = True,
+    newton_schulz_plan: NewtonSchulzPlan | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
 ) -> optax.GradientTransformation:
     """Track 3 #33's matrix optimizer: `scale_by_psgd_kron` then the hyperball step
     ``radius_steps(learning_rate, brake=None, floor=None, pin=pin,
     cautious_weight_decay=0.0)`` (``pin="current"``: ``W' = W - lr‖W‖O/‖O‖`` rescaled to
-    ``‖W‖``, the log's ``p_norm`` taken each step; ``None``: plain ``W - lr·O``).
+    ``‖W‖``, the log's ``p_norm`` taken each step; ``None``: plain ``W - lr·O``;
+    ``shard_matrices``, ``newton_schulz_plan`` and ``mesh`` are `scale_by_psgd_kron`'s).
 
     The log adds 1e-10 to ``‖O‖`` and ``‖W'‖`` (``hyperball_eps="add"``; MuonH clamps).
     ``update`` needs ``params``.
     """
     return optax.chain(
-        scale_by_psgd_kron(b1, precond_lr, damping=damping, seed=seed, matrix_axes=matrix_axes),
+        scale_by_psgd_kron(b1, precond_lr, damping=damping, seed=seed, matrix_axes=matrix_axes,
+                           shard_matrices=shard_matrices,
+                           newton_schulz_plan=newton_schulz_plan, mesh=mesh),
         radius_steps(learning_rate, brake=None, floor=None, pin=pin, cautious_weight_decay=0.0,
                      matrix_axes=matrix_axes, hyperball_eps="add"))

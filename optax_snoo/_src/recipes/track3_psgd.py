@@ -57,9 +57,10 @@ class PSGDHyperparameters(AuxAdamWHyperparameters):
 def _psgd(t: PSGDHyperparameters, total_steps: int, *, labels: Any = None,
           adam_patterns: dict[str, str] | None = None, newton_schulz_plan: Any = None,
           shard_newton_schulz: bool = True) -> Stack:
-    del newton_schulz_plan, shard_newton_schulz  # no Newton-Schulz
     lr = stable_cooldown_schedule(t.psgd_learning_rate, total_steps, cooldown_frac=1.0)
-    matrices = psgd_kron(lr, t.psgd_b1, t.precond_lr, damping=t.psgd_damping, pin=t.pin)
+    matrices = psgd_kron(lr, t.psgd_b1, t.precond_lr, damping=t.psgd_damping, pin=t.pin,
+                         shard_matrices=shard_newton_schulz,
+                         newton_schulz_plan=newton_schulz_plan)
     schedule = lambda peak: stable_cooldown_schedule(peak, total_steps, t.adam_cooldown_frac,
                                                      t.adam_final_lr_scale)
     return aux_adamw_stack(matrices, lr, t, schedule, labels=labels,
