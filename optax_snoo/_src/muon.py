@@ -57,6 +57,7 @@ from optax_snoo._src.muon_plan import NewtonSchulzPlan, place_leaves
 from optax_snoo._src.muon_sharding import (
     MatrixPrecondition,
     OwnedPreconditionState,
+    _unchanged,
     init_precondition,
     orthogonalize_leaves,
 )
@@ -461,7 +462,7 @@ def scale_by_muon(
         # moves a sharded update by ~2% (Newton-Schulz amplifies the double rounding).
         transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
     if not orthogonalize:
-        newton_schulz = _as_given
+        newton_schulz = _unchanged  # orthogonalize=False
         transfer_dtype = jnp.promote_types(ns_dt, jnp.float32)
     if tempered_polar is not None:
         # the residual reads v itself (the record's float32 momentum), not its bf16 copy
@@ -564,11 +565,6 @@ def scale_by_muon(
             smooth=smooth, nu=nu, precondition=pre_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _as_given(x: jax.Array) -> jax.Array:
-    """``orthogonalize=False``'s stand-in for the iteration: the matrices unchanged."""
-    return x
 
 
 def _momentum(g: jax.Array, m: jax.Array, beta: Any, count: jax.Array, *, nesterov: bool,

@@ -77,6 +77,7 @@ from optax_snoo._src.muon_plan import (
     Exchange,
     Group,
     Leaf,
+    NewtonSchulzPlan,
     Placement,
     _assign,
     _Layout,
@@ -84,11 +85,14 @@ from optax_snoo._src.muon_plan import (
     _parts,
     _Slot,
     describe_leaf,
+    place_leaves,
     plan_exchanges,
 )
+from optax_snoo._src.utils import path_to_str
 
-__all__ = ["MatrixPrecondition", "OwnedPreconditionState", "apply_batched", "from_stack",
-           "init_precondition", "orthogonalize_leaves", "orthogonalize_sharded", "to_stack"]
+__all__ = ["MatrixPrecondition", "OwnedPreconditionState", "OwnersWork", "apply_batched",
+           "from_stack", "init_precondition", "orthogonalize_leaves", "orthogonalize_sharded",
+           "owners_work", "to_stack"]
 
 
 class MatrixPrecondition(NamedTuple):
@@ -728,3 +732,68 @@ def orthogonalize_sharded(
                     y = jax.lax.with_sharding_constraint(y, shardings[leaf.index])
                 results[leaf.index] = y
     return results, tuple(owned)
+
+
+def _unchanged(x: jax.Array) -> jax.Array:
+    """The stand-in for Newton-Schulz where none follows the precondition: the matrices
+    unchanged."""
+    return x
+
+
+class OwnersWork(NamedTuple):
+    """A `MatrixPrecondition` that is a whole transform's per-matrix work (SOAP's, Shampoo's,
+    PSGD Kron's), run on each matrix's owner by the exchange with no Newton-Schulz after
+    it: each whole matrix's inputs go to its owner in one all-to-all, the owner keeps that
+    matrix's state, the direction comes back in a second (`orthogonalize_leaves`).
+
+    Build it with `owners_work`; `leaf_axes(x)` gives a leaf's ``(fan_in, fan_out)`` axes
+    as the exchange reads them."""
+
+    precondition: MatrixPrecondition
+    leaf_axes: Callable[[Any], tuple[int, int]]
+    plan: NewtonSchulzPlan
+    mesh: Any
+    split: bool
+
+    def init(self, params: Any) -> tuple[list[Any], Any, tuple[jax.Array, ...]]:
+        """`(per-leaf states, the params' treedef, the owners' states)` for `params`."""
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+        paths, leaves = [path_to_str(p) for p, _ in with_paths], [p for _, p in with_paths]
+        per_leaf, owned = init_precondition(
+            self.precondition, leaves, [self.leaf_axes(p) for p in leaves],
+            place_leaves(self.plan, paths, [[p] for p in leaves]), mesh=self.mesh,
+            split=self.split)
+        return per_leaf, treedef, owned
+
+    def run(self, xs: Sequence[jax.Array], paths: Sequence[str],
+            located: Sequence[Sequence[Any]], *, grads: Sequence[Any],
+            leaf_states: Sequence[Any], owned: tuple[jax.Array, ...], count: jax.Array,
+            dtype: Any) -> tuple[list[jax.Array], list[Any], tuple[jax.Array, ...]]:
+        """`(directions, per-leaf states, owners' states)` of the precondition on `xs`.
+
+        Args:
+          xs: the matrices each leaf sends (its moment).
+          paths: the leaves' paths (`path_to_str`).
+          located: per leaf, arrays that say where it lies (gradient, moment).
+          grads, leaf_states, owned, count: as in `orthogonalize_leaves`.
+          dtype: the dtype the owners compute in.
+        """
+        return orthogonalize_leaves(
+            xs, [self.leaf_axes(x) for x in xs], place_leaves(self.plan, paths, located),
+            newton_schulz=_unchanged, ns_dtype=dtype, mesh=self.mesh, split=self.split,
+            precondition=self.precondition, grads=grads, leaf_states=leaf_states,
+            owned=owned, count=count)
+
+
+def owners_work(name: str, precondition: MatrixPrecondition,
+                leaf_axes: Callable[[Any], tuple[int, int]], *,
+                newton_schulz_plan: NewtonSchulzPlan | None, mesh: Any,
+                shard_matrices: bool) -> OwnersWork:
+    """`OwnersWork` for transform `name`, its ``newton_schulz_plan`` checked (one line
+    naming `name` and the expected type); the plan's mesh unless `mesh` is given."""
+    if newton_schulz_plan is not None and not isinstance(newton_schulz_plan, NewtonSchulzPlan):
+        raise ValueError(f"{name}: newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
+                         f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
+    plan = newton_schulz_plan or NewtonSchulzPlan()
+    return OwnersWork(precondition, leaf_axes, plan, mesh if mesh is not None else plan.mesh,
+                      shard_matrices)

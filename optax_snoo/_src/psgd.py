@@ -59,12 +59,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.muon import _as_given
-from optax_snoo._src.muon_plan import NewtonSchulzPlan, place_leaves
+from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import (
     MatrixPrecondition,
-    init_precondition,
-    orthogonalize_leaves,
+    owners_work,
 )
 from optax_snoo._src.newton_schulz import _check_matrix_axes
 from optax_snoo._src.radius import radius_steps
@@ -236,12 +234,6 @@ def scale_by_psgd_kron(
         check_positive("precond_lr", precond_lr)
     check_non_negative("damping", damping)
     matrix_axes = _check_matrix_axes(matrix_axes)
-    if newton_schulz_plan is not None and not isinstance(newton_schulz_plan, NewtonSchulzPlan):
-        raise ValueError(f"newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
-                         f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
-
-    plan = newton_schulz_plan or NewtonSchulzPlan()
-    spread_mesh = mesh if mesh is not None else plan.mesh
     per_matrix = MatrixPrecondition(_init_factors, functools.partial(
         _precondition, precond_lr=precond_lr, damping=damping))
 
@@ -250,6 +242,10 @@ def scale_by_psgd_kron(
         nd = jnp.ndim(x)
         return matrix_axes[1] % nd, matrix_axes[0] % nd
 
+    owners = owners_work("scale_by_psgd_kron", per_matrix, leaf_axes,
+                         newton_schulz_plan=newton_schulz_plan, mesh=mesh,
+                         shard_matrices=shard_matrices)
+
     def init_fn(params):
         def check(path, p):
             if jnp.ndim(p) < 2:
@@ -257,12 +253,7 @@ def scale_by_psgd_kron(
                                  f"{jax.tree_util.keystr(path)} has shape {jnp.shape(p)}")
         jax.tree_util.tree_map_with_path(check, params)  # MaskedNode leaves have no leaves
 
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-        paths, leaves = [path_to_str(p) for p, _ in with_paths], [p for _, p in with_paths]
-        per_leaf, owned = init_precondition(
-            per_matrix, leaves, [leaf_axes(p) for p in leaves],
-            place_leaves(plan, paths, [[p] for p in leaves]), mesh=spread_mesh,
-            split=shard_matrices)
+        per_leaf, treedef, owned = owners.init(params)
         mu = jax.tree.map(lambda p: jnp.zeros_like(  # (keeps p's sharding)
             p, dtype=state_dtype(None, p)), params)
         return PSGDKronState(jnp.zeros([], jnp.int32), jax.random.PRNGKey(seed), mu,
@@ -292,12 +283,9 @@ def scale_by_psgd_kron(
             inputs.append((g32, back(nu), back(v)))
         dtype = jnp.result_type(jnp.float32, *[m.dtype for m in mus])
         paths = [path_to_str(p) for p, _ in with_paths]
-        directions, factors, owned = orthogonalize_leaves(
-            m_hats, [leaf_axes(g) for g in leaves],
-            place_leaves(plan, paths, list(zip(leaves, mus, strict=True))),
-            newton_schulz=_as_given, ns_dtype=dtype, mesh=spread_mesh, split=shard_matrices,
-            precondition=per_matrix, grads=inputs, leaf_states=factors, owned=state.owned,
-            count=state.count)
+        directions, factors, owned = owners.run(
+            m_hats, paths, list(zip(leaves, mus, strict=True)), grads=inputs,
+            leaf_states=factors, owned=state.owned, count=state.count, dtype=dtype)
         out = [o.astype(g.dtype) for o, g in zip(directions, leaves, strict=True)]
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
         return unflat(out), PSGDKronState(count, state.key, unflat(new_mu),

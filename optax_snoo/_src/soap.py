@@ -82,12 +82,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_snoo._src.muon import _as_given
-from optax_snoo._src.muon_plan import NewtonSchulzPlan, place_leaves
+from optax_snoo._src.muon_plan import NewtonSchulzPlan
 from optax_snoo._src.muon_sharding import (
     MatrixPrecondition,
-    init_precondition,
-    orthogonalize_leaves,
+    owners_work,
 )
 from optax_snoo._src.newton_schulz import _check_matrix_axes
 from optax_snoo._src.radius import radius_steps
@@ -298,13 +296,8 @@ def scale_by_soap(
     if factor_update not in FACTOR_UPDATES:
         raise ValueError(f"scale_by_soap: factor_update must be one of {FACTOR_UPDATES}, got "
                          f"{factor_update!r}")
-    if newton_schulz_plan is not None and not isinstance(newton_schulz_plan, NewtonSchulzPlan):
-        raise ValueError(f"scale_by_soap: newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
-                         f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
     kl = factor_update == "kl"
     fan_in, fan_out = _check_matrix_axes(matrix_axes)
-    plan = newton_schulz_plan or NewtonSchulzPlan()
-    spread_mesh = mesh if mesh is not None else plan.mesh
     precondition = MatrixPrecondition(
         functools.partial(_soap_init, kl=kl),
         functools.partial(_soap_matrices, kl=kl, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
@@ -313,6 +306,10 @@ def scale_by_soap(
     def leaf_axes(x: Any) -> tuple[int, int]:
         nd = jnp.ndim(x)
         return fan_in % nd, fan_out % nd
+
+    owners = owners_work("scale_by_soap", precondition, leaf_axes,
+                         newton_schulz_plan=newton_schulz_plan, mesh=mesh,
+                         shard_matrices=shard_matrices)
 
     def init_fn(params: optax.Params) -> SoapState:
         def check(path, p):
@@ -326,12 +323,7 @@ def scale_by_soap(
                                  f"{jax.tree_util.keystr(path)}, shape {jnp.shape(p)}")
         jax.tree_util.tree_map_with_path(check, params)  # MaskedNode leaves have no leaves
 
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-        paths, leaves = [path_to_str(p) for p, _ in with_paths], [p for _, p in with_paths]
-        per_leaf, owned = init_precondition(
-            precondition, leaves, [leaf_axes(p) for p in leaves],
-            place_leaves(plan, paths, [[p] for p in leaves]), mesh=spread_mesh,
-            split=shard_matrices)
+        per_leaf, treedef, owned = owners.init(params)
         mu = jax.tree.map(lambda p: jnp.zeros_like(  # keeps p's sharding
             p, dtype=state_dtype(None, p)), params)
         return SoapState(jnp.zeros([], jnp.int32), mu, *_split_states(per_leaf, treedef, kl),
@@ -356,12 +348,9 @@ def scale_by_soap(
         leaf_states = [m if isinstance(m, optax.EmptyState) else (m, r)
                        for m, r in zip(matrices, roots, strict=True)]
         dtype = jnp.result_type(jnp.float32, *[m.dtype for m in mus])
-        directions, leaf_states, owned = orthogonalize_leaves(
-            moments, [leaf_axes(g) for g in grads],
-            place_leaves(plan, paths, list(zip(grads, mus, strict=True))),
-            newton_schulz=_as_given, ns_dtype=dtype, mesh=spread_mesh, split=shard_matrices,
-            precondition=precondition, grads=grads, leaf_states=leaf_states,
-            owned=state.owned, count=count)
+        directions, leaf_states, owned = owners.run(
+            moments, paths, list(zip(grads, mus, strict=True)), grads=grads,
+            leaf_states=leaf_states, owned=state.owned, count=count, dtype=dtype)
         out = [u.astype(g.dtype) for u, (_, g) in zip(directions, with_paths, strict=True)]
         return treedef.unflatten(out), SoapState(
             optax.safe_increment(count), treedef.unflatten(moments),

@@ -127,3 +127,14 @@ def grads_at(t, params):
 
 
 TEMPLATE = curvature_at(0)
+
+
+def fsdp_matrices():
+    """Eight float32 matrices (a block's q, k, v, o, two MLP-in and two MLP-out shapes,
+    32-64 wide) with their rows split over an 8-device "fsdp" mesh: the tree the
+    compiled-collectives tests of the per-matrix transforms read."""
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    shapes = {"q": (32, 32), "k": (32, 32), "v": (32, 32), "o": (32, 32),
+              "fc": (32, 64), "fc2": (32, 64), "proj": (64, 32), "proj2": (64, 32)}
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    return {k: jax.device_put(jnp.ones(s, jnp.float32), rows) for k, s in shapes.items()}

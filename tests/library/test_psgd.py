@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import optax_matrix as m
+from library.support import fsdp_matrices
 from optax_snoo import NewtonSchulzPlan, psgd_kron, psgd_spectral_norm, scale_by_psgd_kron
 
 PARAMS = {"a": 0.5 * jax.random.normal(jax.random.key(3), (8, 4)),
@@ -55,11 +56,7 @@ def test_fsdp_update_gathers_no_matrix():
     factors' products gather the matrices."""
     from benchmarks import hlo
 
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    shapes = {"q": (32, 32), "k": (32, 32), "v": (32, 32), "o": (32, 32),
-              "fc": (32, 64), "fc2": (32, 64), "proj": (64, 32), "proj2": (64, 32)}
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
-    params = {k: jax.device_put(jnp.ones(s, jnp.float32), rows) for k, s in shapes.items()}
+    params = fsdp_matrices()
 
     def compiled(**kwargs):
         tx = scale_by_psgd_kron(newton_schulz_plan=NewtonSchulzPlan.from_params(params),

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import optax_matrix as m
+from library.support import fsdp_matrices
 from optax_snoo import NewtonSchulzPlan, scale_by_shampoo, shampoo, shampoo_inverse_root
 from references.error import in_float64
 
@@ -57,11 +58,7 @@ def test_fsdp_update_gathers_no_matrix():
     factors' products gather the matrices."""
     from benchmarks import hlo
 
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    shapes = {"q": (32, 32), "k": (32, 32), "v": (32, 32), "o": (32, 32),
-              "fc": (32, 64), "fc2": (32, 64), "proj": (64, 32), "proj2": (64, 32)}
-    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
-    params = {k: jax.device_put(jnp.ones(s, jnp.float32), rows) for k, s in shapes.items()}
+    params = fsdp_matrices()
 
     def compiled(**kwargs):
         tx = scale_by_shampoo(frequency=1, newton_schulz_plan=NewtonSchulzPlan.from_params(
@@ -72,7 +69,7 @@ def test_fsdp_update_gathers_no_matrix():
     cost = compiled()
     assert cost.counts["all-to-all"] == 2 and "all-gather" not in cost.counts
     assert cost.by_kind["all-to-all"] <= 3 * 4 * 32 * 64  # one matrix per owner
-    assert cost.by_kind.get("all-reduce", 0) <= 4 * 2 * len(shapes)  # two norms per matrix
+    assert cost.by_kind.get("all-reduce", 0) <= 4 * 2 * len(params)  # two norms per matrix
     assert compiled(shard_matrices=False).counts["all-gather"] > 0
 
 
