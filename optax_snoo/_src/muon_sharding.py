@@ -746,14 +746,19 @@ class OwnersWork(NamedTuple):
     it: each whole matrix's inputs go to its owner in one all-to-all, the owner keeps that
     matrix's state, the direction comes back in a second (`orthogonalize_leaves`).
 
-    Build it with `owners_work`; `leaf_axes(x)` gives a leaf's ``(fan_in, fan_out)`` axes
-    as the exchange reads them."""
+    Build it with `owners_work`; `axes` are every leaf's ``(fan_in, fan_out)`` axes as the
+    exchange reads them (negative counts from the end)."""
 
     precondition: MatrixPrecondition
-    leaf_axes: Callable[[Any], tuple[int, int]]
+    axes: tuple[int, int]
     plan: NewtonSchulzPlan
     mesh: Any
     split: bool
+
+    def leaf_axes(self, x: Any) -> tuple[int, int]:
+        """Leaf `x`'s ``(fan_in, fan_out)`` axes, non-negative."""
+        nd = jnp.ndim(x)
+        return self.axes[0] % nd, self.axes[1] % nd
 
     def init(self, params: Any) -> tuple[list[Any], Any, tuple[jax.Array, ...]]:
         """`(per-leaf states, the params' treedef, the owners' states)` for `params`."""
@@ -785,15 +790,15 @@ class OwnersWork(NamedTuple):
             owned=owned, count=count)
 
 
-def owners_work(name: str, precondition: MatrixPrecondition,
-                leaf_axes: Callable[[Any], tuple[int, int]], *,
+def owners_work(name: str, precondition: MatrixPrecondition, axes: tuple[int, int], *,
                 newton_schulz_plan: NewtonSchulzPlan | None, mesh: Any,
                 shard_matrices: bool) -> OwnersWork:
-    """`OwnersWork` for transform `name`, its ``newton_schulz_plan`` checked (one line
-    naming `name` and the expected type); the plan's mesh unless `mesh` is given."""
+    """`OwnersWork` for transform `name` on leaves' ``(fan_in, fan_out)`` `axes`, its
+    ``newton_schulz_plan`` checked (one line naming `name` and the expected type); the
+    plan's mesh unless `mesh` is given."""
     if newton_schulz_plan is not None and not isinstance(newton_schulz_plan, NewtonSchulzPlan):
         raise ValueError(f"{name}: newton_schulz_plan must be a NewtonSchulzPlan (e.g. "
                          f"NewtonSchulzPlan.from_params(params)), got {newton_schulz_plan!r}.")
     plan = newton_schulz_plan or NewtonSchulzPlan()
-    return OwnersWork(precondition, leaf_axes, plan, mesh if mesh is not None else plan.mesh,
+    return OwnersWork(precondition, axes, plan, mesh if mesh is not None else plan.mesh,
                       shard_matrices)

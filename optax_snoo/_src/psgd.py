@@ -237,12 +237,8 @@ def scale_by_psgd_kron(
     per_matrix = MatrixPrecondition(_init_factors, functools.partial(
         _precondition, precond_lr=precond_lr, damping=damping))
 
-    def leaf_axes(x: Any) -> tuple[int, int]:
-        # the exchange's (fan_in, fan_out): its (fan_out, fan_in) view is our (a, b)
-        nd = jnp.ndim(x)
-        return matrix_axes[1] % nd, matrix_axes[0] % nd
-
-    owners = owners_work("scale_by_psgd_kron", per_matrix, leaf_axes,
+    # the exchange reads (fan_in, fan_out): its (fan_out, fan_in) view is our (a, b)
+    owners = owners_work("scale_by_psgd_kron", per_matrix, (matrix_axes[1], matrix_axes[0]),
                          newton_schulz_plan=newton_schulz_plan, mesh=mesh,
                          shard_matrices=shard_matrices)
 

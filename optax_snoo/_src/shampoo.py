@@ -273,12 +273,8 @@ def scale_by_shampoo(
 
     per_matrix = MatrixPrecondition(init_factors, precondition)
 
-    def leaf_axes(x: Any) -> tuple[int, int]:
-        # the exchange's (fan_in, fan_out): its (fan_out, fan_in) view is our (a, b)
-        nd = jnp.ndim(x)
-        return matrix_axes[1] % nd, matrix_axes[0] % nd
-
-    owners = owners_work("scale_by_shampoo", per_matrix, leaf_axes,
+    # the exchange reads (fan_in, fan_out): its (fan_out, fan_in) view is our (a, b)
+    owners = owners_work("scale_by_shampoo", per_matrix, (matrix_axes[1], matrix_axes[0]),
                          newton_schulz_plan=newton_schulz_plan, mesh=mesh,
                          shard_matrices=shard_matrices)
 
@@ -317,7 +313,7 @@ def scale_by_shampoo(
             new_mu.append(mu)
             m_hats.append(mu / (1 - b1_ ** t.astype(dt)) if use_bias_correction else mu)
         dtype = jnp.result_type(jnp.float32, *[m.dtype for m in mus])
-        axes = [leaf_axes(g) for g in leaves]
+        axes = [owners.leaf_axes(g) for g in leaves]
         directions, factors, owned = owners.run(
             m_hats, paths, list(zip(leaves, mus, strict=True)), grads=grads,
             leaf_states=factors, owned=state.owned, count=state.count, dtype=dtype)

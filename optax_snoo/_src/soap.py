@@ -303,11 +303,7 @@ def scale_by_soap(
         functools.partial(_soap_matrices, kl=kl, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
                           precondition_frequency=precondition_frequency))
 
-    def leaf_axes(x: Any) -> tuple[int, int]:
-        nd = jnp.ndim(x)
-        return fan_in % nd, fan_out % nd
-
-    owners = owners_work("scale_by_soap", precondition, leaf_axes,
+    owners = owners_work("scale_by_soap", precondition, (fan_in, fan_out),
                          newton_schulz_plan=newton_schulz_plan, mesh=mesh,
                          shard_matrices=shard_matrices)
 

@@ -138,3 +138,18 @@ def fsdp_matrices():
               "fc": (32, 64), "fc2": (32, 64), "proj": (64, 32), "proj2": (64, 32)}
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
     return {k: jax.device_put(jnp.ones(s, jnp.float32), rows) for k, s in shapes.items()}
+
+
+def compiled_update(tx, params):
+    """`(tx.init(params), the cost of tx's update compiled on params)` (`benchmarks.hlo`)."""
+    from benchmarks import hlo
+
+    state = tx.init(params)
+    return state, hlo.analyze(jax.jit(tx.update).lower(params, state).compile().as_text())
+
+
+def assert_lies_like(trees, params):
+    """Every leaf of each tree of `trees` carries the sharding of its param in `params`."""
+    for tree in trees:
+        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(params), strict=True):
+            assert x.sharding.is_equivalent_to(y.sharding, x.ndim)

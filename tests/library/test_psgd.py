@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import optax_matrix as m
-from library.support import fsdp_matrices
+from library.support import assert_lies_like, compiled_update, fsdp_matrices
 from optax_snoo import NewtonSchulzPlan, psgd_kron, psgd_spectral_norm, scale_by_psgd_kron
 
 PARAMS = {"a": 0.5 * jax.random.normal(jax.random.key(3), (8, 4)),
@@ -38,9 +38,7 @@ def test_sharded_params():
     sharded = m.shard_params(PARAMS, mesh)  # "a" split over both axes, "b" over "model"
     tx = make(newton_schulz_plan=NewtonSchulzPlan.from_params(sharded))
     p, state, _ = m.run(tx, sharded, 3, state=tx.init(sharded))
-    for tree in (state[0].mu, p):
-        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(sharded), strict=True):
-            assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+    assert_lies_like((state[0].mu, p), sharded)
     assert all(isinstance(x, optax.EmptyState) for x in state[0].q_a.values())
     assert state[0].owned
     plain = make()  # the plan names the sharded params' layout
@@ -54,16 +52,9 @@ def test_fsdp_update_gathers_no_matrix():
     and holds no all-gather or all-reduce (the probes are drawn where each leaf lies, with
     no collective); left to the partitioner (``shard_matrices=False``, the control) the
     factors' products gather the matrices."""
-    from benchmarks import hlo
-
     params = fsdp_matrices()
-
-    def compiled(**kwargs):
-        tx = scale_by_psgd_kron(newton_schulz_plan=NewtonSchulzPlan.from_params(params),
-                                **kwargs)
-        state = tx.init(params)
-        text = jax.jit(tx.update).lower(params, state).compile().as_text()
-        return state, hlo.analyze(text)
+    compiled = lambda **kw: compiled_update(scale_by_psgd_kron(
+        newton_schulz_plan=NewtonSchulzPlan.from_params(params), **kw), params)
 
     state, cost = compiled()
     assert all(isinstance(x, optax.EmptyState) for x in state.q_a.values())

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import optax_matrix as m
-from library.support import fsdp_matrices
+from library.support import assert_lies_like, compiled_update, fsdp_matrices
 from optax_snoo import NewtonSchulzPlan, scale_by_shampoo, shampoo, shampoo_inverse_root
 from references.error import in_float64
 
@@ -40,9 +40,7 @@ def test_sharded_params():
     sharded = m.shard_params(PARAMS, mesh)  # "a" split over both axes, "b" over "model"
     tx = make(newton_schulz_plan=NewtonSchulzPlan.from_params(sharded))
     p, state, _ = m.run(tx, sharded, 3, state=tx.init(sharded))
-    for tree in (state[0].mu, state[0].nu, p):
-        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(sharded), strict=True):
-            assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+    assert_lies_like((state[0].mu, state[0].nu, p), sharded)
     assert all(isinstance(x, optax.EmptyState) for x in state[0].left_root.values())
     assert state[0].owned
     plain = make()  # the plan names the sharded params' layout
@@ -56,15 +54,9 @@ def test_fsdp_update_gathers_no_matrix():
     and gathers no matrix: its only other collectives are the graft's per-matrix norms
     (scalars); left to the partitioner (``shard_matrices=False``, the control) the
     factors' products gather the matrices."""
-    from benchmarks import hlo
-
     params = fsdp_matrices()
-
-    def compiled(**kwargs):
-        tx = scale_by_shampoo(frequency=1, newton_schulz_plan=NewtonSchulzPlan.from_params(
-            params), **kwargs)
-        text = jax.jit(tx.update).lower(params, tx.init(params)).compile().as_text()
-        return hlo.analyze(text)
+    compiled = lambda **kw: compiled_update(scale_by_shampoo(
+        frequency=1, newton_schulz_plan=NewtonSchulzPlan.from_params(params), **kw), params)[1]
 
     cost = compiled()
     assert cost.counts["all-to-all"] == 2 and "all-gather" not in cost.counts

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import optax_matrix as m
-from library.support import fsdp_matrices
+from library.support import assert_lies_like, compiled_update, fsdp_matrices
 from optax_snoo import NewtonSchulzPlan, SoapState, scale_by_soap, soap
 from references.error import in_float64
 
@@ -50,10 +50,7 @@ def test_sharded_params():
     p, state, _ = m.run(tx, sharded, 2, state=tx.init(sharded))
     assert isinstance(state[0].matrices["a"], optax.EmptyState)
     assert state[0].matrices["b"].gram_out.shape == (2, 5, 5) and len(state[0].owned) == 1
-    for mu, x in zip(jax.tree.leaves(state[0].mu), jax.tree.leaves(sharded), strict=True):
-        assert mu.sharding.is_equivalent_to(x.sharding, x.ndim)
-    for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(sharded), strict=True):
-        assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+    assert_lies_like((state[0].mu, p), sharded)
     plain = soap(0.05, eps=1e-3)  # the plan names the sharded params' layout
     m.assert_runs_agree(p, m.run(plain, PARAMS, 2)[0], m.float64_run(plain, PARAMS, 2),
                         what="sharded vs unsharded")
@@ -169,16 +166,10 @@ def test_fsdp_update_gathers_no_matrix(factor_update):
     most three whole matrices of the largest owner's per device), and holds no all-gather
     or all-reduce; left to the partitioner (``shard_matrices=False``, the control) the
     Gram products gather the matrices."""
-    from benchmarks import hlo
-
     params = fsdp_matrices()
-
-    def compiled(**kwargs):
-        tx = scale_by_soap(factor_update=factor_update,
-                           newton_schulz_plan=NewtonSchulzPlan.from_params(params), **kwargs)
-        state = tx.init(params)
-        text = jax.jit(tx.update).lower(params, state).compile().as_text()
-        return state, hlo.analyze(text)
+    compiled = lambda **kw: compiled_update(scale_by_soap(
+        factor_update=factor_update, newton_schulz_plan=NewtonSchulzPlan.from_params(params),
+        **kw), params)
 
     state, cost = compiled()
     assert all(isinstance(x, optax.EmptyState) for x in state.matrices.values())
