@@ -21,10 +21,11 @@ through an eigendecomposition ``X + εI = Q diag(λ) Qᵀ`` and ``Q diag(f(λ)) 
   ``λ <= rank_rtol · max(max λ, 0)`` (0 by default: only the non-positive eigenvalues are
   dropped), else ``λ^(-e)``.
 
-The roots are refreshed (under ``lax.cond``) at update ``t = start`` and at every later
-``t`` divisible by ``frequency``; before ``start`` the roots are still the identity and
-the update is Adam's direction alone (with ``grafting=None``: the filtered gradient
-``M̂``). ``start`` defaults to ``frequency``. With ``use_bias_correction=False`` neither
+The roots are refreshed (under ``lax.cond``; with ``frequency = start = 1`` at every
+update, with no branch) at update ``t = start`` and at every later ``t`` divisible by
+``frequency``; before ``start`` the roots are still the identity and the update is Adam's
+direction alone (with ``grafting=None``: the filtered gradient ``M̂``). ``start`` defaults
+to ``frequency``. With ``use_bias_correction=False`` neither
 ``M`` nor the factors are bias-corrected (Adam's graft always is). A root that comes out
 non-finite keeps the previous one: JAX's ``eigh`` reports a failure with NaNs, where the
 library's raises, is retried in float64 and, failing again, keeps the previous root (the
@@ -265,9 +266,12 @@ def scale_by_shampoo(
                 out.append(jnp.where(ok, root, old))  # as the library: keep the old root
             return tuple(out)
 
-        refresh = ((t % frequency == 0) & (t > start)) | (t == start)
-        left_root, right_root = jax.lax.cond(refresh, roots,
-                                             lambda: (st.left_root, st.right_root))
+        if frequency == start == 1:  # every update refreshes (#35): no branch to keep
+            left_root, right_root = roots()
+        else:
+            refresh = ((t % frequency == 0) & (t > start)) | (t == start)
+            left_root, right_root = jax.lax.cond(refresh, roots,
+                                                 lambda: (st.left_root, st.right_root))
         return (left_root @ m_hat.astype(dt) @ right_root,
                 _Factors(left, right, left_root, right_root))
 

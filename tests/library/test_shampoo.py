@@ -65,6 +65,17 @@ def test_fsdp_update_gathers_no_matrix():
     assert compiled(shard_matrices=False).counts["all-gather"] > 0
 
 
+def test_a_refresh_every_update_traces_no_branch():
+    """With ``frequency = start = 1`` (#35) every update refreshes the roots: the update
+    holds no conditional, so its compiled cost is the refresh's; otherwise the refresh
+    is a ``cond``."""
+    params = {"w": jnp.ones((4, 6))}
+    conds = lambda tx: str(jax.make_jaxpr(tx.update)(params, tx.init(params))).count("cond[")
+    assert conds(scale_by_shampoo(frequency=1)) == 0
+    assert conds(scale_by_shampoo(frequency=2)) == conds(scale_by_shampoo(frequency=1,
+                                                                          start=2)) == 1
+
+
 def test_inject_hyperparams_and_nnx():
     state = m.check_inject_hyperparams(
         scale_by_shampoo, PARAMS, dict(b1=0.8, b2=0.9, graft_b2=0.9, frequency=2),
