@@ -134,7 +134,10 @@ def test_schedules_compute_in_float64_under_x64():
 F64_TOL = 1e-12
 
 
-def run64(tx, ref, steps, check):
+def steps64(tx, ref, steps):
+    """`tx` and the record's reference `ref` stepped together on the same gradients, in
+    float64: yields ``(t, params, state)`` after both took step `t` (its float64 state
+    asserted before the first step and after the last)."""
     grads = gradients(steps)
     params = nest(ref.p, jnp.float64)
     state, update = tx.init(params), jax.jit(tx.update)
@@ -143,11 +146,11 @@ def run64(tx, ref, steps, check):
         u, state = update(nest(g, jnp.float64), state, params)
         params = optax.apply_updates(params, u)
         ref.step(g, t)
-        check(params, state, t)
+        yield t, params, state
     assert float_dtypes(state) == {"float64"}
 
 
-def close64(ours, ref, msg):
+def assert_close64(ours, ref, msg):
     for k in PARAMS:
         np.testing.assert_allclose(ours[k], ref[k], rtol=F64_TOL, atol=F64_TOL,
                                    err_msg=f"{msg} {k}")
@@ -158,8 +161,8 @@ def test_muonh_in_float64_matches_record_5():
     with jax.enable_x64(True):
         ref = RecordMuonH(init_weights(), T)
         tx = recipes.muonh(T, ns_dtype="float64")
-        run64(tx, ref, T, lambda params, state, t: close64(flatten(params), ref.p,
-                                                           f"step {t}"))
+        for t, params, _ in steps64(tx, ref, T):
+            assert_close64(flatten(params), ref.p, f"step {t}")
 
 
 def test_muloco_normuonh_in_float64_matches_record_13():
@@ -167,8 +170,8 @@ def test_muloco_normuonh_in_float64_matches_record_13():
     with jax.enable_x64(True):
         ref = RecordMuonH(init_weights(), T, rec=R13, k=k)
         tx = recipes.muloco_normuonh(T, snoo_k=k, ns_dtype="float64")
-        run64(tx, ref, T, lambda params, state, t: close64(flatten(params), ref.p,
-                                                           f"step {t}"))
+        for t, params, _ in steps64(tx, ref, T):
+            assert_close64(flatten(params), ref.p, f"step {t}")
 
 
 def test_track3_record_in_float64_matches_record_46():
@@ -178,14 +181,11 @@ def test_track3_record_in_float64_matches_record_46():
     with jax.enable_x64(True):
         ref = Record46(init_weights(), n)
         tx = recipes.track3_record(n, ns_dtype="float64")
-
-        def check(params, state, t):
+        for t, params, state in steps64(tx, ref, n):
             ahead = {k: w + ref.beta(t + 1) * ref.buf[k] for k, w in ref.p.items()}
-            close64(flatten(params), ahead, f"params after step {t}")
-            close64(flatten(optax_snoo.eval_params(params, state)), ref.readout(),
-                    f"readout after step {t}")
-
-        run64(tx, ref, n, check)
+            assert_close64(flatten(params), ahead, f"params after step {t}")
+            assert_close64(flatten(optax_snoo.eval_params(params, state)), ref.readout(),
+                           f"readout after step {t}")
         assert ref.ema is not None  # the tail EMA was exercised
 
 
