@@ -26,7 +26,14 @@ os.environ["XLA_FLAGS"] = (
     # The legacy elemental emitters compile the suite's programs ~2x faster than the fusion
     # emitters (benchmarks/README.md, "Test-suite compile time"); same math, same results.
     + " --xla_cpu_use_fusion_emitters=false"
+    # One LLVM module per program, not 32 parts compiled in parallel: the two workers
+    # already fill both cores (compile time -20%, benchmarks/README.md, same machine code).
+    + " --xla_cpu_parallel_codegen_split_count=1"
 ).strip()
+# No Python source locations in the lowered programs (debug metadata only; about -6% of
+# a trainer test's time in lowering and compiling them, benchmarks/README.md).
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One LAPACK thread (jax's CPU eigh/QR call scipy's OpenBLAS), as the trainer sets it: two
 # xdist workers on 2 cores, each with OpenBLAS spinning on every core, starve each other
