@@ -401,6 +401,28 @@ def _branches(remainder: str) -> list[str]:
             for b in group.strip("{}").split(",") if b.strip()]
 
 
+def in_conditional_branch(hlo_text: str, opcode: str) -> list[bool]:
+    """For every `opcode` instruction of the program, whether it runs inside a conditional's
+    branch (in the branch's computation or one it calls): read from the program's
+    structure, not from the debug names in its metadata."""
+    comps, entry = _parse(hlo_text)
+    inside: dict[str, bool] = {}
+
+    def visit(name: str, branch: bool) -> None:
+        if name not in comps or inside.get(name, False) or (name in inside and not branch):
+            return
+        inside[name] = branch
+        for _, _, op, rem in comps[name]:
+            for callee in (c for _, c in _CALLS.findall(rem)):
+                visit(callee, branch)
+            for callee in _branches(rem) if op == "conditional" else ():
+                visit(callee, True)
+
+    visit(entry, False)
+    return [inside.get(name, False) for name, instrs in comps.items()
+            for _, _, op, _ in instrs if op == opcode]
+
+
 def trip_counts(hlo_text: str) -> list[int | None]:
     """The known trip count of every while loop in the program (None where unknown)."""
     comps, _ = _parse(hlo_text)

@@ -83,6 +83,21 @@ def test_conditional_counts_its_most_expensive_or_cheapest_branch():
     assert hlo.analyze(text, cheapest=True).flops < 2 * 32 * 32  # the x + 1 branch
 
 
+def test_in_conditional_branch_finds_a_collective_by_structure(mesh):
+    """A psum in a cond's branch (under a loop, so nested computations are followed) and
+    one outside it: in that order in the program's structure, whatever names it carries."""
+    def f(p, x):
+        def body(i, c):
+            return jax.lax.cond(p, lambda c: jax.lax.psum(c, "x") + c, lambda c: c * 2.0, c)
+        return jax.lax.fori_loop(0, 2, body, x) + jax.lax.psum(x * 3.0, "x")
+
+    sm = jax.shard_map(f, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"))
+    x = jax.device_put(jnp.ones((8, 128), jnp.float32), NamedSharding(mesh, P("x")))
+    flags = hlo.in_conditional_branch(compiled_text(sm, True, x), "all-reduce")
+    assert sorted(flags) == [False, True]
+    assert hlo.in_conditional_branch(compiled_text(lambda x: x + 1.0, x), "all-reduce") == []
+
+
 def test_eigh_counts_9n3_per_matrix_and_picks_the_refresh_or_plain_branch():
     """cost_analysis leaves the eigh custom call out; hlo counts 9 n^3 per n x n matrix
     of the batch, in the branch eigh_branch asks for."""

@@ -202,15 +202,24 @@ def test_clip_matches_record_where_it_binds():
 
 
 def test_training_weights_unchanged():
-    """Both readouts pass the update through: the params are bitwise those of the same
-    optimizer without them."""
+    """Both readouts pass the update through: each returns the very updates it is given
+    (before, at and after its capture and start steps), so the params are those of the
+    same optimizer without them, at the float64 rounding of the two compiled chains (XLA
+    may contract their multiply-adds differently)."""
     run = Run(steps=60, schedule_steps=2400, lr0=0.1, vel_start=20, vel_max_ratio=0.08,
               capture=15, ref_start=50)
     p0, noise = init_params(), noises(60)
+    params = {n: jnp.asarray(x) for n, x in p0.items()}
+    for tx in (tail_velocity(2, 0.9, -1.0, mask=MOVED), reference_interpolation(2, 3, -0.5)):
+        state = tx.init(params)
+        for t in range(5):
+            updates = {n: jnp.full_like(x, 0.01 * (t + 1)) for n, x in params.items()}
+            out, state = tx.update(updates, state, params)
+            assert out is updates, (tx, t)
+            params = optax.apply_updates(params, updates)
     got, params = ours(run, p0, noise)
     _, plain = ours(run, p0, noise, order=None)
-    for a, b in zip(params, plain, strict=True):
-        m.assert_trees_equal(a, b)
+    assert worst(params, plain) <= TOL
     assert worst(got[run.vel_start + 1:], params[run.vel_start + 1:]) > 1e-3
 
 
