@@ -810,8 +810,8 @@ def write_report(summary: dict, out: Path, title: str) -> None:
         lines += ["", "Runs (folders named by their key: config, data and code):", ""]
         for name, r in summary["runs"].items():
             lines.append(f"- {name}: {r['folder']}")
-    if summary.get("reused_from"):
-        r = summary["reused_from"]
+    reused_from = summary.get("reused_from") or []
+    for r in [reused_from] if isinstance(reused_from, dict) else reused_from:  # older: one
         lines += ["", f"Curves of {', '.join(r['labels'])} from {r['report']} ({r['check']})."]
     if "machine" in summary:
         m = summary["machine"]
@@ -942,10 +942,10 @@ def parser() -> argparse.ArgumentParser:
              "recipe with its network's options, #36 first) instead of --optimizers, and "
              "add the table with Track 3's steps and the rank correlation of the two "
              "orders to the report. (default: off)")
-    add("--reuse_report", default=None, metavar="JSON",
+    add("--reuse_report", action="append", default=[], metavar="JSON",
         help="Take the curves of the optimizers (and seeds) that an earlier report holds "
              "instead of training them; its runs must have had the same config and data. "
-             "(default: none)")
+             "Repeatable: a run two reports hold is refused. (default: none)")
     return p
 
 
@@ -957,10 +957,11 @@ class Plan:
     labels: list[str]
     runs: list[Run]
     reused: dict[str, dict[int, dict[int, float]]]
-    reused_from: dict[str, Any] | None
+    reused_from: list[dict[str, Any]]
     out: Path
     extra: list[str]
     step_time: dict[str, Any] | None
+    reused_by: dict[tuple[str, int], str]
 
 
 def _read_json(flag: str, path: str) -> dict[str, Any]:
@@ -1018,6 +1019,29 @@ def _check_statistics(args: argparse.Namespace, base: list[Run]) -> None:
                          f"--slope_frac={args.slope_frac} of its {base[0].max_iters} steps; "
                          "the loss per 100 steps needs two evaluations there: raise "
                          "--slope_frac or evaluate more often (--set eval_interval_tail=N)")
+
+
+def _reuse_all(paths: Sequence[str], args: argparse.Namespace, extra: list[str],
+               runs: list[Run]) -> tuple[dict[str, dict[int, dict[int, float]]],
+                                         list[dict[str, Any]], dict[tuple[str, int], str]]:
+    """The curves every `--reuse_report` gives (`_reuse`), by label and seed, what each
+    report gave, and which report gave each run; a run two reports hold is refused (which
+    one is meant is not said)."""
+    curves: dict[str, dict[int, dict[int, float]]] = {}
+    given: dict[tuple[str, int], str] = {}
+    sources = []
+    for path in paths:
+        held, source = _reuse(path, args, extra, runs)
+        for label, by_seed in held.items():
+            for seed in by_seed:
+                if (label, seed) in given:
+                    raise ValueError(f"--reuse_report={path}: {label} seed {seed} is also in "
+                                     f"--reuse_report={given[label, seed]}; pass one of them")
+                given[label, seed] = path
+            curves.setdefault(label, {}).update(by_seed)
+        if source is not None:
+            sources.append(source)
+    return curves, sources, given
 
 
 def _reuse(path: str, args: argparse.Namespace, extra: list[str], runs: list[Run]
@@ -1127,9 +1151,8 @@ def plan(argv: Sequence[str] | None) -> Plan:
             except ValueError as err:
                 raise ValueError(f"{label}: {err}") from None
     _check_statistics(args, [r for r in runs if r.label == labels[0]])
-    reused, reused_from = ({}, None) if not args.reuse_report else _reuse(
-        args.reuse_report, args, extra, runs)
-    return Plan(args, labels, runs, reused, reused_from, out, extra, step_time)
+    reused, reused_from, reused_by = _reuse_all(args.reuse_report, args, extra, runs)
+    return Plan(args, labels, runs, reused, reused_from, out, extra, step_time, reused_by)
 
 
 def _shown(path: Path) -> str:
@@ -1152,7 +1175,7 @@ def execute(p: Plan) -> dict:
             curve = curves[run.label][run.seed] = p.reused[run.label][run.seed]
             walls[f"{run.label}/{run.seed}"] = "reused"
             print(f"{name}: final val loss {curve[max(curve)]:.4f} (from "
-                  f"{args.reuse_report})", flush=True)
+                  f"{p.reused_by[run.label, run.seed]})", flush=True)
             continue
         curve, wall = run_one(run, args.rerun)
         curves[run.label][run.seed] = curve

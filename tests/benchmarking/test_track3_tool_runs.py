@@ -211,6 +211,35 @@ def test_reuse_report_gives_curves_only_for_the_same_config(trainer, tmp_path):
     assert t3.main(reuse_old) == 2 and trainer == []
 
 
+def test_reuse_report_is_repeatable_and_refuses_a_run_two_reports_hold(trainer, tmp_path,
+                                                                         capsys):
+    """Two reports, each holding one optimizer's runs, give every curve together (no run
+    trained, the same summary, each named in the report); a run in both is refused."""
+    status, report = tool(tmp_path)
+    assert status == 0
+    trainer.clear()
+    labels = list(report["optimizers"])
+    assert len(labels) == 2
+    parts = []
+    for i, label in enumerate(labels):
+        part = {**report, "optimizers": {label: report["optimizers"][label]}}
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps(part))
+    again = tmp_path / "again"
+    both = [f"--runs_dir={tmp_path / 'fresh_runs'}", f"--out={again}", "--seeds=3", *SHORT]
+    assert t3.main([*both, *(f"--reuse_report={p}" for p in parts)]) == 0
+    assert trainer == []
+    joined = json.loads(again.with_suffix(".json").read_text())
+    assert joined["optimizers"] == report["optimizers"]
+    assert [r["labels"] for r in joined["reused_from"]] == [[label] for label in labels]
+    capsys.readouterr()
+    status = t3.main([*both, f"--reuse_report={parts[0]}",
+                      f"--reuse_report={tmp_path / 'report.json'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and trainer == []
+    assert f"{labels[0]} seed 0 is also in --reuse_report={parts[0]}" in err, err
+
+
 # --------------------------------------------------------------------- the report's home
 
 
