@@ -69,6 +69,9 @@ class Variant:
     attention: str | None = None
     #: () -> the compiled step's HLO text (for `benchmarks.hlo`), where it can be had.
     hlo_text: Callable[[], str] | None = None
+    #: Steps that run every program the step compiles (Snoo's sync step is a program of
+    #: its own, first run at its first sync): a warm-up takes at least these.
+    warmup_steps: int = 0
     wall: list[float] = dataclasses.field(default_factory=list)
     cpu: list[float] = dataclasses.field(default_factory=list)
 
@@ -119,8 +122,10 @@ def ours(config: TrainConfig, *, vocab: int = VOCAB,
     def hlo_text() -> str:  # the step after the first, whose hints every later step has
         return step.lower(box["state"], *batch(1), **spec.update_kwargs(1)).compile().as_text()
 
+    hints = [spec.update_kwargs(i) for i in range(2 * (spec.sync_period or 1))]
+    warmup = 1 + max(hints.index(h) for h in hints)  # through each hint's first step
     return Variant(f"ours {config.optimizer.name} {config.model.dtype}", run, flops,
-                   attention=gpt_config.attention, hlo_text=hlo_text)
+                   attention=gpt_config.attention, hlo_text=hlo_text, warmup_steps=warmup)
 
 
 def _reference_loss(params: dict, x_BT: jax.Array, y_BT: jax.Array, n_head: int) -> jax.Array:
@@ -201,7 +206,7 @@ def measure(variants: Sequence[Variant], *, rounds: int, steps: int, warmup: int
     """Warm every variant up (compiles), then time `rounds` interleaved rounds of `steps`
     (every other round in reverse order, so no variant always follows the same one)."""
     for v in variants:
-        v.run(warmup)
+        v.run(max(warmup, v.warmup_steps))
     for r in range(rounds):
         for v in variants if r % 2 == 0 else variants[::-1]:
             t0, c0 = time.perf_counter(), time.process_time()

@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         runs[name] = ours(config)
     load = [os.getloadavg()]
     for variant in runs.values():
-        variant.run(2)  # compile and warm up
+        variant.run(max(2, variant.warmup_steps))  # compile every program, warm up
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.rounds):
         for name, variant in runs.items():

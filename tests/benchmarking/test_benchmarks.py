@@ -38,6 +38,31 @@ def test_optimizers_interleaved_with_a_paired_ratio_to_the_first():
     assert float(rows[1][6]) > 0
 
 
+def test_ours_warm_up_compiles_every_program_the_timed_steps_run():
+    """A Snoo step syncing every 3 updates is two programs; the warm-up runs both, so the
+    timed steps after it compile nothing (a sync's compile once sat in a timed round)."""
+    import jax
+
+    from train.config import parse_args
+
+    config = parse_args(["--optimizer=snoo_adamw", "--snoo_k=3", *TINY[:5], "--mesh_data=1"])
+    variant = throughput.ours(config)
+    compiles = []
+    listener = lambda event, *_, **__: compiles.append(event) if event.endswith(
+        "backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        variant.run(1)
+        first = len(compiles)
+        variant.run(variant.warmup_steps - 1)
+        warm = len(compiles)
+        variant.run(7)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert warm > first  # the warm-up's later steps compiled the other program
+    assert len(compiles) == warm
+
+
 def test_require_accelerator_fails_on_cpu():
     with pytest.raises(SystemExit, match="no GPU/TPU"):
         throughput.main(["--require_accelerator", *TINY])
