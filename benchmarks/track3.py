@@ -945,7 +945,8 @@ def parser() -> argparse.ArgumentParser:
     add("--reuse_report", action="append", default=[], metavar="JSON",
         help="Take the curves of the optimizers (and seeds) that an earlier report holds "
              "instead of training them; its runs must have had the same config and data. "
-             "Repeatable: a run two reports hold is refused. (default: none)")
+             "Repeatable: a run two reports hold with different curves is refused. "
+             "(default: none)")
     return p
 
 
@@ -1025,20 +1026,21 @@ def _reuse_all(paths: Sequence[str], args: argparse.Namespace, extra: list[str],
                runs: list[Run]) -> tuple[dict[str, dict[int, dict[int, float]]],
                                          list[dict[str, Any]], dict[tuple[str, int], str]]:
     """The curves every `--reuse_report` gives (`_reuse`), by label and seed, what each
-    report gave, and which report gave each run; a run two reports hold is refused (which
-    one is meant is not said)."""
+    report gave, and which report gave each run (the first that holds it); a run two
+    reports hold with different curves is refused (which one is meant is not said)."""
     curves: dict[str, dict[int, dict[int, float]]] = {}
     given: dict[tuple[str, int], str] = {}
     sources = []
     for path in paths:
         held, source = _reuse(path, args, extra, runs)
         for label, by_seed in held.items():
-            for seed in by_seed:
-                if (label, seed) in given:
+            for seed, curve in by_seed.items():
+                if (label, seed) in given and curves[label][seed] != curve:
                     raise ValueError(f"--reuse_report={path}: {label} seed {seed} is also in "
-                                     f"--reuse_report={given[label, seed]}; pass one of them")
-                given[label, seed] = path
-            curves.setdefault(label, {}).update(by_seed)
+                                     f"--reuse_report={given[label, seed]} with another "
+                                     f"curve; pass one of them")
+                given.setdefault((label, seed), path)
+                curves.setdefault(label, {}).setdefault(seed, curve)
         if source is not None:
             sources.append(source)
     return curves, sources, given

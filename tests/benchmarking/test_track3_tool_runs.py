@@ -211,10 +211,11 @@ def test_reuse_report_gives_curves_only_for_the_same_config(trainer, tmp_path):
     assert t3.main(reuse_old) == 2 and trainer == []
 
 
-def test_reuse_report_is_repeatable_and_refuses_a_run_two_reports_hold(trainer, tmp_path,
-                                                                         capsys):
+def test_reuse_report_is_repeatable_and_refuses_a_run_two_reports_hold_differently(
+        trainer, tmp_path, capsys):
     """Two reports, each holding one optimizer's runs, give every curve together (no run
-    trained, the same summary, each named in the report); a run in both is refused."""
+    trained, the same summary, each named in the report); a run in both with the same
+    curve is taken once, with another curve it is refused."""
     status, report = tool(tmp_path)
     assert status == 0
     trainer.clear()
@@ -232,12 +233,19 @@ def test_reuse_report_is_repeatable_and_refuses_a_run_two_reports_hold(trainer, 
     joined = json.loads(again.with_suffix(".json").read_text())
     assert joined["optimizers"] == report["optimizers"]
     assert [r["labels"] for r in joined["reused_from"]] == [[label] for label in labels]
+    whole = f"--reuse_report={tmp_path / 'report.json'}"
+    assert t3.main([*both, f"--reuse_report={parts[0]}", whole]) == 0 and trainer == []
+    assert json.loads(again.with_suffix(".json").read_text())["optimizers"] == report[
+        "optimizers"]
+    moved = json.loads(parts[0].read_text())
+    moved["optimizers"][labels[0]]["losses"][0][-1] += 1e-4
+    parts[0].write_text(json.dumps(moved))
     capsys.readouterr()
-    status = t3.main([*both, f"--reuse_report={parts[0]}",
-                      f"--reuse_report={tmp_path / 'report.json'}"])
+    status = t3.main([*both, f"--reuse_report={parts[0]}", whole])
     err = capsys.readouterr().err
     assert status == 2 and trainer == []
-    assert f"{labels[0]} seed 0 is also in --reuse_report={parts[0]}" in err, err
+    assert (f"{labels[0]} seed 0 is also in --reuse_report={parts[0]} with another curve"
+            in err), err
 
 
 # --------------------------------------------------------------------- the report's home
