@@ -408,12 +408,12 @@ def in_conditional_branch(hlo_text: str, opcode: str) -> list[bool]:
     comps, entry = _parse(hlo_text)
     inside: dict[str, bool] = {}
 
-    def visit(name: str, branch: bool) -> None:
-        if name not in comps or inside.get(name, False) or (name in inside and not branch):
+    def visit(name: str, branch: bool) -> None:  # again only to mark it inside a branch
+        if name not in comps or (name in inside and (inside[name] or not branch)):
             return
         inside[name] = branch
         for _, _, op, rem in comps[name]:
-            for callee in (c for _, c in _CALLS.findall(rem)):
+            for _, callee in _CALLS.findall(rem):
                 visit(callee, branch)
             for callee in _branches(rem) if op == "conditional" else ():
                 visit(callee, True)

@@ -810,8 +810,7 @@ def write_report(summary: dict, out: Path, title: str) -> None:
         lines += ["", "Runs (folders named by their key: config, data and code):", ""]
         for name, r in summary["runs"].items():
             lines.append(f"- {name}: {r['folder']}")
-    reused_from = summary.get("reused_from") or []
-    for r in [reused_from] if isinstance(reused_from, dict) else reused_from:  # older: one
+    for r in summary.get("reused_from", []):
         lines += ["", f"Curves of {', '.join(r['labels'])} from {r['report']} ({r['check']})."]
     if "machine" in summary:
         m = summary["machine"]

@@ -20,20 +20,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import compile_speed
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     # The legacy elemental emitters compile the suite's programs ~2x faster than the fusion
     # emitters (benchmarks/README.md, "Test-suite compile time"); same math, same results.
     + " --xla_cpu_use_fusion_emitters=false"
-    # One LLVM module per program, not 32 parts compiled in parallel: the two workers
-    # already fill both cores (compile time -20%, benchmarks/README.md, same machine code).
-    + " --xla_cpu_parallel_codegen_split_count=1"
 ).strip()
-# No Python source locations in the lowered programs (debug metadata only; about -6% of
-# a trainer test's time in lowering and compiling them, benchmarks/README.md).
-os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
-os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "0")
+compile_speed.apply(os.environ)  # one codegen module per program, no source locations
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One LAPACK thread (jax's CPU eigh/QR call scipy's OpenBLAS), as the trainer sets it: two
 # xdist workers on 2 cores, each with OpenBLAS spinning on every core, starve each other
