@@ -722,7 +722,8 @@ def _machine() -> dict:
 
 
 def write_report(summary: dict, out: Path, title: str) -> None:
-    """`out.json`, `out.md` (tables) and `out.png` (`plot_report`)."""
+    """`out.json`, `out.md` (tables), `out.png` (`plot_report`) and, with Track 3's table,
+    `out_table.png` (`plot_table`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     opt = summary["optimizers"]
@@ -818,6 +819,8 @@ def write_report(summary: dict, out: Path, title: str) -> None:
                   f"runs' wall times (s): {summary.get('wall_s')}"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot_report(summary, title).savefig(out.with_suffix(".png"), dpi=110)
+    if summary.get("table"):
+        plot_table(summary).savefig(out.with_name(out.name + "_table.png"), dpi=110)
 
 
 def plot_report(summary: Mapping[str, Any], title: str) -> Any:
@@ -849,6 +852,41 @@ def plot_report(summary: Mapping[str, Any], title: str) -> Any:
         ax.set_ylabel("val loss")
         ax.set_title("second half" if tail else title)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_table(summary: Mapping[str, Any]) -> Any:
+    """Track 3's table against the twin: each row's Track 3 steps to 3.28 (x, log scale)
+    and the twin's final val loss (y, mean ± std over the seeds), labelled with its row
+    number, the twin's target dashed and Spearman's rho in the title.
+
+    Returns:
+      The `matplotlib.figure.Figure`.
+    """
+    from matplotlib.figure import Figure
+
+    table, opt = summary["table"], summary["optimizers"]
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    for name, r in table["rows"].items():
+        o = opt[name]
+        ax.errorbar(r["track3_steps"], o["final_mean"], yerr=o["final_std"] or 0.0, fmt="o",
+                    ms=4, capsize=2, color="C1" if r["result_step"] else "C0")
+        ax.annotate(f"#{r['row']}", (r["track3_steps"], o["final_mean"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.axhline(summary["target"], color="k", lw=0.8, ls="--",
+               label=f"the twin's target {summary['target']:.3f}")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter("{x:.0f}")
+    ax.xaxis.set_minor_formatter("{x:.0f}")
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel("Track 3's steps to 3.28 (its table)")
+    ax.set_ylabel("the twin's final val loss (orange: reaches its target)")
+    rho = table["spearman_final_loss"]
+    ax.set_title("Track 3's table on the twin: Spearman's rho "
+                 + ("n/a" if rho is None else f"{rho:+.2f}"))
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -506,6 +506,31 @@ def test_the_tables_rank_correlation():
     assert t3.spearman([1, 2], [2, 1]) is None
 
 
+def test_the_table_plot_puts_each_row_at_its_track3_steps_and_twin_loss(tmp_path):
+    """One point per row at (Track 3's steps, the twin's final mean), its std as the error
+    bar and its row number beside it; rho in the title; written beside the report."""
+    steps = [0, 50, 80, 90, 100]
+    curves = {name: {s: {t: 3.0 - t / 100 + shift + 0.01 * s for t in steps} for s in range(3)}
+              for name, shift in (("track3_baseline", 0.0), ("track3_adam", 0.2),
+                                  ("track3_record", -0.05))}
+    summary = t3.summarize(curves)
+    summary["table"] = t3.track3_table(summary, {n: n for n in curves})
+    fig = t3.plot_table(summary)
+    (ax,) = fig.axes
+    points = {(float(c.lines[0].get_xdata()[0]), round(float(c.lines[0].get_ydata()[0]), 9))
+              for c in ax.containers}  # each errorbar's (data line, caps, bar lines)
+    assert points == {(3250.0, round(summary["optimizers"]["track3_baseline"]["final_mean"], 9)),
+                      (5625.0, round(summary["optimizers"]["track3_adam"]["final_mean"], 9)),
+                      (2690.0, round(summary["optimizers"]["track3_record"]["final_mean"], 9))}
+    assert {t.get_text() for t in ax.texts} == {"#36", "#2", "#46"}
+    assert ax.get_title() == "Track 3's table on the twin: Spearman's rho +1.00"
+    bars = ax.containers[0].lines[2][0]  # the baseline's
+    low, high = bars.get_segments()[0][:, 1]
+    assert high - low == pytest.approx(2 * summary["optimizers"]["track3_baseline"]["final_std"])
+    t3.write_report(summary, tmp_path / "r", "table")
+    assert (tmp_path / "r_table.png").stat().st_size > 0
+
+
 def _step_time(flops: bool) -> dict:
     rows = {"base": (100.0, 1.0, 10.0), "shifted": (150.0, 1.5, 12.5)}
     out = {"date": "d", "cpu": "cpu", "bf16_flags": "none", "load": [[1.0], [2.0]],
