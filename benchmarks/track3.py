@@ -125,6 +125,31 @@ TRACK3_TABLE: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "track3_circuit_muon": ("41", 2875, ("init=cgi",)),
     "track3_tail_phase_readout": ("43", 2850, ("init=cgi",)),
 }
+
+
+def table_options(name: str, preset: str, extra: Sequence[str] = ()) -> list[str]:
+    """The trainer options `--table` gives row `name` on `preset` (with the `--set` options
+    `extra`): its network's (`TRACK3_TABLE`), and, for a recipe whose `gradient_scale`
+    turns the summed loss's gradient into the mean token's (DynMuon, #28: the record's
+    1/(8*64*1024)), the run's own: one over its tokens per step with the summed loss, 1
+    with the mean, where that differs from the record's: the power map's
+    ``(scale ||v||)^p`` is not scale-free (on the twin's 2,048-token steps the record's
+    constant makes its updates 4x larger once p is -0.25).
+    """
+    from optax_snoo import recipes
+    from train.config import parse_args
+
+    options = list(TRACK3_TABLE[name][2])
+    recipe = recipes.get(name)
+    if "gradient_scale" in recipe.hyperparameters.names():
+        config = parse_args([f"--preset={preset}", f"--optimizer={name}", *extra])
+        tokens = config.data.batch_size * config.data.grad_accum * config.model.block_size
+        scale = 1 / tokens if config.optimizer.loss_reduction == "sum" else 1.0
+        if scale != recipe.defaults.gradient_scale:
+            options.append(f"gradient_scale={scale!r}")
+    return options
+
+
 #: The exit status of a user's mistake (`train.errors.MISTAKE_EXIT_STATUS`, argparse's).
 MISTAKE_EXIT_STATUS = 2
 
@@ -1152,8 +1177,9 @@ def plan(argv: Sequence[str] | None) -> Plan:
         table = [n for n in TRACK3_TABLE if n in recipes.REGISTRY]
         args.optimizers = ",".join(table)
         given = {item.partition(":")[0] for item in args.set_for}
+        extra = [_check_option("--set", kv) for kv in args.set]
         args.set_for = [*args.set_for, *(f"{n}:{o}" for n in table if n not in given
-                                          for o in TRACK3_TABLE[n][2])]
+                                          for o in table_options(n, args.preset, extra))]
         args.title = args.title or f"Track 3's table on the twin ({args.preset})"
     names = [x for x in args.optimizers.split(",") if x]
     if not names:

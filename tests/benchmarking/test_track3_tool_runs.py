@@ -481,12 +481,28 @@ def test_the_table_runs_every_registered_row_with_its_networks_options(trainer, 
     labels = list(report["optimizers"])
     assert [label.split("[")[0] for label in labels] == table and table[0] == "track3_baseline"
     assert "adamh[init=hyperball]" in labels and "muonh[init=hyperball]" in labels
+    assert "track3_dynmuon[gradient_scale=0.00048828125]" in labels  # 1/2048, the twin's
     assert len(trainer) == 3 * len(table)
     rows = report["table"]["rows"]
     assert {n: r["track3_steps"] for n, r in rows.items()}["track3_record"] == 2690
     assert report["table"]["spearman_final_loss"] is not None
     markdown = (tmp_path / "report.md").read_text()
     assert "Track 3's table on the twin" in markdown and "Spearman" in markdown
+
+
+def test_the_table_gives_dynmuon_the_runs_own_gradient_scale():
+    """DynMuon's power map is not scale-free: its gradient_scale (the record's 1/(8*64*1024),
+    the mean token's gradient from the summed loss) is one over the run's tokens per step
+    on the twin (8 sequences x 2 micro-batches x 128 tokens), 1 with the mean loss, the
+    record's own on the record's shape; other rows get their network's options only."""
+    assert t3.table_options("track3_dynmuon", "track3_cpu") == ["gradient_scale=0.00048828125"]
+    assert t3.table_options("track3_dynmuon", "track3_cpu", ["--batch_size=4"]) == [
+        "gradient_scale=0.0009765625"]  # 1/(4 x 2 x 128)
+    assert t3.table_options("track3_dynmuon", "track3_cpu", ["--loss_reduction=mean"]) == [
+        "gradient_scale=1.0"]
+    assert t3.table_options("track3_dynmuon", "track3") == []
+    assert t3.table_options("track3_aurora_proj", "track3_cpu") == ["init=cgi"]
+    assert t3.table_options("track3_baseline", "track3_cpu") == []
 
 
 def test_the_tables_rank_correlation():
