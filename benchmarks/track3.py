@@ -1171,13 +1171,14 @@ def plan(argv: Sequence[str] | None) -> Plan:
     from train.config import get_preset
 
     args = parser().parse_args(argv)
+    get_preset(args.preset)
+    extra = [_check_option("--set", kv) for kv in args.set]
     if args.table:
         from optax_snoo import recipes
 
         table = [n for n in TRACK3_TABLE if n in recipes.REGISTRY]
         args.optimizers = ",".join(table)
         given = {item.partition(":")[0] for item in args.set_for}
-        extra = [_check_option("--set", kv) for kv in args.set]
         args.set_for = [*args.set_for, *(f"{n}:{o}" for n in table if n not in given
                                           for o in table_options(n, args.preset, extra))]
         args.title = args.title or f"Track 3's table on the twin ({args.preset})"
@@ -1189,8 +1190,6 @@ def plan(argv: Sequence[str] | None) -> Plan:
         raise ValueError(f"--optimizers={args.optimizers!r}: {twice} named twice")
     if args.seeds < 1:
         raise ValueError(f"--seeds={args.seeds}: expected a count >= 1")
-    get_preset(args.preset)
-    extra = [_check_option("--set", kv) for kv in args.set]
     own = per_optimizer_options(args.set_for, names)
     for item in args.set_for:
         _check_option("--set_for", item.partition(":")[2], shown=item)
